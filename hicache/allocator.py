@@ -1,0 +1,100 @@
+"""Page allocator: a free list of page ids for one tier.
+
+Pages are the unit of caching. The allocator hands out page ids (int64 torch
+tensors, on the CPU) and takes them back; it knows nothing of what the pages
+hold, of streams, or of the tree. Running out is a normal return (``None``),
+never a partial allocation; a double free or a foreign page id is a caller
+bug and raises ``ValueError`` without changing any state.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class PageAllocator:
+    """Free list of ``num_pages`` page ids ``0 .. num_pages-1``.
+
+    ``alloc`` hands out the most recently freed pages first (a stack), which keeps
+    hot pages hot in caches and makes allocation order deterministic for tests.
+    """
+
+    def __init__(self, num_pages: int, name: str = "pages") -> None:
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int):
+            raise TypeError(f"num_pages: expected int, got {type(num_pages).__name__}")
+        if num_pages < 0:
+            raise ValueError(f"num_pages: expected >= 0, got {num_pages}")
+        self.name = name
+        self.num_pages = num_pages
+        # free[:num_free] is the stack of free ids; the top is at the end.
+        self._free = np.arange(num_pages - 1, -1, -1, dtype=np.int64)
+        self._num_free = num_pages
+        self._in_use = np.zeros(num_pages, dtype=np.bool_)
+
+    @property
+    def num_free_pages(self) -> int:
+        return self._num_free
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.num_pages - self._num_free
+
+    def can_alloc(self, num_pages: int) -> bool:
+        return num_pages <= self._num_free
+
+    def alloc(self, num_pages: int) -> torch.Tensor | None:
+        """Return ``num_pages`` distinct free page ids (int64), or ``None`` if fewer are free."""
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int | np.integer):
+            raise TypeError(f"num_pages: expected int, got {type(num_pages).__name__}")
+        if num_pages < 0:
+            raise ValueError(f"num_pages: expected >= 0, got {num_pages}")
+        if num_pages > self._num_free:
+            return None
+        start = self._num_free - num_pages
+        pages = self._free[start : self._num_free][::-1].copy()
+        self._num_free = start
+        self._in_use[pages] = True
+        return torch.from_numpy(pages)
+
+    def free(self, pages: torch.Tensor) -> None:
+        """Return pages to the free list. Every id must be allocated and appear once."""
+        ids = self._check_pages(pages)
+        if ids.size == 0:
+            return
+        self._in_use[ids] = False
+        end = self._num_free + ids.size
+        self._free[self._num_free : end] = ids[::-1]
+        self._num_free = end
+
+    def _check_pages(self, pages: torch.Tensor) -> np.ndarray:
+        if not isinstance(pages, torch.Tensor):
+            raise TypeError(f"{self.name}: expected an int64 torch.Tensor, got {type(pages).__name__}")
+        if pages.dtype != torch.int64:
+            raise TypeError(f"{self.name}: expected dtype torch.int64, got {pages.dtype}")
+        if pages.dim() != 1:
+            raise ValueError(f"{self.name}: expected a 1-D tensor, got shape {tuple(pages.shape)}")
+        ids = pages.cpu().numpy()
+        if ids.size == 0:
+            return ids
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.num_pages:
+            raise ValueError(
+                f"{self.name}: page ids must lie in [0, {self.num_pages}), got range [{lo}, {hi}]"
+            )
+        if not self._in_use[ids].all():
+            bad = ids[~self._in_use[ids]][:8].tolist()
+            raise ValueError(f"{self.name}: double free or never allocated: pages {bad}")
+        if ids.size > 1 and np.unique(ids).size != ids.size:
+            raise ValueError(f"{self.name}: the same page id appears twice in one free")
+        return ids
+
+    def check_integrity(self) -> None:
+        """Assert that the free stack and the in-use map agree."""
+        free = self._free[: self._num_free]
+        assert np.unique(free).size == free.size, f"{self.name}: a page is free twice"
+        assert not self._in_use[free].any(), f"{self.name}: a free page is marked in use"
+        assert int(self._in_use.sum()) == self.num_used_pages, (
+            f"{self.name}: in-use map counts {int(self._in_use.sum())}, "
+            f"accounting says {self.num_used_pages}"
+        )

@@ -1,0 +1,252 @@
+"""Frozen configuration: the KV shape, pool sizes per tier, and cache policies.
+
+Every field is validated at construction, so a bad value fails where it is
+written (``ValueError`` naming the field, the expected and the actual value),
+not deep inside a transfer. This module knows torch only to name dtypes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Map a dtype name (``"bfloat16"``) or a torch dtype to a supported torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype}")
+        return dtype
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype: expected str or torch.dtype, got {type(dtype).__name__}")
+    name = dtype.removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[name]
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected int, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {value}")
+
+
+def check_device(device: str) -> None:
+    """Accept ``"cpu"``, ``"cuda"`` or ``"cuda:N"``."""
+    if not isinstance(device, str):
+        raise TypeError(f"device: expected str, got {type(device).__name__}")
+    if device in ("cpu", "cuda"):
+        return
+    if device.startswith("cuda:") and device[5:].isdigit():
+        return
+    raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    """Shape of the KV cache of one model: what one token and one page cost."""
+
+    num_layers: int  # transformer layers, each with its own K and V
+    num_kv_heads: int  # KV heads (GQA: fewer than query heads)
+    head_dim: int  # channels per head
+    dtype: str | torch.dtype = "float16"  # element type of K and V
+    page_size: int = 16  # tokens per page; the unit of caching and transfer
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
+            _check_positive_int(name, getattr(self, name))
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return self.dtype  # type: ignore[return-value]
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+    @property
+    def token_nbytes_per_layer(self) -> int:
+        """Bytes of K plus V of one token in one layer."""
+        return 2 * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def token_nbytes(self) -> int:
+        """Bytes of K plus V of one token over all layers (the KV bytes per token)."""
+        return self.num_layers * self.token_nbytes_per_layer
+
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes of one page over all layers: the unit a backup, load or store moves."""
+        return self.page_size * self.token_nbytes
+
+    def fingerprint(self) -> str:
+        """Identifies the KV layout; caches of different fingerprints never share pages."""
+        dtype_name = str(self.torch_dtype).removeprefix("torch.")
+        return (
+            f"L{self.num_layers}-H{self.num_kv_heads}-D{self.head_dim}"
+            f"-{dtype_name}-P{self.page_size}"
+        )
+
+
+class WritePolicy(str, Enum):
+    """When a device page gets its host copy."""
+
+    WRITE_THROUGH = "write_through"  # as soon as it is inserted
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"  # once hit `backup_hit_threshold` times
+    WRITE_BACK = "write_back"  # only when evicted from the device
+
+
+class EvictionPolicy(str, Enum):
+    LRU = "lru"  # least recently accessed leaf first
+    LFU = "lfu"  # fewest hits first, ties by recency
+
+
+class PrefetchPolicy(str, Enum):
+    """How long a request waits for third-tier pages being fetched into host memory."""
+
+    BEST_EFFORT = "best_effort"  # use what has arrived by the time the request is scheduled
+    WAIT_COMPLETE = "wait_complete"  # wait for the whole prefetch
+    TIMEOUT = "timeout"  # wait up to `prefetch_timeout_s`
+
+
+def _enum(cls: type[Enum], name: str, value: object) -> Enum:
+    try:
+        return cls(value)
+    except ValueError:
+        allowed = [m.value for m in cls]  # type: ignore[attr-defined]
+        raise ValueError(f"{name}: expected one of {allowed}, got {value!r}") from None
+
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Everything a :class:`hicache.HiCache` needs: KV shape, tier sizes, policies.
+
+    Device capacity is given in tokens or bytes (exactly one); host capacity in
+    tokens, bytes, or as a ratio of the device capacity (at most one; none means
+    no host tier). Sizes are rounded down to whole pages.
+    """
+
+    kv: KVConfig
+    device_tokens: int | None = None
+    device_nbytes: int | None = None
+    host_tokens: int | None = None
+    host_nbytes: int | None = None
+    host_ratio: float | None = None
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N": where the device pool lives
+    host_reserve_nbytes: int = 2 * GiB  # host memory left to the rest of the machine
+    write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH
+    backup_hit_threshold: int = 2  # write_through_selective: hits before a backup
+    load_threshold_tokens: int = 0  # host hits shorter than this are recomputed, not loaded
+    eviction: EvictionPolicy | str = EvictionPolicy.LRU
+    allocate_kv: bool = True  # False: bookkeeping only (replay), no KV tensors
+    executor: str = "auto"  # "auto", "cuda", "thread", "manual" or "immediate"
+    tree: str = "python"  # "python", "native" or "auto" (native when it builds)
+    storage: str | None = None  # third tier: "file:DIR" or "mooncake://HOST:PORT?metadata=URL"
+    prefetch_policy: PrefetchPolicy | str = PrefetchPolicy.BEST_EFFORT
+    prefetch_timeout_s: float = 0.05
+    extra: dict = field(default_factory=dict, compare=False)  # backend-specific options
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kv, KVConfig):
+            raise TypeError(f"kv: expected KVConfig, got {type(self.kv).__name__}")
+        check_device(self.device)
+        if (self.device_tokens is None) == (self.device_nbytes is None):
+            raise ValueError(
+                "device pool: expected exactly one of device_tokens or device_nbytes, "
+                f"got device_tokens={self.device_tokens}, device_nbytes={self.device_nbytes}"
+            )
+        for name in ("device_tokens", "device_nbytes", "host_tokens", "host_nbytes"):
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
+        host_given = [
+            n for n in ("host_tokens", "host_nbytes", "host_ratio") if getattr(self, n) is not None
+        ]
+        if len(host_given) > 1:
+            raise ValueError(f"host pool: expected at most one size option, got {host_given}")
+        if self.host_ratio is not None:
+            if isinstance(self.host_ratio, bool) or not isinstance(self.host_ratio, int | float):
+                raise TypeError(f"host_ratio: expected float, got {type(self.host_ratio).__name__}")
+            if not self.host_ratio > 0:
+                raise ValueError(f"host_ratio: expected > 0, got {self.host_ratio}")
+        if self.num_device_pages < 1:
+            raise ValueError(
+                f"device pool: expected at least one page ({self.kv.page_size} tokens, "
+                f"{self.kv.page_nbytes} bytes), got {self.device_tokens or self.device_nbytes}"
+            )
+        if host_given and self.num_host_pages < 1:
+            raise ValueError(
+                f"host pool: expected at least one page ({self.kv.page_size} tokens, "
+                f"{self.kv.page_nbytes} bytes), got {host_given[0]}="
+                f"{getattr(self, host_given[0])}"
+            )
+        if isinstance(self.host_reserve_nbytes, bool) or not isinstance(
+            self.host_reserve_nbytes, int
+        ):
+            raise TypeError("host_reserve_nbytes: expected int")
+        if self.host_reserve_nbytes < 0:
+            raise ValueError(f"host_reserve_nbytes: expected >= 0, got {self.host_reserve_nbytes}")
+        object.__setattr__(self, "write_policy", _enum(WritePolicy, "write_policy", self.write_policy))
+        object.__setattr__(self, "eviction", _enum(EvictionPolicy, "eviction", self.eviction))
+        object.__setattr__(
+            self, "prefetch_policy", _enum(PrefetchPolicy, "prefetch_policy", self.prefetch_policy)
+        )
+        _check_positive_int("backup_hit_threshold", self.backup_hit_threshold)
+        if isinstance(self.load_threshold_tokens, bool) or not isinstance(
+            self.load_threshold_tokens, int
+        ):
+            raise TypeError("load_threshold_tokens: expected int")
+        if self.load_threshold_tokens < 0:
+            raise ValueError(
+                f"load_threshold_tokens: expected >= 0, got {self.load_threshold_tokens}"
+            )
+        if self.executor not in ("auto", "cuda", "thread", "manual", "immediate"):
+            raise ValueError(
+                "executor: expected 'auto', 'cuda', 'thread', 'manual' or 'immediate', "
+                f"got {self.executor!r}"
+            )
+        if self.tree not in ("python", "native", "auto"):
+            raise ValueError(f"tree: expected 'python', 'native' or 'auto', got {self.tree!r}")
+        if not self.prefetch_timeout_s >= 0:
+            raise ValueError(f"prefetch_timeout_s: expected >= 0, got {self.prefetch_timeout_s}")
+
+    @property
+    def page_size(self) -> int:
+        return self.kv.page_size
+
+    @property
+    def num_device_pages(self) -> int:
+        if self.device_tokens is not None:
+            return self.device_tokens // self.kv.page_size
+        return self.device_nbytes // self.kv.page_nbytes  # type: ignore[operator]
+
+    @property
+    def has_host_tier(self) -> bool:
+        return any(
+            getattr(self, n) is not None for n in ("host_tokens", "host_nbytes", "host_ratio")
+        )
+
+    @property
+    def num_host_pages(self) -> int:
+        """Host pool pages; 0 when there is no host tier."""
+        if self.host_tokens is not None:
+            return self.host_tokens // self.kv.page_size
+        if self.host_nbytes is not None:
+            return self.host_nbytes // self.kv.page_nbytes
+        if self.host_ratio is not None:
+            return int(self.num_device_pages * self.host_ratio)
+        return 0
