@@ -1,0 +1,273 @@
+"""KV pools: where the K and V tensors of cached pages live, one pool per tier.
+
+``DevicePool`` holds what attention kernels read: per layer, one K and one V
+tensor shaped ``(num_pages, page_size, num_kv_heads, head_dim)``. ``HostPool``
+holds the backup copies in a page-first layout, one page's K and V for every
+layer contiguous, so a run of host pages is one block of memory (one large copy,
+and the unit a third tier stores)::
+
+    device (per layer l):  k_buffers[l][page] -> (page_size, H, D)
+                           v_buffers[l][page] -> (page_size, H, D)
+    host:                  buffer[page]       -> (num_layers, 2, page_size, H, D)
+                                                   K is [:, 0], V is [:, 1]
+
+The pools know shapes, bytes and page ids; they do not know which pages are in
+use (that is the allocator's job), nor streams or ordering (the transfer engine's).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import psutil
+import torch
+
+from hicache.config import GiB, KVConfig
+
+# Registering host memory with CUDA one chunk at a time: pinning hundreds of GiB in a
+# single call is known to stall for minutes and gives no progress in between.
+_PIN_CHUNK_NBYTES = 1 * GiB
+
+
+def _check_num_pages(num_pages: object) -> int:
+    if isinstance(num_pages, bool) or not isinstance(num_pages, int):
+        raise TypeError(f"num_pages: expected int, got {type(num_pages).__name__}")
+    if num_pages < 1:
+        raise ValueError(f"num_pages: expected >= 1, got {num_pages}")
+    return num_pages
+
+
+def word_dtype(row_nbytes: int) -> torch.dtype:
+    """Widest integer dtype whose size divides ``row_nbytes``.
+
+    Gathers and scatters run 2-4x faster on 4-byte elements than on 2- or 1-byte
+    ones of the same bytes, and integer views also work for dtypes (float8) whose
+    index kernels are missing.
+    """
+    if row_nbytes % 4 == 0:
+        return torch.int32
+    if row_nbytes % 2 == 0:
+        return torch.int16
+    return torch.uint8
+
+
+def as_rows(t: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """View a contiguous tensor as ``(num_rows, row_words)`` of :func:`word_dtype`."""
+    assert t.is_contiguous(), "as_rows needs a contiguous tensor (would copy silently)"
+    flat = t.reshape(num_rows, -1)
+    row_nbytes = flat.shape[1] * t.element_size()
+    return flat.view(torch.uint8).view(word_dtype(row_nbytes))
+
+
+def check_page_ids(name: str, page_ids: object, num_pages: int) -> torch.Tensor:
+    """Validate a page id tensor: int64, 1-D, on the CPU, each id in ``[0, num_pages)``."""
+    if not isinstance(page_ids, torch.Tensor):
+        raise TypeError(f"{name}: expected an int64 torch.Tensor, got {type(page_ids).__name__}")
+    if page_ids.dtype != torch.int64:
+        raise TypeError(f"{name}: expected dtype torch.int64, got {page_ids.dtype}")
+    if page_ids.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(page_ids.shape)}")
+    if page_ids.device.type != "cpu":
+        raise ValueError(f"{name}: expected a CPU tensor, got device {page_ids.device}")
+    if page_ids.numel():
+        lo, hi = int(page_ids.min()), int(page_ids.max())
+        if lo < 0 or hi >= num_pages:
+            raise ValueError(
+                f"{name}: expected ids in [0, {num_pages}), got min {lo}, max {hi}"
+            )
+    return page_ids
+
+
+class DevicePool:
+    """Per-layer K and V pages on the compute device (``"cpu"`` for CPU-only runs)."""
+
+    def __init__(self, kv: KVConfig, num_pages: int, device: str = "cpu") -> None:
+        if not isinstance(kv, KVConfig):
+            raise TypeError(f"kv: expected KVConfig, got {type(kv).__name__}")
+        self.kv = kv
+        self.num_pages = _check_num_pages(num_pages)
+        self.device = torch.device(device)
+        shape = (num_pages, kv.page_size, kv.num_kv_heads, kv.head_dim)
+        dtype = kv.torch_dtype
+        # (num_pages, page_size, H, D) per layer
+        self.k_buffers: list[torch.Tensor] = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(kv.num_layers)
+        ]
+        self.v_buffers: list[torch.Tensor] = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(kv.num_layers)
+        ]
+
+    @property
+    def page_nbytes_per_layer(self) -> int:
+        """Bytes of one page's K (or V) in one layer: one row of a buffer."""
+        return self.kv.page_size * self.kv.num_kv_heads * self.kv.head_dim * self.kv.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.kv.num_layers * self.num_pages * self.page_nbytes_per_layer
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V buffers of layer ``i``, each ``(num_pages, page_size, H, D)``."""
+        self._check_layer(i)
+        return self.k_buffers[i], self.v_buffers[i]
+
+    def write_pages(
+        self, layer: int, page_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Write whole pages of one layer.
+
+        ``k`` and ``v`` are token-major rows ``(len(page_ids) * page_size, H, D)``: row
+        ``j * page_size + t`` is token ``t`` of page ``page_ids[j]``.
+        """
+        self._check_layer(layer)
+        check_page_ids("page_ids", page_ids, self.num_pages)
+        num = page_ids.numel()
+        expected = (num * self.kv.page_size, self.kv.num_kv_heads, self.kv.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if tuple(t.shape) != expected:
+                raise ValueError(f"{name}: expected shape {expected}, got {tuple(t.shape)}")
+            if t.dtype != self.kv.torch_dtype:
+                raise TypeError(f"{name}: expected dtype {self.kv.torch_dtype}, got {t.dtype}")
+        if num == 0:
+            return
+        ids = page_ids.to(self.device, non_blocking=True)
+        for buf, src in ((self.k_buffers[layer], k), (self.v_buffers[layer], v)):
+            src = src.to(self.device).contiguous()
+            as_rows(buf, self.num_pages).index_copy_(0, ids, as_rows(src, num))
+
+    def read_pages(self, layer: int, page_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy whole pages of one layer out as ``(len(page_ids) * page_size, H, D)`` K and V."""
+        self._check_layer(layer)
+        check_page_ids("page_ids", page_ids, self.num_pages)
+        ids = page_ids.to(self.device, non_blocking=True)
+        shape = (-1, self.kv.num_kv_heads, self.kv.head_dim)
+        k = self.k_buffers[layer].index_select(0, ids).reshape(shape)
+        v = self.v_buffers[layer].index_select(0, ids).reshape(shape)
+        return k, v
+
+    def _check_layer(self, i: int) -> None:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise TypeError(f"layer: expected int, got {type(i).__name__}")
+        if not 0 <= i < self.kv.num_layers:
+            raise ValueError(f"layer: expected 0 <= layer < {self.kv.num_layers}, got {i}")
+
+
+def _unregister(cudart, ptrs: list[int], buffer: torch.Tensor) -> None:
+    # `buffer` is an argument only to keep the memory alive until it is unregistered.
+    for ptr in ptrs:
+        cudart.cudaHostUnregister(ptr)
+
+
+class HostPool:
+    """Backup copies of pages in host memory, page-first.
+
+    ``buffer`` is ``(num_pages, num_layers, 2, page_size, H, D)``; ``buffer[p]`` is one
+    contiguous block of ``kv.page_nbytes`` bytes. Memory is not initialised: a page
+    holds garbage until something is written to it.
+
+    Pinning (``pin_memory=None``: when CUDA is available) registers the buffer with
+    CUDA in chunks of ``1 GiB`` rather than allocating it pinned: one registration of
+    hundreds of GiB stalls for minutes, and chunks keep the buffer a single tensor
+    (one index space for gathers). A copy must not span two registrations, so
+    ``pin_chunk_pages`` is exported and the transfer engine splits runs at its
+    multiples.
+    """
+
+    def __init__(
+        self,
+        kv: KVConfig,
+        num_pages: int,
+        *,
+        pin_memory: bool | None = None,
+        reserve_nbytes: int = 2 * GiB,
+    ) -> None:
+        if not isinstance(kv, KVConfig):
+            raise TypeError(f"kv: expected KVConfig, got {type(kv).__name__}")
+        self.kv = kv
+        self.num_pages = _check_num_pages(num_pages)
+        if isinstance(reserve_nbytes, bool) or not isinstance(reserve_nbytes, int):
+            raise TypeError(f"reserve_nbytes: expected int, got {type(reserve_nbytes).__name__}")
+        if reserve_nbytes < 0:
+            raise ValueError(f"reserve_nbytes: expected >= 0, got {reserve_nbytes}")
+        request_nbytes = num_pages * kv.page_nbytes
+        available = psutil.virtual_memory().available
+        if request_nbytes > available - reserve_nbytes:
+            raise ValueError(
+                f"host pool: requested {request_nbytes} bytes ({num_pages} pages x "
+                f"{kv.page_nbytes} bytes) but only {max(0, available - reserve_nbytes)} bytes "
+                f"may be used ({available} available minus host_reserve_nbytes="
+                f"{reserve_nbytes}); lower host_tokens / host_nbytes / host_ratio or "
+                "host_reserve_nbytes"
+            )
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        # (num_pages, num_layers, 2, page_size, H, D)
+        self.buffer = torch.empty(
+            (num_pages, kv.num_layers, 2, kv.page_size, kv.num_kv_heads, kv.head_dim),
+            dtype=kv.torch_dtype,
+        )
+        self.pin_chunk_pages = max(1, _PIN_CHUNK_NBYTES // kv.page_nbytes)
+        self.pinned = False
+        if pin_memory:
+            self._pin()
+
+    def _pin(self) -> None:
+        cudart = torch.cuda.cudart()
+        base = self.buffer.data_ptr()
+        chunk_nbytes = self.pin_chunk_pages * self.kv.page_nbytes
+        ptrs: list[int] = []
+        for offset in range(0, self.nbytes, chunk_nbytes):
+            size = min(chunk_nbytes, self.nbytes - offset)
+            err = cudart.cudaHostRegister(base + offset, size, 0)
+            if int(err) != 0:
+                _unregister(cudart, ptrs, self.buffer)
+                raise RuntimeError(f"cudaHostRegister failed with {err} at offset {offset}")
+            ptrs.append(base + offset)
+        weakref.finalize(self, _unregister, cudart, ptrs, self.buffer)
+        self.pinned = True
+
+    @property
+    def page_nbytes(self) -> int:
+        return self.kv.page_nbytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_pages * self.kv.page_nbytes
+
+    def page(self, i: int) -> torch.Tensor:
+        """View of page ``i``: ``(num_layers, 2, page_size, H, D)``, contiguous."""
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise TypeError(f"page id: expected int, got {type(i).__name__}")
+        if not 0 <= i < self.num_pages:
+            raise ValueError(f"page id: expected 0 <= id < {self.num_pages}, got {i}")
+        return self.buffer[i]
+
+    def pages(self, page_ids: torch.Tensor) -> torch.Tensor:
+        """Copy of the given pages: ``(len(page_ids), num_layers, 2, page_size, H, D)``."""
+        check_page_ids("page_ids", page_ids, self.num_pages)
+        return self.buffer.index_select(0, page_ids)
+
+    def read_page_bytes(self, page_id: int) -> torch.Tensor:
+        """Copy of page ``page_id`` as ``kv.page_nbytes`` uint8 (what a third tier stores)."""
+        return self.page(page_id).reshape(-1).view(torch.uint8).clone()
+
+    def write_page_bytes(
+        self, page_id: int, data: bytes | bytearray | memoryview | torch.Tensor
+    ) -> None:
+        """Overwrite page ``page_id`` with exactly ``kv.page_nbytes`` bytes."""
+        dst = self.page(page_id).reshape(-1).view(torch.uint8)
+        if isinstance(data, torch.Tensor):
+            src = data.reshape(-1).view(torch.uint8) if data.is_contiguous() else None
+            if src is None:
+                raise ValueError("data: expected a contiguous tensor, got a strided one")
+        elif isinstance(data, bytes | bytearray | memoryview):
+            view = memoryview(data).cast("B")
+            if view.nbytes != dst.numel():
+                raise ValueError(f"data: expected {dst.numel()} bytes, got {view.nbytes}")
+            # torch.frombuffer warns on read-only buffers; the copy below only reads them.
+            src = torch.frombuffer(bytearray(view) if view.readonly else view, dtype=torch.uint8)
+        else:
+            raise TypeError(f"data: expected bytes or a uint8 tensor, got {type(data).__name__}")
+        if src.numel() != dst.numel():
+            raise ValueError(f"data: expected {dst.numel()} bytes, got {src.numel()}")
+        dst.copy_(src)
