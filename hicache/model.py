@@ -120,9 +120,12 @@ def preset(name: str, dtype: str | torch.dtype | None = None) -> ModelConfig:
 
 
 class LayerLoadHandle(Protocol):
-    """What ``forward`` needs of a load in flight: block until layer ``i`` has landed."""
+    """What ``forward`` needs of a load in flight: block until layer ``i`` has landed.
 
-    def wait_layer(self, i: int) -> None: ...
+    Returning ``False`` means the layer will never land (the load failed).
+    """
+
+    def wait_layer(self, i: int) -> bool | None: ...
 
 
 class _Layer:
@@ -134,7 +137,7 @@ class _Layer:
         def linear(n_in: int, n_out: int) -> torch.Tensor:
             # std 1/sqrt(fan_in) keeps every branch's output at unit scale, so the
             # residual stream grows slowly and RMSNorm sees well-conditioned inputs.
-            w = torch.randn(n_in, n_out, generator=gen) / math.sqrt(n_in)
+            w = torch.randn(n_in, n_out, generator=gen).mul_(1 / math.sqrt(n_in))
             return w.to(device=device, dtype=cfg.torch_dtype)
 
         self.attn_norm = torch.ones(h, device=device, dtype=cfg.torch_dtype)
@@ -168,7 +171,8 @@ class Model:
         self.layers = [_Layer(cfg, gen, self.device) for _ in range(cfg.num_layers)]
         self.final_norm = torch.ones(cfg.hidden_size, device=self.device, dtype=cfg.torch_dtype)
         self.lm_head = (
-            torch.randn(cfg.hidden_size, cfg.vocab_size, generator=gen) / math.sqrt(cfg.hidden_size)
+            torch.randn(cfg.hidden_size, cfg.vocab_size, generator=gen)
+            .mul_(1 / math.sqrt(cfg.hidden_size))
         ).to(device=self.device, dtype=cfg.torch_dtype)  # (hidden, V)
         half = cfg.head_dim // 2
         self._inv_freq = 1.0 / (
@@ -229,8 +233,9 @@ class Model:
         x = self.embed.index_select(0, ids)  # (T, hidden)
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)  # (T, H, D), (T, KVH, D) x2
-            if load_handle is not None:
-                load_handle.wait_layer(i)
+            if load_handle is not None and load_handle.wait_layer(i) is False:
+                # The load failed before this layer: its pages hold garbage.
+                raise RuntimeError(f"load_handle: layer {i} of the prefix KV never arrived")
             k_buf, v_buf = pool.layer(i)  # (num_pages, page_size, KVH, D)
             k_all = self._write_and_gather(k_buf, k, new_rows, prefix_pages, start_pos)
             v_all = self._write_and_gather(v_buf, v, new_rows, prefix_pages, start_pos)

@@ -148,6 +148,18 @@ def test_waits_on_each_layer_before_reading_it(model: Model) -> None:
     torch.testing.assert_close(out, model.prefill_reference(ids)[40:], atol=ATOL, rtol=0)
 
 
+class FailedLoad:
+    """Fake handle of a load that failed before layer 1."""
+
+    def wait_layer(self, i: int) -> bool:
+        return i < 1
+
+
+def test_failed_load_is_an_error_not_garbage(model: Model) -> None:
+    with pytest.raises(RuntimeError, match="layer 1 of the prefix KV never arrived"):
+        model.forward(tokens(4), scattered_pages(2), 16, make_pool(model), FailedLoad())
+
+
 def test_seeded_weights_are_deterministic() -> None:
     ids = tokens(30)
     a = Model(preset("tiny"), seed=5).prefill_reference(ids)

@@ -1,0 +1,10 @@
+"""Recompute vs reload benchmark; same as `hicache bench recompute` (see hicache/benchmarks)."""
+
+from __future__ import annotations
+
+import sys
+
+from hicache.benchmarks.recompute import main
+
+if __name__ == "__main__":
+    sys.exit(main())
