@@ -1,0 +1,651 @@
+"""HiCache: the hierarchical KV cache that ties the tree, the pools and the transfers.
+
+Request lifecycle (one :class:`PrefixHandle` per request)::
+
+    h = cache.match(tokens)          lock the cached prefix; report device_len, host_len
+    cache.load_back(h)               host-only part -> new device pages (async, per layer)
+    pages = cache.alloc(h, n)        device pages for the n tokens the caller computes
+    model(..., load_handle=h)        h.wait_layer(i) before reading layer i of the prefix
+    cache.insert(h, tokens)          cache the computed whole pages; write policy runs
+    cache.release(h)                 unlock; free pages the tree did not take
+
+    tokens  |<-- device_len -->|<-- host_len -->|<---- computed by the caller ---->|
+    pages   |  tree's pages    | loaded pages   | h's pages (alloc) | partial page |
+            |<-------- h.prefix_len ---------->|
+
+What it guarantees: nothing whose IO is in flight is freed, evicted or reused;
+host pages being loaded are pinned (``host_lock_ref``); a write-back eviction
+frees device pages only after the host copy is complete; running out of pages
+is a normal return. Completed transfers are applied only by :meth:`poll`, which
+every public call runs first: worker threads never touch the cache's state.
+The cache is not thread-safe; one engine loop drives it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from hicache.allocator import PageAllocator
+from hicache.config import CacheConfig, WritePolicy
+from hicache.tree import IOStatus, MatchResult, TokenLike, TreeNode, token_key
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class LoadError(RuntimeError):
+    """A load this request depends on failed: its tokens past ``prefix_len`` must be recomputed."""
+
+
+@dataclass
+class CacheStats:
+    """Counters since construction; exact, in tokens unless the name says otherwise."""
+
+    requests: int = 0  # match calls
+    requested_tokens: int = 0  # tokens passed to match
+    device_hit_tokens: int = 0  # matched on the device
+    host_hit_tokens: int = 0  # matched in host memory and loaded back
+    host_hit_refused_tokens: int = 0  # host hits not loaded (below threshold or no room)
+    loads_refused_by_threshold: int = 0
+    loads_refused_no_space: int = 0
+    loads: int = 0
+    loads_failed: int = 0
+    load_bytes: int = 0
+    load_seconds: float = 0.0
+    backups: int = 0
+    backups_failed: int = 0
+    backups_skipped: int = 0  # nodes not backed up: host tier full and nothing evictable
+    backup_bytes: int = 0
+    backup_seconds: float = 0.0
+    device_evicted_tokens: int = 0
+    host_evicted_tokens: int = 0
+    inserted_tokens: int = 0  # tokens newly cached by insert
+
+
+class _Transfer:
+    """A transfer in flight and the tree nodes / requests that depend on it."""
+
+    __slots__ = ("handle", "kind", "nodes", "requests", "evict_after", "nbytes")
+
+    def __init__(self, handle, kind: str, nodes: list[TreeNode], nbytes: int) -> None:
+        self.handle = handle
+        self.kind = kind  # "load" | "backup"
+        self.nodes = nodes  # grows when a node is split while in flight
+        self.requests: list[PrefixHandle] = []  # requests that must wait for this load
+        self.evict_after = False  # write-back: free the device pages once backed up
+        self.nbytes = nbytes
+
+
+class PrefixHandle:
+    """One request's view of the cache: its locked prefix and the pages it owns.
+
+    Valid until :meth:`HiCache.release`. ``prefix_pages`` are valid device pages
+    only while the handle is held, and only after :meth:`wait` (or per layer,
+    :meth:`wait_layer`) returns when a load is involved.
+    """
+
+    def __init__(self, cache: HiCache, key: bytes, namespace: str | None, match: MatchResult):
+        self._cache = cache
+        self.namespace = namespace
+        self.key = key  # int32 bytes of the matched prompt's whole pages
+        self.device_len = match.device_len  # matched on the device at match time
+        self.host_len = match.host_len  # matched only in host memory at match time
+        self.prefix_len = match.device_len  # tokens whose KV is (or is being loaded) on device
+        self.load_error: BaseException | None = None
+        self._lock_node: TreeNode = match.last_device_node
+        self._prefix_pages: torch.Tensor | None = None  # lazily gathered from the tree
+        self._new_pages: list[torch.Tensor] = []  # allocated by alloc, owned until inserted
+        self._loads: list[_Transfer] = []
+        self.released = False
+
+    @property
+    def prefix_pages(self) -> torch.Tensor:
+        if self._prefix_pages is None:
+            self._prefix_pages = self._cache.tree.device_indices_of(self._lock_node)
+        return self._prefix_pages
+
+    @property
+    def num_owned_pages(self) -> int:
+        return sum(len(p) for p in self._new_pages)
+
+    def page_table(self) -> torch.Tensor:
+        """Device pages of the whole sequence so far: the prefix, then the allocated pages."""
+        parts = [self.prefix_pages, *self._new_pages]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def wait_layer(self, layer: int) -> None:
+        """Block until layer ``layer`` of every load this request depends on has landed."""
+        for rec in self._loads:
+            landed = rec.handle.wait_layer(layer)
+            if rec.handle.error is not None:
+                raise LoadError(f"prefix load failed: {rec.handle.error}") from rec.handle.error
+            if not landed:  # only the manual executor returns before the layer lands
+                raise LoadError(f"layer {layer} of a prefix load has not landed yet")
+
+    def wait(self) -> None:
+        """Block until every load this request depends on is complete; raise LoadError if one failed."""
+        for rec in self._loads:
+            rec.handle.wait()
+            if rec.handle.error is not None:
+                raise LoadError(f"prefix load failed: {rec.handle.error}") from rec.handle.error
+
+    def __repr__(self) -> str:
+        return (
+            f"PrefixHandle(prefix_len={self.prefix_len}, device_len={self.device_len}, "
+            f"host_len={self.host_len}, owned_pages={self.num_owned_pages}, "
+            f"released={self.released})"
+        )
+
+
+class HiCache:
+    """Hierarchical (device + host) prefix cache. See the module docstring for the lifecycle."""
+
+    def __init__(self, config: CacheConfig) -> None:
+        from hicache.pool import DevicePool, HostPool
+        from hicache.transfer import TransferEngine
+
+        if not isinstance(config, CacheConfig):
+            raise TypeError(f"config: expected CacheConfig, got {type(config).__name__}")
+        self.config = config
+        self.page_size = config.page_size
+        self.tree = _make_tree(config, self._on_split)
+        self.device_allocator = PageAllocator(config.num_device_pages, "device pages")
+        self.host_allocator = PageAllocator(config.num_host_pages, "host pages")
+        self.has_host_tier = config.has_host_tier
+        if config.allocate_kv:
+            self.device_pool = DevicePool(config.kv, config.num_device_pages, config.device)
+            self.host_pool = (
+                HostPool(
+                    config.kv, config.num_host_pages, reserve_nbytes=config.host_reserve_nbytes
+                )
+                if self.has_host_tier
+                else None
+            )
+            executor = config.executor
+        else:
+            self.device_pool = self.host_pool = None
+            executor = "immediate"
+        self.transfers = TransferEngine(self.device_pool, self.host_pool, executor)
+        self.counters = CacheStats()
+        self._inflight: dict[int, _Transfer] = {}  # id(transfer handle) -> record
+        self._node_transfer: dict[TreeNode, _Transfer] = {}  # nodes with IO in flight
+        self._num_loading_nodes = 0
+        self._live: set[PrefixHandle] = set()
+
+    # ------------------------------------------------------------- lifecycle
+    def match(
+        self, tokens: TokenLike, namespace: str | None = None, *, load_back: bool = True
+    ) -> PrefixHandle:
+        """Find and lock the longest cached prefix of ``tokens``.
+
+        With ``load_back`` (the default) the host-only part of the match starts
+        loading into new device pages at once (see :meth:`load_back`); the model
+        then waits per layer with ``h.wait_layer(i)``. Never changes cached data;
+        may split a node at the match boundary.
+        """
+        self.poll()
+        key = token_key(tokens, self.page_size)
+        result = self.tree.match_key(key, namespace)
+        h = PrefixHandle(self, key, namespace, result)
+        self.tree.lock(result.last_device_node)
+        self._live.add(h)
+        c = self.counters
+        c.requests += 1
+        c.requested_tokens += len(tokens)
+        c.device_hit_tokens += result.device_len
+        if self._num_loading_nodes:
+            self._wait_for_loads_on_path(h, result.last_device_node)
+        if self.config.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+            self._backup_path(result.last_device_node)
+        if load_back and result.host_len:
+            self._start_load(h, result)
+        return h
+
+    def load_back(self, h: PrefixHandle):
+        """Start loading the host-only part of ``h``'s prefix into new device pages.
+
+        For handles matched with ``load_back=False``: the tree is matched again,
+        since what is cached may have changed. Returns the transfer handle, or
+        ``None`` when there is nothing to load, the host hit is shorter than
+        ``load_threshold_tokens`` or no device pages can be freed (then those
+        tokens count as a miss and the caller computes them).
+        """
+        self._check_handle(h)
+        self.poll()
+        if h.prefix_len < h.device_len + h.host_len:
+            result = self.tree.match_key(h.key[: 4 * (h.device_len + h.host_len)], h.namespace)
+            if result.device_len > h.prefix_len:  # loaded or inserted meanwhile: take it
+                self.tree.lock(result.last_device_node)
+                self.tree.unlock(h._lock_node)
+                h._lock_node = result.last_device_node
+                h._prefix_pages = None
+                h.prefix_len = result.device_len
+                if self._num_loading_nodes:
+                    self._wait_for_loads_on_path(h, result.last_device_node)
+            if result.host_len and result.last_device_node is h._lock_node:
+                return self._start_load(h, result)
+        return None
+
+    def _start_load(self, h: PrefixHandle, result: MatchResult):
+        nodes = self.tree.host_only_path(result)
+        num_pages = sum(len(n.host_indices) for n in nodes)
+        num_tokens = num_pages * self.page_size
+        if num_tokens < self.config.load_threshold_tokens:
+            self.counters.loads_refused_by_threshold += 1
+            self.counters.host_hit_refused_tokens += num_tokens
+            return None
+        for node in nodes:  # pinned now: the eviction below must not take them
+            self.tree.host_lock(node)
+        pages = self._alloc_device(num_pages)
+        if pages is None:
+            for node in nodes:
+                self.tree.host_unlock(node)
+            self.counters.loads_refused_no_space += 1
+            self.counters.host_hit_refused_tokens += num_tokens
+            return None
+        off = 0
+        for node in nodes:
+            n = len(node.host_indices)
+            self.tree.attach_device(node, pages[off : off + n])
+            self.tree.set_io_status(node, IOStatus.LOADING)
+            off += n
+        self.tree.lock(nodes[-1])
+        self.tree.unlock(h._lock_node)
+        h._lock_node = nodes[-1]
+        h._prefix_pages = None
+        h.prefix_len += num_tokens
+        host_pages = torch.cat([n.host_indices for n in nodes]) if len(nodes) > 1 else (
+            nodes[0].host_indices
+        )
+        handle = self.transfers.load(host_pages, pages)
+        rec = _Transfer(handle, "load", list(nodes), num_pages * self.config.kv.page_nbytes)
+        rec.requests.append(h)
+        h._loads.append(rec)
+        self._track(rec)
+        self.counters.loads += 1
+        self.counters.host_hit_tokens += num_tokens
+        return handle
+
+    def finish_loads(self, h: PrefixHandle) -> bool:
+        """Wait for the loads ``h`` depends on and apply them; False if one failed.
+
+        After a failure ``h.prefix_len`` is cut back above the failed part and the
+        pages ``h`` had allocated are freed: the caller allocates again and
+        recomputes from ``h.prefix_len``.
+        """
+        self._check_handle(h)
+        for rec in list(h._loads):
+            rec.handle.wait()
+        self.poll()
+        h._loads = [rec for rec in h._loads if id(rec.handle) in self._inflight]
+        return h.load_error is None
+
+    def alloc(self, h: PrefixHandle, num_tokens: int) -> torch.Tensor | None:
+        """Allocate device pages for ``num_tokens`` more tokens of ``h``'s sequence.
+
+        The new pages continue ``h.page_table()``. Evicts if needed; returns
+        ``None`` (and allocates nothing) when not enough pages can be freed.
+        """
+        self._check_handle(h)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+            raise TypeError(f"num_tokens: expected int, got {type(num_tokens).__name__}")
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens: expected >= 0, got {num_tokens}")
+        self.poll()
+        pages = self._alloc_device(-(-num_tokens // self.page_size))
+        if pages is not None and len(pages):
+            h._new_pages.append(pages)
+        return pages
+
+    def insert(self, h: PrefixHandle, tokens: TokenLike) -> int:
+        """Cache the whole pages of ``tokens`` (the prefix plus what the caller computed).
+
+        ``tokens`` must start with ``h``'s prefix and fit in ``h.page_table()``.
+        Pages another request cached meanwhile are freed (the tree keeps its own).
+        Afterwards ``h`` holds the inserted path; the write policy runs. Returns the
+        number of tokens newly cached.
+        """
+        self._check_handle(h)
+        self.poll()
+        for rec in h._loads:
+            if not rec.handle.done():
+                raise ValueError("insert: a prefix load is still in flight; call h.wait() first")
+        key = token_key(tokens, self.page_size)
+        pnb = 4 * self.page_size
+        prefix_nbytes = 4 * h.prefix_len
+        if len(key) < prefix_nbytes or not key.startswith(h.key[:prefix_nbytes]):
+            raise ValueError(
+                f"insert: tokens must start with the handle's {h.prefix_len}-token prefix"
+            )
+        num_pages = len(key) // pnb
+        num_prefix_pages = h.prefix_len // self.page_size
+        num_owned = h.num_owned_pages
+        if num_pages > num_prefix_pages + num_owned:
+            raise ValueError(
+                f"insert: {num_pages} whole pages of tokens, but the handle holds only "
+                f"{num_prefix_pages + num_owned} pages (alloc more first)"
+            )
+        if num_pages == num_prefix_pages:
+            return 0
+        table = h.page_table()
+        result = self.tree.insert(tokens, table[:num_pages], h.namespace)
+        cached_pages = result.num_cached_tokens // self.page_size
+        if cached_pages > num_prefix_pages:  # cached meanwhile by someone else: ours are spare
+            self.device_allocator.free(table[num_prefix_pages:cached_pages])
+        rest = table[num_pages:]
+        h._new_pages = [rest] if len(rest) else []
+        self.tree.lock(result.last_node)
+        self.tree.unlock(h._lock_node)
+        h._lock_node = result.last_node
+        # If nothing was cached meanwhile, the tree's pages of the path are ours.
+        h._prefix_pages = table[:num_pages] if cached_pages <= num_prefix_pages else None
+        h.prefix_len = num_pages * self.page_size
+        h.key = key
+        new_tokens = (num_pages - cached_pages) * self.page_size
+        self.counters.inserted_tokens += new_tokens
+        if self.config.write_policy is not WritePolicy.WRITE_BACK:
+            self._backup_path(result.last_node)
+        return new_tokens
+
+    def release(self, h: PrefixHandle) -> None:
+        """Unlock ``h``'s prefix and free the pages it owns. The cached KV stays cached."""
+        self._check_handle(h)
+        self.tree.unlock(h._lock_node)
+        for pages in h._new_pages:
+            self.device_allocator.free(pages)
+        h._new_pages = []
+        h.released = True
+        self._live.discard(h)
+        self.poll()
+
+    # -------------------------------------------------------------- transfers
+    def poll(self) -> int:
+        """Apply every transfer that finished since the last call; return how many."""
+        done = self.transfers.poll()
+        for handle in done:
+            rec = self._inflight.pop(id(handle))
+            for node in rec.nodes:
+                del self._node_transfer[node]
+            if rec.kind == "load":
+                self._num_loading_nodes -= len(rec.nodes)
+                self._finish_load(rec)
+            else:
+                self._finish_backup(rec)
+        return len(done)
+
+    def wait_all(self, timeout: float | None = None) -> None:
+        """Wait for every transfer in flight, then apply them (not for the manual executor)."""
+        for rec in list(self._inflight.values()):
+            rec.handle.wait(timeout)
+        self.poll()
+
+    def _track(self, rec: _Transfer) -> None:
+        self._inflight[id(rec.handle)] = rec
+        for node in rec.nodes:
+            self._node_transfer[node] = rec
+        if rec.kind == "load":
+            self._num_loading_nodes += len(rec.nodes)
+
+    def _on_split(self, prefix: TreeNode, suffix: TreeNode) -> None:
+        rec = self._node_transfer.get(suffix)
+        if rec is not None:
+            rec.nodes.append(prefix)
+            self._node_transfer[prefix] = rec
+            if rec.kind == "load":
+                self._num_loading_nodes += 1
+
+    def _finish_load(self, rec: _Transfer) -> None:
+        handle = rec.handle
+        c = self.counters
+        for node in rec.nodes:
+            self.tree.set_io_status(node, IOStatus.NONE)
+            self.tree.host_unlock(node)
+        if handle.error is None:
+            c.load_bytes += rec.nbytes
+            c.load_seconds += handle.seconds or 0.0
+            return
+        # The device pages hold garbage: requests fall back to the prefix above the
+        # failed nodes (and recompute the rest); then the nodes lose their device copy.
+        c.loads_failed += 1
+        nodes = sorted(rec.nodes, key=self._depth)
+        top = nodes[0]
+        for h in rec.requests:
+            if rec in h._loads:
+                h._loads.remove(rec)
+            if not h.released:
+                self._truncate(h, top.parent, handle.error)
+        for node in reversed(nodes):
+            if node.lock_ref or any(ch.on_device for ch in node.children.values()):
+                # Someone cached KV below it before the failure was seen: load it again.
+                self._reload([node])
+                continue
+            self.device_allocator.free(self.tree.detach_device(node))
+
+    def _reload(self, nodes: list[TreeNode]) -> None:
+        for node in nodes:
+            self.tree.set_io_status(node, IOStatus.LOADING)
+            self.tree.host_lock(node)
+        handle = self.transfers.load(
+            torch.cat([n.host_indices for n in nodes]), torch.cat([n.device_indices for n in nodes])
+        )
+        num_pages = sum(len(n.host_indices) for n in nodes)
+        self._track(_Transfer(handle, "load", list(nodes), num_pages * self.config.kv.page_nbytes))
+
+    def _truncate(self, h: PrefixHandle, node: TreeNode, error: BaseException) -> None:
+        depth = sum(n.num_tokens for n in self.tree.path_to(node))
+        if depth >= h.prefix_len:
+            return
+        self.tree.lock(node)
+        self.tree.unlock(h._lock_node)
+        h._lock_node = node
+        h._prefix_pages = None
+        h.prefix_len = depth
+        for pages in h._new_pages:  # computed on top of garbage: useless
+            self.device_allocator.free(pages)
+        h._new_pages = []
+        h.load_error = error
+
+    def _finish_backup(self, rec: _Transfer) -> None:
+        handle = rec.handle
+        c = self.counters
+        for node in rec.nodes:
+            self.tree.set_io_status(node, IOStatus.NONE)
+        if handle.error is not None:
+            c.backups_failed += 1
+            for node in rec.nodes:
+                self.host_allocator.free(self.tree.detach_host(node))
+            return
+        c.backup_bytes += rec.nbytes
+        c.backup_seconds += handle.seconds or 0.0
+        if rec.evict_after:
+            for node in rec.nodes:
+                if node.lock_ref == 0 and not any(ch.on_device for ch in node.children.values()):
+                    c.device_evicted_tokens += node.num_tokens
+                    self.device_allocator.free(self.tree.detach_device(node))
+
+    def _depth(self, node: TreeNode) -> int:
+        depth = 0
+        while node.parent is not None:
+            depth += 1
+            node = node.parent
+        return depth
+
+    def _wait_for_loads_on_path(self, h: PrefixHandle, node: TreeNode) -> None:
+        while node.parent is not None:
+            rec = self._node_transfer.get(node)
+            if rec is not None and rec.kind == "load" and rec not in h._loads:
+                h._loads.append(rec)
+                rec.requests.append(h)
+            node = node.parent
+
+    # ------------------------------------------------------- pages, eviction
+    def _alloc_device(self, num_pages: int) -> torch.Tensor | None:
+        alloc = self.device_allocator
+        short = num_pages - alloc.num_free_pages
+        if short > 0:
+            self._evict_device(short)
+            short = num_pages - alloc.num_free_pages
+            if short > 0 and self._inflight and self.transfers.executor_name != "manual":
+                # Pages held by backups in flight (write-back, or nodes that cannot be
+                # evicted until their backup lands) come free once those complete.
+                self.wait_all()
+                self._evict_device(num_pages - alloc.num_free_pages)
+        return alloc.alloc(num_pages)
+
+    def _evict_device(self, num_pages: int) -> None:
+        if num_pages <= 0:
+            return
+        hook = self._backup_for_eviction if (
+            self.config.write_policy is WritePolicy.WRITE_BACK and self.has_host_tier
+        ) else None
+        result = self.tree.evict_device(num_pages * self.page_size, hook)
+        if result.num_evicted_tokens:
+            self.device_allocator.free(result.device_indices)
+            self.counters.device_evicted_tokens += result.num_evicted_tokens
+        if result.num_backup_tokens:
+            self.poll()  # the immediate executor has finished already
+
+    def _alloc_host(self, num_pages: int) -> torch.Tensor | None:
+        alloc = self.host_allocator
+        short = num_pages - alloc.num_free_pages
+        if short > 0:
+            result = self.tree.evict_host(short * self.page_size)
+            if result.num_evicted_tokens:
+                self.host_allocator.free(result.device_indices)
+                self.counters.host_evicted_tokens += result.num_evicted_tokens
+        return alloc.alloc(num_pages)
+
+    def _backup_path(self, node: TreeNode) -> None:
+        """Back up the nodes on ``node``'s path that the write policy wants on the host."""
+        if not self.has_host_tier:
+            return
+        selective = self.config.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE
+        threshold = self.config.backup_hit_threshold
+        todo = []
+        while node.parent is not None:
+            if (
+                node.host_indices is None
+                and node.io_status is IOStatus.NONE
+                and (not selective or node.hit_count >= threshold)
+            ):
+                todo.append(node)
+            node = node.parent
+        if todo:
+            todo.reverse()
+            self._start_backup(todo, evict_after=False)
+
+    def _backup_for_eviction(self, node: TreeNode) -> bool:
+        return self._start_backup([node], evict_after=True)
+
+    def _start_backup(self, nodes: list[TreeNode], evict_after: bool) -> bool:
+        started = []
+        for node in nodes:
+            host_pages = self._alloc_host(len(node.device_indices))
+            if host_pages is None:
+                self.counters.backups_skipped += 1
+                continue
+            self.tree.attach_host(node, host_pages)
+            self.tree.set_io_status(node, IOStatus.BACKING_UP)
+            started.append(node)
+        if not started:
+            return False
+        if len(started) == 1:
+            dev, host = started[0].device_indices, started[0].host_indices
+        else:
+            dev = torch.cat([n.device_indices for n in started])
+            host = torch.cat([n.host_indices for n in started])
+        handle = self.transfers.backup(dev, host, after=self.transfers.compute_fence())
+        rec = _Transfer(handle, "backup", started, len(dev) * self.config.kv.page_nbytes)
+        rec.evict_after = evict_after
+        self._track(rec)
+        self.counters.backups += 1
+        return True
+
+    # ------------------------------------------------------- inspection
+    def _check_handle(self, h: object) -> None:
+        if not isinstance(h, PrefixHandle):
+            raise TypeError(f"expected a PrefixHandle, got {type(h).__name__}")
+        if h._cache is not self:
+            raise ValueError("handle belongs to another HiCache")
+        if h.released:
+            raise ValueError("handle was already released")
+
+    def stats(self) -> dict:
+        """Counters plus current occupancy; bandwidths in GB/s (1e9 bytes per second)."""
+        self.poll()
+        s = asdict(self.counters)
+        c = self.counters
+        s["hit_tokens"] = c.device_hit_tokens + c.host_hit_tokens
+        s["hit_ratio"] = s["hit_tokens"] / c.requested_tokens if c.requested_tokens else 0.0
+        s["load_gbps"] = c.load_bytes / c.load_seconds / 1e9 if c.load_seconds else 0.0
+        s["backup_gbps"] = c.backup_bytes / c.backup_seconds / 1e9 if c.backup_seconds else 0.0
+        s["device_pages_used"] = self.device_allocator.num_used_pages
+        s["device_pages_free"] = self.device_allocator.num_free_pages
+        s["host_pages_used"] = self.host_allocator.num_used_pages
+        s["host_pages_free"] = self.host_allocator.num_free_pages
+        s["device_cached_tokens"] = self.tree.device_tokens
+        s["host_cached_tokens"] = self.tree.host_tokens
+        s["transfers_in_flight"] = len(self._inflight)
+        s["live_requests"] = len(self._live)
+        return s
+
+    def check_integrity(self) -> None:
+        """Verify the tree's invariants and that every page and lock is accounted for."""
+        self.tree.check_integrity()
+        self.device_allocator.check_integrity()
+        self.host_allocator.check_integrity()
+        P = self.page_size
+        owned = sum(h.num_owned_pages for h in self._live)
+        assert self.device_allocator.num_used_pages == self.tree.device_tokens // P + owned, (
+            f"device pages: {self.device_allocator.num_used_pages} allocated, tree holds "
+            f"{self.tree.device_tokens // P}, requests own {owned}: pages leaked or lost"
+        )
+        assert self.host_allocator.num_used_pages == self.tree.host_tokens // P, (
+            f"host pages: {self.host_allocator.num_used_pages} allocated, tree holds "
+            f"{self.tree.host_tokens // P}: pages leaked or lost"
+        )
+        want_locks: dict[TreeNode, int] = {}
+        want_host_locks: dict[TreeNode, int] = {}
+        for h in self._live:
+            for node in self.tree.path_to(h._lock_node):
+                want_locks[node] = want_locks.get(node, 0) + 1
+        for rec in self._inflight.values():
+            if rec.kind == "load":
+                for node in rec.nodes:
+                    want_host_locks[node] = want_host_locks.get(node, 0) + 1
+        for node in self.tree.nodes():
+            assert node.lock_ref == want_locks.get(node, 0), (
+                f"node {node.id}: lock_ref {node.lock_ref}, live requests hold "
+                f"{want_locks.get(node, 0)}: a lock leaked"
+            )
+            assert node.host_lock_ref == want_host_locks.get(node, 0), (
+                f"node {node.id}: host_lock_ref {node.host_lock_ref}, expected "
+                f"{want_host_locks.get(node, 0)}"
+            )
+            in_flight = node in self._node_transfer
+            assert in_flight == (node.io_status is not IOStatus.NONE), (
+                f"node {node.id}: io_status {node.io_status.name} but tracked={in_flight}"
+            )
+        assert len(self._inflight) == self.transfers.num_in_flight, (
+            f"{len(self._inflight)} transfers tracked, engine has {self.transfers.num_in_flight}"
+        )
+
+    def close(self) -> None:
+        self.transfers.close()
+
+    def __enter__(self) -> HiCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _make_tree(config: CacheConfig, on_split):
+    if config.tree == "python":
+        from hicache.tree import RadixTree
+
+        return RadixTree(config.page_size, config.eviction, on_split=on_split)
+    from hicache.native import make_tree
+
+    return make_tree(config.tree, config.page_size, config.eviction, on_split=on_split)
