@@ -162,7 +162,9 @@ class HiCache:
                 if self.has_host_tier
                 else None
             )
-            executor = config.executor
+            # Without a host tier nothing is ever transferred; a copying executor
+            # would demand a host pool.
+            executor = config.executor if self.has_host_tier else "immediate"
         else:
             self.device_pool = self.host_pool = None
             executor = "immediate"
