@@ -17,7 +17,15 @@ use (that is the allocator's job), nor streams or ordering (the transfer engine'
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
 import weakref
+from pathlib import Path
 
 import psutil
 import torch
@@ -271,3 +279,194 @@ class HostPool:
         if src.numel() != dst.numel():
             raise ValueError(f"data: expected {dst.numel()} bytes, got {src.numel()}")
         dst.copy_(src)
+
+
+# Moves rows ``dst[p] + dst_ids[i] * dst_stride <- src[p] + src_ids[i] * src_stride`` for
+# every plane p in one pass. torch has no single op that gathers and scatters at once:
+# gather into staging then scatter reads and writes every byte twice and stays near half
+# of a contiguous copy on small machines; this loop moves each byte once.
+_C_SOURCE = r"""
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct {
+  int64_t num_planes;
+  char *const *dst;
+  const char *const *src;
+  int64_t dst_stride, src_stride, row_nbytes;
+  const int64_t *dst_ids, *src_ids;
+  int64_t begin, end;
+} hc_job;
+
+static void *hc_run(void *arg) {
+  const hc_job *j = (const hc_job *)arg;
+  for (int64_t i = j->begin; i < j->end; ++i) {
+    const int64_t d = j->dst_ids[i] * j->dst_stride, s = j->src_ids[i] * j->src_stride;
+    for (int64_t p = 0; p < j->num_planes; ++p)
+      memcpy(j->dst[p] + d, j->src[p] + s, (size_t)j->row_nbytes);
+  }
+  return 0;
+}
+
+int hc_copy_rows(int64_t num_planes, char *const *dst, const char *const *src,
+                 int64_t dst_stride, int64_t src_stride, int64_t row_nbytes,
+                 const int64_t *dst_ids, const int64_t *src_ids, int64_t num_rows,
+                 int64_t num_threads) {
+  enum { MAX_THREADS = 64 };
+  hc_job jobs[MAX_THREADS];
+  pthread_t tids[MAX_THREADS];
+  int started[MAX_THREADS];
+  if (num_threads > num_rows) num_threads = num_rows;
+  if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
+  if (num_threads < 1) num_threads = 1;
+  const int64_t per = (num_rows + num_threads - 1) / num_threads;
+  for (int64_t t = 0; t < num_threads; ++t) {
+    const int64_t b = t * per, e = b + per < num_rows ? b + per : num_rows;
+    hc_job job = {num_planes, dst, src, dst_stride, src_stride, row_nbytes,
+                  dst_ids, src_ids, b < e ? b : e, e};
+    jobs[t] = job;
+  }
+  for (int64_t t = 1; t < num_threads; ++t)
+    started[t] = pthread_create(&tids[t], 0, hc_run, &jobs[t]) == 0;
+  hc_run(&jobs[0]);
+  for (int64_t t = 1; t < num_threads; ++t) {
+    if (started[t]) pthread_join(tids[t], 0);
+    else hc_run(&jobs[t]);
+  }
+  return 0;
+}
+"""
+
+# Rows per call below which the native copier runs on one thread (threads cost ~20 us).
+_NATIVE_THREAD_MIN_NBYTES = 1 << 20
+# Torch fallback: bytes gathered per chunk, small enough to stay in cache between passes.
+_STAGING_NBYTES = 4 << 20
+
+
+@functools.cache
+def load_native_copier() -> ctypes.CDLL | None:
+    """Compile (once per machine, cached on disk) and load the row copier; None if no C compiler.
+
+    The cache directory is ``$HICACHE_CACHE_DIR``, else ``~/.cache/hicache``.
+    """
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        return None
+    digest = hashlib.sha256(_C_SOURCE.encode()).hexdigest()[:16]
+    cache_dir = Path(os.environ.get("HICACHE_CACHE_DIR", Path.home() / ".cache" / "hicache"))
+    lib_path = cache_dir / f"pagecopy-{digest}.so"
+    try:
+        if not lib_path.exists():
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".so")
+            os.close(fd)
+            cmd = [compiler, "-O2", "-shared", "-fPIC", "-pthread", "-x", "c", "-", "-o", tmp]
+            proc = subprocess.run(cmd, input=_C_SOURCE.encode(), capture_output=True, timeout=120)
+            if proc.returncode != 0:
+                os.unlink(tmp)
+                return None
+            os.replace(tmp, lib_path)  # atomic: concurrent builders never see half a file
+        lib = ctypes.CDLL(str(lib_path))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lib.hc_copy_rows.restype = ctypes.c_int
+    lib.hc_copy_rows.argtypes = [
+        ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
+        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_int64, ctypes.c_int64,
+    ]
+    return lib
+
+
+class PageCopier:
+    """Copies pages between a device pool and a host pool that both live in host memory.
+
+    Used by the CPU executors. Every page move is a set of rows of
+    ``page_nbytes_per_layer`` bytes: per layer, K and V (each a row of a device buffer
+    and one slot of a host page). With ``native`` (None: when a C compiler is found)
+    rows move once through :func:`load_native_copier`; otherwise through torch
+    ``index_select(out=staging)`` / ``index_copy_`` in cache-sized chunks, on 4-byte
+    views where the row size allows. Not thread-safe per direction: one caller per
+    direction at a time (the thread executor has one worker per direction).
+    """
+
+    def __init__(self, device_pool: DevicePool, host_pool: HostPool, native: bool | None = None):
+        if device_pool.device.type != "cpu":
+            raise ValueError(f"device pool: expected device 'cpu', got {device_pool.device}")
+        kv = device_pool.kv
+        self.num_layers = kv.num_layers
+        self.row_nbytes = device_pool.page_nbytes_per_layer
+        self.lib = load_native_copier() if native is not False else None
+        if native and self.lib is None:
+            raise RuntimeError("native page copier: no C compiler found or the build failed")
+        # (num_device_pages, row_words) per layer
+        self._dev = [
+            (as_rows(k, device_pool.num_pages), as_rows(v, device_pool.num_pages))
+            for k, v in zip(device_pool.k_buffers, device_pool.v_buffers, strict=True)
+        ]
+        # (num_host_pages, num_layers, 2, row_words)
+        self._host = as_rows(host_pool.buffer, host_pool.num_pages * kv.num_layers * 2).view(
+            host_pool.num_pages, kv.num_layers, 2, -1
+        )
+        self._staging: dict[bool, torch.Tensor] = {}
+
+    def load(self, host_ids: torch.Tensor, device_ids: torch.Tensor, first: int, last: int):
+        """Copy layers ``first .. last-1`` of host pages to device pages."""
+        planes = [
+            (dst, self._host[:, layer, kv])
+            for layer in range(first, last)
+            for kv, dst in enumerate(self._dev[layer])
+        ]
+        self._copy(planes, device_ids, host_ids, True)
+
+    def backup(self, device_ids: torch.Tensor, host_ids: torch.Tensor, first: int, last: int):
+        """Copy layers ``first .. last-1`` of device pages to host pages."""
+        planes = [
+            (self._host[:, layer, kv], src)
+            for layer in range(first, last)
+            for kv, src in enumerate(self._dev[layer])
+        ]
+        self._copy(planes, host_ids, device_ids, False)
+
+    def _copy(self, planes, dst_ids: torch.Tensor, src_ids: torch.Tensor, is_load: bool) -> None:
+        num_rows = dst_ids.numel()
+        if num_rows == 0 or not planes:
+            return
+        if self.lib is not None:
+            self._copy_native(planes, dst_ids, src_ids)
+            return
+        rows_per_chunk = max(1, _STAGING_NBYTES // self.row_nbytes)
+        staging = self._staging.get(is_load)
+        if staging is None:
+            # (rows_per_chunk, row_words); allocated and touched once, reused for every copy
+            staging = torch.zeros((rows_per_chunk, planes[0][1].shape[1]), dtype=planes[0][1].dtype)
+            self._staging[is_load] = staging
+        for start in range(0, num_rows, rows_per_chunk):
+            d_ids = dst_ids[start : start + rows_per_chunk]
+            s_ids = src_ids[start : start + rows_per_chunk]
+            chunk = staging[: d_ids.numel()]
+            for dst, src in planes:
+                torch.index_select(src, 0, s_ids, out=chunk)
+                dst.index_copy_(0, d_ids, chunk)
+
+    def _copy_native(self, planes, dst_ids: torch.Tensor, src_ids: torch.Tensor) -> None:
+        dst_ids = dst_ids.contiguous()
+        src_ids = src_ids.contiguous()
+        num_planes = len(planes)
+        dst_ptrs = (ctypes.c_void_p * num_planes)(*[d.data_ptr() for d, _ in planes])
+        src_ptrs = (ctypes.c_void_p * num_planes)(*[s.data_ptr() for _, s in planes])
+        itemsize = planes[0][0].element_size()
+        dst_stride = planes[0][0].stride(0) * itemsize
+        src_stride = planes[0][1].stride(0) * itemsize
+        assert all(
+            d.stride(0) * itemsize == dst_stride and s.stride(0) * itemsize == src_stride
+            for d, s in planes
+        ), "planes of one copy must share row strides"
+        num_rows = dst_ids.numel()
+        total = num_rows * num_planes * self.row_nbytes
+        num_threads = torch.get_num_threads() if total >= _NATIVE_THREAD_MIN_NBYTES else 1
+        self.lib.hc_copy_rows(
+            num_planes, dst_ptrs, src_ptrs, dst_stride, src_stride, self.row_nbytes,
+            dst_ids.data_ptr(), src_ids.data_ptr(), num_rows, num_threads,
+        )

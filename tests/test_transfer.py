@@ -1,0 +1,290 @@
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from hicache.config import KVConfig
+from hicache.pool import DevicePool, HostPool, PageCopier
+from hicache.transfer import ManualFence, TransferEngine, TransferKind
+
+
+def ids(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def make_pools(dtype="float16", page_size=3, heads=2, head_dim=5, layers=3,
+               device_pages=8, host_pages=8, seed=0):
+    """Pools whose device pages hold distinct random bytes and whose host pages are zero."""
+    kv = KVConfig(layers, heads, head_dim, dtype, page_size)
+    device = DevicePool(kv, device_pages)
+    host = HostPool(kv, host_pages, pin_memory=False)
+    host.buffer.view(torch.uint8).fill_(0)
+    gen = torch.Generator().manual_seed(seed)
+    for buf in device.k_buffers + device.v_buffers:
+        buf.view(torch.uint8).copy_(torch.randint(0, 256, buf.view(torch.uint8).shape,
+                                                  generator=gen, dtype=torch.uint8))
+    return device, host
+
+
+def snapshot(pool: DevicePool) -> list[torch.Tensor]:
+    return [b.view(torch.uint8).clone() for b in pool.k_buffers + pool.v_buffers]
+
+
+def device_page_bytes(pool: DevicePool, page: int) -> torch.Tensor:
+    return torch.stack([b[page].reshape(-1).view(torch.uint8)
+                        for b in pool.k_buffers + pool.v_buffers])
+
+
+def finish(engine: TransferEngine, handle):
+    if engine.executor_name == "manual":
+        assert engine.executor.complete(handle)
+    assert handle.wait(timeout=10)
+    return handle
+
+
+@pytest.mark.parametrize("executor", ["thread", "manual"])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(dtype="float16"),
+        dict(dtype="bfloat16"),
+        dict(dtype="float32"),
+        dict(dtype="bfloat16", page_size=1, heads=1, head_dim=3),  # 6-byte rows
+        dict(dtype="float32", page_size=7, heads=3, head_dim=1, layers=1),
+    ],
+)
+def test_round_trip_device_host_device_is_bitwise(executor, shape):
+    device, host = make_pools(**shape)
+    before = snapshot(device)
+    with TransferEngine(device, host, executor) as engine:
+        backup = finish(engine, engine.backup(ids(7, 0, 3, 4), ids(2, 5, 6, 0)))
+        load = finish(engine, engine.load(ids(2, 5, 6, 0), ids(1, 2, 5, 6)))
+        assert engine.poll() == [backup, load] and engine.poll() == []
+        assert engine.num_in_flight == 0
+    assert backup.error is None and load.error is None
+    assert backup.layers_done == load.layers_done == shape.get("layers", 3)
+    assert backup.nbytes == 4 * device.kv.page_nbytes and backup.seconds >= 0
+    for src, dst in ((7, 1), (0, 2), (3, 5), (4, 6)):
+        assert torch.equal(device_page_bytes(device, dst),
+                           torch.stack([b[src].reshape(-1) for b in before]))
+    for untouched in (0, 3, 4, 7):
+        assert torch.equal(device_page_bytes(device, untouched),
+                           torch.stack([b[untouched].reshape(-1) for b in before]))
+
+
+def test_manual_load_completes_layer_by_layer():
+    device, host = make_pools()
+    host.buffer.view(torch.uint8).fill_(9)
+    engine = TransferEngine(device, host, "manual")
+    handle = engine.load(ids(0, 1), ids(4, 6))
+    assert handle.kind is TransferKind.LOAD and engine.executor.pending() == [handle]
+    assert not handle.done() and handle.layers_done == 0
+    assert not handle.wait_layer(0), "nothing arrived yet"
+    assert not device.k_buffers[0][4].view(torch.uint8).eq(9).all(), "copied before completion"
+
+    engine.executor.complete_layer(handle)
+    assert handle.layers_done == 1 and handle.wait_layer(0) and not handle.wait_layer(1)
+    assert device.k_buffers[0][[4, 6]].view(torch.uint8).eq(9).all()
+    assert device.v_buffers[0][[4, 6]].view(torch.uint8).eq(9).all()
+    assert not device.k_buffers[1][4].view(torch.uint8).eq(9).all(), "layer 1 copied early"
+    assert engine.poll() == [] and engine.num_in_flight == 1 and not handle.wait()
+
+    engine.executor.complete_layer(handle)
+    engine.executor.complete_layer(handle)
+    assert handle.done() and handle.wait_layer(2) and engine.executor.pending() == []
+    assert engine.poll() == [handle] and engine.num_in_flight == 0
+    with pytest.raises(ValueError, match="pending transfer"):
+        engine.executor.complete_layer(handle)
+    with pytest.raises(ValueError, match="layer"):
+        handle.wait_layer(3)
+
+
+def test_manual_completion_order_is_poll_order():
+    device, host = make_pools()
+    engine = TransferEngine(device, host, "manual")
+    first = engine.backup(ids(0), ids(0))
+    second = engine.load(ids(1), ids(1))
+    third = engine.backup(ids(2), ids(2))
+    engine.executor.complete(third)
+    engine.executor.complete(first)
+    assert engine.poll() == [third, first]
+    engine.executor.complete(second)
+    assert engine.poll() == [second] and engine.poll() == []
+
+
+def test_manual_reuse_before_completion_is_visible_as_corruption():
+    """The copy happens at completion: overwriting the source first corrupts the load."""
+    device, host = make_pools()
+    host.buffer[3].fill_(1)
+    engine = TransferEngine(device, host, "manual")
+    handle = engine.load(ids(3), ids(0))
+    host.buffer[3].fill_(2)  # a bug: the host page was reused while the load was in flight
+    engine.executor.complete(handle)
+    assert device.k_buffers[0][0].eq(2).all()
+
+
+def test_failed_manual_transfer_reports_error_and_stops_copying():
+    device, host = make_pools()
+    host.buffer.fill_(5)
+    host_before = host.buffer.clone()
+    engine = TransferEngine(device, host, "manual")
+    handle = engine.load(ids(0, 1), ids(2, 3))
+    engine.executor.complete_layer(handle)
+    after_layer0 = snapshot(device)
+    engine.executor.fail(handle, OSError("link down"))
+    assert handle.done() and handle.wait() and isinstance(handle.error, OSError)
+    assert handle.layers_done == 1 and handle.wait_layer(0) and not handle.wait_layer(1)
+    assert engine.poll() == [handle]
+    assert all(torch.equal(a, b) for a, b in zip(after_layer0, snapshot(device), strict=True))
+    assert torch.equal(host.buffer, host_before), "the source pool must be untouched"
+
+
+def test_failed_copy_on_thread_executor_leaves_source_untouched(monkeypatch):
+    device, host = make_pools()
+    before = snapshot(device)
+
+    def broken(self, *args):
+        raise RuntimeError("injected copy failure")
+
+    monkeypatch.setattr(PageCopier, "backup", broken)
+    with TransferEngine(device, host, "thread") as engine:
+        handle = engine.backup(ids(0, 1), ids(0, 1))
+        assert handle.wait(timeout=10)
+        assert isinstance(handle.error, RuntimeError) and "injected" in str(handle.error)
+        assert engine.poll() == [handle]
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(device), strict=True))
+    assert not host.buffer.view(torch.uint8).any()
+
+
+def test_manual_fence_blocks_backup_until_set():
+    device, host = make_pools()
+    engine = TransferEngine(device, host, "manual")
+    fence = ManualFence()
+    handle = engine.backup(ids(5), ids(1), after=fence)
+    assert not engine.executor.complete(handle) and not engine.executor.complete_layer(handle)
+    assert handle.layers_done == 0 and not host.buffer.view(torch.uint8).any()
+    fence.set()
+    assert engine.executor.complete(handle) and handle.done()
+    assert torch.equal(host.buffer[1, 0, 0].view(torch.uint8),
+                       device.k_buffers[0][5].view(torch.uint8))
+    assert engine.compute_fence().is_set()
+
+
+def test_thread_backup_waits_for_its_fence():
+    device, host = make_pools()
+    with TransferEngine(device, host, "thread") as engine:
+        fence = ManualFence()
+        handle = engine.backup(ids(2), ids(3), after=fence)
+        assert not handle.wait(timeout=0.05) and handle.layers_done == 0
+        assert not host.buffer.view(torch.uint8).any()
+        fence.set()
+        assert handle.wait(timeout=10) and handle.error is None
+        assert torch.equal(host.buffer[3, 2, 1].view(torch.uint8),
+                           device.v_buffers[2][2].view(torch.uint8))
+
+
+def test_thread_executor_concurrent_backups_and_loads_from_several_threads():
+    num_threads, pages_per_thread, rounds = 4, 6, 10
+    num_pages = num_threads * pages_per_thread
+    device, host = make_pools(layers=4, device_pages=2 * num_pages, host_pages=num_pages)
+    before = snapshot(device)
+    errors = []
+    with TransferEngine(device, host, "thread") as engine:
+
+        def worker(t: int) -> None:
+            gen = torch.Generator().manual_seed(t)
+            own_host = ids(*range(t * pages_per_thread, (t + 1) * pages_per_thread))
+            src = own_host.clone()  # device pages 0 .. num_pages-1 are the originals
+            for r in range(rounds):
+                perm = own_host[torch.randperm(pages_per_thread, generator=gen)]
+                engine.backup(src, perm).wait(timeout=30)
+                # Load back into this thread's scratch device pages, in a shuffled order.
+                scratch = perm + num_pages
+                handle = engine.load(perm, scratch)
+                for layer in range(4):
+                    assert handle.wait_layer(layer)
+                if not handle.wait(timeout=30) or handle.error is not None:
+                    errors.append((t, r, handle.error))
+                for s, d in zip(src.tolist(), scratch.tolist(), strict=True):
+                    want = torch.stack([b[s].reshape(-1) for b in before])
+                    if not torch.equal(device_page_bytes(device, d), want):
+                        errors.append((t, r, s, d))
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(num_threads)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        done = engine.poll()
+    assert errors == []
+    assert len(done) == 2 * num_threads * rounds and len({id(h) for h in done}) == len(done)
+    assert all(h.error is None for h in done)
+
+
+@pytest.mark.parametrize(
+    "host_pages, device_pages, error, message",
+    [
+        (ids(0, 1), ids(0), ValueError, "equal lengths, got 2 host and 1 device"),
+        (ids(8), ids(0), ValueError, r"host_pages: expected ids in \[0, 8\), got min 8"),
+        (ids(0), ids(-1), ValueError, "device_pages: expected ids in"),
+        (torch.tensor([0], dtype=torch.int32), ids(0), TypeError, "int64, got torch.int32"),
+        ([0], ids(0), TypeError, "got list"),
+        (ids(0).view(1, 1), ids(0), ValueError, "1-D"),
+    ],
+)
+def test_bad_page_ids(host_pages, device_pages, error, message):
+    device, host = make_pools()
+    engine = TransferEngine(device, host, "manual")
+    with pytest.raises(error, match=message):
+        engine.load(host_pages, device_pages)
+    with pytest.raises(error, match=message):
+        engine.backup(device_pages, host_pages)
+    assert engine.num_in_flight == 0 and engine.executor.pending() == []
+
+
+def test_bad_engine_arguments():
+    device, host = make_pools()
+    with pytest.raises(ValueError, match="executor: expected 'auto'"):
+        TransferEngine(device, host, "dma")
+    with pytest.raises(ValueError, match="expected both pools"):
+        TransferEngine(device, None, "thread")
+    other_host = HostPool(KVConfig(1, 2, 5, "float16", 3), 2, pin_memory=False)
+    with pytest.raises(ValueError, match="same KVConfig"):
+        TransferEngine(device, other_host, "manual")
+    with pytest.raises(TypeError, match="fence"):
+        TransferEngine(device, host, "manual").backup(ids(0), ids(0), after=object())
+    with pytest.raises(ValueError, match="expected a CUDA device"):
+        TransferEngine(device, host, "cuda")
+
+
+def test_auto_executor_on_cpu_is_thread():
+    device, host = make_pools()
+    with TransferEngine(device, host) as engine:
+        assert engine.executor_name == "thread"
+
+
+def test_immediate_executor_is_bookkeeping_only():
+    engine = TransferEngine(None, None, "immediate")
+    a = engine.load(ids(1, 2), ids(3, 4))
+    b = engine.backup(ids(0), ids(9))
+    assert a.done() and a.wait() and a.wait_layer(0) and a.error is None
+    assert engine.num_in_flight == 2 and engine.poll() == [a, b] and engine.num_in_flight == 0
+    with pytest.raises(ValueError, match="equal lengths"):
+        engine.load(ids(1), ids())
+    start = time.perf_counter()
+    host_pages, device_pages = ids(1, 2, 3), ids(4, 5, 6)
+    for _ in range(2000):
+        engine.load(host_pages, device_pages)
+    assert len(engine.poll()) == 2000
+    per_call = (time.perf_counter() - start) / 2000
+    assert per_call < 1e-3, f"immediate transfers must be cheap, took {per_call * 1e6:.0f} us"
+
+
+def test_empty_transfer_completes():
+    device, host = make_pools()
+    with TransferEngine(device, host, "thread") as engine:
+        handle = engine.backup(ids(), ids())
+        assert handle.wait(timeout=10) and handle.error is None and handle.nbytes == 0
