@@ -107,7 +107,7 @@ class PrefixHandle:
 
     @property
     def num_owned_pages(self) -> int:
-        return sum(len(p) for p in self._new_pages)
+        return sum(p.shape[0] for p in self._new_pages)
 
     def page_table(self) -> torch.Tensor:
         """Device pages of the whole sequence so far: the prefix, then the allocated pages."""
@@ -170,6 +170,7 @@ class HiCache:
             executor = "immediate"
         self.transfers = TransferEngine(self.device_pool, self.host_pool, executor)
         self.counters = CacheStats()
+        self._page_nbytes = config.kv.page_nbytes
         self._inflight: dict[int, _Transfer] = {}  # id(transfer handle) -> record
         self._node_transfer: dict[TreeNode, _Transfer] = {}  # nodes with IO in flight
         self._num_loading_nodes = 0
@@ -231,7 +232,7 @@ class HiCache:
 
     def _start_load(self, h: PrefixHandle, result: MatchResult):
         nodes = self.tree.host_only_path(result)
-        num_pages = sum(len(n.host_indices) for n in nodes)
+        num_pages = sum(n.num_tokens for n in nodes) // self.page_size
         num_tokens = num_pages * self.page_size
         if num_tokens < self.config.load_threshold_tokens:
             self.counters.loads_refused_by_threshold += 1
@@ -240,6 +241,14 @@ class HiCache:
         for node in nodes:  # pinned now: the eviction below must not take them
             self.tree.host_lock(node)
         pages = self._alloc_device(num_pages)
+        if h._lock_node is not result.last_device_node:
+            # Eviction polls: a failed load applied meanwhile cut ``h`` back above these
+            # nodes (their parent may have lost its device copy). Load nothing.
+            if pages is not None:
+                self.device_allocator.free(pages)
+            for node in nodes:
+                self.tree.host_unlock(node)
+            return None
         if pages is None:
             for node in nodes:
                 self.tree.host_unlock(node)
@@ -248,7 +257,7 @@ class HiCache:
             return None
         off = 0
         for node in nodes:
-            n = len(node.host_indices)
+            n = node.num_tokens // self.page_size
             self.tree.attach_device(node, pages[off : off + n])
             self.tree.set_io_status(node, IOStatus.LOADING)
             off += n
@@ -261,7 +270,7 @@ class HiCache:
             nodes[0].host_indices
         )
         handle = self.transfers.load(host_pages, pages)
-        rec = _Transfer(handle, "load", list(nodes), num_pages * self.config.kv.page_nbytes)
+        rec = _Transfer(handle, "load", list(nodes), num_pages * self._page_nbytes)
         rec.requests.append(h)
         h._loads.append(rec)
         self._track(rec)
@@ -296,7 +305,7 @@ class HiCache:
             raise ValueError(f"num_tokens: expected >= 0, got {num_tokens}")
         self.poll()
         pages = self._alloc_device(-(-num_tokens // self.page_size))
-        if pages is not None and len(pages):
+        if pages is not None and pages.shape[0]:
             h._new_pages.append(pages)
         return pages
 
@@ -331,15 +340,17 @@ class HiCache:
         if num_pages == num_prefix_pages:
             return 0
         table = h.page_table()
-        result = self.tree.insert(tokens, table[:num_pages], h.namespace)
+        result = self.tree.insert_key(key, table[:num_pages], h.namespace)
         cached_pages = result.num_cached_tokens // self.page_size
         if cached_pages > num_prefix_pages:  # cached meanwhile by someone else: ours are spare
             self.device_allocator.free(table[num_prefix_pages:cached_pages])
         rest = table[num_pages:]
-        h._new_pages = [rest] if len(rest) else []
+        h._new_pages = [rest] if rest.shape[0] else []
         self.tree.lock(result.last_node)
         self.tree.unlock(h._lock_node)
         h._lock_node = result.last_node
+        if self._num_loading_nodes:  # deduplicated onto pages a load is still writing
+            self._wait_for_loads_on_path(h, result.last_node)
         # If nothing was cached meanwhile, the tree's pages of the path are ours.
         h._prefix_pages = table[:num_pages] if cached_pages <= num_prefix_pages else None
         h.prefix_len = num_pages * self.page_size
@@ -431,8 +442,8 @@ class HiCache:
         handle = self.transfers.load(
             torch.cat([n.host_indices for n in nodes]), torch.cat([n.device_indices for n in nodes])
         )
-        num_pages = sum(len(n.host_indices) for n in nodes)
-        self._track(_Transfer(handle, "load", list(nodes), num_pages * self.config.kv.page_nbytes))
+        num_pages = sum(n.num_tokens for n in nodes) // self.page_size
+        self._track(_Transfer(handle, "load", list(nodes), num_pages * self._page_nbytes))
 
     def _truncate(self, h: PrefixHandle, node: TreeNode, error: BaseException) -> None:
         depth = sum(n.num_tokens for n in self.tree.path_to(node))
@@ -461,7 +472,8 @@ class HiCache:
         c.backup_bytes += rec.nbytes
         c.backup_seconds += handle.seconds or 0.0
         if rec.evict_after:
-            for node in rec.nodes:
+            # Deepest first: parts split off in flight become leaves once their child goes.
+            for node in sorted(rec.nodes, key=self._depth, reverse=True):
                 if node.lock_ref == 0 and not any(ch.on_device for ch in node.children.values()):
                     c.device_evicted_tokens += node.num_tokens
                     self.device_allocator.free(self.tree.detach_device(node))
@@ -543,7 +555,7 @@ class HiCache:
     def _start_backup(self, nodes: list[TreeNode], evict_after: bool) -> bool:
         started = []
         for node in nodes:
-            host_pages = self._alloc_host(len(node.device_indices))
+            host_pages = self._alloc_host(node.num_tokens // self.page_size)
             if host_pages is None:
                 self.counters.backups_skipped += 1
                 continue
@@ -557,8 +569,10 @@ class HiCache:
         else:
             dev = torch.cat([n.device_indices for n in started])
             host = torch.cat([n.host_indices for n in started])
-        handle = self.transfers.backup(dev, host, after=self.transfers.compute_fence())
-        rec = _Transfer(handle, "backup", started, len(dev) * self.config.kv.page_nbytes)
+        # Bookkeeping-only replay has no compute to wait for (and no fence to make).
+        fence = None if self.device_pool is None else self.transfers.compute_fence()
+        handle = self.transfers.backup(dev, host, after=fence)
+        rec = _Transfer(handle, "backup", started, dev.shape[0] * self._page_nbytes)
         rec.evict_after = evict_after
         self._track(rec)
         self.counters.backups += 1

@@ -20,6 +20,8 @@ _DTYPES: dict[str, torch.dtype] = {
     "float8_e5m2": torch.float8_e5m2,
 }
 
+_ITEMSIZE: dict[torch.dtype, int] = {d: torch.empty((), dtype=d).element_size() for d in _DTYPES.values()}
+
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """Map a dtype name (``"bfloat16"``) or a torch dtype to a supported torch dtype."""
@@ -74,7 +76,7 @@ class KVConfig:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        return _ITEMSIZE[self.torch_dtype]
 
     @property
     def token_nbytes_per_layer(self) -> int:

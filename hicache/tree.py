@@ -78,6 +78,9 @@ class TreeNode:
     def num_tokens(self) -> int:
         return len(self.key) >> 2
 
+    def num_pages(self, page_size: int) -> int:
+        return (len(self.key) >> 2) // page_size
+
     @property
     def on_device(self) -> bool:
         return self.device_indices is not None
@@ -332,7 +335,12 @@ class RadixTree:
         and are not taken: the caller frees the ones it allocated itself. Host-only
         nodes on the path adopt the given pages (they are on the device again).
         """
-        key = token_key(tokens, self.page_size)
+        return self.insert_key(token_key(tokens, self.page_size), device_indices, namespace)
+
+    def insert_key(
+        self, key: bytes, device_indices: torch.Tensor, namespace: str | None = None
+    ) -> InsertResult:
+        """:meth:`insert` for a key already made by :func:`token_key`."""
         num_pages = len(key) // self._page_nbytes
         if not isinstance(device_indices, torch.Tensor):
             raise TypeError(
@@ -345,10 +353,10 @@ class RadixTree:
             )
         if device_indices.device.type != "cpu":
             raise ValueError(f"device_indices: expected a CPU tensor, got {device_indices.device}")
-        if len(device_indices) != num_pages:
+        if device_indices.shape[0] != num_pages:
             raise ValueError(
                 f"device_indices: expected one page id per whole page ({num_pages}), "
-                f"got {len(device_indices)}"
+                f"got {device_indices.shape[0]}"
             )
         return self._insert_key(key, device_indices, namespace)
 
@@ -460,9 +468,10 @@ class RadixTree:
             raise ValueError(f"attach_device: expected a host-only node, got {node}")
         if node.parent.device_indices is None:
             raise ValueError("attach_device: the parent must be on the device first")
-        if len(device_indices) != len(node.host_indices):
+        num_pages = len(node.key) // self._page_nbytes
+        if device_indices.shape[0] != num_pages:
             raise ValueError(
-                f"attach_device: expected {len(node.host_indices)} pages, got {len(device_indices)}"
+                f"attach_device: expected {num_pages} pages, got {device_indices.shape[0]}"
             )
         node.device_indices = device_indices
         self.device_evictable_tokens += node.num_tokens
@@ -486,10 +495,9 @@ class RadixTree:
         """Record the host copy of a device node (a backup target)."""
         if node.device_indices is None or node.host_indices is not None or node.parent is None:
             raise ValueError(f"attach_host: expected a device-only node, got {node}")
-        if len(host_indices) != len(node.device_indices):
-            raise ValueError(
-                f"attach_host: expected {len(node.device_indices)} pages, got {len(host_indices)}"
-            )
+        num_pages = len(node.key) // self._page_nbytes
+        if host_indices.shape[0] != num_pages:
+            raise ValueError(f"attach_host: expected {num_pages} pages, got {host_indices.shape[0]}")
         node.host_indices = host_indices
         self.host_evictable_tokens += node.num_tokens
         self._refresh(node)
@@ -584,7 +592,7 @@ class RadixTree:
             if node.host_indices is None and node.children and backup is None:
                 skipped.append(node)
                 continue
-            num_pages = len(node.device_indices)
+            num_pages = len(node.key) // self._page_nbytes
             if num_pages > need:
                 self._split(node, num_pages - need)
                 num_pages = need
@@ -630,7 +638,7 @@ class RadixTree:
             if node.device_indices is not None and not drop_device_resident:
                 self._host_heap.push(node, 1)
                 break
-            num_pages = len(node.host_indices)
+            num_pages = len(node.key) // self._page_nbytes
             if num_pages > need:
                 self._split(node, num_pages - need)
                 num_pages = need

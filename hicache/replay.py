@@ -1,0 +1,317 @@
+"""``hicache replay``: run a trace through the cache's bookkeeping and report hit ratios.
+
+Device tier only (the shared replay semantics, WORKLOADS.md), per request:
+
+    1. match the page-aligned prompt; hit = matched tokens; lock the matched path
+    2. full = prompt + output cut to whole pages; need = len(full) - hit;
+       evict device pages (LRU, unlocked leaves first) until need fits
+    3. insert full (new tokens take new pages); unlock
+
+With ``--host-tokens`` the real :class:`hicache.HiCache` runs in bookkeeping-only
+mode (no KV tensors, transfers complete at once), and device-evicted pages that
+have a host copy stay matchable as host hits. Only cache operations are timed:
+the trace is parsed into int32 arrays beforehand, as an engine holding token ids
+in tensors would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import tracemalloc
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from hicache.allocator import PageAllocator
+from hicache.cache import HiCache
+from hicache.config import CacheConfig, EvictionPolicy, KVConfig, WritePolicy
+from hicache.traces import load_trace_arrays
+from hicache.tree import RadixTree
+
+
+class ReplayResult(NamedTuple):
+    requests: int
+    seconds: float  # cache operations only
+    prompt_tokens: int
+    hit_tokens: int  # device hits plus host hits loaded back
+    evicted_tokens: int  # evicted from the device
+    skipped_inserts: int  # requests whose new pages could not be allocated (all locked)
+    cached_tokens: int  # on the device at the end
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    host_evicted_tokens: int = 0
+
+    @property
+    def req_per_s(self) -> float:
+        return self.requests / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def replay_device(
+    requests: list[tuple[np.ndarray, np.ndarray]],
+    page_size: int,
+    device_tokens: int,
+    eviction: EvictionPolicy | str = EvictionPolicy.LRU,
+    tree: RadixTree | None = None,
+) -> ReplayResult:
+    """Replay ``(prompt, full)`` int32 arrays through a device-only radix tree and allocator."""
+    tree = tree if tree is not None else RadixTree(page_size, eviction)
+    allocator = PageAllocator(device_tokens // page_size, "device pages")
+    hit_total = prompt_total = evicted = skipped = 0
+    start = time.perf_counter()
+    for prompt, full in requests:
+        match = tree.match_prefix(prompt)
+        hit = match.device_len
+        node = match.last_device_node
+        tree.lock(node)
+        need_pages = (len(full) - hit) // page_size
+        short = need_pages - allocator.num_free_pages
+        if short > 0:
+            result = tree.evict_device(short * page_size)
+            if result.num_evicted_tokens:
+                allocator.free(result.device_indices)
+                evicted += result.num_evicted_tokens
+        new_pages = allocator.alloc(need_pages)
+        if new_pages is None:
+            skipped += 1
+        elif need_pages:
+            pages = torch.cat((tree.device_indices_of(node), new_pages))
+            cached = tree.insert(full, pages).num_cached_tokens
+            if cached > hit:  # another insert got there first: give our copies back
+                allocator.free(new_pages[: (cached - hit) // page_size])
+        tree.unlock(node)
+        hit_total += hit
+        prompt_total += len(prompt)
+    seconds = time.perf_counter() - start
+    return ReplayResult(
+        len(requests), seconds, prompt_total, hit_total, evicted, skipped, tree.device_tokens,
+        device_hit_tokens=hit_total,
+    )
+
+
+def replay_hierarchical(
+    requests: list[tuple[np.ndarray, np.ndarray]],
+    page_size: int,
+    device_tokens: int,
+    host_tokens: int,
+    write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH,
+    eviction: EvictionPolicy | str = EvictionPolicy.LRU,
+    tree: str = "python",
+) -> ReplayResult:
+    """Replay through a bookkeeping-only :class:`HiCache` with a host tier.
+
+    Per request: match (host hits load back at once), allocate the new pages,
+    insert ``full``, release. A KV shape is needed only to size transfers; no KV
+    tensors exist and every transfer completes at submission.
+    """
+    config = CacheConfig(
+        KVConfig(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float16", page_size=page_size),
+        device_tokens=device_tokens,
+        host_tokens=host_tokens,
+        write_policy=write_policy,
+        eviction=eviction,
+        allocate_kv=False,
+        tree=tree,
+    )
+    cache = HiCache(config)
+    prompt_total = skipped = 0
+    start = time.perf_counter()
+    for prompt, full in requests:
+        h = cache.match(prompt)
+        if cache.alloc(h, len(full) - h.prefix_len) is None:
+            skipped += 1
+        else:
+            cache.insert(h, full)
+        cache.release(h)
+        prompt_total += len(prompt)
+    seconds = time.perf_counter() - start
+    c = cache.counters
+    return ReplayResult(
+        len(requests), seconds, prompt_total, c.device_hit_tokens + c.host_hit_tokens,
+        c.device_evicted_tokens, skipped, cache.tree.device_tokens,
+        device_hit_tokens=c.device_hit_tokens, host_hit_tokens=c.host_hit_tokens,
+        host_evicted_tokens=c.host_evicted_tokens,
+    )
+
+
+def tree_bytes_per_cached_token(
+    requests: list[tuple[np.ndarray, np.ndarray]], page_size: int, device_tokens: int,
+    eviction: EvictionPolicy | str, kind: str = "python",
+) -> float:
+    """Replay again under tracemalloc; return the tree's memory per cached token.
+
+    tracemalloc sees Python objects (nodes, dicts, key bytes, tensor wrappers);
+    the index tensors' storage comes from torch's allocator, so it is added
+    separately (each storage counted once, since split nodes share storages).
+    """
+    tree = _make_tree(kind, page_size, eviction)
+    if hasattr(tree, "memory_bytes"):  # the native tree counts its own allocations
+        result = replay_device(requests, page_size, device_tokens, eviction, tree=tree)
+        return tree.memory_bytes() / max(result.cached_tokens, 1)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    result = replay_device(requests, page_size, device_tokens, eviction, tree=tree)
+    python_bytes = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    storages: dict[int, int] = {}
+    for node in tree.nodes():
+        for idx in (node.device_indices, node.host_indices):
+            if idx is not None:
+                st = idx.untyped_storage()
+                storages[st.data_ptr()] = st.nbytes()
+    total = python_bytes + sum(storages.values())
+    return total / max(result.cached_tokens, 1)
+
+
+def _prepare(trace: str, page_size: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    prepared = []
+    for req in load_trace_arrays(trace):
+        full = np.concatenate((req.prompt, req.output))
+        full = full[: len(full) // page_size * page_size]
+        prepared.append((req.prompt, full))
+    return prepared
+
+
+def _make_tree(kind: str, page_size: int, eviction: str):
+    if kind == "python":
+        return RadixTree(page_size, eviction)
+    from hicache.native import make_tree
+
+    return make_tree(kind, page_size, eviction)
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated token counts, got {text!r}"
+        ) from None
+    if not sizes or min(sizes) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive token counts, got {text!r}")
+    return sizes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("trace", help="trace file (JSON Lines, see WORKLOADS.md)")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--device-tokens", type=int, required=True, help="device capacity")
+    parser.add_argument("--host-tokens", type=int, help="host tier capacity (runs HiCache)")
+    parser.add_argument(
+        "--write-policy", choices=[p.value for p in WritePolicy], default="write_through"
+    )
+    parser.add_argument("--eviction", choices=[p.value for p in EvictionPolicy], default="lru")
+    parser.add_argument("--tree", choices=["python", "native", "auto"], default="python")
+    parser.add_argument(
+        "--sweep-host", type=_sizes, metavar="A,B,C",
+        help="hit ratio against host capacity (tokens), for capacity planning",
+    )
+    parser.add_argument("--plot", metavar="FILE.png", help="with --sweep-host: draw the curve")
+    parser.add_argument("--json", action="store_true", help="end with one JSON line")
+
+
+def _print_table(out: dict) -> None:
+    print(f"{'metric':<28}{'value':>16}")
+    for k, v in out.items():
+        print(f"{k:<28}{v:>16}")
+
+
+def _sweep(args: argparse.Namespace, requests) -> dict:
+    rows = []
+    print(f"{'host_tokens':>12}{'hit_ratio':>11}{'device_hits':>13}{'host_hits':>11}{'req/s':>9}")
+    for host_tokens in args.sweep_host:
+        r = replay_hierarchical(
+            requests, args.page_size, args.device_tokens, host_tokens, args.write_policy,
+            args.eviction, args.tree,
+        )
+        rows.append({
+            "host_tokens": host_tokens, "hit_ratio": round(r.hit_ratio, 6),
+            "device_hit_tokens": r.device_hit_tokens, "host_hit_tokens": r.host_hit_tokens,
+            "req_per_s": round(r.req_per_s, 1),
+        })
+        print(f"{host_tokens:>12}{r.hit_ratio:>11.4f}{r.device_hit_tokens:>13}"
+              f"{r.host_hit_tokens:>11}{r.req_per_s:>9.0f}")
+    if args.plot:
+        _plot_sweep(rows, args)
+    return {"device_tokens": args.device_tokens, "sweep": rows}
+
+
+def _plot_sweep(rows: list[dict], args: argparse.Namespace) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib (pip install matplotlib); no plot drawn", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["host_tokens"] for r in rows], [r["hit_ratio"] for r in rows], marker="o")
+    ax.set_xlabel("host tier capacity (tokens)")
+    ax.set_ylabel("hit ratio (device + host)")
+    ax.set_title(f"{args.trace.split('/')[-1]}: device {args.device_tokens} tokens")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=120)
+    print(f"plot written to {args.plot}")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.page_size <= 0 or args.device_tokens < args.page_size:
+        raise SystemExit(
+            f"hicache replay: expected --page-size > 0 and --device-tokens >= page size, "
+            f"got {args.page_size} and {args.device_tokens}"
+        )
+    if args.plot and not args.sweep_host:
+        raise SystemExit("hicache replay: --plot draws a --sweep-host curve; give --sweep-host too")
+    requests = _prepare(args.trace, args.page_size)
+    if args.sweep_host:
+        out = _sweep(args, requests)
+    elif args.host_tokens is not None:
+        r = replay_hierarchical(
+            requests, args.page_size, args.device_tokens, args.host_tokens, args.write_policy,
+            args.eviction, args.tree,
+        )
+        out = _result_dict(r)
+        out.update(
+            device_hit_tokens=r.device_hit_tokens, host_hit_tokens=r.host_hit_tokens,
+            host_evicted_tokens=r.host_evicted_tokens, write_policy=args.write_policy,
+        )
+        _print_table(out)
+    else:
+        tree = _make_tree(args.tree, args.page_size, args.eviction)
+        r = replay_device(requests, args.page_size, args.device_tokens, args.eviction, tree=tree)
+        out = _result_dict(r)
+        out["device_hit_tokens"] = r.device_hit_tokens
+        out["host_hit_tokens"] = 0
+        out["tree"] = type(tree).__name__
+        out["tree_bytes_per_cached_token"] = round(
+            tree_bytes_per_cached_token(
+                requests, args.page_size, args.device_tokens, args.eviction, args.tree
+            ), 2,
+        )
+        _print_table(out)
+    if args.json:
+        print(json.dumps(out))
+    sys.stdout.flush()
+    return 0
+
+
+def _result_dict(r: ReplayResult) -> dict:
+    return {
+        "requests": r.requests,
+        "seconds": round(r.seconds, 6),
+        "req_per_s": round(r.req_per_s, 1),
+        "prompt_tokens": r.prompt_tokens,
+        "hit_tokens": r.hit_tokens,
+        "hit_ratio": round(r.hit_ratio, 6),
+        "evicted_tokens": r.evicted_tokens,
+        "skipped_inserts": r.skipped_inserts,
+    }
