@@ -9,6 +9,8 @@ mistake (a wrong position, page or mask moves logits by O(1)).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -20,7 +22,8 @@ from hicache.costmodel import (
     prefill_flops_per_token,
 )
 from hicache.model import PRESET_NAMES, Model, ModelConfig, preset
-from hicache.pool import DevicePool
+from hicache.pool import DevicePool, HostPool
+from hicache.transfer import TransferEngine
 
 ATOL = 1e-4
 PAGE_SIZE = 16
@@ -148,6 +151,46 @@ def test_waits_on_each_layer_before_reading_it(model: Model) -> None:
     torch.testing.assert_close(out, model.prefill_reference(ids)[40:], atol=ATOL, rtol=0)
 
 
+def _prefix_in_host_pool(m: Model, ids: torch.Tensor, prefix_len: int):
+    """Prefill ``prefix_len`` tokens into device pages, back them up, return the setup."""
+    device = make_pool(m)
+    host = HostPool(m.kv_config(PAGE_SIZE), 8)
+    pages = scattered_pages(10)
+    m.forward(ids[:prefix_len], pages[:5], 0, device)
+    num_prefix_pages = prefix_len // PAGE_SIZE
+    host_pages = torch.tensor([6, 1, 4][:num_prefix_pages])
+    return device, host, pages[:num_prefix_pages], pages[5:], host_pages
+
+
+@pytest.mark.parametrize("executor", ["thread", "manual"])
+def test_forward_over_a_real_layer_wise_load(model: Model, executor: str) -> None:
+    ids = tokens(70)
+    device, host, old_pages, new_pages, host_pages = _prefix_in_host_pool(model, ids, 48)
+    with TransferEngine(device, host, "thread") as backup_engine:
+        assert backup_engine.backup(old_pages, host_pages).wait()
+    engine = TransferEngine(device, host, executor)
+    table = new_pages  # the prefix comes back into other device pages than it was computed in
+    handle = engine.load(host_pages, table[:3])
+    if executor == "manual":
+        with pytest.raises(RuntimeError, match="layer 0 of the prefix KV never arrived"):
+            model.forward(ids[48:], table, 48, device, handle)
+        waited: list[int] = []
+
+        class StepOnWait:
+            def wait_layer(self, i: int) -> bool:
+                waited.append(i)
+                engine.executor.complete_layer(handle)
+                return handle.wait_layer(i)
+
+        out = model.forward(ids[48:], table, 48, device, StepOnWait())
+        assert waited == [0, 1] and handle.done()
+    else:
+        out = model.forward(ids[48:], table, 48, device, handle)
+        assert handle.wait() and handle.error is None
+    engine.close()
+    torch.testing.assert_close(out, model.prefill_reference(ids)[48:], atol=ATOL, rtol=0)
+
+
 class FailedLoad:
     """Fake handle of a load that failed before layer 1."""
 
@@ -226,3 +269,21 @@ def test_costmodel_matches_known_llama3_numbers() -> None:
     e70 = estimate_recompute_vs_reload("Llama-3-70B", "H200", 4096)
     assert 8 < e8.ratio < 15 and 35 < e70.ratio < 50
     assert e8.reload_ms == pytest.approx(4096 * 131072 / 50e9 * 1e3)
+
+
+def test_recompute_bench_prints_table_then_json(capsys: pytest.CaptureFixture[str]) -> None:
+    from hicache.benchmarks.recompute import main
+
+    argv = ["--preset", "tiny", "--tokens", "16,64", "--repeats", "1", "--reload-repeats", "2"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert any("recompute_ms" in line for line in lines[:-1]), "expected a table before the JSON"
+    result = json.loads(lines[-1])
+    assert result["preset"] == "tiny"
+    assert result["kv_bytes_per_token"] == preset("tiny").kv_config(PAGE_SIZE).token_nbytes
+    assert result["copy_limit_gbps"] > 0
+    assert [r["tokens"] for r in result["rows"]] == [16, 64]
+    assert all(r["recompute_ms"] > 0 and r["reload_ms"] > 0 for r in result["rows"])
+    assert "ESTIMATE" in result["estimate"]["label"]
+    with pytest.raises(ValueError, match="multiples of the page size 16"):
+        main(["--preset", "tiny", "--tokens", "20"])
