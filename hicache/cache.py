@@ -523,6 +523,8 @@ class HiCache:
     def _alloc_host(self, num_pages: int) -> torch.Tensor | None:
         alloc = self.host_allocator
         short = num_pages - alloc.num_free_pages
+        if short > self.tree.host_evictable_tokens // self.page_size:
+            return None  # evicting would not make enough room: keep what is cached
         if short > 0:
             result = self.tree.evict_host(short * self.page_size)
             if result.num_evicted_tokens:
