@@ -1,14 +1,22 @@
 """hicache: a hierarchical GPU/CPU KV-cache manager for LLM inference."""
 
 from hicache.allocator import PageAllocator
+from hicache.cache import CacheStats, HiCache, LoadError, PrefixHandle
 from hicache.config import CacheConfig, EvictionPolicy, KVConfig, PrefetchPolicy, WritePolicy
+from hicache.tree import IOStatus, RadixTree
 
 __all__ = [
     "CacheConfig",
+    "CacheStats",
     "EvictionPolicy",
+    "HiCache",
+    "IOStatus",
     "KVConfig",
+    "LoadError",
     "PageAllocator",
     "PrefetchPolicy",
+    "PrefixHandle",
+    "RadixTree",
     "WritePolicy",
 ]
 __version__ = "0.1.0"
