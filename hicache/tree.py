@@ -131,6 +131,22 @@ def _check_namespace(namespace: object) -> None:
         raise TypeError(f"namespace: expected str or None, got {type(namespace).__name__}")
 
 
+def _check_indices(name: str, indices: object, num_pages: int) -> None:
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"{name}: expected an int64 torch.Tensor, got {type(indices).__name__}")
+    if indices.dtype != torch.int64 or indices.dim() != 1:
+        raise TypeError(
+            f"{name}: expected a 1-D int64 tensor, got "
+            f"dtype {indices.dtype} shape {tuple(indices.shape)}"
+        )
+    if indices.device.type != "cpu":
+        raise ValueError(f"{name}: expected a CPU tensor, got {indices.device}")
+    if indices.shape[0] != num_pages:
+        raise ValueError(
+            f"{name}: expected one page id per whole page ({num_pages}), got {indices.shape[0]}"
+        )
+
+
 def token_key(tokens: TokenLike, page_size: int) -> bytes:
     """The tree key of ``tokens``: int32 bytes of their whole pages (partial page dropped).
 
@@ -341,23 +357,7 @@ class RadixTree:
         self, key: bytes, device_indices: torch.Tensor, namespace: str | None = None
     ) -> InsertResult:
         """:meth:`insert` for a key already made by :func:`token_key`."""
-        num_pages = len(key) // self._page_nbytes
-        if not isinstance(device_indices, torch.Tensor):
-            raise TypeError(
-                f"device_indices: expected an int64 torch.Tensor, got {type(device_indices).__name__}"
-            )
-        if device_indices.dtype != torch.int64 or device_indices.dim() != 1:
-            raise TypeError(
-                "device_indices: expected a 1-D int64 tensor, got "
-                f"dtype {device_indices.dtype} shape {tuple(device_indices.shape)}"
-            )
-        if device_indices.device.type != "cpu":
-            raise ValueError(f"device_indices: expected a CPU tensor, got {device_indices.device}")
-        if device_indices.shape[0] != num_pages:
-            raise ValueError(
-                f"device_indices: expected one page id per whole page ({num_pages}), "
-                f"got {device_indices.shape[0]}"
-            )
+        _check_indices("device_indices", device_indices, len(key) // self._page_nbytes)
         return self._insert_key(key, device_indices, namespace)
 
     def _insert_key(
@@ -392,6 +392,42 @@ class RadixTree:
             self.device_evictable_tokens += node.num_tokens
         self._refresh(node)  # the only node on the path that can be a candidate
         self._maybe_compact()
+        return InsertResult(num_cached >> 2, node)
+
+    def insert_host(
+        self, tokens: TokenLike, host_indices: torch.Tensor, namespace: str | None = None
+    ) -> InsertResult:
+        """Cache ``tokens`` whose KV sits only in host pages (e.g. fetched from a third tier).
+
+        Pages of the first ``num_cached_tokens`` tokens were already cached (in either
+        tier) and are not taken: the caller frees them. The rest become a host-only leaf.
+        """
+        key = token_key(tokens, self.page_size)
+        num_pages = len(key) // self._page_nbytes
+        _check_indices("host_indices", host_indices, num_pages)
+        node = self.root(namespace)
+        self._clock += 1
+        pnb = self._page_nbytes
+        off, n = 0, len(key)
+        while off < n:
+            child = node.children.get(key[off : off + pnb])
+            if child is None:
+                break
+            ck = child.key
+            if not key.startswith(ck, off):
+                child = self._split(child, self._common_pages(ck, key, off))
+                ck = child.key
+            node = child
+            node.last_access = self._clock
+            off += len(ck)
+        num_cached = off
+        if off < n:
+            node = self._new_node(key[off:], node)
+            node.host_indices = host_indices[off // pnb :]
+            node.last_access = self._clock
+            self.host_evictable_tokens += node.num_tokens
+            self._refresh(node)
+            self._maybe_compact()
         return InsertResult(num_cached >> 2, node)
 
     # ------------------------------------------------------------------ locks

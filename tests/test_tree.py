@@ -394,3 +394,19 @@ def test_check_integrity_catches_corruption(make_tree):
     node.lock_ref = -1
     with pytest.raises(AssertionError, match="negative lock"):
         tree.check_integrity()
+
+
+def test_insert_host_adds_host_only_leaf_below_cached_prefix(make_tree):
+    tree = make_tree(2)
+    tree.insert([1, 1, 2, 2], pages(0, 1))
+    res = tree.insert_host([1, 1, 2, 2, 3, 3, 4, 4], pages(10, 11, 12, 13))
+    assert res.num_cached_tokens == 4  # host pages 10, 11 not taken: the caller frees them
+    m = tree.match_prefix([1, 1, 2, 2, 3, 3, 4, 4])
+    assert (m.device_len, m.host_len) == (4, 4)
+    assert m.last_node.host_indices.tolist() == [12, 13]
+    assert sizes(tree) == (4, 0, 4, 0, 2)
+    assert tree.insert_host([1, 1, 2, 2, 3, 3], pages(20, 21, 22)).num_cached_tokens == 6
+    with pytest.raises(ValueError):
+        tree.insert_host([5, 5], pages(1, 2))
+    assert tree.evict_host(4).device_indices.tolist() == [12, 13]
+    tree.check_integrity()
