@@ -408,5 +408,5 @@ def test_insert_host_adds_host_only_leaf_below_cached_prefix(make_tree):
     assert tree.insert_host([1, 1, 2, 2, 3, 3], pages(20, 21, 22)).num_cached_tokens == 6
     with pytest.raises(ValueError):
         tree.insert_host([5, 5], pages(1, 2))
-    assert tree.evict_host(4).device_indices.tolist() == [12, 13]
+    assert tree.evict_host(4).device_indices.tolist() == [13, 12]  # split above: leaf first
     tree.check_integrity()
