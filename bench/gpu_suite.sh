@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Run the CUDA tests and the GPU benchmarks in one go; JSON results land in OUTDIR.
+#   bench/gpu_suite.sh OUTDIR
+# Without a GPU the CUDA tests skip and the benchmarks are not run; the script exits 0.
+# Add a benchmark: one `bench NAME TIMEOUT_S ARGS...` line below, NAME a module of
+# hicache.benchmarks (its last stdout line,
+# one JSON object, is written to OUTDIR/NAME.json).
+set -uo pipefail
+OUT=${1:?usage: bench/gpu_suite.sh OUTDIR}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+status=0
+
+has_gpu=$($PY -c 'import torch; print(int(torch.cuda.is_available()))')
+$PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
+  torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")' | tee "$OUT/env.txt"
+
+# CUDA tests (skip cleanly without a GPU).
+timeout 150 $PY -m pytest -q -m cuda -p no:cacheprovider \
+  --junitxml="$OUT/cuda_tests.xml" tests 2>&1 | tee "$OUT/cuda_tests.txt"
+rc=${PIPESTATUS[0]}
+# 5: no tests collected (fine on a tree without CUDA tests)
+if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then status=1; fi
+
+bench() {  # bench NAME TIMEOUT_S ARGS...
+  local name=$1 limit=$2; shift 2
+  echo "== bench $name"
+  if timeout "$limit" $PY -m "hicache.benchmarks.$name" "$@" > "$OUT/$name.txt" 2>&1; then
+    tail -n 1 "$OUT/$name.txt" > "$OUT/$name.json"
+    cat "$OUT/$name.txt"
+  else
+    echo "bench $name failed (exit $?); see $OUT/$name.txt"; tail -n 20 "$OUT/$name.txt"
+    status=1
+  fi
+}
+
+if [ "$has_gpu" = 1 ]; then
+  bench transfer 90 --device cuda --total-mib 512
+else
+  echo "no CUDA device: GPU benchmarks skipped"
+fi
+exit $status
