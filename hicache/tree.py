@@ -302,6 +302,25 @@ class RadixTree:
             self._refresh(node)
         return MatchResult(device_len >> 2, host_len >> 2, last_device, node)
 
+    def probe_key(self, key: bytes, namespace: str | None = None) -> int:
+        """Tokens of ``key`` cached in any tier, like :meth:`match_key` but read-only.
+
+        No split, no hit counted, no access time changed.
+        """
+        node = self._roots.get(namespace)
+        pnb = self._page_nbytes
+        off, n = 0, len(key)
+        while node is not None and off < n:
+            child = node.children.get(key[off : off + pnb])
+            if child is None:
+                break
+            ck = child.key
+            if not key.startswith(ck, off):
+                return (off + self._common_pages(ck, key, off) * pnb) >> 2
+            off += len(ck)
+            node = child
+        return off >> 2
+
     def _common_pages(self, ck: bytes, key: bytes, off: int) -> int:
         """Whole pages shared by ``ck`` and ``key[off:]``; at least one, fewer than all of ck."""
         pnb = self._page_nbytes

@@ -410,3 +410,18 @@ def test_insert_host_adds_host_only_leaf_below_cached_prefix(make_tree):
         tree.insert_host([5, 5], pages(1, 2))
     assert tree.evict_host(4).device_indices.tolist() == [13, 12]  # split above: leaf first
     tree.check_integrity()
+
+
+def test_probe_is_read_only(make_tree):
+    from hicache.tree import token_key
+
+    tree = make_tree(2)
+    tree.insert([1, 1, 2, 2, 3, 3], pages(0, 1, 2))
+    nodes_before = tree.num_nodes
+    assert tree.probe_key(token_key([1, 1, 2, 2, 9, 9], 2)) == 4  # ends mid-node: no split
+    assert tree.probe_key(token_key([1, 1, 2, 2, 3, 3, 4, 4], 2)) == 6
+    assert tree.probe_key(token_key([5, 5], 2), namespace="other") == 0
+    assert tree.num_nodes == nodes_before
+    m = tree.match_prefix([1, 1])
+    assert m.last_node.hit_count == 1  # the probes counted no hits
+    tree.check_integrity()
