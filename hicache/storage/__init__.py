@@ -1,0 +1,100 @@
+"""Third storage tier: page keys, the backend interface, and the backends.
+
+``make_storage(spec, page_nbytes=...)`` turns a ``--storage`` spec into a backend:
+
+- ``file:DIR``: :class:`FileStorage`, one file per page under DIR (embedded default);
+  options ``capacity_nbytes``, ``fsync``, ``low_watermark``;
+- ``mooncake://HOST:PORT?metadata=URL``: :class:`MooncakeStorage` against the
+  master at HOST:PORT and the HTTP metadata server at URL; options (keyword or
+  query parameters) ``segment_nbytes``, ``local_buffer_nbytes``,
+  ``local_hostname``, ``protocol``, ``device_name``, ``connect_timeout_s``,
+  ``retry_after_s``.
+
+The Mooncake module is imported only when a mooncake spec is used, so the optional
+extra is needed only then.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from hicache.storage.base import (
+    VALUE_HEADER_NBYTES,
+    StorageBackend,
+    StorageCounters,
+    StorageError,
+)
+from hicache.storage.file import FileStorage
+from hicache.storage.keys import check_key, extend_keys, page_keys, root_key
+
+__all__ = [
+    "VALUE_HEADER_NBYTES",
+    "FileStorage",
+    "StorageBackend",
+    "StorageCounters",
+    "StorageError",
+    "check_key",
+    "extend_keys",
+    "make_storage",
+    "page_keys",
+    "root_key",
+]
+
+SPEC_FORMS = "'file:DIR' or 'mooncake://HOST:PORT?metadata=http://HOST:PORT/metadata'"
+_FILE_OPTIONS = {"capacity_nbytes", "fsync", "low_watermark"}
+_MOONCAKE_INT_OPTIONS = {"segment_nbytes", "local_buffer_nbytes"}
+_MOONCAKE_FLOAT_OPTIONS = {"connect_timeout_s", "retry_after_s"}
+_MOONCAKE_STR_OPTIONS = {"local_hostname", "protocol", "device_name"}
+_MOONCAKE_OPTIONS = _MOONCAKE_INT_OPTIONS | _MOONCAKE_FLOAT_OPTIONS | _MOONCAKE_STR_OPTIONS
+
+
+def _check_options(kind: str, options: dict[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise ValueError(
+            f"{kind} storage options: expected some of {sorted(allowed)}, got {unknown}"
+        )
+
+
+def make_storage(spec: str, *, page_nbytes: int, **options: Any) -> StorageBackend:
+    """Open the backend named by ``spec`` for pages of ``page_nbytes`` bytes."""
+    if not isinstance(spec, str):
+        raise TypeError(f"storage spec: expected str ({SPEC_FORMS}), got {type(spec).__name__}")
+    if spec.startswith("file:"):
+        directory = spec[len("file:") :]
+        if not directory:
+            raise ValueError(f"storage spec: expected {SPEC_FORMS}, got {spec!r} (no DIR)")
+        _check_options("file", options, _FILE_OPTIONS)
+        return FileStorage(directory, page_nbytes=page_nbytes, **options)
+    if spec.startswith("mooncake://"):
+        parts = urlsplit(spec)
+        query = parse_qs(parts.query, keep_blank_values=True)
+        metadata = query.pop("metadata", [""])[-1]
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if not parts.hostname or port is None or not metadata or parts.path not in ("", "/"):
+            raise ValueError(f"storage spec: expected {SPEC_FORMS}, got {spec!r}")
+        merged: dict[str, Any] = {name: values[-1] for name, values in query.items()}
+        _check_options("mooncake", merged, _MOONCAKE_OPTIONS)
+        _check_options("mooncake", options, _MOONCAKE_OPTIONS)
+        for name in _MOONCAKE_INT_OPTIONS & set(merged):
+            merged[name] = _parse_number(name, merged[name], int)
+        for name in _MOONCAKE_FLOAT_OPTIONS & set(merged):
+            merged[name] = _parse_number(name, merged[name], float)
+        merged.update(options)
+        from hicache.storage.mooncake import MooncakeStorage
+
+        return MooncakeStorage(
+            f"{parts.hostname}:{port}", metadata, page_nbytes=page_nbytes, **merged
+        )
+    raise ValueError(f"storage spec: expected {SPEC_FORMS}, got {spec!r}")
+
+
+def _parse_number(name: str, text: str, kind: type) -> Any:
+    try:
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"{name}: expected {kind.__name__}, got {text!r}") from None

@@ -1,0 +1,246 @@
+"""The storage tier's interface: batch page ops by key, checksummed values, counters.
+
+A stored value is one page's all-layer KV (the host pool's page-first block,
+``page_nbytes`` bytes) behind a 32-byte header::
+
+    | magic "HKV1" | version u16 | 0 u16 | payload_nbytes u64 | crc32 u32 | 12 x 0 | payload |
+
+The crc32 covers the key, the payload length and the payload, so a value that is
+corrupt, truncated, or filed under another key fails verification. Every get
+verifies; a value that fails is a miss, is removed, and is counted
+(``num_corrupt_values``): garbage never reaches the KV pool.
+
+Ops take sequences of keys whose order is a page chain (see ``keys.py``), so
+``exists``, ``get_into`` and ``set`` answer how many LEADING pages they covered:
+a page past a miss is useless to a prefix cache.
+
+Buffers are anything with the buffer protocol (bytes, bytearray, memoryview,
+numpy arrays) or CPU torch tensors, contiguous, of exactly ``page_nbytes`` bytes;
+backends read into and write from them directly, so the cache can hand over
+host-pool page views without a staging copy.
+
+This module knows no backend, no cache, and no tensor layout beyond bytes.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import zlib
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from hicache.storage.keys import check_key
+
+VALUE_HEADER_NBYTES = 32
+_MAGIC = b"HKV1"
+_VERSION = 1
+_HEADER = struct.Struct("<4sHHQI12x")
+assert _HEADER.size == VALUE_HEADER_NBYTES, "header layout must stay 32 bytes"
+
+
+class StorageError(Exception):
+    """The backend failed (unreachable, gone, I/O error); the cache counts it and carries on."""
+
+
+class StorageCounters(NamedTuple):
+    """Totals since the backend was opened (this process only)."""
+
+    num_get_pages: int  # pages asked for by get_into
+    num_hit_pages: int  # pages returned verified
+    num_set_pages: int  # pages offered to set
+    num_stored_pages: int  # pages present after set (written or already there)
+    num_deleted_pages: int  # pages removed by delete
+    num_evicted_pages: int  # pages removed by the backend's own clean-up
+    num_corrupt_values: int  # values that failed verification (each removed)
+    num_errors: int  # StorageError raised, plus per-page backend failures
+    read_nbytes: int  # payload bytes returned by get_into
+    written_nbytes: int  # payload bytes written by set
+
+
+def value_crc(key: str, payload: memoryview) -> int:
+    seed = zlib.crc32(key.encode() + len(payload).to_bytes(8, "little"))
+    return zlib.crc32(payload, seed)
+
+
+def encode_header(key: str, payload: memoryview) -> bytes:
+    """The 32-byte header that goes in front of ``payload`` when stored under ``key``."""
+    return _HEADER.pack(_MAGIC, _VERSION, 0, len(payload), value_crc(key, payload))
+
+
+def check_value(key: str, header: bytes | memoryview, payload: memoryview) -> bool:
+    """True when ``header`` + ``payload`` is an intact value stored under ``key``."""
+    if len(header) != VALUE_HEADER_NBYTES:
+        return False
+    magic, version, _, payload_nbytes, crc = _HEADER.unpack(header)
+    return (
+        magic == _MAGIC
+        and version == _VERSION
+        and payload_nbytes == len(payload)
+        and crc == value_crc(key, payload)
+    )
+
+
+def byte_view(buf: Any, nbytes: int | None, *, writable: bool) -> memoryview:
+    """A flat unsigned-byte view of ``buf``'s memory (no copy), of exactly ``nbytes``
+    (any size when ``nbytes`` is None)."""
+    if isinstance(buf, torch.Tensor):
+        if buf.device.type != "cpu":
+            raise ValueError(f"buffer: expected a CPU tensor, got device {buf.device}")
+        if not buf.is_contiguous():
+            raise ValueError("buffer: expected a contiguous tensor, got a strided view")
+        view = memoryview(buf.detach().reshape(-1).view(torch.uint8).numpy())
+    elif isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous:
+            raise ValueError("buffer: expected a C-contiguous array, got a strided view")
+        view = memoryview(buf.reshape(-1).view(np.uint8))
+    else:
+        try:
+            view = memoryview(buf)
+        except TypeError:
+            raise TypeError(
+                f"buffer: expected bytes-like, numpy array or CPU tensor, got {type(buf).__name__}"
+            ) from None
+        if not view.c_contiguous:
+            raise ValueError("buffer: expected a contiguous buffer, got a strided view")
+        view = view.cast("B")
+    if nbytes is not None and view.nbytes != nbytes:
+        raise ValueError(f"buffer: expected {nbytes} bytes (one page), got {view.nbytes}")
+    if writable and view.readonly:
+        raise ValueError("buffer: expected a writable buffer, got a read-only one")
+    return view
+
+
+class StorageBackend(ABC):
+    """Batch page store by key; thread-safe; every public op validates its arguments.
+
+    Subclasses implement the ``_exists`` / ``_get_into`` / ``_set`` / ``_delete`` /
+    ``_close`` primitives on validated keys and byte views; this class counts,
+    turns failures into :class:`StorageError`, and refuses use after ``close()``.
+    """
+
+    def __init__(self, page_nbytes: int) -> None:
+        if isinstance(page_nbytes, bool) or not isinstance(page_nbytes, int) or page_nbytes <= 0:
+            raise ValueError(f"page_nbytes: expected a positive int, got {page_nbytes!r}")
+        self.page_nbytes = page_nbytes
+        self._counter_lock = threading.Lock()
+        self._counts = dict.fromkeys(StorageCounters._fields, 0)
+        self._closed = False
+
+    # ---- public API -------------------------------------------------------------
+
+    def exists(self, keys: Sequence[str]) -> int:
+        """How many leading keys are present (present-but-corrupt counts; get finds out)."""
+        keys = self._checked_keys(keys)
+        return self._run(self._exists, keys) if keys else 0
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> int:
+        """Read the values of ``keys`` into ``buffers``; return how many LEADING pages
+        arrived verified. Buffers past that count hold unspecified bytes."""
+        keys = self._checked_keys(keys)
+        if len(buffers) != len(keys):
+            raise ValueError(f"buffers: expected {len(keys)} (one per key), got {len(buffers)}")
+        views = [byte_view(b, self.page_nbytes, writable=True) for b in buffers]
+        self._count(num_get_pages=len(keys))
+        num_hit = self._run(self._get_into, keys, views) if keys else 0
+        assert 0 <= num_hit <= len(keys), f"backend returned {num_hit} hits for {len(keys)} keys"
+        self._count(num_hit_pages=num_hit, read_nbytes=num_hit * self.page_nbytes)
+        return num_hit
+
+    def get(self, keys: Sequence[str]) -> list[bytes]:
+        """The values of the leading present keys, as new bytes objects (allocates)."""
+        buffers = [bytearray(self.page_nbytes) for _ in keys]
+        num_hit = self.get_into(keys, buffers)
+        return [bytes(b) for b in buffers[:num_hit]]
+
+    def set(self, keys: Sequence[str], values: Sequence[Any]) -> int:
+        """Store one page per key; return how many LEADING keys are stored after the call
+        (already-present keys count and are not rewritten: equal key, equal KV)."""
+        keys = self._checked_keys(keys)
+        if len(values) != len(keys):
+            raise ValueError(f"values: expected {len(keys)} (one per key), got {len(values)}")
+        views = [byte_view(v, self.page_nbytes, writable=False) for v in values]
+        self._count(num_set_pages=len(keys))
+        num_stored = self._run(self._set, keys, views) if keys else 0
+        assert 0 <= num_stored <= len(keys), f"backend stored {num_stored} of {len(keys)} keys"
+        self._count(num_stored_pages=num_stored)
+        return num_stored
+
+    def delete(self, keys: Sequence[str]) -> int:
+        """Remove the given keys; return how many were present and removed."""
+        keys = self._checked_keys(keys)
+        num_deleted = self._run(self._delete, keys) if keys else 0
+        self._count(num_deleted_pages=num_deleted)
+        return num_deleted
+
+    def register_memory(self, buffer: Any) -> None:
+        """Announce a long-lived region (the host pool) that get/set buffers live in.
+
+        Backends with registered-memory transports use it to skip a bounce copy;
+        the default does nothing. The region must outlive this backend.
+        """
+        byte_view(buffer, None, writable=False)  # same contract for every backend
+
+    def counters(self) -> StorageCounters:
+        with self._counter_lock:
+            return StorageCounters(**self._counts)
+
+    def close(self) -> None:
+        """Release the backend; idempotent. Later ops raise :class:`StorageError`."""
+        if self._closed:
+            return
+        self._closed = True
+        self._close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> StorageBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- for subclasses ---------------------------------------------------------
+
+    @abstractmethod
+    def _exists(self, keys: list[str]) -> int: ...
+
+    @abstractmethod
+    def _get_into(self, keys: list[str], views: list[memoryview]) -> int:
+        """Fill views for the leading hits; remove and count corrupt values."""
+
+    @abstractmethod
+    def _set(self, keys: list[str], views: list[memoryview]) -> int: ...
+
+    @abstractmethod
+    def _delete(self, keys: list[str]) -> int: ...
+
+    @abstractmethod
+    def _close(self) -> None: ...
+
+    def _count(self, **deltas: int) -> None:
+        with self._counter_lock:
+            for name, delta in deltas.items():
+                self._counts[name] += delta
+
+    # ---- internals --------------------------------------------------------------
+
+    def _checked_keys(self, keys: Sequence[str]) -> list[str]:
+        if isinstance(keys, str):
+            raise TypeError("keys: expected a sequence of keys, got a single str")
+        return [check_key(k) for k in keys]
+
+    def _run(self, op: Any, *args: Any) -> int:
+        if self._closed:
+            raise StorageError(f"{type(self).__name__} is closed")
+        try:
+            return op(*args)
+        except StorageError:
+            self._count(num_errors=1)
+            raise

@@ -1,0 +1,274 @@
+"""The embedded storage backend: one file per page in a local directory.
+
+Layout: ``ROOT/<key[:2]>/<key>``, each file a 32-byte header plus the page
+payload (see ``base.py``). File names come from validated hex keys only, so no
+key can escape the directory.
+
+Safety across threads and processes that share a directory:
+
+- writes go to a temp file in the same directory, named per process, thread and
+  call, then ``os.replace`` it over the final name: readers see the old file, the
+  new file, or none, never a torn one; two writers of one key both win whole;
+- reads use ``readv`` straight into the caller's buffer, verify, and remove a
+  value that fails (only if the name still points at the file that was read);
+- recency lives in the file's mtime: a hit stamps it, so every process sees one
+  LRU order. With ``capacity_nbytes`` set, a write that takes this process's view
+  of the total past the cap scans the directory (the truth, including other
+  processes' files) and removes oldest-first down to ``low_watermark * cap``.
+  Between scans a process does not see other writers, so several writers can
+  overshoot the cap by what the others wrote since this one last scanned.
+
+This module knows nothing about keys' meaning, KV layout or the cache.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from pathlib import Path
+
+from hicache.storage.base import (
+    VALUE_HEADER_NBYTES,
+    StorageBackend,
+    StorageError,
+    check_value,
+    encode_header,
+)
+
+_STALE_TEMP_AGE_S = 600.0  # temp files this old belong to a writer that died mid-write
+
+
+class FileStorage(StorageBackend):
+    """Pages as files under ``root``; optional size cap with LRU clean-up."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        page_nbytes: int,
+        capacity_nbytes: int | None = None,
+        fsync: bool = False,
+        low_watermark: float = 0.9,
+    ) -> None:
+        super().__init__(page_nbytes)
+        if capacity_nbytes is not None and (
+            isinstance(capacity_nbytes, bool)
+            or not isinstance(capacity_nbytes, int)
+            or capacity_nbytes <= 0
+        ):
+            raise ValueError(
+                f"capacity_nbytes: expected a positive int or None, got {capacity_nbytes!r}"
+            )
+        if not 0.0 < low_watermark <= 1.0:
+            raise ValueError(f"low_watermark: expected in (0, 1], got {low_watermark}")
+        self.root = Path(root)
+        self.capacity_nbytes = capacity_nbytes
+        self.fsync = fsync
+        self.low_watermark = low_watermark
+        self.value_nbytes = VALUE_HEADER_NBYTES + page_nbytes
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StorageError(f"file storage: cannot create {self.root}: {e}") from e
+        self._lock = threading.Lock()
+        self._evict_lock = threading.Lock()
+        self._last_stamp_ns = 0
+        self._temp_ids = itertools.count()
+        self._tracked_nbytes = sum(nbytes for _, nbytes, _ in self._scan(remove_stale=True))
+
+    def __repr__(self) -> str:
+        return f"FileStorage({str(self.root)!r}, capacity_nbytes={self.capacity_nbytes})"
+
+    @property
+    def tracked_nbytes(self) -> int:
+        """Bytes on disk as this process last saw them (exact after a clean-up)."""
+        return self._tracked_nbytes
+
+    # ---- primitives -------------------------------------------------------------
+
+    def _exists(self, keys: list[str]) -> int:
+        for i, key in enumerate(keys):
+            try:
+                os.stat(self._path(key))
+            except FileNotFoundError:
+                return i
+            except OSError as e:
+                raise StorageError(f"file storage: stat {key}: {e}") from e
+        return len(keys)
+
+    def _get_into(self, keys: list[str], views: list[memoryview]) -> int:
+        header = bytearray(VALUE_HEADER_NBYTES)
+        for i, (key, view) in enumerate(zip(keys, views, strict=True)):
+            path = self._path(key)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                return i
+            except OSError as e:
+                raise StorageError(f"file storage: open {path}: {e}") from e
+            try:
+                st = os.fstat(fd)
+                intact = (
+                    st.st_size == self.value_nbytes
+                    and os.readv(fd, [header, view]) == self.value_nbytes
+                    and check_value(key, header, view)
+                )
+            except OSError as e:
+                raise StorageError(f"file storage: read {path}: {e}") from e
+            finally:
+                os.close(fd)
+            if not intact:
+                self._drop_corrupt(path, st)
+                return i
+            self._stamp(path)
+        return len(keys)
+
+    def _set(self, keys: list[str], views: list[memoryview]) -> int:
+        num_written = 0
+        for key, view in zip(keys, views, strict=True):
+            path = self._path(key)
+            if path.exists():
+                self._stamp(path)  # a re-offered page is a recent page
+                continue
+            self._write(path, key, view)
+            num_written += 1
+        if num_written:
+            self._count(written_nbytes=num_written * self.page_nbytes)
+            with self._lock:
+                self._tracked_nbytes += num_written * self.value_nbytes
+            if self.capacity_nbytes is not None and self._tracked_nbytes > self.capacity_nbytes:
+                self._evict()
+        return len(keys)
+
+    def _delete(self, keys: list[str]) -> int:
+        num_deleted = 0
+        for key in keys:
+            try:
+                os.unlink(self._path(key))
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                raise StorageError(f"file storage: unlink {key}: {e}") from e
+            num_deleted += 1
+        with self._lock:
+            self._tracked_nbytes = max(0, self._tracked_nbytes - num_deleted * self.value_nbytes)
+        return num_deleted
+
+    def _close(self) -> None:
+        """Nothing is held open between calls."""
+
+    # ---- internals --------------------------------------------------------------
+
+    def _path(self, key: str) -> Path:
+        return self.root / key[:2] / key
+
+    def _write(self, path: Path, key: str, view: memoryview) -> None:
+        temp = path.with_name(
+            f".{key}.{os.getpid()}.{threading.get_ident()}.{next(self._temp_ids)}.tmp"
+        )
+        try:
+            path.parent.mkdir(exist_ok=True)
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                parts = [memoryview(encode_header(key, view)), view]
+                while parts:
+                    written = os.writev(fd, parts)
+                    parts = _advance(parts, written)
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            stamp = self._next_stamp()
+            os.utime(temp, ns=(stamp, stamp))
+            os.replace(temp, path)
+        except OSError as e:
+            try:
+                os.unlink(temp)
+            except OSError:
+                pass
+            raise StorageError(f"file storage: write {path}: {e}") from e
+
+    def _drop_corrupt(self, path: Path, read_stat: os.stat_result) -> None:
+        self._count(num_corrupt_values=1)
+        try:
+            # Another process may have replaced the bad file with a good one meanwhile.
+            if os.stat(path).st_ino == read_stat.st_ino:
+                os.unlink(path)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise StorageError(f"file storage: remove corrupt {path}: {e}") from e
+        with self._lock:
+            self._tracked_nbytes = max(0, self._tracked_nbytes - read_stat.st_size)
+
+    def _next_stamp(self) -> int:
+        # Strictly increasing within the process, so LRU order is exact even when
+        # two accesses fall in one clock tick; wall-clock based so processes agree.
+        with self._lock:
+            self._last_stamp_ns = max(time.time_ns(), self._last_stamp_ns + 1)
+            return self._last_stamp_ns
+
+    def _stamp(self, path: Path) -> None:
+        stamp = self._next_stamp()
+        try:
+            os.utime(path, ns=(stamp, stamp))
+        except FileNotFoundError:
+            pass  # evicted by someone else since: nothing to keep fresh
+
+    def _scan(self, *, remove_stale: bool = False) -> list[tuple[int, int, str]]:
+        """(mtime_ns, nbytes, path) of every value file; optionally drop dead temp files."""
+        entries = []
+        now = time.time()
+        try:
+            subdirs = [d for d in os.scandir(self.root) if d.is_dir() and len(d.name) == 2]
+            for sub in subdirs:
+                for entry in os.scandir(sub.path):
+                    try:
+                        st = entry.stat()
+                    except FileNotFoundError:
+                        continue
+                    if entry.name.startswith("."):
+                        if remove_stale and now - st.st_mtime > _STALE_TEMP_AGE_S:
+                            _unlink_quietly(entry.path)
+                        continue
+                    entries.append((st.st_mtime_ns, st.st_size, entry.path))
+        except OSError as e:
+            raise StorageError(f"file storage: scan {self.root}: {e}") from e
+        return entries
+
+    def _evict(self) -> None:
+        assert self.capacity_nbytes is not None, "eviction needs a capacity"
+        with self._evict_lock:
+            entries = sorted(self._scan())
+            total = sum(nbytes for _, nbytes, _ in entries)
+            target = int(self.capacity_nbytes * self.low_watermark)
+            num_evicted = 0
+            for _, nbytes, path in entries:
+                if total <= target:
+                    break
+                if _unlink_quietly(path):
+                    num_evicted += 1
+                total -= nbytes
+            with self._lock:
+                self._tracked_nbytes = total
+        self._count(num_evicted_pages=num_evicted)
+
+
+def _advance(parts: list[memoryview], nbytes: int) -> list[memoryview]:
+    """The parts still to write after a short ``writev`` of ``nbytes``."""
+    while parts and nbytes >= len(parts[0]):
+        nbytes -= len(parts[0])
+        parts = parts[1:]
+    if parts and nbytes:
+        parts = [parts[0][nbytes:], *parts[1:]]
+    return parts
+
+
+def _unlink_quietly(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False

@@ -1,0 +1,395 @@
+"""Mooncake Store backend (distributed memory pool) and a loopback master launcher.
+
+Uses the optional extra ``mooncake-transfer-engine-non-cuda`` (CPU build, TCP
+transport). A Mooncake cluster is one ``mooncake_master`` (object metadata, with
+its HTTP metadata server for the transfer engine) plus clients that each lend a
+*segment* of their memory to the pool. A value lives in some client's segment
+and disappears when that client leaves, so :func:`start_mooncake_master` can
+also start a segment holder (the bundled ``mooncake_client``) whose memory
+outlives the processes that write and read pages.
+
+Values are moved with the scatter/gather batch calls: the 32-byte header goes to
+a small staging array and the payload straight to or from the caller's page
+memory, so no page-sized copy is made here.
+
+Failures: the client library reports errors as negative codes (and, with the
+master gone, each call takes a few seconds of internal retries). A
+connection-class code raises :class:`StorageError` and opens a short breaker:
+for ``retry_after_s`` every op raises at once instead of waiting again.
+
+This module knows nothing about keys' meaning, the KV layout or the cache.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import ipaddress
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from hicache.storage.base import (
+    VALUE_HEADER_NBYTES,
+    StorageBackend,
+    StorageError,
+    byte_view,
+    check_value,
+    encode_header,
+)
+
+MiB = 1 << 20
+_CODE_NOT_FOUND = -704  # OBJECT_NOT_FOUND
+_SIZE_CODES = (-600, -800)  # buffer too small / transfer failed: a size mismatch looks so
+_CONNECTION_CODE_MAX = -900  # RPC_FAIL (-900) and below: the master cannot be reached
+_INSTALL_HINT = (
+    "the Mooncake backend needs the 'mooncake' extra "
+    "(pip install 'hicache[mooncake]', plus libibverbs1 librdmacm1 libnuma1 on Debian)"
+)
+
+
+def mooncake_binary(name: str) -> Path:
+    """Path of a binary bundled in the mooncake package (``mooncake_master`` ...)."""
+    spec = importlib.util.find_spec("mooncake")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(_INSTALL_HINT)
+    path = Path(next(iter(spec.submodule_search_locations))) / name
+    if not path.is_file():
+        raise ImportError(f"{path} is missing; {_INSTALL_HINT}")
+    if not os.access(path, os.X_OK):
+        path.chmod(path.stat().st_mode | 0o111)
+    return path
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _port_open(host: str, port: int, timeout_s: float) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+class MooncakeMaster:
+    """A running ``mooncake_master`` (and optional segment holder) started by this process."""
+
+    def __init__(
+        self,
+        host: str,
+        rpc_port: int,
+        metadata_port: int,
+        master: subprocess.Popen,
+        holder: subprocess.Popen | None,
+        log_dir: Path,
+    ) -> None:
+        self.host = host
+        self.rpc_port = rpc_port
+        self.metadata_port = metadata_port
+        self.master = master
+        self.holder = holder
+        self.log_dir = log_dir
+
+    @property
+    def master_address(self) -> str:
+        return f"{self.host}:{self.rpc_port}"
+
+    @property
+    def metadata_url(self) -> str:
+        return f"http://{self.host}:{self.metadata_port}/metadata"
+
+    @property
+    def spec(self) -> str:
+        """The ``--storage`` spec that reaches this master."""
+        return f"mooncake://{self.master_address}?metadata={self.metadata_url}"
+
+    def kill_master(self) -> None:
+        """SIGKILL the master only (simulates a crash); the holder is left running."""
+        if self.master.poll() is None:
+            self.master.send_signal(signal.SIGKILL)
+            self.master.wait()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the holder, then the master; SIGKILL whatever ignores SIGTERM."""
+        for proc in (self.holder, self.master):
+            if proc is None or proc.poll() is not None:
+                continue
+            proc.terminate()
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def __enter__(self) -> MooncakeMaster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _wait_ready(proc: subprocess.Popen, host: str, ports: list[int], log: Path, deadline: float):
+    while True:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}:\n{tail}")
+        if all(_port_open(host, p, 0.2) for p in ports):
+            return
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"{proc.args[0]} not listening on {host}:{ports}; see {log}")
+        time.sleep(0.05)
+
+
+def start_mooncake_master(
+    *,
+    host: str = "127.0.0.1",
+    segment_nbytes: int = 0,
+    log_dir: str | os.PathLike[str] | None = None,
+    startup_timeout_s: float = 20.0,
+    extra_args: tuple[str, ...] = (),
+) -> MooncakeMaster:
+    """Start ``mooncake_master`` on free ports of ``host`` with its HTTP metadata server.
+
+    With ``segment_nbytes > 0`` also start a ``mooncake_client`` lending that much
+    memory, so stored pages survive the clients that wrote them. Logs go to
+    ``log_dir`` (a new temp dir by default). Call ``stop()`` (or use ``with``).
+    """
+    master_bin = mooncake_binary("mooncake_master")
+    logs = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="mooncake-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    rpc_port, metadata_port, metrics_port = (_free_port(host) for _ in range(3))
+    master_log = logs / "master.log"
+    cmd = [
+        str(master_bin),
+        f"--rpc_address={host}",
+        f"--rpc_port={rpc_port}",
+        "--enable_http_metadata_server=true",
+        f"--http_metadata_server_host={host}",
+        f"--http_metadata_server_port={metadata_port}",
+        f"--metrics_host={host}",
+        f"--metrics_port={metrics_port}",
+        "--logtostderr",
+        *extra_args,
+    ]
+    deadline = time.monotonic() + startup_timeout_s
+    with open(master_log, "wb") as log:
+        master = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    _wait_ready(master, host, [rpc_port, metadata_port], master_log, deadline)
+    handle = MooncakeMaster(host, rpc_port, metadata_port, master, None, logs)
+    if segment_nbytes > 0:
+        holder_port = _free_port(host)
+        holder_log = logs / "segment_holder.log"
+        holder_cmd = [
+            str(mooncake_binary("mooncake_client")),
+            f"--host={host}",
+            f"--port={holder_port}",
+            f"--master_server_address={handle.master_address}",
+            f"--metadata_server={handle.metadata_url}",
+            f"--global_segment_size={segment_nbytes}",
+            "--protocol=tcp",
+        ]
+        env = {**os.environ, "MC_TCP_BIND_ADDRESS": host}
+        with open(holder_log, "wb") as log:
+            handle.holder = subprocess.Popen(
+                holder_cmd, stdout=log, stderr=subprocess.STDOUT, env=env
+            )
+        try:
+            _wait_ready(handle.holder, host, [holder_port], holder_log, deadline)
+        except RuntimeError:
+            handle.stop()
+            raise
+    return handle
+
+
+def _address(view: memoryview) -> int:
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data
+
+
+class MooncakeStorage(StorageBackend):
+    """Pages in a Mooncake Store, reached through one ``MooncakeDistributedStore`` client."""
+
+    def __init__(
+        self,
+        master_address: str,
+        metadata_url: str,
+        *,
+        page_nbytes: int,
+        local_hostname: str = "127.0.0.1",
+        segment_nbytes: int = 64 * MiB,
+        local_buffer_nbytes: int = 16 * MiB,
+        protocol: str = "tcp",
+        device_name: str = "",
+        connect_timeout_s: float = 2.0,
+        retry_after_s: float = 1.0,
+    ) -> None:
+        super().__init__(page_nbytes)
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as e:
+            raise ImportError(f"{_INSTALL_HINT}: {e}") from e
+        host, port = _split_host_port(master_address)
+        meta = urlsplit(metadata_url)
+        if meta.scheme != "http" or not meta.hostname:
+            raise ValueError(f"metadata_url: expected http://HOST:PORT/PATH, got {metadata_url!r}")
+        self.master_address = master_address
+        self.metadata_url = metadata_url
+        self.value_nbytes = VALUE_HEADER_NBYTES + page_nbytes
+        self.retry_after_s = retry_after_s
+        self._state_lock = threading.Lock()
+        self._down_until = 0.0
+        self._last_failure = ""
+        for what, (h, p) in (("master", (host, port)), ("metadata", (meta.hostname, meta.port))):
+            if not _port_open(h, p or 80, connect_timeout_s):
+                raise StorageError(f"mooncake: {what} at {h}:{p or 80} is unreachable")
+        if _is_ip(local_hostname):
+            # The transfer engine advertises its first NIC unless told; keep it on our host.
+            os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_hostname)
+        self._client = MooncakeDistributedStore()
+        rc = self._client.setup(
+            local_hostname,
+            metadata_url,
+            segment_nbytes,
+            local_buffer_nbytes,
+            protocol,
+            device_name,
+            master_address,
+        )
+        if rc != 0:
+            raise StorageError(f"mooncake: setup against {master_address} failed (code {rc})")
+
+    def __repr__(self) -> str:
+        return f"MooncakeStorage({self.master_address!r}, {self.metadata_url!r})"
+
+    def register_memory(self, buffer: Any) -> None:
+        view = byte_view(buffer, None, writable=False)
+        rc = self._client.register_buffer(_address(view), view.nbytes)
+        if rc != 0:
+            raise StorageError(f"mooncake: register_buffer of {view.nbytes} bytes: code {rc}")
+
+    # ---- primitives -------------------------------------------------------------
+
+    def _exists(self, keys: list[str]) -> int:
+        codes = self._call("batch_is_exist", keys)
+        for i, code in enumerate(codes):
+            if code == 1:
+                continue
+            if code == 0:
+                return i
+            self._fail(f"batch_is_exist: code {code}")
+        return len(keys)
+
+    def _get_into(self, keys: list[str], views: list[memoryview]) -> int:
+        headers = np.empty((len(keys), VALUE_HEADER_NBYTES), dtype=np.uint8)  # (n, 32)
+        base = headers.ctypes.data
+        ptrs = [[base + i * VALUE_HEADER_NBYTES, _address(v)] for i, v in enumerate(views)]
+        sizes = [[VALUE_HEADER_NBYTES, self.page_nbytes]] * len(keys)
+        codes = self._call("batch_get_into_multi_buffers", keys, ptrs, sizes)
+        for i, (key, view, code) in enumerate(zip(keys, views, codes, strict=True)):
+            if code == self.value_nbytes:
+                if check_value(key, memoryview(headers[i]), view):
+                    continue
+                self._drop_corrupt(key)
+                return i
+            if code == _CODE_NOT_FOUND:
+                return i
+            if code <= _CONNECTION_CODE_MAX:
+                self._fail(f"batch_get_into: code {code} for {key}")
+            if code in _SIZE_CODES or code >= 0:
+                size = self._call("get_size", key)
+                if size >= 0 and size != self.value_nbytes:
+                    self._drop_corrupt(key)
+                    return i
+                if size == _CODE_NOT_FOUND:
+                    return i
+            self._count(num_errors=1)  # a transfer failed: a miss, not a reason to stop serving
+            return i
+        return len(keys)
+
+    def _set(self, keys: list[str], views: list[memoryview]) -> int:
+        headers = np.frombuffer(
+            b"".join(encode_header(k, v) for k, v in zip(keys, views, strict=True)),
+            dtype=np.uint8,
+        )
+        base = headers.ctypes.data
+        ptrs = [[base + i * VALUE_HEADER_NBYTES, _address(v)] for i, v in enumerate(views)]
+        sizes = [[VALUE_HEADER_NBYTES, self.page_nbytes]] * len(keys)
+        codes = self._call("batch_put_from_multi_buffers", keys, ptrs, sizes)
+        num_stored = len(keys)
+        for i, code in enumerate(codes):
+            if code == 0:
+                continue
+            if code <= _CONNECTION_CODE_MAX:
+                self._fail(f"batch_put_from: code {code} for {keys[i]}")
+            self._count(num_errors=1)  # no space left, or the object is being replaced
+            num_stored = i
+            break
+        self._count(written_nbytes=num_stored * self.page_nbytes)
+        return num_stored
+
+    def _delete(self, keys: list[str]) -> int:
+        codes = self._call("batch_remove", keys, True)  # force: ignore read leases
+        for code in codes:
+            if code <= _CONNECTION_CODE_MAX:
+                self._fail(f"batch_remove: code {code}")
+        return sum(1 for code in codes if code == 0)
+
+    def _close(self) -> None:
+        # With the master gone this takes seconds (measured 1-13 s): the library
+        # retries the unmount while holding the GIL. Skipping it does not help: a
+        # client left alive makes interpreter exit wait on its threads instead.
+        self._client.close()
+
+    # ---- internals --------------------------------------------------------------
+
+    def _call(self, method: str, *args: Any) -> Any:
+        with self._state_lock:
+            if time.monotonic() < self._down_until:
+                raise StorageError(
+                    f"mooncake: {self.master_address} unavailable ({self._last_failure}); "
+                    f"retrying after {self.retry_after_s} s"
+                )
+        try:
+            return getattr(self._client, method)(*args)
+        except (RuntimeError, OSError) as e:
+            self._fail(f"{method}: {e}")
+
+    def _fail(self, what: str) -> None:
+        with self._state_lock:
+            self._down_until = time.monotonic() + self.retry_after_s
+            self._last_failure = what
+        raise StorageError(f"mooncake: {self.master_address}: {what}")
+
+    def _drop_corrupt(self, key: str) -> None:
+        self._count(num_corrupt_values=1)
+        code = self._call("remove", key, True)
+        if code <= _CONNECTION_CODE_MAX:
+            self._fail(f"remove corrupt {key}: code {code}")
+
+
+def _split_host_port(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"master address: expected HOST:PORT, got {address!r}")
+    return host, int(port)
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
