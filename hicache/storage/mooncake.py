@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib.util
 import ipaddress
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -94,6 +95,7 @@ class MooncakeMaster:
         master: subprocess.Popen,
         holder: subprocess.Popen | None,
         log_dir: Path,
+        owns_log_dir: bool = False,
     ) -> None:
         self.host = host
         self.rpc_port = rpc_port
@@ -101,6 +103,7 @@ class MooncakeMaster:
         self.master = master
         self.holder = holder
         self.log_dir = log_dir
+        self.owns_log_dir = owns_log_dir  # a temp dir made for us: removed by stop()
 
     @property
     def master_address(self) -> str:
@@ -132,6 +135,8 @@ class MooncakeMaster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self.owns_log_dir:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def __enter__(self) -> MooncakeMaster:
         return self
@@ -166,7 +171,8 @@ def start_mooncake_master(
 
     With ``segment_nbytes > 0`` also start a ``mooncake_client`` lending that much
     memory, so stored pages survive the clients that wrote them. Logs go to
-    ``log_dir`` (a new temp dir by default). Call ``stop()`` (or use ``with``).
+    ``log_dir`` (by default a temp dir that ``stop()`` removes). Call ``stop()`` (or
+    use ``with``).
     """
     master_bin = mooncake_binary("mooncake_master")
     logs = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="mooncake-"))
@@ -189,7 +195,7 @@ def start_mooncake_master(
     with open(master_log, "wb") as log:
         master = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     _wait_ready(master, host, [rpc_port, metadata_port], master_log, deadline)
-    handle = MooncakeMaster(host, rpc_port, metadata_port, master, None, logs)
+    handle = MooncakeMaster(host, rpc_port, metadata_port, master, None, logs, log_dir is None)
     if segment_nbytes > 0:
         holder_port = _free_port(host)
         holder_log = logs / "segment_holder.log"
