@@ -25,10 +25,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 from hicache.allocator import PageAllocator
-from hicache.config import CacheConfig, WritePolicy
+from hicache.config import CacheConfig, PrefetchPolicy, WritePolicy
 from hicache.tree import IOStatus, MatchResult, TokenLike, TreeNode, token_key
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -61,6 +62,14 @@ class CacheStats:
     device_evicted_tokens: int = 0
     host_evicted_tokens: int = 0
     inserted_tokens: int = 0  # tokens newly cached by insert
+    storage_prefetches: int = 0  # reads from the third tier started
+    storage_hit_tokens: int = 0  # tokens brought into the host tier from storage
+    storage_read_bytes: int = 0
+    storage_read_seconds: float = 0.0
+    storage_writes: int = 0  # writes to the third tier started
+    storage_write_bytes: int = 0
+    storage_write_seconds: float = 0.0
+    storage_errors: int = 0  # failed storage jobs (store unreachable, I/O error)
 
 
 class _Transfer:
@@ -175,6 +184,11 @@ class HiCache:
         self._node_transfer: dict[TreeNode, _Transfer] = {}  # nodes with IO in flight
         self._num_loading_nodes = 0
         self._live: set[PrefixHandle] = set()
+        self.storage = None
+        self._storage_pins: dict[TreeNode, object] = {}  # host-pinned by a storage write
+        self._prefetches: list = []  # storage reads in flight
+        if config.storage is not None:
+            self._open_storage(config)
 
     # ------------------------------------------------------------- lifecycle
     def match(
@@ -189,6 +203,8 @@ class HiCache:
         """
         self.poll()
         key = token_key(tokens, self.page_size)
+        if self.storage is not None:
+            self._prefetch_for_match(key, namespace)
         result = self.tree.match_key(key, namespace)
         h = PrefixHandle(self, key, namespace, result)
         self.tree.lock(result.last_device_node)
@@ -376,6 +392,12 @@ class HiCache:
     def poll(self) -> int:
         """Apply every transfer that finished since the last call; return how many."""
         done = self.transfers.poll()
+        if self.storage is not None:
+            for job in self.storage.poll():
+                if job.kind == "write":
+                    self._finish_storage_write(job)
+                else:
+                    self._finish_storage_read(job)
         for handle in done:
             rec = self._inflight.pop(id(handle))
             for node in rec.nodes:
@@ -388,9 +410,15 @@ class HiCache:
         return len(done)
 
     def wait_all(self, timeout: float | None = None) -> None:
-        """Wait for every transfer in flight, then apply them (not for the manual executor)."""
+        """Wait for every transfer (and storage job) in flight, then apply them.
+
+        On the manual executor only what the test completed is applied.
+        """
         for rec in list(self._inflight.values()):
             rec.handle.wait(timeout)
+        self.poll()  # finished backups may start storage writes
+        for job in [*self._prefetches, *set(self._storage_pins.values())]:
+            job.done.wait(timeout)
         self.poll()
 
     def _track(self, rec: _Transfer) -> None:
@@ -401,6 +429,10 @@ class HiCache:
             self._num_loading_nodes += len(rec.nodes)
 
     def _on_split(self, prefix: TreeNode, suffix: TreeNode) -> None:
+        job = self._storage_pins.get(suffix)
+        if job is not None:
+            job.nodes.append(prefix)
+            self._storage_pins[prefix] = job
         rec = self._node_transfer.get(suffix)
         if rec is not None:
             rec.nodes.append(prefix)
@@ -471,6 +503,8 @@ class HiCache:
             return
         c.backup_bytes += rec.nbytes
         c.backup_seconds += handle.seconds or 0.0
+        if self.storage is not None:
+            self._store(rec.nodes)
         if rec.evict_after:
             # Deepest first: parts split off in flight become leaves once their child goes.
             for node in sorted(rec.nodes, key=self._depth, reverse=True):
@@ -580,6 +614,142 @@ class HiCache:
         self.counters.backups += 1
         return True
 
+    # ------------------------------------------------------- third tier
+    def _open_storage(self, config: CacheConfig) -> None:
+        from hicache.storage import make_storage
+        from hicache.tiering import StorageTier
+
+        if self.host_pool is None:
+            raise ValueError(
+                "storage: expected a host tier holding KV (host_tokens/host_nbytes/host_ratio "
+                "and allocate_kv=True), got none"
+            )
+        backend = make_storage(
+            config.storage, page_nbytes=self._page_nbytes, **config.extra.get("storage", {})
+        )
+        self.storage = StorageTier(backend, self.host_pool)
+        self._fingerprint = config.kv.fingerprint()
+
+    def _page_keys(self, key: bytes, namespace: str | None) -> list[str]:
+        from hicache.storage import page_keys
+
+        tokens = np.frombuffer(key, dtype=np.int32)
+        return page_keys(tokens, self.page_size, namespace, self._fingerprint)
+
+    def prefetch(self, tokens: TokenLike, namespace: str | None = None):
+        """Start reading the pages of ``tokens`` that only storage holds into host memory.
+
+        Call it when a request arrives; :meth:`match` (when the request is scheduled)
+        then uses what has arrived, as ``prefetch_policy`` says. Returns the job, or
+        ``None`` when there is no third tier or nothing to fetch.
+        """
+        self.poll()
+        if self.storage is None:
+            return None
+        return self._start_prefetch(token_key(tokens, self.page_size), namespace)
+
+    def _start_prefetch(self, key: bytes, namespace: str | None):
+        from hicache.tiering import StorageJob
+
+        pnb = 4 * self.page_size
+        start = self.tree.probe_key(key, namespace) // self.page_size
+        if start >= len(key) // pnb:
+            return None
+        for job in self._prefetches:  # already on its way
+            if (job.namespace == namespace and job.start_page == start
+                    and job.token_key[: start * pnb] == key[: start * pnb]):
+                return job
+        keys = self._page_keys(key, namespace)[start:]
+        num_pages = self.storage.exists(keys)
+        if num_pages == 0:
+            return None
+        host_pages = self._alloc_host(num_pages)
+        if host_pages is None:
+            return None
+        job = StorageJob("read", keys[:num_pages], host_pages)
+        job.token_key = key[: (start + num_pages) * pnb]
+        job.namespace = namespace
+        job.start_page = start
+        self._prefetches.append(job)
+        self.storage.submit(job)
+        self.counters.storage_prefetches += 1
+        return job
+
+    def _prefetch_for_match(self, key: bytes, namespace: str | None) -> None:
+        job = self._start_prefetch(key, namespace)
+        if job is not None:
+            policy = self.config.prefetch_policy
+            if policy is PrefetchPolicy.WAIT_COMPLETE:
+                job.done.wait()
+            elif policy is PrefetchPolicy.TIMEOUT:
+                job.done.wait(self.config.prefetch_timeout_s)
+            self.poll()
+
+    def _finish_storage_read(self, job) -> None:
+        self._prefetches.remove(job)
+        c = self.counters
+        c.storage_read_seconds += job.seconds
+        if job.error is not None:
+            c.storage_errors += 1
+        num_done = 0 if job.error is not None else job.num_done
+        c.storage_read_bytes += num_done * self._page_nbytes
+        start = job.start_page
+        P, pnb = self.page_size, 4 * self.page_size
+        taken = 0
+        # The fetched pages extend a prefix; only useful while that prefix is cached.
+        if num_done and self.tree.probe_key(job.token_key[: start * pnb], job.namespace) == (
+            start * P
+        ):
+            # Entries before ``start`` are placeholders: those pages are cached, so the
+            # tree takes none of them.
+            indices = torch.cat(
+                (torch.zeros(start, dtype=torch.int64), job.host_pages[:num_done])
+            )
+            tokens = np.frombuffer(job.token_key[: (start + num_done) * pnb], dtype=np.int32)
+            result = self.tree.insert_host(tokens, indices, job.namespace)
+            cached = result.num_cached_tokens // P - start  # ours that were cached meanwhile
+            if cached > 0:
+                self.host_allocator.free(job.host_pages[:cached])
+            taken = num_done - max(cached, 0)
+            c.storage_hit_tokens += taken * P
+        else:
+            num_done = 0
+        if job.host_pages.shape[0] > num_done:
+            self.host_allocator.free(job.host_pages[num_done:])
+
+    def _store(self, nodes: list[TreeNode]) -> None:
+        """Write the host copies of freshly backed-up nodes to storage, pinned meanwhile."""
+        from hicache.tiering import StorageJob
+
+        keys: list[str] = []
+        for node in nodes:
+            if node.host_indices is None:
+                continue
+            path_key = b"".join(n.key for n in self.tree.path_to(node))
+            num_pages = node.num_tokens // self.page_size
+            keys.extend(self._page_keys(path_key, node.namespace)[-num_pages:])
+        live = [n for n in nodes if n.host_indices is not None]
+        if not live:
+            return
+        job = StorageJob("write", keys, torch.cat([n.host_indices for n in live]))
+        for node in live:
+            self.tree.host_lock(node)
+            self._storage_pins[node] = job
+        job.nodes = live
+        self.storage.submit(job)
+        self.counters.storage_writes += 1
+
+    def _finish_storage_write(self, job) -> None:
+        for node in job.nodes:
+            self.tree.host_unlock(node)
+            del self._storage_pins[node]
+        c = self.counters
+        c.storage_write_seconds += job.seconds
+        if job.error is not None:
+            c.storage_errors += 1
+        else:
+            c.storage_write_bytes += job.num_done * self._page_nbytes
+
     # ------------------------------------------------------- inspection
     def _check_handle(self, h: object) -> None:
         if not isinstance(h, PrefixHandle):
@@ -619,9 +789,10 @@ class HiCache:
             f"device pages: {self.device_allocator.num_used_pages} allocated, tree holds "
             f"{self.tree.device_tokens // P}, requests own {owned}: pages leaked or lost"
         )
-        assert self.host_allocator.num_used_pages == self.tree.host_tokens // P, (
+        prefetching = sum(job.host_pages.shape[0] for job in self._prefetches)
+        assert self.host_allocator.num_used_pages == self.tree.host_tokens // P + prefetching, (
             f"host pages: {self.host_allocator.num_used_pages} allocated, tree holds "
-            f"{self.tree.host_tokens // P}: pages leaked or lost"
+            f"{self.tree.host_tokens // P}, storage reads hold {prefetching}: pages leaked or lost"
         )
         want_locks: dict[TreeNode, int] = {}
         want_host_locks: dict[TreeNode, int] = {}
@@ -632,6 +803,8 @@ class HiCache:
             if rec.kind == "load":
                 for node in rec.nodes:
                     want_host_locks[node] = want_host_locks.get(node, 0) + 1
+        for node in self._storage_pins:
+            want_host_locks[node] = want_host_locks.get(node, 0) + 1
         for node in self.tree.nodes():
             assert node.lock_ref == want_locks.get(node, 0), (
                 f"node {node.id}: lock_ref {node.lock_ref}, live requests hold "
@@ -650,7 +823,12 @@ class HiCache:
         )
 
     def close(self) -> None:
+        """Finish transfers in flight, then stop the workers (and the storage tier)."""
+        if self.transfers.executor_name != "manual":
+            self.wait_all()  # backups that finish now still reach storage
         self.transfers.close()
+        if self.storage is not None:
+            self.storage.close()
 
     def __enter__(self) -> HiCache:
         return self

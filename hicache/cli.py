@@ -49,8 +49,9 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
             sub.add_parser(name, help=help_text)
     bench = sub.add_parser("bench", help="benchmarks (each ends with one JSON line)")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    wanted_bench = argv[1] if wanted == "bench" and len(argv) > 1 else None
     for name, module, help_text in _BENCHES:
-        if wanted == "bench":
+        if wanted_bench == name:
             _add(bench_sub, name, module, help_text)
         else:
             bench_sub.add_parser(name, help=help_text)
