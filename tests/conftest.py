@@ -5,7 +5,7 @@ import torch
 
 from hicache.tree import RadixTree
 
-TREE_KINDS = ["python"]
+TREE_KINDS = ["python"] + (["native"] if __import__("hicache.native").native.native_available() else [])
 
 
 @pytest.fixture(params=TREE_KINDS)

@@ -1,0 +1,432 @@
+// Python binding of the native radix tree (module `hicache_native_*`, loaded by
+// hicache/native.py). Nodes cross as integer handles (common.h); the Python
+// wrapper turns them into proxy objects. Inputs are checked here, before the
+// tree is touched, so bad input raises ValueError / TypeError and leaves the
+// tree unchanged. Token ids are read in place from int32 tensors, int32 numpy
+// arrays and bytes; int64 input is narrowed once into a scratch buffer.
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/python.h>
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <limits>
+
+#include "tree.h"
+
+namespace py = pybind11;
+using hicache::IndexRun;
+using hicache::NodeHandle;
+using hicache::RadixTree;
+using hicache::token_t;
+using hicache::TreeNode;
+
+namespace {
+
+constexpr std::int64_t kMaxToken = std::numeric_limits<token_t>::max();
+
+
+std::string type_name(py::handle obj) { return py::str(py::type::handle_of(obj).attr("__name__")); }
+
+// The whole-page tokens of one call, and whatever keeps their memory alive.
+struct Key {
+  hicache::token_span span;
+  at::Tensor holder;
+  std::vector<token_t> scratch;
+  std::optional<py::buffer_info> buffer;
+};
+
+void check_ids(const token_t* data, std::size_t n) {
+  std::uint32_t acc = 0;  // a negative id sets the sign bit
+  for (std::size_t i = 0; i < n; ++i) acc |= static_cast<std::uint32_t>(data[i]);
+  if (acc >> 31) {
+    throw hicache::ValueError("tokens: expected ids in [0, " + std::to_string(kMaxToken) +
+                              "], got " + std::to_string(*std::min_element(data, data + n)));
+  }
+}
+
+template <typename T>
+void narrow_ids(const char* base, std::ptrdiff_t stride_bytes, std::size_t n, Key& key) {
+  key.scratch.resize(n);
+  bool ok = true;
+  T lo = 0;
+  T hi = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    T v;
+    std::memcpy(&v, base + static_cast<std::ptrdiff_t>(i) * stride_bytes, sizeof(T));
+    ok &= v >= 0 && static_cast<std::int64_t>(v) <= kMaxToken;
+    lo = i == 0 ? v : std::min(lo, v);
+    hi = i == 0 ? v : std::max(hi, v);
+    key.scratch[i] = static_cast<token_t>(v);
+  }
+  if (!ok) {
+    throw hicache::ValueError("tokens: expected ids in [0, " + std::to_string(kMaxToken) +
+                              "], got range [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                              "]");
+  }
+  key.span = {key.scratch.data(), n};
+}
+
+// Accepts an int32/int64 1-D CPU tensor, an int32/int64 1-D buffer (numpy), or
+// bytes already made by hicache.tree.token_key. Only whole pages are kept.
+void read_key(py::handle obj, std::int64_t page_size, Key& key) {
+  const auto whole = [page_size](std::int64_t n) {
+    return static_cast<std::size_t>(n / page_size * page_size);
+  };
+  if (THPVariable_Check(obj.ptr())) {
+    at::Tensor t = THPVariable_Unpack(obj.ptr());
+    const auto dtype = t.scalar_type();
+    if (dtype != at::kInt && dtype != at::kLong) {
+      throw hicache::TypeError(std::string("tokens: expected an int32 or int64 tensor, got dtype ") +
+                               c10::toString(dtype));
+    }
+    if (t.dim() != 1) {
+      throw hicache::ValueError("tokens: expected a 1-D sequence, got " +
+                                std::to_string(t.dim()) + " dimensions");
+    }
+    if (!t.is_cpu()) t = t.cpu();
+    const std::size_t n = whole(t.size(0));
+    const auto stride = t.stride(0) * static_cast<std::int64_t>(t.element_size());
+    const char* base = static_cast<const char*>(t.const_data_ptr());
+    if (dtype == at::kInt && (t.stride(0) == 1 || n <= 1)) {
+      key.span = {reinterpret_cast<const token_t*>(base), n};
+      check_ids(key.span.data(), n);
+      key.holder = std::move(t);
+    } else if (dtype == at::kInt) {
+      narrow_ids<std::int32_t>(base, stride, n, key);
+    } else {
+      narrow_ids<std::int64_t>(base, stride, n, key);
+    }
+    return;
+  }
+  if (PyBytes_Check(obj.ptr())) {
+    const auto nbytes = static_cast<std::size_t>(PyBytes_GET_SIZE(obj.ptr()));
+    if (nbytes % (sizeof(token_t) * static_cast<std::size_t>(page_size)) != 0) {
+      throw hicache::ValueError("key: expected whole pages of int32 tokens (" +
+                                std::to_string(sizeof(token_t) * page_size) +
+                                " bytes each), got " + std::to_string(nbytes) + " bytes");
+    }
+    const char* data = PyBytes_AS_STRING(obj.ptr());
+    if (reinterpret_cast<std::uintptr_t>(data) % alignof(token_t) == 0) {
+      key.span = {reinterpret_cast<const token_t*>(data), nbytes / sizeof(token_t)};
+    } else {
+      key.scratch.resize(nbytes / sizeof(token_t));
+      std::memcpy(key.scratch.data(), data, nbytes);
+      key.span = {key.scratch.data(), key.scratch.size()};
+    }
+    return;
+  }
+  if (PyObject_CheckBuffer(obj.ptr())) {
+    key.buffer = py::reinterpret_borrow<py::buffer>(obj).request();
+    const py::buffer_info& info = *key.buffer;
+    if (info.ndim != 1) {
+      throw hicache::ValueError("tokens: expected a 1-D sequence, got " +
+                                std::to_string(info.ndim) + " dimensions");
+    }
+    const char fmt = info.format.empty() ? '?' : info.format.back();
+    const bool is_int = fmt == 'i' || fmt == 'l' || fmt == 'q';
+    const std::size_t n = whole(info.shape[0]);
+    const char* base = static_cast<const char*>(info.ptr);
+    if (is_int && info.itemsize == 4) {
+      const bool direct = info.strides[0] == 4 &&
+                          reinterpret_cast<std::uintptr_t>(base) % alignof(token_t) == 0;
+      if (direct) {
+        key.span = {reinterpret_cast<const token_t*>(base), n};
+        check_ids(key.span.data(), n);
+      } else {
+        narrow_ids<std::int32_t>(base, info.strides[0], n, key);
+      }
+      return;
+    }
+    if (is_int && info.itemsize == 8) {
+      narrow_ids<std::int64_t>(base, info.strides[0], n, key);
+      return;
+    }
+    throw hicache::TypeError("tokens: expected int32 or int64 token ids, got buffer format '" +
+                             info.format + "'");
+  }
+  throw hicache::TypeError("tokens: expected a torch tensor, numpy array or bytes, got " +
+                           type_name(obj));
+}
+
+// A 1-D int64 CPU tensor of page ids, held by reference (a view, like the
+// Python tree's slices); non-contiguous input is copied once.
+IndexRun read_pages(py::handle obj, const char* name) {
+  if (!THPVariable_Check(obj.ptr())) {
+    throw hicache::TypeError(std::string(name) + ": expected an int64 torch.Tensor, got " +
+                             type_name(obj));
+  }
+  at::Tensor t = THPVariable_Unpack(obj.ptr());
+  if (t.scalar_type() != at::kLong || t.dim() != 1) {
+    std::string shape = "(";
+    for (std::int64_t d = 0; d < t.dim(); ++d) shape += std::to_string(t.size(d)) + ",";
+    throw hicache::TypeError(std::string(name) + ": expected a 1-D int64 tensor, got dtype " +
+                             c10::toString(t.scalar_type()) + " shape " + shape + ")");
+  }
+  if (!t.is_cpu()) {
+    throw hicache::ValueError(std::string(name) + ": expected a CPU tensor, got " +
+                              t.device().str());
+  }
+  if (!t.is_contiguous()) t = t.contiguous();
+  const std::int64_t n = t.size(0);
+  return IndexRun{std::move(t), 0, n};
+}
+
+// read_pages, plus the insert check: one page id per whole page of the key.
+IndexRun read_pages(py::handle obj, const char* name, const Key& key, const RadixTree& tree) {
+  IndexRun pages = read_pages(obj, name);
+  const auto num_pages = static_cast<std::int64_t>(key.span.size()) / tree.page_size();
+  if (pages.num_pages != num_pages) {
+    throw hicache::ValueError(std::string(name) + ": expected one page id per whole page (" +
+                              std::to_string(num_pages) + "), got " +
+                              std::to_string(pages.num_pages));
+  }
+  return pages;
+}
+
+std::uint32_t ns_of(RadixTree& tree, py::handle ns) {
+  if (ns.is_none()) return tree.namespace_index(std::nullopt);
+  if (!PyUnicode_Check(ns.ptr())) {
+    throw hicache::TypeError("namespace: expected str or None, got " + type_name(ns));
+  }
+  return tree.namespace_index(ns.cast<std::string>());
+}
+
+TreeNode* node_of(const RadixTree& tree, NodeHandle handle, const char* op) {
+  TreeNode* node = tree.find(handle);
+  if (node == nullptr) {
+    throw hicache::ValueError(std::string(op) + ": node " + std::to_string(handle) +
+                              " is no longer in the tree (stale)");
+  }
+  return node;
+}
+
+py::object maybe_tensor(const IndexRun& run) {
+  if (!run.defined()) return py::none();
+  return py::cast(run.tensor());
+}
+
+py::tuple evict_result(const hicache::EvictOut& out) {
+  return py::make_tuple(out.pages, out.num_evicted_tokens, out.num_backup_tokens);
+}
+
+std::vector<NodeHandle> handles(const std::vector<TreeNode*>& nodes) {
+  std::vector<NodeHandle> out;
+  out.reserve(nodes.size());
+  for (const TreeNode* n : nodes) out.push_back(n->handle);
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "hicache native radix tree (see hicache/native.py)";
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const hicache::ValueError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const hicache::TypeError& e) {
+      PyErr_SetString(PyExc_TypeError, e.what());
+    } catch (const std::logic_error& e) {
+      PyErr_SetString(PyExc_AssertionError, e.what());
+    }
+  });
+
+  py::class_<RadixTree>(m, "Tree")
+      .def(py::init([](std::int64_t page_size, const std::string& eviction) {
+        if (eviction != "lru" && eviction != "lfu") {
+          throw hicache::ValueError("eviction: expected 'lru' or 'lfu', got '" + eviction + "'");
+        }
+        return std::make_unique<RadixTree>(page_size, eviction == "lru"
+                                                          ? hicache::EvictionPolicy::LRU
+                                                          : hicache::EvictionPolicy::LFU);
+      }))
+      .def_readwrite("num_nodes", &RadixTree::num_nodes)
+      .def_readwrite("device_evictable_tokens", &RadixTree::device_evictable_tokens)
+      .def_readwrite("device_protected_tokens", &RadixTree::device_protected_tokens)
+      .def_readwrite("host_evictable_tokens", &RadixTree::host_evictable_tokens)
+      .def_readwrite("host_protected_tokens", &RadixTree::host_protected_tokens)
+      .def("set_on_split",
+           [](RadixTree& t, py::object fn) {
+             if (fn.is_none()) {
+               t.on_split = nullptr;
+             } else {
+               t.on_split = [fn](TreeNode* prefix, TreeNode* suffix) {
+                 fn(prefix->handle, suffix->handle);
+               };
+             }
+           })
+      .def("root", [](RadixTree& t, py::handle ns) { return t.root(ns_of(t, ns))->handle; })
+      .def("match",
+           [](RadixTree& t, py::handle tokens, py::handle ns) {
+             Key key;
+             read_key(tokens, t.page_size(), key);
+             const auto out = t.match(key.span, ns_of(t, ns));
+             return py::make_tuple(out.device_len, out.host_len, out.last_device->handle,
+                                   out.last->handle);
+           })
+      .def("insert",
+           [](RadixTree& t, py::handle tokens, py::handle device_indices, py::handle ns) {
+             Key key;
+             read_key(tokens, t.page_size(), key);
+             const IndexRun pages = read_pages(device_indices, "device_indices", key, t);
+             const auto out = t.insert(key.span, pages, ns_of(t, ns));
+             return py::make_tuple(out.num_cached_tokens, out.last->handle);
+           })
+      .def("insert_host",
+           [](RadixTree& t, py::handle tokens, py::handle host_indices, py::handle ns) {
+             Key key;
+             read_key(tokens, t.page_size(), key);
+             const IndexRun pages = read_pages(host_indices, "host_indices", key, t);
+             const auto out = t.insert_host(key.span, pages, ns_of(t, ns));
+             return py::make_tuple(out.num_cached_tokens, out.last->handle);
+           })
+      .def("probe",
+           [](RadixTree& t, py::handle tokens, py::handle ns) {
+             Key key;
+             read_key(tokens, t.page_size(), key);
+             std::optional<std::string> name;
+             if (!ns.is_none()) {
+               if (!PyUnicode_Check(ns.ptr())) return std::int64_t{0};  // no such root
+               name = ns.cast<std::string>();
+             }
+             return t.probe(key.span, t.find_namespace(name));
+           })
+      .def("lock", [](RadixTree& t, NodeHandle h) { t.lock(node_of(t, h, "lock")); })
+      .def("unlock", [](RadixTree& t, NodeHandle h) { t.unlock(node_of(t, h, "unlock")); })
+      .def("host_lock",
+           [](RadixTree& t, NodeHandle h) { t.host_lock(node_of(t, h, "host_lock")); })
+      .def("host_unlock",
+           [](RadixTree& t, NodeHandle h) { t.host_unlock(node_of(t, h, "host_unlock")); })
+      .def("set_io_status",
+           [](RadixTree& t, NodeHandle h, int status) {
+             if (status < 0 || status > 2) {
+               throw hicache::ValueError("set_io_status: expected 0, 1 or 2, got " +
+                                         std::to_string(status));
+             }
+             t.set_io_status(node_of(t, h, "set_io_status"),
+                             static_cast<hicache::IOStatus>(status));
+           })
+      .def("attach_device",
+           [](RadixTree& t, NodeHandle h, py::handle pages) {
+             TreeNode* node = node_of(t, h, "attach_device");
+             t.attach_device(node, read_pages(pages, "device_indices"));
+           })
+      .def("detach_device",
+           [](RadixTree& t, NodeHandle h) { return t.detach_device(node_of(t, h, "detach_device")); })
+      .def("attach_host",
+           [](RadixTree& t, NodeHandle h, py::handle pages) {
+             TreeNode* node = node_of(t, h, "attach_host");
+             t.attach_host(node, read_pages(pages, "host_indices"));
+           })
+      .def("detach_host",
+           [](RadixTree& t, NodeHandle h) { return t.detach_host(node_of(t, h, "detach_host")); })
+      .def("evict_device",
+           [](RadixTree& t, std::int64_t num_tokens, py::object backup) {
+             if (backup.is_none()) return evict_result(t.evict_device(num_tokens, nullptr));
+             const RadixTree::BackupHook hook = [&backup](TreeNode* node) {
+               const py::object result = backup(node->handle);
+               const int truth = PyObject_IsTrue(result.ptr());
+               if (truth < 0) throw py::error_already_set();
+               return truth == 1;
+             };
+             return evict_result(t.evict_device(num_tokens, &hook));
+           })
+      .def("evict_host",
+           [](RadixTree& t, std::int64_t num_tokens, bool drop_device_resident) {
+             return evict_result(t.evict_host(num_tokens, drop_device_resident));
+           })
+      .def("device_indices_of",
+           [](RadixTree& t, NodeHandle h) {
+             return t.device_indices_of(node_of(t, h, "device_indices_of"));
+           })
+      .def("path_to",
+           [](RadixTree& t, NodeHandle h) {
+             std::vector<NodeHandle> out;
+             for (TreeNode* n = node_of(t, h, "path_to"); n->parent != nullptr; n = n->parent) {
+               out.push_back(n->handle);
+             }
+             std::reverse(out.begin(), out.end());
+             return out;
+           })
+      .def("host_only_path",
+           [](RadixTree& t, NodeHandle last, NodeHandle last_device) {
+             TreeNode* stop = node_of(t, last_device, "host_only_path");
+             std::vector<NodeHandle> out;
+             for (TreeNode* n = node_of(t, last, "host_only_path"); n != stop; n = n->parent) {
+               if (n->parent == nullptr) {
+                 throw hicache::ValueError(
+                     "host_only_path: last_device_node is not an ancestor of last_node");
+               }
+               out.push_back(n->handle);
+             }
+             std::reverse(out.begin(), out.end());
+             return out;
+           })
+      .def("nodes", [](RadixTree& t) { return handles(t.nodes()); })
+      .def("live", [](RadixTree& t, const std::vector<NodeHandle>& hs) {
+             std::vector<NodeHandle> out;
+             for (NodeHandle h : hs) {
+               if (t.find(h) != nullptr) out.push_back(h);
+             }
+             return out;
+           })
+      .def("check_integrity", &RadixTree::check_integrity)
+      .def("memory_bytes", &RadixTree::memory_bytes)
+      // Node accessors (all take a handle; a stale one raises ValueError).
+      .def("node_id", [](RadixTree& t, NodeHandle h) { return node_of(t, h, "id")->id; })
+      .def("parent",
+           [](RadixTree& t, NodeHandle h) {
+             const TreeNode* p = node_of(t, h, "parent")->parent;
+             return p == nullptr ? hicache::kNoNode : p->handle;
+           })
+      .def("children",
+           [](RadixTree& t, NodeHandle h) {
+             const TreeNode* node = node_of(t, h, "children");
+             py::list out;
+             const auto nbytes = static_cast<std::size_t>(t.page_size()) * sizeof(token_t);
+             for (const TreeNode* c = node->first_child; c != nullptr; c = c->next_sibling) {
+               out.append(py::make_tuple(
+                   py::bytes(reinterpret_cast<const char*>(c->tokens.data), nbytes), c->handle));
+             }
+             return out;
+           })
+      .def("namespace",
+           [](RadixTree& t, NodeHandle h) -> py::object {
+             const auto& name = t.namespace_name(node_of(t, h, "namespace")->ns);
+             if (!name) return py::none();
+             return py::str(*name);
+           })
+      .def("key",
+           [](RadixTree& t, NodeHandle h) {
+             const TreeNode* node = node_of(t, h, "key");
+             return py::bytes(reinterpret_cast<const char*>(node->tokens.data),
+                              node->tokens.len * sizeof(token_t));
+           })
+      .def("device_indices",
+           [](RadixTree& t, NodeHandle h) { return maybe_tensor(node_of(t, h, "device_indices")->device); })
+      .def("host_indices",
+           [](RadixTree& t, NodeHandle h) { return maybe_tensor(node_of(t, h, "host_indices")->host); })
+      .def("num_tokens", [](RadixTree& t, NodeHandle h) { return node_of(t, h, "num_tokens")->num_tokens(); })
+      .def("on_device", [](RadixTree& t, NodeHandle h) { return node_of(t, h, "on_device")->on_device(); })
+      .def("on_host", [](RadixTree& t, NodeHandle h) { return node_of(t, h, "on_host")->on_host(); })
+      .def("lock_ref", [](RadixTree& t, NodeHandle h) { return node_of(t, h, "lock_ref")->lock_ref; })
+      .def("host_lock_ref",
+           [](RadixTree& t, NodeHandle h) { return node_of(t, h, "host_lock_ref")->host_lock_ref; })
+      .def("io_status",
+           [](RadixTree& t, NodeHandle h) {
+             return static_cast<int>(node_of(t, h, "io_status")->io_status);
+           })
+      .def("hit_count", [](RadixTree& t, NodeHandle h) { return node_of(t, h, "hit_count")->hit_count; })
+      .def("last_access",
+           [](RadixTree& t, NodeHandle h) { return node_of(t, h, "last_access")->last_access; })
+      .def("repr", [](RadixTree& t, NodeHandle h) { return node_of(t, h, "repr")->repr(); })
+      // Overwrite a lock count without any bookkeeping: for corruption tests only.
+      .def("set_lock_ref",
+           [](RadixTree& t, NodeHandle h, std::int64_t v) { node_of(t, h, "lock_ref")->lock_ref = v; })
+      .def("set_host_lock_ref", [](RadixTree& t, NodeHandle h, std::int64_t v) {
+        node_of(t, h, "host_lock_ref")->host_lock_ref = v;
+      });
+}

@@ -1,0 +1,131 @@
+// One node of the native radix tree: a run of whole pages, where their KV lives
+// in each tier, locks, IO status and access statistics.
+//
+// Token runs and index runs are windows over shared storage: splitting a node
+// moves two windows and copies nothing. Tensors are materialized (a `narrow`
+// view) only when Python asks for a node's indices.
+//
+// Knows nothing of the tree's invariants or of eviction order (tree.h).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+
+#include "common.h"
+
+namespace hicache {
+
+// A window over token storage shared by every node cut from one insert.
+struct TokenRun {
+  std::shared_ptr<token_t[]> storage;
+  std::size_t storage_len = 0;  // tokens in the whole storage (for memory accounting)
+  const token_t* data = nullptr;
+  std::size_t len = 0;
+
+  token_span span() const { return {data, len}; }
+
+  static TokenRun copy_of(token_span tokens) {
+    TokenRun run;
+    run.storage = std::make_shared_for_overwrite<token_t[]>(tokens.size());
+    std::copy(tokens.begin(), tokens.end(), run.storage.get());
+    run.storage_len = tokens.size();
+    run.data = run.storage.get();
+    run.len = tokens.size();
+    return run;
+  }
+
+  TokenRun prefix(std::size_t n) const {
+    TokenRun run = *this;
+    run.len = n;
+    return run;
+  }
+
+  TokenRun suffix(std::size_t n_skip) const {
+    TokenRun run = *this;
+    run.data += n_skip;
+    run.len -= n_skip;
+    return run;
+  }
+};
+
+// A window [offset, offset + num_pages) over a 1-D contiguous int64 CPU tensor,
+// or "no copy in this tier" when `base` is undefined.
+struct IndexRun {
+  at::Tensor base;
+  std::int64_t offset = 0;
+  std::int64_t num_pages = 0;
+
+  bool defined() const { return base.defined(); }
+
+  const page_id_t* data() const {
+    return static_cast<const page_id_t*>(base.const_data_ptr()) + offset;
+  }
+
+  IndexRun slice(std::int64_t start, std::int64_t n) const {
+    return IndexRun{base, offset + start, n};
+  }
+
+  // A view of the window (no copy); the whole base when the window covers it.
+  at::Tensor tensor() const {
+    if (offset == 0 && num_pages == base.size(0)) return base;
+    return base.narrow(0, offset, num_pages);
+  }
+
+  void reset() {
+    base.reset();
+    offset = 0;
+    num_pages = 0;
+  }
+};
+
+struct TreeNode {
+  using ChildMap = std::unordered_map<PageKey, std::unique_ptr<TreeNode>, PageKeyHash>;
+
+  TreeNode(std::int64_t id_, NodeHandle handle_, TreeNode* parent_, std::uint32_t ns_)
+      : id(id_), handle(handle_), parent(parent_), ns(ns_) {}
+
+  std::int64_t id;        // 0 for roots, like the Python tree
+  NodeHandle handle;      // see common.h
+  TreeNode* parent;       // nullptr for roots and for removed nodes
+  std::uint32_t ns;       // index of the namespace (tree.h)
+  TokenRun tokens;        // a whole number of pages
+  IndexRun device;        // one device page id per page, or undefined
+  IndexRun host;          // one host page id per page, or undefined
+  std::int64_t lock_ref = 0;       // running requests using the device pages
+  std::int64_t host_lock_ref = 0;  // loads / third-tier writes reading the host pages
+  IOStatus io_status = IOStatus::None;
+  std::int64_t hit_count = 0;      // matches that went through this node
+  std::int64_t last_access = 0;    // tree clock tick of the last match or insert touching it
+  std::uint64_t dev_seq = 0;       // seq of this node's newest device-heap entry
+  std::uint64_t host_seq = 0;      // seq of this node's newest host-heap entry
+  std::uint32_t num_device_children = 0;  // children on the device (device-leaf test in O(1))
+
+  // Children are owned by the map and keyed by their first page; the sibling
+  // links keep insertion order, which fixes the order of nodes() and hence the
+  // seq order of rebuilt heaps (ties in priority are broken by seq).
+  ChildMap children;
+  TreeNode* first_child = nullptr;
+  TreeNode* last_child = nullptr;
+  TreeNode* prev_sibling = nullptr;
+  TreeNode* next_sibling = nullptr;
+
+  bool on_device() const { return device.defined(); }
+  bool on_host() const { return host.defined(); }
+  bool is_root() const { return id == 0; }
+  std::int64_t num_tokens() const { return static_cast<std::int64_t>(tokens.len); }
+  PageKey first_page(std::size_t page_size) const { return {tokens.data, page_size}; }
+
+  std::string repr() const {
+    return "TreeNode(id=" + std::to_string(id) + ", tokens=" + std::to_string(tokens.len) +
+           ", device=" + (on_device() ? "True" : "False") +
+           ", host=" + (on_host() ? "True" : "False") + ", lock=" + std::to_string(lock_ref) +
+           ", host_lock=" + std::to_string(host_lock_ref) + ", io=" + io_status_name(io_status) +
+           ")";
+  }
+};
+
+}  // namespace hicache

@@ -1,0 +1,157 @@
+// The native radix tree: the same contract as hicache/tree.py (read its module
+// docstring), operation for operation, so that matches, evictions and their
+// page order come out identical. Heap entries are pushed at exactly the points
+// where the Python tree calls _refresh, and ties are broken by the same seqs.
+//
+// Nodes removed by an operation are parked in a graveyard until the outermost
+// operation returns: a Python hook (backup, on_split) running in the middle of
+// an eviction may call back into the tree, and the node pointers the outer
+// loop holds must stay valid.
+//
+// Knows nothing of Python: callbacks are std::function, errors are the
+// ValueError / TypeError types of common.h.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "common.h"
+#include "heap.h"
+#include "node.h"
+
+namespace hicache {
+
+struct MatchOut {
+  std::int64_t device_len;  // leading tokens whose KV is on the device
+  std::int64_t host_len;    // tokens after those whose KV is only in host memory
+  TreeNode* last_device;    // deepest matched node on the device (a root if none)
+  TreeNode* last;           // deepest matched node
+};
+
+struct InsertOut {
+  std::int64_t num_cached_tokens;  // leading tokens already on the device
+  TreeNode* last;                  // node ending at the inserted length
+};
+
+struct EvictOut {
+  at::Tensor pages;  // (num_pages,) int64: pages given up, in eviction order
+  std::int64_t num_evicted_tokens;
+  std::int64_t num_backup_tokens;
+};
+
+class RadixTree {
+ public:
+  using SplitHook = std::function<void(TreeNode* prefix, TreeNode* suffix)>;
+  using BackupHook = std::function<bool(TreeNode*)>;
+
+  RadixTree(std::int64_t page_size, EvictionPolicy policy);
+  RadixTree(const RadixTree&) = delete;
+  RadixTree& operator=(const RadixTree&) = delete;
+
+  std::int64_t page_size() const { return page_size_; }
+
+  // Namespaces: index of a namespace (nullopt = the default one), its root
+  // created on first use; roots keep creation order, like the Python dict.
+  std::uint32_t namespace_index(const std::optional<std::string>& ns);
+  std::optional<std::uint32_t> find_namespace(const std::optional<std::string>& ns) const;
+  TreeNode* root(std::uint32_t ns) { return roots_[ns].get(); }
+  const std::optional<std::string>& namespace_name(std::uint32_t ns) const { return ns_names_[ns]; }
+
+  // The live node of a handle, or nullptr if it was freed (or never existed).
+  TreeNode* find(NodeHandle handle) const;
+
+  MatchOut match(token_span key, std::uint32_t ns);
+  InsertOut insert(token_span key, const IndexRun& pages, std::uint32_t ns);
+  // Pages that arrive only in host memory (a third tier): the uncached rest
+  // becomes one host-only leaf; num_cached_tokens counts both tiers.
+  InsertOut insert_host(token_span key, const IndexRun& pages, std::uint32_t ns);
+  // Tokens of key cached in any tier: no split, no hit, no access time changed.
+  std::int64_t probe(token_span key, std::optional<std::uint32_t> ns) const;
+
+  void lock(TreeNode* node);
+  void unlock(TreeNode* node);
+  void host_lock(TreeNode* node);
+  void host_unlock(TreeNode* node);
+
+  void set_io_status(TreeNode* node, IOStatus status);
+  void attach_device(TreeNode* node, const IndexRun& pages);
+  at::Tensor detach_device(TreeNode* node);
+  void attach_host(TreeNode* node, const IndexRun& pages);
+  at::Tensor detach_host(TreeNode* node);
+
+  EvictOut evict_device(std::int64_t num_tokens, const BackupHook* backup);
+  EvictOut evict_host(std::int64_t num_tokens, bool drop_device_resident);
+
+  at::Tensor device_indices_of(TreeNode* node) const;
+  std::vector<TreeNode*> nodes() const;  // non-root nodes, parents before children
+
+  // "" if every invariant holds, else the first violation (Python asserts on it).
+  std::string check_integrity() const;
+  // Bytes the tree holds: nodes, maps, heaps, token storage and index storage
+  // (every storage counted once, however many nodes share it).
+  std::size_t memory_bytes() const;
+
+  // Counters (plain fields so that corruption tests can overwrite them).
+  std::int64_t num_nodes = 0;
+  std::int64_t device_evictable_tokens = 0;  // on device, lock_ref == 0
+  std::int64_t device_protected_tokens = 0;  // on device, lock_ref > 0
+  std::int64_t host_evictable_tokens = 0;    // on host, host_lock_ref == 0
+  std::int64_t host_protected_tokens = 0;    // on host, host_lock_ref > 0
+
+  SplitHook on_split;
+
+ private:
+  friend struct OpScope;
+
+  TreeNode* new_child(TreeNode* parent, TokenRun tokens);
+  TreeNode* split(TreeNode* node, std::int64_t num_pages);
+  void remove(TreeNode* node);
+  std::int64_t common_pages(token_span child, token_span rest) const;
+
+  int device_rank(const TreeNode* node) const;
+  int host_rank(const TreeNode* node) const;
+  HeapEntry entry(const TreeNode* node, int rank, std::uint64_t seq) const;
+  void push_device(TreeNode* node, int rank);
+  void push_host(TreeNode* node, int rank);
+  TreeNode* pop_device();
+  TreeNode* pop_host();
+  void refresh(TreeNode* node);
+  void maybe_compact();
+  void compact();
+
+  at::Tensor concat(const std::vector<IndexRun>& runs) const;
+
+  std::int64_t page_size_;
+  EvictionPolicy policy_;
+  std::vector<std::unique_ptr<TreeNode>> roots_;
+  std::vector<std::optional<std::string>> ns_names_;
+  std::optional<std::uint32_t> default_ns_;
+  std::unordered_map<std::string, std::uint32_t> ns_index_;
+  std::unordered_map<NodeHandle, TreeNode*> by_handle_;  // live non-root nodes
+  std::int64_t next_id_ = 1;
+  std::int64_t clock_ = 0;
+  CandidateHeap device_heap_;
+  CandidateHeap host_heap_;
+  int depth_ = 0;  // operations in progress (re-entrant through hooks)
+  std::vector<std::unique_ptr<TreeNode>> graveyard_;
+  at::Tensor empty_roots_indices_;
+};
+
+// Marks an operation in progress; the outermost one frees the graveyard.
+struct OpScope {
+  explicit OpScope(RadixTree& t) : tree(t) { ++tree.depth_; }
+  ~OpScope() {
+    if (--tree.depth_ == 0) tree.graveyard_.clear();
+  }
+  OpScope(const OpScope&) = delete;
+  OpScope& operator=(const OpScope&) = delete;
+  RadixTree& tree;
+};
+
+}  // namespace hicache
