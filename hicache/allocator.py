@@ -75,16 +75,20 @@ class PageAllocator:
             raise TypeError(f"{self.name}: expected dtype torch.int64, got {pages.dtype}")
         if pages.dim() != 1:
             raise ValueError(f"{self.name}: expected a 1-D tensor, got shape {tuple(pages.shape)}")
-        ids = pages.cpu().numpy()
+        ids = pages.numpy() if pages.device.type == "cpu" else pages.cpu().numpy()
         if ids.size == 0:
             return ids
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= self.num_pages:
+        try:
+            if ids.min() < 0:  # numpy would wrap a negative index around
+                raise IndexError
+            in_use = self._in_use[ids]
+        except IndexError:
             raise ValueError(
-                f"{self.name}: page ids must lie in [0, {self.num_pages}), got range [{lo}, {hi}]"
-            )
-        if not self._in_use[ids].all():
-            bad = ids[~self._in_use[ids]][:8].tolist()
+                f"{self.name}: page ids must lie in [0, {self.num_pages}), "
+                f"got range [{ids.min()}, {ids.max()}]"
+            ) from None
+        if not in_use.all():
+            bad = ids[~in_use][:8].tolist()
             raise ValueError(f"{self.name}: double free or never allocated: pages {bad}")
         if ids.size > 1:  # duplicates: a later position overwrites an earlier one's slot
             order = np.arange(ids.size)

@@ -603,13 +603,22 @@ class RadixTree:
         return 1 if node.device_indices is not None else 0
 
     def _refresh(self, node: TreeNode) -> None:
-        """Give ``node`` a current heap entry in each tier where it is a candidate."""
-        rank = self._device_rank(node)
-        if rank is not None:
-            self._device_heap.push(node, rank)
-        rank = self._host_rank(node)
-        if rank is not None:
-            self._host_heap.push(node, rank)
+        """Give ``node`` a current heap entry in each tier where it is a candidate.
+
+        Inlines :meth:`_device_rank` and :meth:`_host_rank`: this runs on every
+        state change, and the early exits keep it cheap.
+        """
+        if node.io_status is not IOStatus.NONE or node.parent is None:
+            return
+        children = node.children
+        if node.device_indices is not None and not node.lock_ref:
+            for c in children.values():
+                if c.device_indices is not None:
+                    break
+            else:
+                self._device_heap.push(node, 0)
+        if node.host_indices is not None and not node.host_lock_ref and not children:
+            self._host_heap.push(node, 1 if node.device_indices is not None else 0)
 
     def _maybe_compact(self) -> None:
         """Rebuild the heaps once stale entries outnumber live nodes by far."""
