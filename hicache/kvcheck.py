@@ -189,15 +189,25 @@ def verify_host_kv(
     P = kv.page_size
     if start % P:
         raise ValueError(f"start: expected a multiple of page_size {P}, got {start}")
-    table = torch.full((start // P,), 0, dtype=torch.int64)
-    pages, slots = _slots(torch.cat([table, host_pages.cpu()]), start, end, P, pool.num_pages)
+    if not isinstance(host_pages, torch.Tensor) or host_pages.dtype != torch.int64:
+        raise TypeError(f"host_pages: expected an int64 tensor, got {host_pages!r}")
+    num_pages = -(-(end - start) // P)
+    if end < start or num_pages > len(host_pages):
+        raise ValueError(
+            f"range: [{start}, {end}) needs {num_pages} host pages, got {len(host_pages)}"
+        )
     if end == start:
         return []
+    ids = host_pages[:num_pages].cpu()
+    if int(ids.min()) < 0 or int(ids.max()) >= pool.num_pages:
+        raise ValueError(f"host_pages: ids outside [0, {pool.num_pages})")
     row = kv.num_kv_heads * kv.head_dim
     want = expected_kv(position_seeds(tokens, end, namespace)[start:], kv.num_layers, row,
                        kv.torch_dtype)  # (n, L, 2, row)
-    # buffer: (num_pages, L, 2, P, H, D) -> (n, L, 2, H, D)
-    got = pool.buffer[pages, :, :, slots].reshape(want.shape)
+    # (num_pages, L, 2, P, H, D) -> (num_pages, P, L, 2, row): token-major like ``want``
+    got = pool.buffer.index_select(0, ids).reshape(num_pages, kv.num_layers, 2, P, row)
+    got = got.permute(0, 3, 1, 2, 4).reshape(num_pages * P, kv.num_layers, 2, row)
+    got = got[: end - start]
     bad = (_bits(got) != _bits(want)).reshape(len(want), -1).any(dim=1)
     return (torch.nonzero(bad).flatten() + start).tolist()
 

@@ -1,0 +1,247 @@
+"""Hypothesis state machine: random interleavings of requests and transfers on HiCache.
+
+Several requests (two namespaces) are live at once; each rule is one step of one
+of them (match, load-back, allocate + compute, insert, release) or of the
+transfers (complete a layer, fail one, poll) or of memory pressure (evict by
+allocating). The manual executor copies a layer only when a rule completes it,
+so every order of IO against eviction is reachable. After every step:
+``check_integrity()``, the KV of every readable page verified with ``kvcheck``,
+and every request whose loads have all landed sees exactly its prefix's KV. At
+the end everything is driven to quiescence: zero leaked pages on both tiers,
+no lock left.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from hicache import kvcheck
+from hicache.cache import HiCache, LoadError
+from hicache.config import CacheConfig, KVConfig
+from hicache.tree import IOStatus
+
+P = 2
+KV = KVConfig(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float16", page_size=P)
+MAX_LIVE = 4
+# Shared stems make prefixes collide (hits, splits, loads); the tails make them diverge.
+STEMS = [[0, 1, 2, 3, 0, 1, 2, 3], [0, 1, 2, 3, 3, 3], [5, 5, 5, 5, 5, 5, 5, 5, 5, 5], [1, 2]]
+prompts = st.builds(
+    lambda stem, tail: stem + tail,
+    st.sampled_from(STEMS),
+    st.lists(st.integers(0, 3), min_size=0, max_size=4),
+)
+namespaces = st.sampled_from([None, "t1"])
+
+
+class Request:
+    def __init__(self, h, tokens: list[int], ns: str | None) -> None:
+        self.h = h
+        self.tokens = tokens
+        self.ns = ns
+        self.inserted = False
+
+
+def loads_landed(h) -> bool:
+    """True when every load ``h`` depends on has landed without error (manual executor)."""
+    try:
+        for layer in range(KV.num_layers):
+            h.wait_layer(layer)
+    except LoadError:
+        return False
+    return True
+
+
+class CacheMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache: HiCache | None = None
+        self.live: list[Request] = []
+
+    @initialize(
+        policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
+        device_pages=st.integers(4, 10),
+        host_pages=st.integers(2, 24),
+        load_threshold=st.sampled_from([0, 0, 4]),
+    )
+    def setup(self, policy, device_pages, host_pages, load_threshold):
+        cfg = CacheConfig(
+            KV, device_tokens=device_pages * P, host_tokens=host_pages * P, executor="manual",
+            host_reserve_nbytes=0, write_policy=policy, load_threshold_tokens=load_threshold,
+        )
+        self.cache = HiCache(cfg)
+
+    @property
+    def executor(self):
+        return self.cache.transfers.executor
+
+    # ---------------------------------------------------------------- requests
+    @precondition(lambda self: len(self.live) < MAX_LIVE)
+    @rule(tokens=prompts, ns=namespaces, load_back=st.booleans())
+    def match(self, tokens, ns, load_back):
+        h = self.cache.match(tokens, ns, load_back=load_back)
+        assert h.prefix_len <= len(tokens) // P * P
+        self.live.append(Request(h, tokens, ns))
+
+    @precondition(lambda self: self.cache is not None)
+    @rule(tokens=prompts, ns=namespaces)
+    def serve(self, tokens, ns):
+        """A whole request while the others stay in flight; completes only its own loads."""
+        before = self.executor.pending()
+        req = Request(self.cache.match(tokens, ns), tokens, ns)
+        for t in self.executor.pending():
+            if t not in before:
+                assert self.executor.complete(t)
+        if self._compute(req):
+            self._insert(req)
+        self.cache.release(req.h)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def load_back(self, data):
+        req = data.draw(st.sampled_from(self.live))
+        if not req.inserted:
+            self.cache.load_back(req.h)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def advance(self, data):
+        """The next step of one request: compute the rest, insert it, or finish."""
+        req = data.draw(st.sampled_from(self.live))
+        if req.inserted:
+            self.live.remove(req)
+            self.cache.release(req.h)
+        elif not self._compute(req):
+            return
+        else:
+            self._insert(req)
+
+    def _compute(self, req: Request) -> bool:
+        """Allocate pages for the rest of the prompt and write its KV (the model's forward)."""
+        h = req.h
+        covered = h.prefix_len + h.num_owned_pages * P
+        missing = len(req.tokens) - covered
+        if missing > 0 and self.cache.alloc(h, missing) is None:
+            return False  # out of device pages: a normal outcome
+        if h.prefix_len + h.num_owned_pages * P < len(req.tokens):
+            return False  # a failed load cut the prefix back meanwhile: allocate again later
+        kvcheck.write_kv(self.cache.device_pool, h.page_table(), req.tokens, h.prefix_len,
+                         len(req.tokens), req.ns)
+        return True
+
+    def _insert(self, req: Request) -> None:
+        h = req.h
+        if not loads_landed(h):
+            return  # the model would wait; a later step inserts
+        self.cache.poll()
+        if h.prefix_len + h.num_owned_pages * P < len(req.tokens):
+            return  # cut back by a failure applied just now
+        self.cache.insert(h, req.tokens)
+        req.inserted = True
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def abort(self, data):
+        req = data.draw(st.sampled_from(self.live))
+        self.live.remove(req)
+        self.cache.release(req.h)
+
+    # --------------------------------------------------------------- transfers
+    @precondition(lambda self: self.cache is not None and self.executor.pending())
+    @rule(data=st.data())
+    def complete_layer(self, data):
+        t = data.draw(st.sampled_from(self.executor.pending()))
+        assert self.executor.complete_layer(t)
+
+    @precondition(lambda self: self.cache is not None and self.executor.pending())
+    @rule(data=st.data())
+    def complete_transfer(self, data):
+        t = data.draw(st.sampled_from(self.executor.pending()))
+        assert self.executor.complete(t)
+
+    @precondition(lambda self: self.cache is not None and self.executor.pending())
+    @rule(data=st.data())
+    def fail_transfer(self, data):
+        t = data.draw(st.sampled_from(self.executor.pending()))
+        self.executor.fail(t, RuntimeError("injected"))
+
+    @precondition(lambda self: self.cache is not None)
+    @rule()
+    def poll(self):
+        self.cache.poll()
+
+    @precondition(lambda self: self.cache is not None)
+    @rule(num_pages=st.integers(1, 8))
+    def pressure(self, num_pages):
+        """Another request wants ``num_pages`` device pages: eviction runs."""
+        h = self.cache.match([])
+        self.cache.alloc(h, num_pages * P)
+        self.cache.release(h)
+
+    # --------------------------------------------------------------- checks
+    @invariant()
+    def consistent(self):
+        if self.cache is None:
+            return
+        self.cache.check_integrity()
+        assert kvcheck.verify_cache(self.cache) == []
+        for req in self.live:
+            h = req.h
+            if loads_landed(h):
+                end = h.prefix_len
+                if req.inserted:  # plus the partial last page it still owns (unless cut back)
+                    end = min(len(req.tokens), h.prefix_len + h.num_owned_pages * P)
+                bad = kvcheck.verify_kv(self.cache.device_pool, h.page_table(), req.tokens, end,
+                                        req.ns)
+                assert bad == [], f"request {req.tokens} ({req.ns}) reads wrong KV at {bad}"
+
+    def teardown(self):
+        cache = self.cache
+        if cache is None:
+            return
+        for _ in range(100):
+            todo = self.executor.pending()
+            if not todo:
+                break
+            for t in todo:
+                assert self.executor.complete(t)
+            cache.poll()
+        for req in self.live:
+            cache.release(req.h)
+        cache.poll()
+        cache.check_integrity()
+        s = cache.stats()
+        assert s["transfers_in_flight"] == 0 and s["live_requests"] == 0
+        assert s["device_pages_used"] == s["device_cached_tokens"] // P, "device pages leaked"
+        assert s["host_pages_used"] == s["host_cached_tokens"] // P, "host pages leaked"
+        for node in cache.tree.nodes():
+            assert node.lock_ref == 0 and node.host_lock_ref == 0, f"lock leaked: {node}"
+            assert node.io_status is IOStatus.NONE
+        assert kvcheck.verify_cache(cache) == []
+        cache.close()
+
+
+TestCacheMachine = CacheMachine.TestCase
+TestCacheMachine.settings = settings(
+    max_examples=60, stateful_step_count=50, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+
+@pytest.mark.slow
+def test_cache_machine_long():
+    settings_long = settings(
+        max_examples=1000, stateful_step_count=80, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
+    from hypothesis.stateful import run_state_machine_as_test
+
+    run_state_machine_as_test(CacheMachine, settings=settings_long)
