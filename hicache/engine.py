@@ -33,6 +33,7 @@ import time
 from enum import Enum
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from hicache.allocator import PageAllocator
@@ -136,7 +137,7 @@ class Engine:
     # ------------------------------------------------------------------ API
     def generate(
         self,
-        prompt_tokens: list[int] | torch.Tensor,
+        prompt_tokens: list[int] | np.ndarray | torch.Tensor,
         max_new_tokens: int,
         namespace: str | None = None,
         *,
@@ -201,11 +202,17 @@ class Engine:
     def _check_prompt(self, prompt_tokens: object) -> torch.Tensor:
         if isinstance(prompt_tokens, torch.Tensor):
             prompt = prompt_tokens.to(torch.int64).cpu()
+        elif isinstance(prompt_tokens, np.ndarray):
+            if prompt_tokens.dtype.kind not in "iu":
+                raise TypeError(
+                    f"prompt_tokens: expected an integer array, got dtype {prompt_tokens.dtype}"
+                )
+            prompt = torch.from_numpy(prompt_tokens.astype(np.int64))
         elif isinstance(prompt_tokens, list | tuple):
             prompt = torch.tensor(prompt_tokens, dtype=torch.int64)
         else:
             raise TypeError(
-                f"prompt_tokens: expected a list of ints or a tensor, "
+                f"prompt_tokens: expected a list of ints, an int array or a tensor, "
                 f"got {type(prompt_tokens).__name__}"
             )
         if prompt.dim() != 1 or prompt.numel() == 0:

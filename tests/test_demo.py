@@ -1,0 +1,107 @@
+"""`hicache demo` and `hicache bench multiturn` (which share the replay code), shrunk to
+seconds: tiny preset, a handful of requests."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from hicache import cli
+from hicache.benchmarks import multiturn
+
+TINY_WORKLOAD = ["--preset", "tiny", "--sessions", "3", "--turns", "3", "--system-prompts", "2",
+                 "--system-tokens", "96"]
+
+
+@pytest.fixture(autouse=True)
+def restore_torch_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_demo_prints_table_and_conclusion(capsys):
+    assert cli.main(["demo", *TINY_WORKLOAD]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    for name in ("none", "device", "hierarchical"):
+        assert any(line.startswith(f"  {name} ") and "9/9" in line for line in lines), out
+        assert any(line.startswith(f"{name} ") for line in lines), out
+    assert "all three configurations generated identical tokens" in out
+    conclusion = next(line for line in lines if line.startswith("hierarchical: "))
+    assert "lower mean TTFT than device-only" in conclusion
+    assert "fewer tokens computed" in conclusion
+
+
+def test_demo_requests_option_shrinks_the_run(capsys):
+    assert cli.main(["demo", *TINY_WORKLOAD, "--requests", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "hicache demo: 4 agent requests" in out
+    assert "4/4" in out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                    reason="matplotlib not installed")
+def test_demo_plot(tmp_path, capsys):
+    path = tmp_path / "ttft.png"
+    assert cli.main(["demo", *TINY_WORKLOAD, "--requests", "4", "--plot", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"plot written to {path}" in capsys.readouterr().out
+
+
+def test_demo_plot_without_matplotlib(monkeypatch, tmp_path, capsys):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec",
+        lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a),
+    )
+    path = tmp_path / "ttft.png"
+    assert cli.main(["demo", *TINY_WORKLOAD, "--plot", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert "--plot needs matplotlib" in captured.err
+    assert not path.exists()
+    assert captured.out == ""  # failed before running anything
+
+
+def test_demo_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="--turns: expected >= 1, got 0"):
+        cli.main(["demo", *TINY_WORKLOAD, "--turns", "0"])
+
+
+def test_bench_multiturn_json(capsys):
+    assert cli.main(["bench", "multiturn", "--preset", "tiny", "--requests", "10", "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1, "--json prints only the JSON line"
+    result = json.loads(out[-1])
+    assert list(result["configs"]) == ["none", "device", "hierarchical"]
+    keys = {"ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "hit_ratio", "device_hit_ratio",
+            "host_hit_ratio", "computed_tokens", "req_per_s"}
+    for name, summary in result["configs"].items():
+        assert keys <= set(summary), name
+        assert summary["requests"] == 10
+    none, device, hier = (result["configs"][n] for n in ("none", "device", "hierarchical"))
+    assert none["computed_tokens"] == none["prompt_tokens"] and none["hit_ratio"] == 0
+    assert device["host_hit_ratio"] == 0
+    assert hier["computed_tokens"] <= device["computed_tokens"]
+    assert result["device_tokens"] < result["working_set_tokens"]
+
+
+def test_bench_multiturn_trace_file(tmp_path, capsys):
+    from hicache.traces import generate, write_trace
+
+    path = tmp_path / "t.jsonl"
+    write_trace(generate("agentic", seed=1, num_system_prompts=1, system_tokens=64,
+                         num_sessions=2, num_turns=2, output_tokens=3), str(path))
+    assert cli.main(["bench", "multiturn", "--trace", str(path), "--preset", "tiny",
+                     "--configs", "device,hierarchical", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert list(result["configs"]) == ["device", "hierarchical"]
+    assert result["num_requests"] == 4 and result["trace"] == str(path)
+
+
+def test_bench_multiturn_rejects_unknown_config():
+    with pytest.raises(ValueError, match="--configs"):
+        multiturn.main(["--preset", "tiny", "--requests", "2", "--configs", "none,disk"])
