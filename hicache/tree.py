@@ -155,6 +155,8 @@ def token_key(tokens: TokenLike, page_size: int) -> bytes:
     ``[0, 2**31)``.
     """
     if isinstance(tokens, torch.Tensor):
+        if tokens.device.type == "meta":
+            raise ValueError("tokens: expected a tensor with data (CPU or CUDA), got device meta")
         if tokens.dtype not in (torch.int32, torch.int64, torch.int16, torch.uint8):
             raise TypeError(f"tokens: expected an integer tensor, got dtype {tokens.dtype}")
         tokens = tokens.detach().cpu().numpy()
@@ -226,7 +228,11 @@ class RadixTree:
     # ----------------------------------------------------------------- basics
     def root(self, namespace: str | None = None) -> TreeNode:
         """The root of a namespace (created on first use). Roots hold no tokens."""
-        root = self._roots.get(namespace)
+        try:
+            root = self._roots.get(namespace)
+        except TypeError:  # unhashable: say what a namespace must be
+            _check_namespace(namespace)
+            raise
         if root is None:
             _check_namespace(namespace)
             root = TreeNode(0, b"", None, namespace)
@@ -424,7 +430,7 @@ class RadixTree:
         key = token_key(tokens, self.page_size)
         num_pages = len(key) // self._page_nbytes
         _check_indices("host_indices", host_indices, num_pages)
-        node = self.root(namespace)
+        node = last_device = self.root(namespace)
         self._clock += 1
         pnb = self._page_nbytes
         off, n = 0, len(key)
@@ -438,6 +444,8 @@ class RadixTree:
                 ck = child.key
             node = child
             node.last_access = self._clock
+            if node.device_indices is not None:
+                last_device = node
             off += len(ck)
         num_cached = off
         if off < n:
@@ -445,8 +453,11 @@ class RadixTree:
             node.host_indices = host_indices[off // pnb :]
             node.last_access = self._clock
             self.host_evictable_tokens += node.num_tokens
+        # As in match: only the deepest device node and the last node can be candidates.
+        self._refresh(last_device)
+        if node is not last_device:
             self._refresh(node)
-            self._maybe_compact()
+        self._maybe_compact()
         return InsertResult(num_cached >> 2, node)
 
     # ------------------------------------------------------------------ locks
@@ -568,6 +579,39 @@ class RadixTree:
         self._refresh(node)
         return pages
 
+    def _merge_host_chain(self, node: TreeNode) -> None:
+        """Absorb ``node``'s only child when both are idle and host-only.
+
+        Leaf-first eviction turns a chain (one node per turn of a conversation)
+        into host-only nodes one by one; merging them keeps a reload of the chain
+        one node instead of dozens. Nothing references an idle host-only node
+        (no lock, no pin, no IO), so the absorbed child just goes stale.
+        """
+        if (
+            node.device_indices is not None
+            or node.host_lock_ref
+            or node.io_status is not IOStatus.NONE
+            or len(node.children) != 1
+        ):
+            return
+        (child,) = node.children.values()
+        if (
+            child.device_indices is not None
+            or child.host_lock_ref
+            or child.io_status is not IOStatus.NONE
+        ):
+            return
+        node.key += child.key
+        node.host_indices = torch.cat((node.host_indices, child.host_indices))
+        node.children = child.children
+        for grandchild in node.children.values():
+            grandchild.parent = node
+        node.hit_count = max(node.hit_count, child.hit_count)
+        node.last_access = max(node.last_access, child.last_access)
+        child.parent = None
+        child.children = {}
+        self.num_nodes -= 1
+
     def _remove(self, node: TreeNode) -> None:
         parent = node.parent
         del parent.children[node.key[: self._page_nbytes]]
@@ -665,6 +709,7 @@ class RadixTree:
                 node.device_indices = None
                 self.device_evictable_tokens -= node.num_tokens
                 num_freed += node.num_tokens
+                self._merge_host_chain(node)
                 self._refresh(node)
                 self._refresh(node.parent)
             elif backup is not None and backup(node):

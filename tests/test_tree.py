@@ -425,3 +425,21 @@ def test_probe_is_read_only(make_tree):
     m = tree.match_prefix([1, 1])
     assert m.last_node.hit_count == 1  # the probes counted no hits
     tree.check_integrity()
+
+
+def test_evicted_chain_merges_into_one_host_only_node(make_tree):
+    tree = make_tree(2)
+    a = tree.insert([1, 1], pages(0)).last_node
+    b = tree.insert([1, 1, 2, 2], pages(0, 1)).last_node
+    c = tree.insert([1, 1, 2, 2, 3, 3], pages(0, 1, 2)).last_node
+    for node, host in ((a, 10), (b, 11), (c, 12)):
+        tree.attach_host(node, pages(host))
+    assert tree.num_nodes == 3
+    res = tree.evict_device(6)
+    assert res.device_indices.tolist() == [2, 1, 0]  # leaf first
+    assert tree.num_nodes == 1
+    m = tree.match_prefix([1, 1, 2, 2, 3, 3])
+    assert (m.device_len, m.host_len) == (0, 6)
+    assert m.last_node.host_indices.tolist() == [10, 11, 12]
+    assert tree.evict_host(2).device_indices.tolist() == [12]  # tail of the merged node
+    tree.check_integrity()
