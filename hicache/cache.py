@@ -110,6 +110,8 @@ class PrefixHandle:
 
     @property
     def prefix_pages(self) -> torch.Tensor:
+        if self.released:  # the tree may have evicted and reused them since
+            raise ValueError("handle was already released: its pages are no longer valid")
         if self._prefix_pages is None:
             self._prefix_pages = self._cache.tree.device_indices_of(self._lock_node)
         return self._prefix_pages
@@ -125,6 +127,11 @@ class PrefixHandle:
 
     def wait_layer(self, layer: int) -> None:
         """Block until layer ``layer`` of every load this request depends on has landed."""
+        num_layers = self._cache.config.kv.num_layers
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise TypeError(f"layer: expected int, got {type(layer).__name__}")
+        if not 0 <= layer < num_layers:
+            raise ValueError(f"layer: expected 0 <= layer < {num_layers}, got {layer}")
         for rec in self._loads:
             landed = rec.handle.wait_layer(layer)
             if rec.handle.error is not None:
@@ -201,6 +208,8 @@ class HiCache:
         then waits per layer with ``h.wait_layer(i)``. Never changes cached data;
         may split a node at the match boundary.
         """
+        if not isinstance(load_back, bool):
+            raise TypeError(f"load_back: expected bool, got {type(load_back).__name__}")
         self.poll()
         key = token_key(tokens, self.page_size)
         if self.storage is not None:
@@ -414,6 +423,11 @@ class HiCache:
 
         On the manual executor only what the test completed is applied.
         """
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+                raise TypeError(f"timeout: expected seconds or None, got {type(timeout).__name__}")
+            if timeout < 0:
+                raise ValueError(f"timeout: expected >= 0, got {timeout}")
         for rec in list(self._inflight.values()):
             rec.handle.wait(timeout)
         self.poll()  # finished backups may start storage writes
