@@ -230,8 +230,11 @@ class Engine:
         assert pages is not None, "pages of the previous request were not freed"
         try:
             first = self.model.forward(prompt, pages, 0, self.pool, last_only=True)
+            first_token = int(first[-1].argmax())  # syncs a GPU: TTFT is real
             ttft = time.perf_counter() - start
-            tokens, logits = self._decode(first, pages, len(prompt), max_new_tokens, keep_logits)
+            tokens, logits = self._decode(
+                first, first_token, pages, len(prompt), max_new_tokens, keep_logits
+            )
             total = time.perf_counter() - start
         finally:
             self._allocator.free(pages)
@@ -270,9 +273,12 @@ class Engine:
                         raise error
                     break
                 num_failures += 1
+            first_token = int(first[-1].argmax())  # syncs a GPU: TTFT is real
             ttft = time.perf_counter() - start
             pages = h.page_table()
-            tokens, logits = self._decode(first, pages, prompt_len, max_new_tokens, keep_logits)
+            tokens, logits = self._decode(
+                first, first_token, pages, prompt_len, max_new_tokens, keep_logits
+            )
             total = time.perf_counter() - start
             seq = torch.cat((prompt, torch.tensor(tokens[:-1], dtype=torch.int64)))
             cache.insert(h, seq)
@@ -296,12 +302,11 @@ class Engine:
             )
 
     def _decode(
-        self, first_logits: torch.Tensor, pages: torch.Tensor, prompt_len: int,
-        max_new_tokens: int, keep_logits: bool,
+        self, first_logits: torch.Tensor, first_token: int, pages: torch.Tensor,
+        prompt_len: int, max_new_tokens: int, keep_logits: bool,
     ) -> tuple[list[int], torch.Tensor | None]:
-        logits = first_logits  # (1, vocab)
-        kept = [logits] if keep_logits else []
-        tokens = [int(logits[-1].argmax())]
+        kept = [first_logits] if keep_logits else []  # (1, vocab) each
+        tokens = [first_token]
         for step in range(1, max_new_tokens):
             ids = torch.tensor(tokens[-1:], dtype=torch.int64)
             logits = self.model.forward(
