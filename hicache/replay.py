@@ -208,7 +208,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--write-policy", choices=[p.value for p in WritePolicy], default="write_through"
     )
     parser.add_argument("--eviction", choices=[p.value for p in EvictionPolicy], default="lru")
-    parser.add_argument("--tree", choices=["python", "native", "auto"], default="python")
+    parser.add_argument(
+        "--tree", choices=["python", "native", "auto"], default="auto",
+        help="radix tree implementation (auto: native when it builds)",
+    )
     parser.add_argument(
         "--sweep-host", type=_sizes, metavar="A,B,C",
         help="hit ratio against host capacity (tokens), for capacity planning",
