@@ -183,3 +183,21 @@ def test_bad_requests(model):
         with pytest.raises(ValueError, match="outside the vocabulary"):
             engine.generate([1, 2, 40000], 3)
         engine.check_integrity()
+
+
+@pytest.mark.parametrize("prompt_len", [1, 15, 16, 17, 33])
+def test_short_and_page_aligned_prompts(model, prompt_len):
+    """The last prompt token is always computed, even when the whole prompt is cached."""
+    prompt = list(range(7, 7 + prompt_len))
+    outputs = {}
+    for mode in ("none", "device", "hierarchical"):
+        with make_engine(model, mode) as engine:
+            first = engine.generate(prompt, 3)
+            again = engine.generate(prompt, 3)
+            engine.check_integrity()
+        assert first.tokens == again.tokens
+        assert again.computed_tokens >= 1
+        if mode != "none":
+            assert again.device_hit_tokens == (prompt_len - 1) // PAGE_SIZE * PAGE_SIZE
+        outputs[mode] = first.tokens
+    assert outputs["none"] == outputs["device"] == outputs["hierarchical"]
