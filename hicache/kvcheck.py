@@ -16,8 +16,9 @@ All arithmetic is vectorized numpy ``uint64`` (wrapping), one pass per call, no
 Python loop per token. Values are small multiples of 1/64 in ``[-1, 1)``, then
 cast to the pool dtype; comparison is bitwise on the cast values.
 
-What it does not know: the tree, allocators or transfers. Callers give the page
-table (device page id per page of the sequence) or host page ids.
+What it does not know: allocators or transfers. Callers give the page table
+(device page id per page of the sequence) or host page ids; only
+:func:`verify_cache` walks a cache's tree, to check every readable node at once.
 """
 
 from __future__ import annotations
