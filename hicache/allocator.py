@@ -78,15 +78,14 @@ class PageAllocator:
         ids = pages.numpy() if pages.device.type == "cpu" else pages.cpu().numpy()
         if ids.size == 0:
             return ids
-        try:
-            if ids.min() < 0:  # numpy would wrap a negative index around
-                raise IndexError
-            in_use = self._in_use[ids]
-        except IndexError:
+        # One reduction checks both ends: as unsigned, a negative id is huge (and numpy
+        # would otherwise wrap a negative index around to the last page).
+        if ids.view(np.uint64).max() >= self.num_pages:
             raise ValueError(
                 f"{self.name}: page ids must lie in [0, {self.num_pages}), "
                 f"got range [{ids.min()}, {ids.max()}]"
-            ) from None
+            )
+        in_use = self._in_use[ids]
         if not in_use.all():
             bad = ids[~in_use][:8].tolist()
             raise ValueError(f"{self.name}: double free or never allocated: pages {bad}")

@@ -185,6 +185,9 @@ class HiCache:
             self.device_pool = self.host_pool = None
             executor = "immediate"
         self.transfers = TransferEngine(self.device_pool, self.host_pool, executor)
+        # Bookkeeping only (no KV tensors): loads and write-through backups complete
+        # as they start, so they skip the IO states and transfer records entirely.
+        self._bookkeeping = self.device_pool is None
         self.counters = CacheStats()
         self._page_nbytes = config.kv.page_nbytes
         self._inflight: dict[int, _Transfer] = {}  # id(transfer handle) -> record
@@ -263,19 +266,23 @@ class HiCache:
             self.counters.loads_refused_by_threshold += 1
             self.counters.host_hit_refused_tokens += num_tokens
             return None
-        for node in nodes:  # pinned now: the eviction below must not take them
-            self.tree.host_lock(node)
+        # Pinned now: the eviction below must not take them (a write-back eviction
+        # may evict host pages), and a real load reads them until it completes.
+        pin = not self._bookkeeping or self.config.write_policy is WritePolicy.WRITE_BACK
+        if pin:
+            for node in nodes:
+                self.tree.host_lock(node)
         pages = self._alloc_device(num_pages)
         if h._lock_node is not result.last_device_node:
             # Eviction polls: a failed load applied meanwhile cut ``h`` back above these
             # nodes (their parent may have lost its device copy). Load nothing.
             if pages is not None:
                 self.device_allocator.free(pages)
-            for node in nodes:
+            for node in nodes if pin else ():
                 self.tree.host_unlock(node)
             return None
         if pages is None:
-            for node in nodes:
+            for node in nodes if pin else ():
                 self.tree.host_unlock(node)
             self.counters.loads_refused_no_space += 1
             self.counters.host_hit_refused_tokens += num_tokens
@@ -284,13 +291,22 @@ class HiCache:
         for node in nodes:
             n = node.num_tokens // self.page_size
             self.tree.attach_device(node, pages[off : off + n])
-            self.tree.set_io_status(node, IOStatus.LOADING)
+            if self._bookkeeping:
+                if pin:
+                    self.tree.host_unlock(node)
+            else:
+                self.tree.set_io_status(node, IOStatus.LOADING)
             off += n
         self.tree.lock(nodes[-1])
         self.tree.unlock(h._lock_node)
         h._lock_node = nodes[-1]
         h._prefix_pages = None
         h.prefix_len += num_tokens
+        self.counters.loads += 1
+        self.counters.host_hit_tokens += num_tokens
+        if self._bookkeeping:  # no KV to move: the load is complete as it starts
+            self.counters.load_bytes += num_pages * self._page_nbytes
+            return None
         host_pages = torch.cat([n.host_indices for n in nodes]) if len(nodes) > 1 else (
             nodes[0].host_indices
         )
@@ -299,8 +315,6 @@ class HiCache:
         rec.requests.append(h)
         h._loads.append(rec)
         self._track(rec)
-        self.counters.loads += 1
-        self.counters.host_hit_tokens += num_tokens
         return handle
 
     def finish_loads(self, h: PrefixHandle) -> bool:
@@ -603,6 +617,9 @@ class HiCache:
         return self._start_backup([node], evict_after=True)
 
     def _start_backup(self, nodes: list[TreeNode], evict_after: bool) -> bool:
+        # A write-back eviction still goes through a (completed) transfer: the
+        # eviction loop hands the node over and frees its pages when that is applied.
+        sync = self._bookkeeping and not evict_after
         started = []
         for node in nodes:
             host_pages = self._alloc_host(node.num_tokens // self.page_size)
@@ -610,10 +627,17 @@ class HiCache:
                 self.counters.backups_skipped += 1
                 continue
             self.tree.attach_host(node, host_pages)
-            self.tree.set_io_status(node, IOStatus.BACKING_UP)
+            if not sync:
+                self.tree.set_io_status(node, IOStatus.BACKING_UP)
             started.append(node)
         if not started:
             return False
+        self.counters.backups += 1
+        if sync:  # bookkeeping only: the host copy is complete as it starts
+            self.counters.backup_bytes += (
+                sum(n.num_tokens for n in started) // self.page_size * self._page_nbytes
+            )
+            return True
         if len(started) == 1:
             dev, host = started[0].device_indices, started[0].host_indices
         else:
@@ -625,7 +649,6 @@ class HiCache:
         rec = _Transfer(handle, "backup", started, dev.shape[0] * self._page_nbytes)
         rec.evict_after = evict_after
         self._track(rec)
-        self.counters.backups += 1
         return True
 
     # ------------------------------------------------------- third tier
