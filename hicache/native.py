@@ -52,6 +52,7 @@ from hicache.treeapi import RadixTreeLike
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("tree.cpp", "bindings.cpp")  # translation units; headers are hashed too
+_ARRAY_TYPES = (torch.Tensor, np.ndarray)
 _FAST_TOKEN_DTYPES = frozenset({torch.int32, torch.int64, np.dtype(np.int32), np.dtype(np.int64)})
 _MAX_COUNT = 2**62  # larger eviction requests mean "everything"; keeps C++ int64 math safe
 _log = logging.getLogger(__name__)
@@ -337,7 +338,8 @@ class NativeRadixTree:
         raise TypeError(f"{op}: expected a NativeNode, got {type(node).__name__}")
 
     def _tokens(self, tokens: TokenLike) -> object:
-        if isinstance(tokens, torch.Tensor | np.ndarray) and tokens.dtype in _FAST_TOKEN_DTYPES:
+        """``tokens`` as the binding reads them: int32/int64 arrays as they are, else key bytes."""
+        if isinstance(tokens, _ARRAY_TYPES) and tokens.dtype in _FAST_TOKEN_DTYPES:
             return tokens
         return token_key(tokens, self.page_size)
 
@@ -404,9 +406,16 @@ class NativeRadixTree:
     # --------------------------------------------------------- match/insert
     def match_prefix(self, tokens: TokenLike, namespace: str | None = None) -> MatchResult:
         """Longest cached prefix of ``tokens`` (whole pages); see :meth:`RadixTree.match_prefix`."""
-        device_len, host_len, last_device, last = self._impl.match(self._tokens(tokens), namespace)
-        node = self._node
-        return MatchResult(device_len, host_len, node(last_device), node(last))
+        if not (isinstance(tokens, _ARRAY_TYPES) and tokens.dtype in _FAST_TOKEN_DTYPES):
+            tokens = token_key(tokens, self.page_size)
+        device_len, host_len, last_device, last = self._impl.match(tokens, namespace)
+        proxies = self._proxies
+        return MatchResult(
+            device_len,
+            host_len,
+            proxies.get(last_device) or self._node(last_device),
+            proxies.get(last) or self._node(last),
+        )
 
     def match_key(self, key: bytes, namespace: str | None = None) -> MatchResult:
         """:meth:`match_prefix` for a key already made by :func:`hicache.tree.token_key`."""
@@ -423,8 +432,10 @@ class NativeRadixTree:
 
         The tree keeps a view of ``device_indices`` (no copy), as the Python tree does.
         """
-        num_cached, last = self._impl.insert(self._tokens(tokens), device_indices, namespace)
-        return InsertResult(num_cached, self._node(last))
+        if not (isinstance(tokens, _ARRAY_TYPES) and tokens.dtype in _FAST_TOKEN_DTYPES):
+            tokens = token_key(tokens, self.page_size)
+        num_cached, last = self._impl.insert(tokens, device_indices, namespace)
+        return InsertResult(num_cached, self._proxies.get(last) or self._node(last))
 
     def insert_key(
         self, key: bytes, device_indices: torch.Tensor, namespace: str | None = None
@@ -454,11 +465,19 @@ class NativeRadixTree:
     # ---------------------------------------------------------------- locks
     def lock(self, node: NativeNode) -> None:
         """Protect ``node`` and its ancestors from device eviction (one reference each)."""
-        self._impl.lock(self._handle(node, "lock"))
+        self._impl.lock(
+            node._h
+            if type(node) is NativeNode and node._tree is self
+            else self._handle(node, "lock")
+        )
 
     def unlock(self, node: NativeNode) -> None:
         """Drop one reference taken by :meth:`lock` on ``node``'s path."""
-        self._impl.unlock(self._handle(node, "unlock"))
+        self._impl.unlock(
+            node._h
+            if type(node) is NativeNode and node._tree is self
+            else self._handle(node, "unlock")
+        )
 
     def host_lock(self, node: NativeNode) -> None:
         """Protect the host copy of ``node`` (a load or a third-tier write reads it)."""
@@ -508,7 +527,11 @@ class NativeRadixTree:
     # -------------------------------------------------------------- queries
     def device_indices_of(self, node: NativeNode) -> torch.Tensor:
         """Device page ids of the path from the root to ``node`` (all on the device)."""
-        return self._impl.device_indices_of(self._handle(node, "device_indices_of"))
+        return self._impl.device_indices_of(
+            node._h
+            if type(node) is NativeNode and node._tree is self
+            else self._handle(node, "device_indices_of")
+        )
 
     def host_only_path(self, result: MatchResult) -> list[NativeNode]:
         """The host-only nodes of a match, root side first."""

@@ -81,6 +81,9 @@ void read_key(py::handle obj, std::int64_t page_size, Key& key) {
       throw hicache::TypeError(std::string("tokens: expected an int32 or int64 tensor, got dtype ") +
                                c10::toString(dtype));
     }
+    if (t.is_meta()) {
+      throw hicache::ValueError("tokens: expected a tensor with data (CPU or CUDA), got device meta");
+    }
     if (t.dim() != 1) {
       throw hicache::ValueError("tokens: expected a 1-D sequence, got " +
                                 std::to_string(t.dim()) + " dimensions");

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <memory>
 #include <optional>
@@ -44,6 +45,24 @@ struct TokenRun {
     return run;
   }
 
+  // a followed by b: the window grows when b continues a in the same storage,
+  // else both are copied into new storage.
+  static TokenRun join(const TokenRun& a, const TokenRun& b) {
+    if (a.storage == b.storage && a.data + a.len == b.data) {
+      TokenRun run = a;
+      run.len += b.len;
+      return run;
+    }
+    TokenRun run;
+    run.storage = std::make_shared_for_overwrite<token_t[]>(a.len + b.len);
+    std::copy(a.data, a.data + a.len, run.storage.get());
+    std::copy(b.data, b.data + b.len, run.storage.get() + a.len);
+    run.storage_len = a.len + b.len;
+    run.data = run.storage.get();
+    run.len = run.storage_len;
+    return run;
+  }
+
   TokenRun suffix(std::size_t n_skip) const {
     TokenRun run = *this;
     run.data += n_skip;
@@ -73,6 +92,20 @@ struct IndexRun {
   at::Tensor tensor() const {
     if (offset == 0 && num_pages == base.size(0)) return base;
     return base.narrow(0, offset, num_pages);
+  }
+
+  // a followed by b (both defined): the window grows when b continues a in the
+  // same tensor, else a new tensor holds both.
+  static IndexRun join(const IndexRun& a, const IndexRun& b) {
+    if (a.base.unsafeGetTensorImpl() == b.base.unsafeGetTensorImpl() &&
+        a.offset + a.num_pages == b.offset) {
+      return IndexRun{a.base, a.offset, a.num_pages + b.num_pages};
+    }
+    at::Tensor both = at::empty({a.num_pages + b.num_pages}, at::kLong);
+    auto* dst = static_cast<page_id_t*>(both.data_ptr());
+    std::copy(a.data(), a.data() + a.num_pages, dst);
+    std::copy(b.data(), b.data() + b.num_pages, dst + a.num_pages);
+    return IndexRun{std::move(both), 0, a.num_pages + b.num_pages};
   }
 
   void reset() {

@@ -146,7 +146,12 @@ TreeNode* RadixTree::new_child(TreeNode* parent, TokenRun tokens) {
 
 // ------------------------------------------------------------ match/split
 std::int64_t RadixTree::common_pages(token_span child, token_span rest) const {
-  const auto [in_rest, in_child] = std::ranges::mismatch(rest, child);
+  // Whole-run hits are the common case: one vectorized memcmp settles them.
+  const std::size_t overlap = std::min(child.size(), rest.size());
+  if (std::memcmp(child.data(), rest.data(), overlap * sizeof(token_t)) == 0) {
+    return static_cast<std::int64_t>(overlap) / page_size_;
+  }
+  const auto [in_rest, in_child] = std::ranges::mismatch(rest.first(overlap), child.first(overlap));
   return static_cast<std::int64_t>(in_rest - rest.begin()) / page_size_;
 }
 
@@ -269,6 +274,7 @@ InsertOut RadixTree::insert(token_span key, const IndexRun& pages, std::uint32_t
 InsertOut RadixTree::insert_host(token_span key, const IndexRun& pages, std::uint32_t ns) {
   OpScope scope(*this);
   TreeNode* node = root(ns);
+  TreeNode* last_device = node;
   const std::int64_t clock = ++clock_;
   const auto ps = static_cast<std::size_t>(page_size_);
   std::size_t off = 0;
@@ -281,6 +287,7 @@ InsertOut RadixTree::insert_host(token_span key, const IndexRun& pages, std::uin
     if (static_cast<std::size_t>(common) * ps < child->tokens.len) child = split(child, common);
     node = child;
     node->last_access = clock;
+    if (node->on_device()) last_device = node;
     off += node->tokens.len;
   }
   const auto num_cached = static_cast<std::int64_t>(off);
@@ -290,9 +297,11 @@ InsertOut RadixTree::insert_host(token_span key, const IndexRun& pages, std::uin
                              static_cast<std::int64_t>((n - off) / ps));
     node->last_access = clock;
     host_evictable_tokens += node->num_tokens();
-    refresh(node);
-    maybe_compact();
   }
+  // As in match: only the deepest device node and the last node can be candidates.
+  refresh(last_device);
+  if (node != last_device) refresh(node);
+  maybe_compact();
   return {num_cached, node};
 }
 
@@ -440,6 +449,42 @@ at::Tensor RadixTree::detach_host(TreeNode* node) {
   return pages;
 }
 
+void RadixTree::merge_host_chain(TreeNode* node) {
+  if (node->on_device() || node->host_lock_ref != 0 || node->io_status != IOStatus::None ||
+      node->children.size() != 1) {
+    return;
+  }
+  TreeNode* child = node->first_child;
+  if (child->on_device() || child->host_lock_ref != 0 || child->io_status != IOStatus::None) {
+    return;
+  }
+  const auto ps = static_cast<std::size_t>(page_size_);
+  TreeNode* parent = node->parent;
+  // The parent's key is a view into node's tokens: re-key it if they move to new storage.
+  auto entry = parent->children.extract(node->first_page(ps));
+  internal_check(!entry.empty() && entry.mapped().get() == node, "merge: not a child");
+  node->tokens = TokenRun::join(node->tokens, child->tokens);
+  node->host = IndexRun::join(node->host, child->host);
+  entry.key() = node->first_page(ps);
+  parent->children.insert(std::move(entry));
+
+  auto owned = node->children.extract(node->children.begin());
+  node->children = std::move(child->children);
+  child->children.clear();
+  node->first_child = child->first_child;
+  node->last_child = child->last_child;
+  child->first_child = child->last_child = nullptr;
+  for (TreeNode* c = node->first_child; c != nullptr; c = c->next_sibling) c->parent = node;
+  node->num_device_children = child->num_device_children;
+  child->num_device_children = 0;
+  node->hit_count = std::max(node->hit_count, child->hit_count);
+  node->last_access = std::max(node->last_access, child->last_access);
+  child->parent = nullptr;
+  --num_nodes;
+  by_handle_.erase(child->handle);
+  graveyard_.push_back(std::move(owned.mapped()));  // its heap entries just go stale
+}
+
 void RadixTree::remove(TreeNode* node) {
   TreeNode* parent = node->parent;
   const auto it = parent->children.find(node->first_page(page_size_));
@@ -584,6 +629,7 @@ EvictOut RadixTree::evict_device(std::int64_t num_tokens, const BackupHook* back
       node->parent->num_device_children -= 1;
       device_evictable_tokens -= node->num_tokens();
       num_freed += node->num_tokens();
+      merge_host_chain(node);
       refresh(node);
       refresh(node->parent);
     } else if (backup != nullptr && (*backup)(node)) {

@@ -112,6 +112,9 @@ class RadixTree {
   TreeNode* new_child(TreeNode* parent, TokenRun tokens);
   TreeNode* split(TreeNode* node, std::int64_t num_pages);
   void remove(TreeNode* node);
+  // Absorb node's only child when both are idle and host-only (hicache/tree.py
+  // _merge_host_chain): a reload of an evicted conversation chain is one node.
+  void merge_host_chain(TreeNode* node);
   std::int64_t common_pages(token_span child, token_span rest) const;
 
   int device_rank(const TreeNode* node) const;
