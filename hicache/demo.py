@@ -24,8 +24,8 @@ import torch
 
 from hicache.benchmarks.multiturn import (
     CONFIGS,
-    DEFAULT_WORKLOAD,
     ConfigResult,
+    add_workload_arguments,
     capacities,
     conclusion,
     format_table,
@@ -33,28 +33,22 @@ from hicache.benchmarks.multiturn import (
     run_configs,
     summarize,
     to_requests,
+    workload_from_args,
 )
 from hicache.engine import GenerateResult
 from hicache.model import PRESET_NAMES, Model, preset
 
 _BAR_WIDTH = 30
-# The bench's workload with 10 turns instead of 12: 80 requests, so that all three
-# configurations finish in well under two minutes on two cores.
-DEMO_TURNS = 10
+# The bench's workload with 6 sessions x 8 turns instead of 8 x 10: 48 requests, so
+# that all three configurations finish in well under two minutes on two cores.
+DEMO_SESSIONS = 6
+DEMO_TURNS = 8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="small", choices=PRESET_NAMES,
                         help="model shapes (default: small)")
-    parser.add_argument("--sessions", type=int, default=DEFAULT_WORKLOAD["num_sessions"],
-                        help="agent sessions, interleaved")
-    parser.add_argument("--turns", type=int, default=DEMO_TURNS,
-                        help="turns per session")
-    parser.add_argument("--system-prompts", type=int,
-                        default=DEFAULT_WORKLOAD["num_system_prompts"],
-                        help="shared system prompts")
-    parser.add_argument("--system-tokens", type=int, default=DEFAULT_WORKLOAD["system_tokens"],
-                        help="tokens per system prompt")
+    add_workload_arguments(parser, num_sessions=DEMO_SESSIONS, num_turns=DEMO_TURNS)
     parser.add_argument("--requests", type=int, default=None,
                         help="run only the first N requests (a quick look)")
     parser.add_argument("--device-tokens", type=int, default=None,
@@ -124,15 +118,11 @@ def run(args: argparse.Namespace) -> int:
               "install it with `pip install matplotlib` (or the package's 'plot' extra), "
               "or run without --plot", file=sys.stderr)
         return 2
-    for name in ("sessions", "turns", "system_prompts", "system_tokens", "threads"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')}: expected >= 1, "
-                             f"got {getattr(args, name)}")
+    if args.threads < 1:
+        raise ValueError(f"--threads: expected >= 1, got {args.threads}")
+    workload = workload_from_args(args)
     torch.set_num_threads(args.threads)
-    trace = generated_trace(
-        args.seed, num_sessions=args.sessions, num_turns=args.turns,
-        num_system_prompts=args.system_prompts, system_tokens=args.system_tokens,
-    )
+    trace = generated_trace(args.seed, workload)
     if args.requests is not None:
         if args.requests < 1:
             raise ValueError(f"--requests: expected >= 1, got {args.requests}")
@@ -144,9 +134,10 @@ def run(args: argparse.Namespace) -> int:
     model = Model(cfg, seed=args.seed)
     prompt_tokens = sum(len(r.prompt) for r in requests)
 
-    print(f"hicache demo: {len(requests)} agent requests ({args.sessions} sessions x "
-          f"{args.turns} turns over {args.system_prompts} shared {args.system_tokens}-token "
-          f"system prompts, interleaved), {prompt_tokens} prompt tokens")
+    print(f"hicache demo: {len(requests)} agent requests ({workload['num_sessions']} sessions "
+          f"x {workload['num_turns']} turns over {workload['num_system_prompts']} shared "
+          f"{workload['system_tokens']}-token system prompts, interleaved), "
+          f"{prompt_tokens} prompt tokens")
     print(f"model preset '{cfg.name}' ({cfg.num_layers} layers, hidden {cfg.hidden_size}); "
           f"device tier {device_tokens} tokens = {device_tokens / ws:.0%} of the "
           f"{ws}-token working set; host tier {host_tokens} tokens (hierarchical only)")

@@ -13,7 +13,7 @@ from hicache import cli
 from hicache.benchmarks import multiturn
 
 TINY_WORKLOAD = ["--preset", "tiny", "--sessions", "3", "--turns", "3", "--system-prompts", "2",
-                 "--system-tokens", "96"]
+                 "--system-tokens", "96", "--first-turn-tokens", "48"]
 
 
 @pytest.fixture(autouse=True)

@@ -59,18 +59,50 @@ CONFIGS: dict[str, ConfigSpec] = {
     "hierarchical": ConfigSpec("hierarchical", True, {"write_policy": "write_through"}),
 }
 
-# The default workload: agentic sessions over a few shared system prompts, each
-# turn appending a tool result and a short reply; the active sessions interleave.
+# The default workload: agentic sessions over two shared 1k-token system prompts,
+# each starting with a 512-token task (retrieved context) and appending a 32-token
+# tool result and an 8-token reply per turn; all sessions open at once, interleaved.
+# A device tier of 25% of the working set holds about one session: it thrashes.
 DEFAULT_WORKLOAD = {
     "kind": "agentic",
-    "num_system_prompts": 4,
-    "system_tokens": 512,
+    "num_system_prompts": 2,
+    "system_tokens": 1024,
     "num_sessions": 8,
-    "num_turns": 12,
-    "first_turn_tokens": 64,
-    "turn_tokens": 48,
+    "num_turns": 10,
+    "first_turn_tokens": 512,
+    "turn_tokens": 32,
     "output_tokens": 8,
 }
+
+# (flag, parameter of the agentic generator, help)
+_WORKLOAD_OPTIONS = [
+    ("--system-prompts", "num_system_prompts", "shared system prompts"),
+    ("--system-tokens", "system_tokens", "tokens per system prompt"),
+    ("--sessions", "num_sessions", "agent sessions, interleaved"),
+    ("--turns", "num_turns", "turns per session"),
+    ("--first-turn-tokens", "first_turn_tokens", "task tokens of a session's first turn"),
+    ("--turn-tokens", "turn_tokens", "tool-result tokens appended per later turn"),
+    ("--output-tokens", "output_tokens", "tokens generated per turn"),
+]
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser, **defaults: int) -> None:
+    """Shape options of the generated agentic workload (``defaults`` override the bench's)."""
+    for flag, name, help_text in _WORKLOAD_OPTIONS:
+        default = defaults.get(name, DEFAULT_WORKLOAD[name])
+        parser.add_argument(flag, dest=name, type=int, default=default,
+                            help=f"{help_text} (default {default})")
+
+
+def workload_from_args(args: argparse.Namespace) -> dict:
+    """The generator parameters chosen on the command line, checked."""
+    shape = {"kind": DEFAULT_WORKLOAD["kind"]}
+    for flag, name, _ in _WORKLOAD_OPTIONS:
+        value = getattr(args, name)
+        if value < 1:
+            raise ValueError(f"{flag}: expected >= 1, got {value}")
+        shape[name] = value
+    return shape
 
 
 class ConfigResult(NamedTuple):
@@ -84,6 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", default=None,
                         help="JSONL trace (WORKLOADS.md format); default: a generated agentic "
                         "workload")
+    add_workload_arguments(parser)
     parser.add_argument("--requests", type=int, default=None,
                         help="replay only the first N requests")
     parser.add_argument("--preset", default="small", choices=PRESET_NAMES,
@@ -105,9 +138,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ------------------------------------------------------------------ workload
-def generated_trace(seed: int, **shape) -> list[TraceRequest]:
-    """The default workload (``shape`` overrides its parameters), from :mod:`hicache.traces`."""
-    params = {**DEFAULT_WORKLOAD, **shape}
+def generated_trace(seed: int, workload: dict | None = None) -> list[TraceRequest]:
+    """A trace of ``workload`` (default :data:`DEFAULT_WORKLOAD`) from :mod:`hicache.traces`."""
+    params = dict(DEFAULT_WORKLOAD if workload is None else workload)
     kind = params.pop("kind")
     return generate(kind, seed=seed, **params)
 
@@ -241,7 +274,10 @@ def conclusion(summaries: dict[str, dict]) -> str:
 # ---------------------------------------------------------------------- main
 def prepare(args: argparse.Namespace) -> tuple[list[Request], int, int, int]:
     """The requests and the (working set, device, host) token capacities."""
-    trace = load_trace(args.trace) if args.trace is not None else generated_trace(args.seed)
+    if args.trace is not None:
+        trace = load_trace(args.trace)
+    else:
+        trace = generated_trace(args.seed, workload_from_args(args))
     if args.requests is not None:
         if args.requests < 1:
             raise ValueError(f"--requests: expected >= 1, got {args.requests}")
@@ -286,7 +322,7 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     prompt_tokens = sum(len(r.prompt) for r in requests)
     log(f"workload: {len(requests)} requests, {prompt_tokens} prompt tokens "
         f"(mean {prompt_tokens / len(requests):.0f}), working set {ws} tokens; "
-        f"{args.trace or 'generated ' + json.dumps(DEFAULT_WORKLOAD)}")
+        f"{args.trace or 'generated ' + json.dumps(workload_from_args(args))}")
     log(f"preset {cfg.name}, page size {args.page_size}, device {device_tokens} tokens "
         f"({device_tokens / ws:.0%} of the working set), host {host_tokens} tokens, "
         f"{torch.get_num_threads()} torch threads, load average {psutil.getloadavg()[0]:.1f}")
@@ -306,7 +342,7 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
         "preset": cfg.name,
         "page_size": args.page_size,
         "trace": args.trace,
-        "workload": None if args.trace else DEFAULT_WORKLOAD,
+        "workload": None if args.trace else workload_from_args(args),
         "seed": args.seed,
         "num_requests": len(requests),
         "prompt_tokens": prompt_tokens,
