@@ -1,0 +1,95 @@
+"""hicache replay: JSON contract, host tier, sweep, and agreement with an independent count."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import TREE_KINDS
+
+from hicache.cli import main
+from hicache.replay import _prepare, replay_device, replay_hierarchical
+from hicache.traces import load_trace, trace_stats
+
+# The shared sample trace lies beside the checkout (in CI too); else a generated one.
+SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "sample_trace.jsonl"
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory) -> str:
+    if SAMPLE.exists():
+        return str(SAMPLE)
+    path = tmp_path_factory.mktemp("trace") / "agentic.jsonl"
+    assert main(["trace", "make", "agentic", "--seed", "0", "-o", str(path)]) == 0
+    return str(path)
+
+
+def last_json(capsys) -> dict:
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_replay_json_has_the_contract_fields(trace, capsys):
+    assert main(["replay", trace, "--page-size", "16", "--device-tokens", "8192", "--json"]) == 0
+    out = last_json(capsys)
+    for key in ("requests", "seconds", "req_per_s", "prompt_tokens", "hit_tokens", "hit_ratio",
+                "evicted_tokens", "tree_bytes_per_cached_token"):
+        assert key in out
+    assert out["requests"] == len(load_trace(trace))
+    assert 0 < out["hit_ratio"] < 1 and out["evicted_tokens"] > 0
+    assert out["hit_tokens"] == round(out["hit_ratio"] * out["prompt_tokens"])
+
+
+def test_unbounded_replay_hits_equal_the_ideal_count(trace):
+    stats = trace_stats(load_trace(trace), 16)
+    result = replay_device(_prepare(trace, 16), 16, 10 * stats.working_set_tokens)
+    assert result.hit_tokens == stats.ideal_hit_tokens
+    assert result.evicted_tokens == 0
+
+
+@pytest.mark.parametrize("tree", TREE_KINDS)
+def test_host_tier_recovers_the_unbounded_hit_ratio(trace, tree):
+    P = 16
+    stats = trace_stats(load_trace(trace), P)
+    requests = _prepare(trace, P)
+    device = stats.working_set_tokens // 4 // P * P
+    small = replay_device(requests, P, device)
+    hier = replay_hierarchical(requests, P, device, stats.working_set_tokens + 64 * P, tree=tree)
+    assert hier.hit_tokens == stats.ideal_hit_tokens  # every evicted page came back from host
+    assert hier.device_hit_tokens == small.hit_tokens  # same device tier, same device hits
+    assert hier.host_hit_tokens == stats.ideal_hit_tokens - small.hit_tokens
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
+def test_replay_host_tier_cli(trace, capsys, policy):
+    argv = ["replay", trace, "--page-size", "16", "--device-tokens", "8192",
+            "--host-tokens", "65536", "--write-policy", policy, "--json"]
+    assert main(argv) == 0
+    out = last_json(capsys)
+    assert out["device_hit_tokens"] + out["host_hit_tokens"] == out["hit_tokens"]
+    assert out["write_policy"] == policy
+    if policy != "write_through_selective":
+        assert out["host_hit_tokens"] > 0
+
+
+def test_sweep_is_monotone_in_host_size(trace, capsys):
+    argv = ["replay", trace, "--page-size", "16", "--device-tokens", "4096",
+            "--sweep-host", "1024,8192,65536", "--json"]
+    assert main(argv) == 0
+    rows = last_json(capsys)["sweep"]
+    ratios = [r["hit_ratio"] for r in rows]
+    assert [r["host_tokens"] for r in rows] == [1024, 8192, 65536]
+    assert ratios == sorted(ratios) and ratios[-1] > ratios[0]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--device-tokens", "0"],
+        ["--device-tokens", "8192", "--sweep-host", "1,x"],
+        ["--device-tokens", "8192", "--plot", "x.png"],
+    ],
+)
+def test_bad_arguments_exit_with_a_message(trace, argv):
+    with pytest.raises(SystemExit):
+        main(["replay", trace, "--page-size", "16", *argv])
