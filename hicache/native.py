@@ -9,8 +9,9 @@ version, so later processes load the cached module in milliseconds.
 
 Nodes cross the binding as integer handles; :class:`NativeNode` proxies wrap
 them. One handle always maps to the same proxy object (callers compare nodes
-with ``is`` and key dicts by them); a proxy whose node was freed raises
-``ValueError`` on every access.
+with ``is`` and key dicts by them). A node removed from the tree stays readable
+through its proxy (``parent`` is ``None``), as a removed Python node does, but
+tree operations on it raise ``ValueError`` (stale).
 
 What this module does not know: what the tree is used for, KV tensors, pages'
 owners. It never edits the sources and never builds anywhere but its cache
@@ -178,9 +179,11 @@ def _warn_fallback(reason: str) -> None:
 class NativeNode:
     """Read-only view of one native node, with the attributes of :class:`hicache.tree.TreeNode`.
 
-    Every attribute reads the live node; a node freed by the tree (evicted,
-    removed) raises ``ValueError``. ``lock_ref`` and ``host_lock_ref`` can be
-    overwritten only to test :meth:`NativeRadixTree.check_integrity`.
+    Every attribute reads the node in C++. A node removed from the tree
+    (evicted, merged into its parent) keeps its last state and ``parent`` None,
+    like a removed Python node, while this proxy is referenced.
+    ``lock_ref`` and ``host_lock_ref`` can be overwritten only to test
+    :meth:`NativeRadixTree.check_integrity`.
     """
 
     __slots__ = ("_tree", "_h", "__weakref__")
@@ -325,10 +328,24 @@ class NativeRadixTree:
         if proxy is None:
             proxy = self._proxies[handle] = NativeNode(self, handle)
             if len(self._proxies) > self._prune_at:
-                live = self._impl.live(list(self._proxies))
-                self._proxies = {h: self._proxies[h] for h in live}
-                self._prune_at = max(1024, 2 * len(self._proxies))
+                self._prune_proxies()
         return proxy
+
+    def _prune_proxies(self) -> None:
+        """Forget proxies of removed nodes that nobody else holds, and free those nodes.
+
+        A removed node stays readable while its proxy is referenced (as a removed
+        Python node does); ``sys.getrefcount(proxies[h]) == 2`` means only this
+        cache (and the call's own argument) refers to the proxy.
+        """
+        proxies = self._proxies
+        live = set(self._impl.live(list(proxies)))
+        kept = {
+            h: proxies[h] for h in list(proxies) if h in live or sys.getrefcount(proxies[h]) > 2
+        }
+        self._proxies = kept
+        self._impl.release_detached([h for h in kept if h not in live])
+        self._prune_at = max(1024, 2 * len(kept))
 
     def _handle(self, node: object, op: str) -> int:
         if type(node) is NativeNode:
@@ -401,7 +418,7 @@ class NativeRadixTree:
     def nodes(self) -> Iterator[NativeNode]:
         """All non-root nodes, parents before children (a snapshot taken at the call)."""
         node = self._node
-        return (node(h) for h in self._impl.nodes())
+        return iter([node(h) for h in self._impl.nodes()])
 
     # --------------------------------------------------------- match/insert
     def match_prefix(self, tokens: TokenLike, namespace: str | None = None) -> MatchResult:

@@ -364,12 +364,11 @@ def test_proxy_identity_and_stale_handles():
     prefix = tree.match_prefix([1, 1]).last_node  # split: a keeps its identity as the suffix
     assert a.parent is prefix and prefix.children == {token_key([2, 2], 2): a}
     assert a.tokens().tolist() == [2, 2] and a.num_pages(2) == 1
-    tree.evict_device(4)
-    with pytest.raises(ValueError, match="stale"):
-        _ = a.on_device
-    with pytest.raises(ValueError, match="stale"):
-        tree.lock(a)
-    assert "freed" in repr(a)
+    tree.evict_device(4)  # a is removed: readable like a removed Python node, but stale
+    assert (a.parent, a.on_device, a.on_host, a.key) == (None, False, False, token_key([2, 2], 2))
+    for op in (tree.lock, tree.unlock, tree.host_lock, tree.device_indices_of, tree.path_to):
+        with pytest.raises(ValueError, match="stale"):
+            op(a)
     other = native.NativeRadixTree(2)
     with pytest.raises(ValueError, match="another tree"):
         other.lock(tree.root())
@@ -378,15 +377,18 @@ def test_proxy_identity_and_stale_handles():
     tree.check_integrity()
 
 
-def test_proxy_cache_is_pruned_but_live_proxies_stay_identical():
+def test_proxy_cache_is_pruned_but_held_proxies_stay_identical_and_readable():
     tree = native.NativeRadixTree(1)
     keep = tree.insert([7], torch.tensor([0])).last_node
     tree.lock(keep)
-    for i in range(3000):  # every node but `keep` is inserted, then evicted
+    removed = tree.insert([9], torch.tensor([1])).last_node
+    tree.evict_device(1)
+    for i in range(3000):  # every other node is inserted, then evicted
         tree.insert([8, i], torch.tensor([1, 2 + i]))
         tree.evict_device(2)
-    assert len(tree._proxies) < 2100
+    assert len(tree._proxies) < 2100 and tree._impl.num_detached() < 2100
     assert tree.match_prefix([7]).last_node is keep
+    assert removed.parent is None and removed.tokens().tolist() == [9]
     tree.check_integrity()
 
 

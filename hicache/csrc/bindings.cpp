@@ -205,6 +205,22 @@ TreeNode* node_of(const RadixTree& tree, NodeHandle handle, const char* op) {
   return node;
 }
 
+// A removed node still readable from Python (accessors), or a live one.
+TreeNode* readable_node(const RadixTree& tree, NodeHandle handle, const char* op) {
+  TreeNode* node = tree.find_any(handle);
+  if (node == nullptr) {
+    throw hicache::ValueError(std::string(op) + ": node " + std::to_string(handle) +
+                              " was freed (stale)");
+  }
+  return node;
+}
+
+// The handle of a node about to reach Python (from then on removal detaches it).
+NodeHandle out(TreeNode* node) {
+  node->exported = true;
+  return node->handle;
+}
+
 py::object maybe_tensor(const IndexRun& run) {
   if (!run.defined()) return py::none();
   return py::cast(run.tensor());
@@ -215,10 +231,10 @@ py::tuple evict_result(const hicache::EvictOut& out) {
 }
 
 std::vector<NodeHandle> handles(const std::vector<TreeNode*>& nodes) {
-  std::vector<NodeHandle> out;
-  out.reserve(nodes.size());
-  for (const TreeNode* n : nodes) out.push_back(n->handle);
-  return out;
+  std::vector<NodeHandle> result;
+  result.reserve(nodes.size());
+  for (TreeNode* n : nodes) result.push_back(out(n));
+  return result;
 }
 
 }  // namespace
@@ -257,34 +273,33 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                t.on_split = nullptr;
              } else {
                t.on_split = [fn](TreeNode* prefix, TreeNode* suffix) {
-                 fn(prefix->handle, suffix->handle);
+                 fn(out(prefix), out(suffix));
                };
              }
            })
-      .def("root", [](RadixTree& t, py::handle ns) { return t.root(ns_of(t, ns))->handle; })
+      .def("root", [](RadixTree& t, py::handle ns) { return out(t.root(ns_of(t, ns))); })
       .def("match",
            [](RadixTree& t, py::handle tokens, py::handle ns) {
              Key key;
              read_key(tokens, t.page_size(), key);
-             const auto out = t.match(key.span, ns_of(t, ns));
-             return py::make_tuple(out.device_len, out.host_len, out.last_device->handle,
-                                   out.last->handle);
+             const auto m = t.match(key.span, ns_of(t, ns));
+             return py::make_tuple(m.device_len, m.host_len, out(m.last_device), out(m.last));
            })
       .def("insert",
            [](RadixTree& t, py::handle tokens, py::handle device_indices, py::handle ns) {
              Key key;
              read_key(tokens, t.page_size(), key);
              const IndexRun pages = read_pages(device_indices, "device_indices", key, t);
-             const auto out = t.insert(key.span, pages, ns_of(t, ns));
-             return py::make_tuple(out.num_cached_tokens, out.last->handle);
+             const auto r = t.insert(key.span, pages, ns_of(t, ns));
+             return py::make_tuple(r.num_cached_tokens, out(r.last));
            })
       .def("insert_host",
            [](RadixTree& t, py::handle tokens, py::handle host_indices, py::handle ns) {
              Key key;
              read_key(tokens, t.page_size(), key);
              const IndexRun pages = read_pages(host_indices, "host_indices", key, t);
-             const auto out = t.insert_host(key.span, pages, ns_of(t, ns));
-             return py::make_tuple(out.num_cached_tokens, out.last->handle);
+             const auto r = t.insert_host(key.span, pages, ns_of(t, ns));
+             return py::make_tuple(r.num_cached_tokens, out(r.last));
            })
       .def("probe",
            [](RadixTree& t, py::handle tokens, py::handle ns) {
@@ -330,7 +345,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            [](RadixTree& t, std::int64_t num_tokens, py::object backup) {
              if (backup.is_none()) return evict_result(t.evict_device(num_tokens, nullptr));
              const RadixTree::BackupHook hook = [&backup](TreeNode* node) {
-               const py::object result = backup(node->handle);
+               const py::object result = backup(out(node));
                const int truth = PyObject_IsTrue(result.ptr());
                if (truth < 0) throw py::error_already_set();
                return truth == 1;
@@ -347,89 +362,92 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            })
       .def("path_to",
            [](RadixTree& t, NodeHandle h) {
-             std::vector<NodeHandle> out;
+             std::vector<TreeNode*> path;
              for (TreeNode* n = node_of(t, h, "path_to"); n->parent != nullptr; n = n->parent) {
-               out.push_back(n->handle);
+               path.push_back(n);
              }
-             std::reverse(out.begin(), out.end());
-             return out;
+             std::reverse(path.begin(), path.end());
+             return handles(path);
            })
       .def("host_only_path",
            [](RadixTree& t, NodeHandle last, NodeHandle last_device) {
              TreeNode* stop = node_of(t, last_device, "host_only_path");
-             std::vector<NodeHandle> out;
+             std::vector<TreeNode*> path;
              for (TreeNode* n = node_of(t, last, "host_only_path"); n != stop; n = n->parent) {
                if (n->parent == nullptr) {
                  throw hicache::ValueError(
                      "host_only_path: last_device_node is not an ancestor of last_node");
                }
-               out.push_back(n->handle);
+               path.push_back(n);
              }
-             std::reverse(out.begin(), out.end());
-             return out;
+             std::reverse(path.begin(), path.end());
+             return handles(path);
            })
       .def("nodes", [](RadixTree& t) { return handles(t.nodes()); })
-      .def("live", [](RadixTree& t, const std::vector<NodeHandle>& hs) {
-             std::vector<NodeHandle> out;
+      .def("live",
+           [](RadixTree& t, const std::vector<NodeHandle>& hs) {
+             std::vector<NodeHandle> result;
              for (NodeHandle h : hs) {
-               if (t.find(h) != nullptr) out.push_back(h);
+               if (t.find(h) != nullptr) result.push_back(h);
              }
-             return out;
+             return result;
            })
+      .def("release_detached", &RadixTree::release_detached)
+      .def("num_detached", &RadixTree::num_detached)
       .def("check_integrity", &RadixTree::check_integrity)
       .def("memory_bytes", &RadixTree::memory_bytes)
       // Node accessors (all take a handle; a stale one raises ValueError).
-      .def("node_id", [](RadixTree& t, NodeHandle h) { return node_of(t, h, "id")->id; })
+      .def("node_id", [](RadixTree& t, NodeHandle h) { return readable_node(t, h, "id")->id; })
       .def("parent",
            [](RadixTree& t, NodeHandle h) {
-             const TreeNode* p = node_of(t, h, "parent")->parent;
-             return p == nullptr ? hicache::kNoNode : p->handle;
+             TreeNode* p = readable_node(t, h, "parent")->parent;
+             return p == nullptr ? hicache::kNoNode : out(p);
            })
       .def("children",
            [](RadixTree& t, NodeHandle h) {
-             const TreeNode* node = node_of(t, h, "children");
-             py::list out;
+             const TreeNode* node = readable_node(t, h, "children");
              const auto nbytes = static_cast<std::size_t>(t.page_size()) * sizeof(token_t);
-             for (const TreeNode* c = node->first_child; c != nullptr; c = c->next_sibling) {
-               out.append(py::make_tuple(
-                   py::bytes(reinterpret_cast<const char*>(c->tokens.data), nbytes), c->handle));
+             py::list result;
+             for (TreeNode* c = node->first_child; c != nullptr; c = c->next_sibling) {
+               result.append(py::make_tuple(
+                   py::bytes(reinterpret_cast<const char*>(c->tokens.data), nbytes), out(c)));
              }
-             return out;
+             return result;
            })
       .def("namespace",
            [](RadixTree& t, NodeHandle h) -> py::object {
-             const auto& name = t.namespace_name(node_of(t, h, "namespace")->ns);
+             const auto& name = t.namespace_name(readable_node(t, h, "namespace")->ns);
              if (!name) return py::none();
              return py::str(*name);
            })
       .def("key",
            [](RadixTree& t, NodeHandle h) {
-             const TreeNode* node = node_of(t, h, "key");
+             const TreeNode* node = readable_node(t, h, "key");
              return py::bytes(reinterpret_cast<const char*>(node->tokens.data),
                               node->tokens.len * sizeof(token_t));
            })
       .def("device_indices",
-           [](RadixTree& t, NodeHandle h) { return maybe_tensor(node_of(t, h, "device_indices")->device); })
+           [](RadixTree& t, NodeHandle h) { return maybe_tensor(readable_node(t, h, "device_indices")->device); })
       .def("host_indices",
-           [](RadixTree& t, NodeHandle h) { return maybe_tensor(node_of(t, h, "host_indices")->host); })
-      .def("num_tokens", [](RadixTree& t, NodeHandle h) { return node_of(t, h, "num_tokens")->num_tokens(); })
-      .def("on_device", [](RadixTree& t, NodeHandle h) { return node_of(t, h, "on_device")->on_device(); })
-      .def("on_host", [](RadixTree& t, NodeHandle h) { return node_of(t, h, "on_host")->on_host(); })
-      .def("lock_ref", [](RadixTree& t, NodeHandle h) { return node_of(t, h, "lock_ref")->lock_ref; })
+           [](RadixTree& t, NodeHandle h) { return maybe_tensor(readable_node(t, h, "host_indices")->host); })
+      .def("num_tokens", [](RadixTree& t, NodeHandle h) { return readable_node(t, h, "num_tokens")->num_tokens(); })
+      .def("on_device", [](RadixTree& t, NodeHandle h) { return readable_node(t, h, "on_device")->on_device(); })
+      .def("on_host", [](RadixTree& t, NodeHandle h) { return readable_node(t, h, "on_host")->on_host(); })
+      .def("lock_ref", [](RadixTree& t, NodeHandle h) { return readable_node(t, h, "lock_ref")->lock_ref; })
       .def("host_lock_ref",
-           [](RadixTree& t, NodeHandle h) { return node_of(t, h, "host_lock_ref")->host_lock_ref; })
+           [](RadixTree& t, NodeHandle h) { return readable_node(t, h, "host_lock_ref")->host_lock_ref; })
       .def("io_status",
            [](RadixTree& t, NodeHandle h) {
-             return static_cast<int>(node_of(t, h, "io_status")->io_status);
+             return static_cast<int>(readable_node(t, h, "io_status")->io_status);
            })
-      .def("hit_count", [](RadixTree& t, NodeHandle h) { return node_of(t, h, "hit_count")->hit_count; })
+      .def("hit_count", [](RadixTree& t, NodeHandle h) { return readable_node(t, h, "hit_count")->hit_count; })
       .def("last_access",
-           [](RadixTree& t, NodeHandle h) { return node_of(t, h, "last_access")->last_access; })
-      .def("repr", [](RadixTree& t, NodeHandle h) { return node_of(t, h, "repr")->repr(); })
+           [](RadixTree& t, NodeHandle h) { return readable_node(t, h, "last_access")->last_access; })
+      .def("repr", [](RadixTree& t, NodeHandle h) { return readable_node(t, h, "repr")->repr(); })
       // Overwrite a lock count without any bookkeeping: for corruption tests only.
       .def("set_lock_ref",
-           [](RadixTree& t, NodeHandle h, std::int64_t v) { node_of(t, h, "lock_ref")->lock_ref = v; })
+           [](RadixTree& t, NodeHandle h, std::int64_t v) { readable_node(t, h, "lock_ref")->lock_ref = v; })
       .def("set_host_lock_ref", [](RadixTree& t, NodeHandle h, std::int64_t v) {
-        node_of(t, h, "host_lock_ref")->host_lock_ref = v;
+        readable_node(t, h, "host_lock_ref")->host_lock_ref = v;
       });
 }

@@ -116,6 +116,12 @@ TreeNode* RadixTree::find(NodeHandle handle) const {
   return it == by_handle_.end() ? nullptr : it->second;
 }
 
+TreeNode* RadixTree::find_any(NodeHandle handle) const {
+  if (TreeNode* node = find(handle); node != nullptr) return node;
+  const auto it = detached_.find(handle);
+  return it == detached_.end() ? nullptr : it->second.get();
+}
+
 std::vector<TreeNode*> RadixTree::nodes() const {
   std::vector<TreeNode*> out;
   out.reserve(static_cast<std::size_t>(std::max<std::int64_t>(num_nodes, 0)));
@@ -482,7 +488,7 @@ void RadixTree::merge_host_chain(TreeNode* node) {
   child->parent = nullptr;
   --num_nodes;
   by_handle_.erase(child->handle);
-  graveyard_.push_back(std::move(owned.mapped()));  // its heap entries just go stale
+  retire(std::move(owned.mapped()));  // its heap entries just go stale
 }
 
 void RadixTree::remove(TreeNode* node) {
@@ -495,8 +501,31 @@ void RadixTree::remove(TreeNode* node) {
   node->parent = nullptr;
   --num_nodes;
   by_handle_.erase(node->handle);
-  graveyard_.push_back(std::move(owned));  // freed when the outermost operation returns
+  retire(std::move(owned));
   refresh(parent);
+}
+
+void RadixTree::retire(std::unique_ptr<TreeNode> node) {
+  if (node->exported) {
+    const NodeHandle handle = node->handle;
+    detached_.insert_or_assign(handle, std::move(node));
+  } else {
+    graveyard_.push_back(std::move(node));  // freed when the outermost operation returns
+  }
+}
+
+void RadixTree::release_detached(const std::vector<NodeHandle>& keep) {
+  std::unordered_map<NodeHandle, std::unique_ptr<TreeNode>> kept;
+  for (NodeHandle h : keep) {
+    if (auto it = detached_.find(h); it != detached_.end()) kept.emplace(h, std::move(it->second));
+  }
+  // Freed through the graveyard: a release from inside a hook must not free a
+  // node an outer operation still points to.
+  for (auto& [h, node] : detached_) {
+    if (node) graveyard_.push_back(std::move(node));
+  }
+  detached_ = std::move(kept);
+  if (depth_ == 0) graveyard_.clear();
 }
 
 // ---------------------------------------------------------------- eviction
@@ -845,6 +874,7 @@ std::size_t RadixTree::memory_bytes() const {
     }
   };
   for (const auto& root : roots_) count_node(root.get());
+  for (const auto& [h, node] : detached_) count_node(node.get());
   for (const TreeNode* node : nodes()) count_node(node);
   return total;
 }

@@ -6,7 +6,8 @@
 // Nodes removed by an operation are parked in a graveyard until the outermost
 // operation returns: a Python hook (backup, on_split) running in the middle of
 // an eviction may call back into the tree, and the node pointers the outer
-// loop holds must stay valid.
+// loop holds must stay valid. Removed nodes whose handles reached Python are
+// detached instead: readable (like a removed Python node) until released.
 //
 // Knows nothing of Python: callbacks are std::function, errors are the
 // ValueError / TypeError types of common.h.
@@ -63,8 +64,13 @@ class RadixTree {
   TreeNode* root(std::uint32_t ns) { return roots_[ns].get(); }
   const std::optional<std::string>& namespace_name(std::uint32_t ns) const { return ns_names_[ns]; }
 
-  // The live node of a handle, or nullptr if it was freed (or never existed).
+  // The live node of a handle, or nullptr if it was removed (or never existed).
   TreeNode* find(NodeHandle handle) const;
+  // A live node, or a removed one still readable from Python (detached), or nullptr.
+  TreeNode* find_any(NodeHandle handle) const;
+  // Free every detached node except those in `keep` (Python still holds their proxies).
+  void release_detached(const std::vector<NodeHandle>& keep);
+  std::size_t num_detached() const { return detached_.size(); }
 
   MatchOut match(token_span key, std::uint32_t ns);
   InsertOut insert(token_span key, const IndexRun& pages, std::uint32_t ns);
@@ -112,6 +118,7 @@ class RadixTree {
   TreeNode* new_child(TreeNode* parent, TokenRun tokens);
   TreeNode* split(TreeNode* node, std::int64_t num_pages);
   void remove(TreeNode* node);
+  void retire(std::unique_ptr<TreeNode> node);
   // Absorb node's only child when both are idle and host-only (hicache/tree.py
   // _merge_host_chain): a reload of an evicted conversation chain is one node.
   void merge_host_chain(TreeNode* node);
@@ -143,6 +150,9 @@ class RadixTree {
   CandidateHeap host_heap_;
   int depth_ = 0;  // operations in progress (re-entrant through hooks)
   std::vector<std::unique_ptr<TreeNode>> graveyard_;
+  // Removed nodes whose handles reached Python: like a removed Python TreeNode, they
+  // stay readable (parent None) until the wrapper releases them.
+  std::unordered_map<NodeHandle, std::unique_ptr<TreeNode>> detached_;
   at::Tensor empty_roots_indices_;
 };
 
