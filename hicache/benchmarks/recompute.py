@@ -7,8 +7,9 @@ For each prefix length, in one run on one machine:
 - reload: :meth:`TransferEngine.load` of the same prefix's KV from host pool
   pages into device pool pages (scattered page ids on both sides), waited to
   completion; the reloaded KV is checked equal to the recomputed one;
-- copy limit: one contiguous ``copy_`` of the same bytes, the best a load of
-  them can do; ``fraction`` = copy time / reload time.
+- copy limit: one contiguous ``copy_`` of the same bytes, interleaved with the
+  reloads, the best a load of them can do; ``fraction`` = copy time / reload
+  time. On the CPU both run single-threaded (see the comment in ``measure``).
 
 Medians over ``--repeats`` after one warm-up. On a CPU the "device" pool is host
 memory too, so reload is a memory-to-memory copy while recompute runs on two
@@ -50,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--executor", default="auto",
                         help="transfer executor: auto, thread, cuda or immediate")
     parser.add_argument("--repeats", type=int, default=3, help="timed recompute runs per length")
-    parser.add_argument("--reload-repeats", type=int, default=10,
+    parser.add_argument("--reload-repeats", type=int, default=20,
                         help="timed reload and copy runs per length")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
@@ -155,10 +156,20 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
 
         copy_src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
         copy_dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        # Interleaved, so that machine noise hits the reload and its limit alike.
-        reload_s, copy_s = _interleaved_median_s(
-            reload, lambda: copy_dst.copy_(copy_src), args.reload_repeats, device  # noqa: B023
-        )
+        # Interleaved, so that machine noise hits the reload and its limit alike. On the
+        # CPU both run on one thread: the thread executor copies on one worker, and a
+        # 2-thread copy_ on 2 cores stalls at its OpenMP barrier whenever another
+        # process holds a core (medians 20-40x off), while one thread alone already
+        # reaches the DRAM bandwidth.
+        num_threads = torch.get_num_threads()
+        if device.type == "cpu":
+            torch.set_num_threads(1)
+        try:
+            reload_s, copy_s = _interleaved_median_s(
+                reload, lambda: copy_dst.copy_(copy_src), args.reload_repeats, device  # noqa: B023
+            )
+        finally:
+            torch.set_num_threads(num_threads)
         engine.poll()
         for layer in range(cfg.num_layers):
             for buf in device_pool.layer(layer):
