@@ -17,6 +17,9 @@ The regime: on a CPU the "device" pool is host memory too, so a reload is a
 memory copy while recompute runs the model on a couple of cores; recompute
 costs far more than on a GPU, relative to a load. The computed-token ratio
 carries over to a GPU; the TTFT ratio shrinks there (see ``bench recompute``).
+A forward of a few dozen tokens also has a fixed cost here (~20-40 ms: the
+32k-vocabulary head, per-op overhead), which keeps the TTFT ratio below the
+computed-token ratio.
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser, **defaults: int) -> 
     """Shape options of the generated agentic workload (``defaults`` override the bench's)."""
     for flag, name, help_text in _WORKLOAD_OPTIONS:
         default = defaults.get(name, DEFAULT_WORKLOAD[name])
-        parser.add_argument(flag, dest=name, type=int, default=default,
+        parser.add_argument(flag, dest=name, type=int, default=default, metavar="N",
                             help=f"{help_text} (default {default})")
 
 
