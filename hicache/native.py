@@ -297,7 +297,7 @@ class NativeRadixTree:
         self.page_size = page_size
         self._impl = load_native().Tree(page_size, policy.value)
         self._proxies: dict[int, NativeNode] = {}
-        self._prune_at = 1024  # prune proxies of freed nodes when the cache grows past this
+        self._prune_at = 256  # prune proxies of removed nodes when the cache grows past this
         self._on_split: Callable[[NativeNode, NativeNode], None] | None = None
         self.on_split = on_split
 
@@ -345,7 +345,9 @@ class NativeRadixTree:
         }
         self._proxies = kept
         self._impl.release_detached([h for h in kept if h not in live])
-        self._prune_at = max(1024, 2 * len(kept))
+        # Amortized O(1) per proxy; removed nodes (and their token storage) wait for
+        # at most half as many new proxies as there are kept ones.
+        self._prune_at = len(kept) + max(256, len(kept) // 2)
 
     def _handle(self, node: object, op: str) -> int:
         if type(node) is NativeNode:

@@ -491,8 +491,22 @@ void RadixTree::merge_host_chain(TreeNode* node) {
   retire(std::move(owned.mapped()));  // its heap entries just go stale
 }
 
+void RadixTree::rehome_tokens(TreeNode* node) {
+  TreeNode* parent = node->parent;
+  auto entry = parent->children.extract(node->first_page(page_size_));
+  internal_check(!entry.empty() && entry.mapped().get() == node, "rehome: not a child");
+  node->tokens = TokenRun::copy_of(node->tokens.span());
+  entry.key() = node->first_page(page_size_);  // the key is a view of the node's tokens
+  parent->children.insert(std::move(entry));
+}
+
 void RadixTree::remove(TreeNode* node) {
   TreeNode* parent = node->parent;
+  // A leaf evicted in parts leaves its prefix holding the storage of the whole
+  // run: give the prefix storage of its own size so the dead tail is freed.
+  if (parent->parent != nullptr && parent->tokens.storage == node->tokens.storage) {
+    rehome_tokens(parent);
+  }
   const auto it = parent->children.find(node->first_page(page_size_));
   internal_check(it != parent->children.end() && it->second.get() == node, "remove: not a child");
   std::unique_ptr<TreeNode> owned = std::move(it->second);

@@ -119,6 +119,7 @@ class RadixTree {
   TreeNode* split(TreeNode* node, std::int64_t num_pages);
   void remove(TreeNode* node);
   void retire(std::unique_ptr<TreeNode> node);
+  void rehome_tokens(TreeNode* node);  // copy a node's tokens into storage of their own size
   // Absorb node's only child when both are idle and host-only (hicache/tree.py
   // _merge_host_chain): a reload of an evicted conversation chain is one node.
   void merge_host_chain(TreeNode* node);
