@@ -37,6 +37,8 @@ bench() {  # bench NAME TIMEOUT_S ARGS...
 
 if [ "$has_gpu" = 1 ]; then
   bench transfer 90 --device cuda --total-mib 512
+  bench recompute 90 --device cuda --preset llama3-8b-layers2 --tokens 1024,2048,4096,8192
+  bench multiturn 90 --device cuda
 else
   echo "no CUDA device: GPU benchmarks skipped"
 fi
