@@ -89,11 +89,14 @@ class PageAllocator:
         if not in_use.all():
             bad = ids[~in_use][:8].tolist()
             raise ValueError(f"{self.name}: double free or never allocated: pages {bad}")
-        if ids.size > 1:  # duplicates: a later position overwrites an earlier one's slot
+        if ids.size <= 64:  # a set is cheaper than array ops for the usual small frees
+            duplicates = ids.size > 1 and len(set(ids.tolist())) != ids.size
+        else:  # a later position overwrites an earlier one's slot
             order = np.arange(ids.size)
             self._slot[ids] = order
-            if not np.array_equal(self._slot[ids], order):
-                raise ValueError(f"{self.name}: the same page id appears twice in one free")
+            duplicates = not np.array_equal(self._slot[ids], order)
+        if duplicates:
+            raise ValueError(f"{self.name}: the same page id appears twice in one free")
         return ids
 
     def check_integrity(self) -> None:

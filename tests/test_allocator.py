@@ -65,3 +65,14 @@ def test_bad_counts(n, exc):
         PageAllocator(4).alloc(n)
     with pytest.raises(exc):
         PageAllocator(n)
+
+
+def test_duplicates_in_a_large_free_raise():
+    a = PageAllocator(256)
+    p = a.alloc(200)
+    bad = torch.cat((p[:100], p[50:51]))
+    with pytest.raises(ValueError, match="twice"):
+        a.free(bad)
+    assert a.num_used_pages == 200
+    a.free(p)
+    a.check_integrity()
