@@ -96,11 +96,19 @@ def replay_device(
     )
 
 
+def replay_hicache_device_only(
+    requests: list[tuple[np.ndarray, np.ndarray]], page_size: int, device_tokens: int,
+    tree: str = "python",
+) -> ReplayResult:
+    """:func:`replay_hierarchical` without a host tier: HiCache's own device-only cost."""
+    return replay_hierarchical(requests, page_size, device_tokens, None, tree=tree)
+
+
 def replay_hierarchical(
     requests: list[tuple[np.ndarray, np.ndarray]],
     page_size: int,
     device_tokens: int,
-    host_tokens: int,
+    host_tokens: int | None,
     write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH,
     eviction: EvictionPolicy | str = EvictionPolicy.LRU,
     tree: str = "python",
