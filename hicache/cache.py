@@ -379,7 +379,8 @@ class HiCache:
         if num_pages == num_prefix_pages:
             return 0
         table = h.page_table()
-        result = self.tree.insert_key(key, table[:num_pages], h.namespace)
+        inserted = table[:num_pages]
+        result = self.tree.insert_key(key, inserted, h.namespace)
         cached_pages = result.num_cached_tokens // self.page_size
         if cached_pages > num_prefix_pages:  # cached meanwhile by someone else: ours are spare
             self.device_allocator.free(table[num_prefix_pages:cached_pages])
@@ -391,7 +392,7 @@ class HiCache:
         if self._num_loading_nodes:  # deduplicated onto pages a load is still writing
             self._wait_for_loads_on_path(h, result.last_node)
         # If nothing was cached meanwhile, the tree's pages of the path are ours.
-        h._prefix_pages = table[:num_pages] if cached_pages <= num_prefix_pages else None
+        h._prefix_pages = inserted if cached_pages <= num_prefix_pages else None
         h.prefix_len = num_pages * self.page_size
         h.key = key
         new_tokens = (num_pages - cached_pages) * self.page_size
@@ -414,6 +415,8 @@ class HiCache:
     # -------------------------------------------------------------- transfers
     def poll(self) -> int:
         """Apply every transfer that finished since the last call; return how many."""
+        if not self._inflight and (self.storage is None or not self.storage.num_in_flight):
+            return 0  # nothing can have finished
         done = self.transfers.poll()
         if self.storage is not None:
             for job in self.storage.poll():
