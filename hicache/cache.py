@@ -703,7 +703,16 @@ class HiCache:
         num_pages = self.storage.exists(keys)
         if num_pages == 0:
             return None
+        # The fetched pages extend the cached prefix: its host-only part is the oldest
+        # host leaf, so making room for them would evict it first and waste the read.
+        held = []
+        if start:
+            held = self.tree.host_only_path(self.tree.match_key(key[: start * pnb], namespace))
+        for node in held:
+            self.tree.host_lock(node)
         host_pages = self._alloc_host(num_pages)
+        for node in held:
+            self.tree.host_unlock(node)
         if host_pages is None:
             return None
         job = StorageJob("read", keys[:num_pages], host_pages)
