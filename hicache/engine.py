@@ -20,8 +20,17 @@ Per request (``generate``)::
 
 Modes: ``none`` (no cache: every prompt is computed; a plain paged pool so the
 model runs the same code), ``device`` (HiCache, device tier only) and
-``hierarchical`` (HiCache with a host tier). TTFT is the time from the call to
-the first generated token (match, load waits and prefill included).
+``hierarchical`` (HiCache with a host tier, optionally over a third storage tier:
+``storage="file:DIR"`` or ``"mooncake://HOST:PORT?metadata=URL"``). TTFT is the
+time from the call to the first generated token (match, load waits, storage
+waits under the prefetch policy, and prefill included).
+
+With a storage tier, a caller that queues requests announces each one on arrival
+with :meth:`Engine.prefetch`, so its stored pages move into host memory while
+earlier requests compute; under ``best_effort`` the request then uses what has
+arrived when it is scheduled. :meth:`Engine.close` waits for the host copies and
+storage writes still in flight, so what this engine computed is in storage for
+the next process.
 
 This module does not know the radix tree, the pools' layout or how transfers
 move bytes: it talks to the cache through its public lifecycle only.
@@ -38,7 +47,7 @@ import torch
 
 from hicache.allocator import PageAllocator
 from hicache.cache import HiCache, LoadError, PrefixHandle
-from hicache.config import CacheConfig, EvictionPolicy, WritePolicy
+from hicache.config import CacheConfig, EvictionPolicy, PrefetchPolicy, WritePolicy
 from hicache.model import Model
 from hicache.pool import DevicePool
 
@@ -72,7 +81,10 @@ class Engine:
     request's pages); ``host_tokens`` the host tier's (``hierarchical`` only;
     default 4x ``device_tokens``). ``executor`` is the transfer executor
     (``auto``, ``thread`` or ``cuda``: the engine needs loads that really copy and
-    complete on their own).
+    complete on their own). ``storage`` (``hierarchical`` only) adds the third
+    tier, with ``prefetch_policy``/``prefetch_timeout_s`` (see
+    :class:`~hicache.config.CacheConfig`) and backend ``storage_options`` (see
+    :func:`hicache.storage.make_storage`).
     """
 
     def __init__(
@@ -87,6 +99,10 @@ class Engine:
         eviction: EvictionPolicy | str = EvictionPolicy.LRU,
         executor: str = "auto",
         load_threshold_tokens: int = 0,
+        storage: str | None = None,
+        prefetch_policy: PrefetchPolicy | str = PrefetchPolicy.BEST_EFFORT,
+        prefetch_timeout_s: float = 0.05,
+        storage_options: dict | None = None,
     ) -> None:
         if not isinstance(model, Model):
             raise TypeError(f"model: expected a hicache.model.Model, got {type(model).__name__}")
@@ -102,6 +118,15 @@ class Engine:
             raise ValueError(
                 f"host_tokens: only the 'hierarchical' mode has a host tier, got "
                 f"host_tokens={host_tokens} with mode {self.mode.value!r}"
+            )
+        if storage is not None and self.mode is not EngineMode.HIERARCHICAL:
+            raise ValueError(
+                f"storage: only the 'hierarchical' mode has a storage tier, got "
+                f"storage={storage!r} with mode {self.mode.value!r}"
+            )
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise TypeError(
+                f"storage_options: expected dict, got {type(storage_options).__name__}"
             )
         self.model = model
         self.page_size = page_size
@@ -129,6 +154,10 @@ class Engine:
                 eviction=eviction,
                 executor=executor,
                 load_threshold_tokens=load_threshold_tokens,
+                storage=storage,
+                prefetch_policy=prefetch_policy,
+                prefetch_timeout_s=prefetch_timeout_s,
+                extra={"storage": dict(storage_options)} if storage_options else {},
             )
             self.cache = HiCache(config)
             self.pool = self.cache.device_pool
@@ -170,6 +199,22 @@ class Engine:
             prompt, max_new_tokens, seq_len, namespace, start, keep_logits
         )
 
+    def prefetch(
+        self, prompt_tokens: list[int] | np.ndarray | torch.Tensor, namespace: str | None = None
+    ) -> bool:
+        """Announce a request that arrived but is not scheduled yet.
+
+        Starts reading the part of its prompt that only the storage tier holds
+        into host memory (see :meth:`HiCache.prefetch`); :meth:`generate` later
+        uses what arrived, as the prefetch policy says. Returns whether a read
+        started or was already on its way; ``False`` without a storage tier.
+        """
+        prompt = self._check_prompt(prompt_tokens)
+        if self.cache is None or self.cache.storage is None:
+            return False
+        # generate() matches prompt[:-1]: the last token is always computed.
+        return self.cache.prefetch(prompt[:-1], namespace) is not None
+
     def stats(self) -> dict:
         """The cache's counters (see :meth:`HiCache.stats`); empty in mode ``none``."""
         return self.cache.stats() if self.cache is not None else {}
@@ -189,6 +234,7 @@ class Engine:
             self.cache.wait_all()
 
     def close(self) -> None:
+        """Wait for backups and storage writes in flight, then stop the cache's workers."""
         if self.cache is not None:
             self.cache.close()
 

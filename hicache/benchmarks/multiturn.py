@@ -7,9 +7,19 @@ device tier thrashes) with a host tier big enough for the whole working set.
 Prompts are taken as given; ``max_new_tokens = len(output)``; generation is
 greedy, and the three configurations must produce the same tokens (checked).
 
+Third tier (:data:`STORAGE_CONFIGS`, picked with ``--configs``): the same device
+tier over a host tier too small for the working set (``--storage-host-tokens``,
+default a quarter of the full host tier), without (``hierarchical-small-host``)
+and with (``hierarchical+storage``) a storage tier under it (``--storage SPEC``,
+default a fresh temporary ``file:`` store). Requests are announced one ahead
+(``Engine.prefetch`` for request i+1 before request i runs, as if it arrived while
+i computes), so under ``best_effort`` its stored pages reach host memory in the
+background.
+
 What is measured per configuration: TTFT (call to first generated token:
 match, load waits and prefill), hit ratios per tier (prompt tokens found on the
-device / loaded from the host, over all prompt tokens), prompt tokens computed,
+device / loaded from the host, over all prompt tokens; "storage" is the part of
+the host hits read from the third tier first), prompt tokens computed,
 and requests per second (decode included). A warm-up request runs first on a
 throwaway engine so one-time kernel set-up is not charged to the first config.
 
@@ -26,8 +36,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -53,14 +66,39 @@ class ConfigSpec(NamedTuple):
     mode: str  # Engine mode
     has_host_tier: bool  # receives host_tokens
     options: dict  # further Engine keyword arguments
+    small_host: bool = False  # host tier of storage_host_tokens instead of host_tokens
+    has_storage: bool = False  # a third tier under the host tier
 
 
-# Name -> engine recipe; a new configuration (e.g. a storage tier) is one more entry.
+# Name -> engine recipe: the configurations compared by default (and by the demo).
 CONFIGS: dict[str, ConfigSpec] = {
     "none": ConfigSpec("none", False, {}),
     "device": ConfigSpec("device", False, {}),
     "hierarchical": ConfigSpec("hierarchical", True, {"write_policy": "write_through"}),
 }
+
+# What a third tier buys where host memory runs out: both run at the same small host tier.
+STORAGE_CONFIGS: dict[str, ConfigSpec] = {
+    "hierarchical-small-host": ConfigSpec(
+        "hierarchical", True, {"write_policy": "write_through"}, small_host=True
+    ),
+    "hierarchical+storage": ConfigSpec(
+        "hierarchical", True, {"write_policy": "write_through"}, small_host=True,
+        has_storage=True,
+    ),
+}
+
+ALL_CONFIGS: dict[str, ConfigSpec] = {**CONFIGS, **STORAGE_CONFIGS}
+
+
+class StorageSetup(NamedTuple):
+    """The third tier's settings for the configurations in :data:`STORAGE_CONFIGS`."""
+
+    host_tokens: int  # the small host tier both storage configurations run with
+    spec: str | None = None  # None: a fresh temporary file: store per run, removed after
+    prefetch_policy: str = "best_effort"
+    prefetch_timeout_s: float = 0.05
+    lookahead: int = 1  # requests announced (Engine.prefetch) before the running one
 
 # The default workload: agentic sessions over two shared 1k-token system prompts,
 # each starting with a 512-token task (retrieved context) and appending a 32-token
@@ -131,7 +169,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-tokens", type=int, default=None,
                         help="host tier capacity in tokens (default: 2x the working set)")
     parser.add_argument("--configs", default=",".join(CONFIGS),
-                        help=f"comma-separated subset of {list(CONFIGS)}")
+                        help=f"comma-separated subset of {list(ALL_CONFIGS)} (default: "
+                        f"{','.join(CONFIGS)})")
+    parser.add_argument("--storage", default=None, metavar="SPEC",
+                        help="third tier of hierarchical+storage: 'file:DIR' or "
+                        "'mooncake://HOST:PORT?metadata=URL' (default: a fresh temporary "
+                        "file: store); pages are namespaced per run")
+    parser.add_argument("--storage-host-tokens", type=int, default=None, metavar="N",
+                        help="host tier of hierarchical-small-host and hierarchical+storage "
+                        "(default: 25%% of --host-tokens, at least one request)")
+    parser.add_argument("--prefetch-policy", default="best_effort",
+                        choices=["best_effort", "wait_complete", "timeout"],
+                        help="how long a request waits for its stored pages (default "
+                        "best_effort)")
+    parser.add_argument("--prefetch-timeout-s", type=float, default=0.05, metavar="S",
+                        help="wait of the 'timeout' prefetch policy (default 0.05)")
+    parser.add_argument("--lookahead", type=int, default=1, metavar="N",
+                        help="requests announced ahead of the running one, so their stored "
+                        "pages are prefetched while it computes (default 1; 0: none)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (default 1: the other core runs the "
                         "transfer threads, as a GPU's copy engines run beside its SMs)")
@@ -164,12 +219,25 @@ def replay(
     engine: Engine,
     requests: Sequence[Request],
     progress: Callable[[int, GenerateResult], None] | None = None,
+    *,
+    lookahead: int = 0,
+    namespace: str | None = None,
 ) -> tuple[list[GenerateResult], float]:
-    """Run ``requests`` in order through ``engine``; return the results and the wall time."""
+    """Run ``requests`` in order through ``engine``; return the results and the wall time.
+
+    With ``lookahead`` the next requests are announced (:meth:`Engine.prefetch`)
+    before each one runs: they count as arrived and queued behind it.
+    """
     results = []
     start = time.perf_counter()
     for i, req in enumerate(requests):
-        result = engine.generate(req.prompt, req.max_new_tokens)
+        if lookahead:
+            # Requests up to i + lookahead have arrived; all but the newest were
+            # announced at earlier steps (request 0 is scheduled as it arrives).
+            first = 1 if i == 0 else i + lookahead
+            for later in requests[first : i + 1 + lookahead]:
+                engine.prefetch(later.prompt, namespace)
+        result = engine.generate(req.prompt, req.max_new_tokens, namespace)
         results.append(result)
         if progress is not None:
             progress(i + 1, result)
@@ -178,12 +246,23 @@ def replay(
 
 
 def build_engine(
-    name: str, model: Model, device_tokens: int, host_tokens: int, page_size: int
+    name: str, model: Model, device_tokens: int, host_tokens: int, page_size: int,
+    storage: StorageSetup | None = None, storage_spec: str | None = None,
 ) -> Engine:
-    spec = CONFIGS[name]
+    """The engine of configuration ``name``; storage configurations need ``storage``
+    (and ``storage_spec``, the store this run uses)."""
+    spec = ALL_CONFIGS[name]
     kwargs = dict(spec.options)
+    if spec.small_host or spec.has_storage:
+        if storage is None:
+            raise ValueError(f"config {name!r}: expected a StorageSetup, got None")
+        host_tokens = storage.host_tokens
     if spec.has_host_tier:
         kwargs["host_tokens"] = host_tokens
+    if spec.has_storage:
+        assert storage is not None and storage_spec is not None, "no store for a storage config"
+        kwargs.update(storage=storage_spec, prefetch_policy=storage.prefetch_policy,
+                      prefetch_timeout_s=storage.prefetch_timeout_s)
     return Engine(model, spec.mode, device_tokens, page_size=page_size, **kwargs)
 
 
@@ -195,24 +274,47 @@ def run_configs(
     host_tokens: int,
     page_size: int,
     progress: Callable[[str, int, GenerateResult], None] | None = None,
+    storage: StorageSetup | None = None,
 ) -> dict[str, ConfigResult]:
-    """Replay ``requests`` through each named configuration; check they generate alike."""
+    """Replay ``requests`` through each named configuration; check they generate alike.
+
+    Configurations of :data:`STORAGE_CONFIGS` need ``storage``. Each storage run gets
+    a fresh store (a temporary directory, removed afterwards) unless ``storage.spec``
+    names one; then its requests use a namespace of their own, so pages of earlier
+    runs (perhaps of other weights: keys cover the KV layout, not the weights) are
+    never hits.
+    """
     warm = Engine(model, "none", max_request_tokens(requests[:1], page_size), page_size=page_size)
     warm.generate(requests[0].prompt, requests[0].max_new_tokens)
     warm.close()
     out: dict[str, ConfigResult] = {}
     for name in names:
-        engine = build_engine(name, model, device_tokens, host_tokens, page_size)
+        temp_dir = namespace = spec = None
+        if ALL_CONFIGS[name].has_storage and storage is not None:
+            if storage.spec is None:
+                temp_dir = tempfile.mkdtemp(prefix="hicache-multiturn-")
+                spec = f"file:{temp_dir}"
+            else:
+                spec = storage.spec
+                namespace = f"multiturn-{os.getpid()}-{time.time_ns()}"
         try:
-            on_result = None
-            if progress is not None:
-                def on_result(i: int, r: GenerateResult, name: str = name) -> None:
-                    progress(name, i, r)
-            results, wall_s = replay(engine, requests, on_result)
-            engine.check_integrity()
-            out[name] = ConfigResult(name, results, wall_s, engine.stats())
+            engine = build_engine(name, model, device_tokens, host_tokens, page_size,
+                                  storage, spec)
+            try:
+                on_result = None
+                if progress is not None:
+                    def on_result(i: int, r: GenerateResult, name: str = name) -> None:
+                        progress(name, i, r)
+                lookahead = storage.lookahead if storage is not None else 0
+                results, wall_s = replay(engine, requests, on_result, lookahead=lookahead,
+                                         namespace=namespace)
+                engine.check_integrity()
+                out[name] = ConfigResult(name, results, wall_s, engine.stats())
+            finally:
+                engine.close()
         finally:
-            engine.close()
+            if temp_dir is not None:
+                shutil.rmtree(temp_dir, ignore_errors=True)
     first = next(iter(out.values()))
     for res in out.values():
         for i, (a, b) in enumerate(zip(res.results, first.results, strict=True)):
@@ -230,6 +332,10 @@ def summarize(res: ConfigResult, requests: Sequence[Request]) -> dict:
     ttft_ms = [r.ttft_s * 1e3 for r in res.results]
     device_hit = sum(r.device_hit_tokens for r in res.results)
     host_hit = sum(r.host_hit_tokens for r in res.results)
+    # Tokens read from storage into host memory, then loaded back as host hits (a
+    # fetched page that is evicted before use, or computed meanwhile, counts too).
+    storage_hit = res.stats.get("storage_hit_tokens", 0)
+    read_s = res.stats.get("storage_read_seconds", 0.0)
     return {
         "requests": len(res.results),
         "ttft_mean_ms": statistics.fmean(ttft_ms),
@@ -238,6 +344,13 @@ def summarize(res: ConfigResult, requests: Sequence[Request]) -> dict:
         "hit_ratio": (device_hit + host_hit) / prompt_tokens,
         "device_hit_ratio": device_hit / prompt_tokens,
         "host_hit_ratio": host_hit / prompt_tokens,
+        "storage_hit_ratio": storage_hit / prompt_tokens,
+        "storage_hit_tokens": storage_hit,
+        "storage_read_gbps": res.stats.get("storage_read_bytes", 0) / read_s / 1e9
+        if read_s else 0.0,
+        "storage_write_bytes": res.stats.get("storage_write_bytes", 0),
+        "storage_errors": res.stats.get("storage_errors", 0),
+        "host_evicted_tokens": res.stats.get("host_evicted_tokens", 0),
         "computed_tokens": sum(r.computed_tokens for r in res.results),
         "prompt_tokens": prompt_tokens,
         "req_per_s": len(res.results) / res.wall_s,
@@ -249,15 +362,22 @@ def summarize(res: ConfigResult, requests: Sequence[Request]) -> dict:
 
 
 def format_table(summaries: dict[str, dict]) -> list[str]:
-    header = (f"{'config':<14} {'TTFT mean':>10} {'p50':>8} {'p99':>8} {'hit':>6} "
-              f"{'device':>7} {'host':>6} {'computed':>9} {'req/s':>7}")
-    lines = [header, f"{'':<14} {'(ms)':>10} {'(ms)':>8} {'(ms)':>8} {'':>6} {'hit':>7} "
-             f"{'hit':>6} {'tokens':>9}"]
+    """One row per configuration; a "storage" column when a storage tier took part."""
+    w = max(14, *(len(name) for name in summaries))
+    with_storage = any(s.get("storage_hit_tokens") or s.get("storage_write_bytes")
+                       for s in summaries.values())
+    header = (f"{'config':<{w}} {'TTFT mean':>10} {'p50':>8} {'p99':>8} {'hit':>6} "
+              f"{'device':>7} {'host':>6}" + (f" {'(from':>8}" if with_storage else "")
+              + f" {'computed':>9} {'req/s':>7}")
+    lines = [header, f"{'':<{w}} {'(ms)':>10} {'(ms)':>8} {'(ms)':>8} {'':>6} {'hit':>7} "
+             f"{'hit':>6}" + (f" {'storage)':>8}" if with_storage else "") + f" {'tokens':>9}"]
     for name, s in summaries.items():
+        storage = f" {s.get('storage_hit_ratio', 0.0):>8.1%}" if with_storage else ""
         lines.append(
-            f"{name:<14} {s['ttft_mean_ms']:>10.1f} {s['ttft_p50_ms']:>8.1f} "
+            f"{name:<{w}} {s['ttft_mean_ms']:>10.1f} {s['ttft_p50_ms']:>8.1f} "
             f"{s['ttft_p99_ms']:>8.1f} {s['hit_ratio']:>6.1%} {s['device_hit_ratio']:>7.1%} "
-            f"{s['host_hit_ratio']:>6.1%} {s['computed_tokens']:>9} {s['req_per_s']:>7.2f}"
+            f"{s['host_hit_ratio']:>6.1%}{storage} {s['computed_tokens']:>9} "
+            f"{s['req_per_s']:>7.2f}"
         )
     return lines
 
@@ -272,6 +392,19 @@ def conclusion(summaries: dict[str, dict]) -> str:
     return (f"hierarchical: {ttft_x:.1f}x lower mean TTFT than device-only, "
             f"{computed_x:.1f}x fewer tokens computed "
             f"(hit ratio {h['hit_ratio']:.0%} vs {d['hit_ratio']:.0%})")
+
+
+def storage_conclusion(summaries: dict[str, dict]) -> str | None:
+    """One line on what the third tier buys at the small host tier; None without both runs."""
+    if "hierarchical+storage" not in summaries or "hierarchical-small-host" not in summaries:
+        return None
+    st, sm = summaries["hierarchical+storage"], summaries["hierarchical-small-host"]
+    ttft_x = sm["ttft_mean_ms"] / st["ttft_mean_ms"]
+    computed_x = sm["computed_tokens"] / max(st["computed_tokens"], 1)
+    return (f"hierarchical+storage: {ttft_x:.1f}x lower mean TTFT than the same small host "
+            f"tier alone, {computed_x:.1f}x fewer tokens computed (hit ratio "
+            f"{st['hit_ratio']:.0%} vs {sm['hit_ratio']:.0%}, {st['storage_hit_ratio']:.0%} "
+            f"of prompt tokens read from storage)")
 
 
 # ---------------------------------------------------------------------- main
@@ -312,14 +445,38 @@ def capacities(
     return ws, device_tokens, host_tokens
 
 
+def storage_setup(
+    args: argparse.Namespace, requests: Sequence[Request], host_tokens: int
+) -> StorageSetup:
+    """The storage configurations' settings; the small host tier defaults to 25% of the
+    full one (whole pages), but holds at least the largest request."""
+    small = args.storage_host_tokens
+    if small is None:
+        small = max(host_tokens // 4 // args.page_size * args.page_size,
+                    max_request_tokens(requests, args.page_size))
+    elif small < args.page_size:
+        raise ValueError(
+            f"--storage-host-tokens: expected >= page size ({args.page_size}), got {small}"
+        )
+    if not args.prefetch_timeout_s >= 0:
+        raise ValueError(f"--prefetch-timeout-s: expected >= 0, got {args.prefetch_timeout_s}")
+    return StorageSetup(small, args.storage, args.prefetch_policy, args.prefetch_timeout_s,
+                        args.lookahead)
+
+
 def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CONFIGS]
+    unknown = [n for n in names if n not in ALL_CONFIGS]
     if unknown or not names:
-        raise ValueError(f"--configs: expected names from {list(CONFIGS)}, got {args.configs!r}")
+        raise ValueError(
+            f"--configs: expected names from {list(ALL_CONFIGS)}, got {args.configs!r}"
+        )
+    if args.lookahead < 0:
+        raise ValueError(f"--lookahead: expected >= 0, got {args.lookahead}")
     requests, ws, device_tokens, host_tokens = prepare(args)
+    storage = storage_setup(args, requests, host_tokens)
     cfg = preset(args.preset)
     model = Model(cfg, device=args.device, seed=args.seed)
     prompt_tokens = sum(len(r.prompt) for r in requests)
@@ -329,18 +486,25 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     log(f"preset {cfg.name}, page size {args.page_size}, device {device_tokens} tokens "
         f"({device_tokens / ws:.0%} of the working set), host {host_tokens} tokens, "
         f"{torch.get_num_threads()} torch threads, load average {psutil.getloadavg()[0]:.1f}")
+    if any(n in STORAGE_CONFIGS for n in names):
+        log(f"small host tier {storage.host_tokens} tokens ({storage.host_tokens / ws:.0%} of "
+            f"the working set); storage {storage.spec or 'a fresh temporary file: store'}, "
+            f"prefetch {storage.prefetch_policy}, lookahead {storage.lookahead}")
 
     def progress(name: str, i: int, r: GenerateResult) -> None:
         if i == len(requests):
             log(f"  {name}: {i} requests done")
 
     runs = run_configs(model, requests, names, device_tokens, host_tokens, args.page_size,
-                       progress)
+                       progress, storage)
     summaries = {name: summarize(res, requests) for name, res in runs.items()}
     log("")
     for line in format_table(summaries):
         log(line)
     log(conclusion(summaries))
+    line = storage_conclusion(summaries)
+    if line is not None:
+        log(line)
     return {
         "preset": cfg.name,
         "page_size": args.page_size,
@@ -352,6 +516,10 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
         "working_set_tokens": ws,
         "device_tokens": device_tokens,
         "host_tokens": host_tokens,
+        "storage_host_tokens": storage.host_tokens,
+        "storage": storage.spec,
+        "prefetch_policy": storage.prefetch_policy,
+        "lookahead": storage.lookahead,
         "torch_threads": torch.get_num_threads(),
         "load_average": psutil.getloadavg()[0],
         "configs": summaries,

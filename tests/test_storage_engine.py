@@ -1,0 +1,275 @@
+"""Engine over the file storage tier: two processes share a prefix; outputs stay exact.
+
+The two-process tests run each engine in a fresh interpreter (``WORKER_SCRIPT``):
+process A generates and exits after ``Engine.close`` flushed its storage writes;
+process B starts with an empty device and host tier, so every prefix hit it gets
+came from storage. Greedy tokens are compared exactly with A's and with a no-cache
+run in this process (same preset and seed: same weights).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from test_cache import KV, assert_quiescent, read_prefix, serve
+
+from hicache.benchmarks import multiturn
+from hicache.cache import HiCache
+from hicache.config import CacheConfig
+from hicache.engine import Engine
+from hicache.model import Model, preset
+
+PAGE_SIZE = 16
+MAX_NEW_TOKENS = 6
+
+# One engine in a fresh process: generates for each prompt, prints one JSON line.
+WORKER_SCRIPT = r"""
+import json, sys, time
+import torch
+torch.set_num_threads(1)
+from hicache.engine import Engine
+from hicache.model import Model, preset
+
+args = json.loads(sys.argv[1])
+model = Model(preset("tiny"), seed=args["seed"])
+engine = Engine(
+    model, "hierarchical", args["device_tokens"], args["host_tokens"], page_size=16,
+    storage=args["storage"], prefetch_policy=args["prefetch_policy"],
+    storage_options=args.get("storage_options"),
+)
+if args.get("announce"):  # the requests arrived before the first one is scheduled
+    for prompt in args["prompts"]:
+        engine.prefetch(prompt)
+    engine.drain()
+out = []
+for prompt in args["prompts"]:
+    r = engine.generate(prompt, args["max_new_tokens"])
+    engine.check_integrity()
+    out.append({"tokens": r.tokens, "device_hit_tokens": r.device_hit_tokens,
+                "host_hit_tokens": r.host_hit_tokens, "computed_tokens": r.computed_tokens})
+start = time.perf_counter()
+engine.close()  # waits for backups and storage writes: the next process sees them
+close_s = time.perf_counter() - start
+stats = engine.stats()
+print(json.dumps({"results": out, "stats": stats, "close_s": close_s}))
+"""
+
+
+def run_engine_process(
+    storage: str,
+    prompts: list[list[int]],
+    *,
+    prefetch_policy: str = "best_effort",
+    announce: bool = False,
+    device_tokens: int = 512,
+    host_tokens: int = 1024,
+    storage_options: dict | None = None,
+    timeout_s: float = 60.0,
+) -> dict:
+    """Run ``WORKER_SCRIPT`` in a fresh interpreter; return its JSON report."""
+    args = {
+        "seed": 0, "storage": storage, "prompts": prompts, "prefetch_policy": prefetch_policy,
+        "announce": announce, "device_tokens": device_tokens, "host_tokens": host_tokens,
+        "max_new_tokens": MAX_NEW_TOKENS, "storage_options": storage_options,
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", WORKER_SCRIPT, json.dumps(args)],
+        capture_output=True, text=True, timeout=timeout_s,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def shared_prompts(seed: int = 0) -> list[list[int]]:
+    """Two prompts over one 160-token system prompt (so they share a prefix)."""
+    rng = random.Random(seed)
+    system = [rng.randrange(32000) for _ in range(160)]
+    return [system + [rng.randrange(32000) for _ in range(40 + 8 * i)] for i in range(2)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    return Model(preset("tiny"), seed=0)
+
+
+def no_cache_tokens(model: Model, prompts: list[list[int]]) -> list[list[int]]:
+    with Engine(model, "none", 512, page_size=PAGE_SIZE) as engine:
+        return [engine.generate(p, MAX_NEW_TOKENS).tokens for p in prompts]
+
+
+def assert_second_process_reuses_first(first: dict, second: dict, reference) -> None:
+    """B hit storage for the prompts only A saw, and all three runs generated alike."""
+    assert first["stats"]["storage_write_bytes"] > 0 and first["stats"]["storage_errors"] == 0
+    assert [r["computed_tokens"] for r in first["results"]][0] == len(PROMPTS[0])
+    s = second["stats"]
+    assert s["storage_hit_tokens"] > 0 and s["storage_errors"] == 0
+    assert s["host_hit_tokens"] > 0
+    b = second["results"]
+    # B's device and host tiers started empty: its hits of the first prompt came from storage.
+    assert b[0]["device_hit_tokens"] == 0
+    assert b[0]["host_hit_tokens"] == (len(PROMPTS[0]) - 1) // PAGE_SIZE * PAGE_SIZE
+    assert [r["tokens"] for r in b] == [r["tokens"] for r in first["results"]] == reference
+
+
+PROMPTS = shared_prompts()
+
+
+@pytest.mark.parametrize("policy", ["wait_complete", "best_effort"])
+def test_second_process_gets_storage_hits_for_prompts_only_the_first_saw(
+    tmp_path, model, policy
+):
+    spec = f"file:{tmp_path / 'store'}"
+    first = run_engine_process(spec, PROMPTS)
+    # best_effort: the requests are announced on arrival and their pages land before
+    # the first is scheduled; wait_complete: each request waits for its own read.
+    second = run_engine_process(
+        spec, PROMPTS, prefetch_policy=policy, announce=policy == "best_effort"
+    )
+    assert_second_process_reuses_first(first, second, no_cache_tokens(model, PROMPTS))
+
+
+def test_engine_with_storage_and_a_small_host_tier_matches_no_cache(tmp_path, model):
+    """Interleaved sessions whose histories outgrow the host tier come back from storage."""
+    rng = random.Random(1)
+    systems = [[rng.randrange(32000) for _ in range(96)] for _ in range(2)]
+    history = {s: list(systems[s % 2]) for s in range(4)}
+    prompts = []
+    engines = {
+        "none": Engine(model, "none", 512, page_size=PAGE_SIZE),
+        "storage": Engine(model, "hierarchical", 384, 384, page_size=PAGE_SIZE,
+                          storage=f"file:{tmp_path}", prefetch_policy="wait_complete"),
+    }
+    try:
+        for _ in range(3):
+            for s in range(4):
+                prompt = history[s] + [rng.randrange(32000) for _ in range(24)]
+                outs = {name: e.generate(prompt, MAX_NEW_TOKENS) for name, e in engines.items()}
+                engines["storage"].check_integrity()
+                assert outs["storage"].tokens == outs["none"].tokens, f"session {s}"
+                history[s] = prompt + outs["none"].tokens
+                prompts.append(prompt)
+        engines["storage"].drain()
+        engines["storage"].check_integrity()
+        stats = engines["storage"].stats()
+    finally:
+        for e in engines.values():
+            e.close()
+    assert stats["host_evicted_tokens"] > 0, "workload too small: the host tier never evicted"
+    assert stats["storage_hit_tokens"] > 0 and stats["storage_errors"] == 0
+    assert stats["loads_failed"] == 0
+
+
+def test_prefetch_keeps_the_host_only_prefix_it_extends(tmp_path):
+    """Regression: making room for fetched pages evicted the cached prefix they extend
+    (the oldest host-only leaf), so the read was discarded and the prompt recomputed."""
+    x = [1, 1, 2, 2, 3, 3, 4, 4]  # 4 pages of 2 tokens
+    y = [7, 7, 8, 8, 9, 9, 5, 5]
+    cfg = dict(storage=f"file:{tmp_path}", executor="thread", prefetch_policy="wait_complete")
+    with HiCache(CacheConfig(KV, device_tokens=16, host_tokens=16, **cfg)) as writer:
+        serve(writer, x)
+    cache = HiCache(CacheConfig(KV, device_tokens=8, host_tokens=12, **cfg))
+    serve(cache, x[:4])
+    serve(cache, y)  # x[:4] leaves the device; the host tier (6 pages) is now full
+    cache.wait_all()
+    before = cache.stats()["storage_hit_tokens"]
+    h = cache.match(x)
+    assert (h.device_len, h.host_len) == (0, 8), "the fetched pages were not used"
+    read_prefix(cache, h, x)
+    cache.release(h)
+    assert cache.stats()["storage_hit_tokens"] - before == 4  # x[4:] came from storage
+    assert_quiescent(cache)
+    cache.close()
+
+
+def test_engine_prefetch_announces_a_request(tmp_path, model):
+    prompt = PROMPTS[0]
+    with Engine(model, "hierarchical", 512, 1024, storage=f"file:{tmp_path}") as a:
+        a.generate(prompt, MAX_NEW_TOKENS)
+    with Engine(model, "hierarchical", 512, 1024, storage=f"file:{tmp_path}") as b:
+        assert b.prefetch(prompt) is True
+        b.drain()  # the pages arrived before the request is scheduled
+        assert b.prefetch(prompt) is False  # nothing left that only storage holds
+        r = b.generate(prompt, MAX_NEW_TOKENS)
+        b.check_integrity()
+    assert r.host_hit_tokens == (len(prompt) - 1) // PAGE_SIZE * PAGE_SIZE
+    with Engine(model, "hierarchical", 512, 1024) as plain:
+        assert plain.prefetch(prompt) is False  # no storage tier: nothing to announce
+
+
+def test_close_flushes_storage_writes(tmp_path, model):
+    """Everything computed before close() is in storage afterwards, even when close()
+    comes right after the last request (its backups still in flight)."""
+    with Engine(model, "hierarchical", 512, 1024, storage=f"file:{tmp_path}") as engine:
+        for prompt in PROMPTS:
+            engine.generate(prompt, MAX_NEW_TOKENS)
+    stats = engine.stats()
+    assert stats["storage_writes"] > 0 and stats["storage_errors"] == 0
+    files = [p for p in tmp_path.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    cached_pages = stats["host_cached_tokens"] // PAGE_SIZE
+    page_nbytes = model.kv_config(PAGE_SIZE).page_nbytes
+    assert stats["storage_write_bytes"] == cached_pages * page_nbytes
+    assert len(files) >= cached_pages
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"mode": "device", "storage": "file:/tmp/x"}, ValueError, "only the 'hierarchical'"),
+        ({"mode": "none", "storage": "file:/tmp/x"}, ValueError, "only the 'hierarchical'"),
+        ({"mode": "hierarchical", "storage": "ftp://x"}, ValueError, "storage spec"),
+        ({"mode": "hierarchical", "storage": "file:/tmp/x", "prefetch_policy": "eager"},
+         ValueError, "prefetch_policy"),
+        ({"mode": "hierarchical", "storage": "file:/tmp/x", "storage_options": [1]},
+         TypeError, "storage_options: expected dict"),
+        ({"mode": "hierarchical", "storage": "file:/tmp/x", "storage_options": {"bogus": 1}},
+         ValueError, "bogus"),
+    ],
+)
+def test_bad_storage_arguments(model, kwargs, error, match):
+    mode = kwargs.pop("mode")
+    with pytest.raises(error, match=match):
+        Engine(model, mode, 512, page_size=PAGE_SIZE, **kwargs)
+
+
+TINY_BENCH = ["--preset", "tiny", "--sessions", "4", "--turns", "3", "--system-prompts", "2",
+              "--system-tokens", "128", "--first-turn-tokens", "64", "--json"]
+
+
+def test_bench_multiturn_third_tier_recovers_what_a_small_host_tier_loses(capsys):
+    start = time.monotonic()
+    assert multiturn.main([*TINY_BENCH, "--configs",
+                           "hierarchical,hierarchical-small-host,hierarchical+storage",
+                           "--storage-host-tokens", "256",
+                           "--prefetch-policy", "wait_complete"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["storage_host_tokens"] == 256 < result["working_set_tokens"]
+    full, small, stored = (result["configs"][n] for n in
+                           ("hierarchical", "hierarchical-small-host", "hierarchical+storage"))
+    assert small["host_evicted_tokens"] > 0, "the small host tier never evicted"
+    assert small["storage_hit_tokens"] == 0 and stored["storage_hit_tokens"] > 0
+    assert stored["computed_tokens"] < small["computed_tokens"]
+    assert full["computed_tokens"] <= stored["computed_tokens"]
+    assert stored["storage_errors"] == 0
+    assert time.monotonic() - start < 60
+
+
+def test_bench_multiturn_rejects_bad_storage_options():
+    with pytest.raises(ValueError, match="--storage-host-tokens"):
+        multiturn.main([*TINY_BENCH, "--configs", "hierarchical+storage",
+                        "--storage-host-tokens", "3"])
+    with pytest.raises(ValueError, match="--lookahead"):
+        multiturn.main([*TINY_BENCH, "--lookahead", "-1"])
