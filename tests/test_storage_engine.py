@@ -111,35 +111,43 @@ def no_cache_tokens(model: Model, prompts: list[list[int]]) -> list[list[int]]:
         return [engine.generate(p, MAX_NEW_TOKENS).tokens for p in prompts]
 
 
-def assert_second_process_reuses_first(first: dict, second: dict, reference) -> None:
+def assert_second_process_reuses_first(
+    first: dict, second: dict, reference: list[list[int]], prompts: list[list[int]]
+) -> None:
     """B hit storage for the prompts only A saw, and all three runs generated alike."""
     assert first["stats"]["storage_write_bytes"] > 0 and first["stats"]["storage_errors"] == 0
-    assert [r["computed_tokens"] for r in first["results"]][0] == len(PROMPTS[0])
+    assert first["results"][0]["computed_tokens"] == len(prompts[0]), "the store was not empty"
     s = second["stats"]
     assert s["storage_hit_tokens"] > 0 and s["storage_errors"] == 0
     assert s["host_hit_tokens"] > 0
     b = second["results"]
     # B's device and host tiers started empty: its hits of the first prompt came from storage.
     assert b[0]["device_hit_tokens"] == 0
-    assert b[0]["host_hit_tokens"] == (len(PROMPTS[0]) - 1) // PAGE_SIZE * PAGE_SIZE
+    assert b[0]["host_hit_tokens"] == (len(prompts[0]) - 1) // PAGE_SIZE * PAGE_SIZE
     assert [r["tokens"] for r in b] == [r["tokens"] for r in first["results"]] == reference
 
 
 PROMPTS = shared_prompts()
 
 
+@pytest.fixture(scope="module")
+def first_process(tmp_path_factory) -> tuple[str, dict]:
+    """Process A's store (after A exited) and its report."""
+    spec = f"file:{tmp_path_factory.mktemp('shared-store')}"
+    return spec, run_engine_process(spec, PROMPTS)
+
+
 @pytest.mark.parametrize("policy", ["wait_complete", "best_effort"])
 def test_second_process_gets_storage_hits_for_prompts_only_the_first_saw(
-    tmp_path, model, policy
+    first_process, model, policy
 ):
-    spec = f"file:{tmp_path / 'store'}"
-    first = run_engine_process(spec, PROMPTS)
+    spec, first = first_process
     # best_effort: the requests are announced on arrival and their pages land before
     # the first is scheduled; wait_complete: each request waits for its own read.
     second = run_engine_process(
         spec, PROMPTS, prefetch_policy=policy, announce=policy == "best_effort"
     )
-    assert_second_process_reuses_first(first, second, no_cache_tokens(model, PROMPTS))
+    assert_second_process_reuses_first(first, second, no_cache_tokens(model, PROMPTS), PROMPTS)
 
 
 def test_engine_with_storage_and_a_small_host_tier_matches_no_cache(tmp_path, model):
