@@ -169,3 +169,42 @@ def test_page_copier_odd_row_bytes_use_narrow_words(native):
     copier.load(ids(3), ids(0), 1, 2)
     assert torch.equal(device.k_buffers[1][0].view(torch.uint8),
                        device.k_buffers[1][2].view(torch.uint8))
+
+
+@pytest.mark.parametrize("native", NATIVE_MODES)
+@pytest.mark.parametrize(
+    "dtype, page_size, heads, head_dim",
+    [
+        ("float32", 16, 2, 8),  # 1 KiB rows: whole 64-byte blocks, 16-byte aligned
+        ("float32", 3, 2, 5),  # 120-byte rows: a 56-byte tail, some rows not 16-byte aligned
+        ("float8_e5m2", 3, 1, 5),  # 15-byte rows: shorter than one streaming block
+    ],
+)
+def test_streaming_stores_copy_the_same_bytes(native, dtype, page_size, heads, head_dim):
+    kv = KVConfig(3, heads, head_dim, dtype, page_size)
+    results = []
+    for streaming_min_nbytes in (0, 1 << 40):  # every transfer streams / none does
+        device, host = DevicePool(kv, 9), HostPool(kv, 6, pin_memory=False)
+        host.buffer.view(torch.uint8).fill_(0)
+        gen = torch.Generator().manual_seed(1)
+        for buf in device.k_buffers + device.v_buffers:
+            flat = buf.view(torch.uint8)
+            flat.copy_(torch.randint(0, 256, flat.shape, generator=gen, dtype=torch.uint8))
+        copier = PageCopier(device, host, native=native, streaming_min_nbytes=streaming_min_nbytes)
+        copier.backup(ids(8, 0, 3, 5), ids(4, 1, 2, 5), 0, 3)
+        copier.load(ids(4, 1, 2, 5), ids(1, 2, 6, 7), 1, 3)
+        results.append((host.buffer.view(torch.uint8).clone(),
+                        [b.view(torch.uint8).clone() for b in device.k_buffers + device.v_buffers]))
+        for layer in (1, 2):
+            for buf in (device.k_buffers[layer], device.v_buffers[layer]):
+                assert torch.equal(buf[[1, 2, 6, 7]].view(torch.uint8),
+                                   buf[[8, 0, 3, 5]].view(torch.uint8))
+    (host_a, dev_a), (host_b, dev_b) = results
+    assert torch.equal(host_a, host_b)
+    assert all(torch.equal(a, b) for a, b in zip(dev_a, dev_b, strict=True))
+
+
+def test_page_copier_rejects_a_non_int_streaming_threshold():
+    kv = kv_config()
+    with pytest.raises(TypeError, match="streaming_min_nbytes: expected int, got float"):
+        PageCopier(DevicePool(kv, 2), HostPool(kv, 2, pin_memory=False), streaming_min_nbytes=1.0)

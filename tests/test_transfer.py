@@ -288,3 +288,103 @@ def test_empty_transfer_completes():
     with TransferEngine(device, host, "thread") as engine:
         handle = engine.backup(ids(), ids())
         assert handle.wait(timeout=10) and handle.error is None and handle.nbytes == 0
+
+
+class _GatedCopier:
+    """Wraps a copier: loads into ``gate_page`` wait for ``gate``; records who copied what."""
+
+    def __init__(self, inner: PageCopier, gate_page: int) -> None:
+        self.inner = inner
+        self.gate_page = gate_page
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.calls: list[tuple[str, int, int]] = []  # (thread name, first device page, layer)
+
+    def load(self, host_ids, device_ids, first, last):
+        if int(device_ids[0]) == self.gate_page:
+            self.entered.set()
+            assert self.gate.wait(timeout=10), "test gate never opened"
+        self.calls.append((threading.current_thread().name, int(device_ids[0]), first))
+        self.inner.load(host_ids, device_ids, first, last)
+
+    def backup(self, device_ids, host_ids, first, last):
+        self.inner.backup(device_ids, host_ids, first, last)
+
+
+def _gated_engine(layers=3):
+    device, host = make_pools(layers=layers)
+    engine = TransferEngine(device, host, "thread")
+    copier = _GatedCopier(engine.executor._copier, gate_page=7)
+    engine.executor._copier = copier
+    backup = engine.backup(ids(0, 1, 2), ids(0, 1, 2))
+    assert backup.wait(timeout=10) and backup.error is None
+    assert engine.poll() == [backup]
+    return device, engine, copier
+
+
+def test_waiting_caller_copies_a_load_the_busy_worker_has_not_started():
+    device, engine, copier = _gated_engine()
+    with engine:
+        stuck = engine.load(ids(0), ids(7))  # the load worker blocks inside this one
+        assert copier.entered.wait(timeout=10)
+        handle = engine.load(ids(1, 2), ids(4, 5))
+        assert handle.wait() and handle.error is None  # no timeout: the caller copies
+        assert not stuck.done()
+        me = threading.current_thread().name
+        assert [c for c in copier.calls if c[1] == 4] == [(me, 4, 0), (me, 4, 1), (me, 4, 2)]
+        assert torch.equal(device_page_bytes(device, 4), device_page_bytes(device, 1))
+        assert torch.equal(device_page_bytes(device, 5), device_page_bytes(device, 2))
+        assert engine.poll() == [handle]
+        copier.gate.set()
+        assert stuck.wait(timeout=10) and stuck.error is None
+        assert engine.poll() == [stuck]
+
+
+def test_wait_layer_copies_only_the_layers_it_needs_and_the_worker_finishes():
+    device, engine, copier = _gated_engine()
+    with engine:
+        stuck = engine.load(ids(0), ids(7))
+        assert copier.entered.wait(timeout=10)
+        handle = engine.load(ids(1), ids(4))
+        assert handle.wait_layer(0) and handle.layers_done == 1 and not handle.done()
+        assert not handle.wait(timeout=0.05), "a wait with a timeout must not copy"
+        assert handle.layers_done == 1
+        copier.gate.set()
+        assert handle.wait(timeout=10) and handle.error is None and stuck.wait(timeout=10)
+        workers = {c[0] for c in copier.calls if c[1] == 4 and c[2] > 0}
+        assert workers == {"hicache-load"}
+        assert torch.equal(device_page_bytes(device, 4), device_page_bytes(device, 1))
+
+
+def test_waiting_caller_does_not_copy_a_backup_before_its_fence():
+    device, host = make_pools()
+    with TransferEngine(device, host, "thread") as engine:
+        fence = ManualFence()
+        handle = engine.backup(ids(2), ids(3), after=fence)
+        waiter = threading.Thread(target=handle.wait)
+        waiter.start()
+        time.sleep(0.05)
+        assert handle.layers_done == 0 and not host.buffer.view(torch.uint8).any()
+        fence.set()
+        waiter.join(timeout=10)
+        assert not waiter.is_alive() and handle.done() and handle.error is None
+        assert torch.equal(host.buffer[3, 1, 0].view(torch.uint8),
+                           device.k_buffers[1][2].view(torch.uint8))
+
+
+def test_failed_layer_copied_by_a_waiting_caller_is_reported():
+    device, host = make_pools()
+    with TransferEngine(device, host, "thread") as engine:
+        copier = engine.executor._copier
+        real_load = copier.load
+
+        def fail_layer_1(host_ids, device_ids, first, last):
+            if first == 1:
+                raise OSError("injected layer-1 failure")
+            real_load(host_ids, device_ids, first, last)
+
+        copier.load = fail_layer_1
+        handle = engine.load(ids(0), ids(4))
+        assert handle.wait() and isinstance(handle.error, OSError)
+        assert handle.layers_done == 1 and handle.wait_layer(0) and not handle.wait_layer(1)
+        assert engine.poll() == [handle]
