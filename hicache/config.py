@@ -157,7 +157,7 @@ class CacheConfig:
     eviction: EvictionPolicy | str = EvictionPolicy.LRU
     allocate_kv: bool = True  # False: bookkeeping only (replay), no KV tensors
     executor: str = "auto"  # "auto", "cuda", "thread", "manual" or "immediate"
-    tree: str = "python"  # "python", "native" or "auto" (native when it builds)
+    tree: str = "auto"  # "python", "native" or "auto" (native when it builds)
     storage: str | None = None  # third tier: "file:DIR" or "mooncake://HOST:PORT?metadata=URL"
     prefetch_policy: PrefetchPolicy | str = PrefetchPolicy.BEST_EFFORT
     prefetch_timeout_s: float = 0.05

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TREE_KINDS
 
 from hicache.cache import HiCache, PrefixHandle
 from hicache.config import CacheConfig, KVConfig
@@ -12,7 +13,17 @@ P = 2
 KV = KVConfig(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_size=P)
 
 
+TREE = "python"  # set per test by the fixture below: every scenario runs on each tree
+
+
+@pytest.fixture(autouse=True, params=TREE_KINDS)
+def _tree_kind(request):
+    global TREE
+    TREE = request.param
+
+
 def make_cache(device_tokens=8, host_tokens=16, executor="thread", **kw) -> HiCache:
+    kw.setdefault("tree", TREE)
     if host_tokens is None:
         return HiCache(CacheConfig(KV, device_tokens=device_tokens, executor=executor, **kw))
     cfg = CacheConfig(
