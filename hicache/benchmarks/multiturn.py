@@ -13,8 +13,8 @@ default a quarter of the full host tier), without (``hierarchical-small-host``)
 and with (``hierarchical+storage``) a storage tier under it (``--storage SPEC``,
 default a fresh temporary ``file:`` store). Requests are announced one ahead
 (``Engine.prefetch`` for request i+1 before request i runs, as if it arrived while
-i computes), so under ``best_effort`` its stored pages reach host memory in the
-background.
+i computes), so its stored pages reach host memory in the background; under the
+default ``wait_complete`` a request waits only for what has not arrived yet.
 
 What is measured per configuration: TTFT (call to first generated token:
 match, load waits and prefill), hit ratios per tier (prompt tokens found on the
@@ -96,7 +96,7 @@ class StorageSetup(NamedTuple):
 
     host_tokens: int  # the small host tier both storage configurations run with
     spec: str | None = None  # None: a fresh temporary file: store per run, removed after
-    prefetch_policy: str = "best_effort"
+    prefetch_policy: str = "wait_complete"
     prefetch_timeout_s: float = 0.05
     lookahead: int = 1  # requests announced (Engine.prefetch) before the running one
 
@@ -178,10 +178,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--storage-host-tokens", type=int, default=None, metavar="N",
                         help="host tier of hierarchical-small-host and hierarchical+storage "
                         "(default: 25%% of --host-tokens, at least one request)")
-    parser.add_argument("--prefetch-policy", default="best_effort",
+    parser.add_argument("--prefetch-policy", default="wait_complete",
                         choices=["best_effort", "wait_complete", "timeout"],
                         help="how long a request waits for its stored pages (default "
-                        "best_effort)")
+                        "wait_complete: the pages announced ahead are usually there already; "
+                        "best_effort recomputes what is still on its way)")
     parser.add_argument("--prefetch-timeout-s", type=float, default=0.05, metavar="S",
                         help="wait of the 'timeout' prefetch policy (default 0.05)")
     parser.add_argument("--lookahead", type=int, default=1, metavar="N",
