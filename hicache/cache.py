@@ -30,6 +30,7 @@ import torch
 
 from hicache.allocator import PageAllocator
 from hicache.config import CacheConfig, PrefetchPolicy, WritePolicy
+from hicache.storage.base import StorageError
 from hicache.tree import IOStatus, MatchResult, TokenLike, TreeNode, token_key
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -700,7 +701,11 @@ class HiCache:
                     and job.token_key[: start * pnb] == key[: start * pnb]):
                 return job
         keys = self._page_keys(key, namespace)[start:]
-        num_pages = self.storage.exists(keys)
+        try:
+            num_pages = self.storage.backend.exists(keys)
+        except StorageError:  # unreachable store: serve from device and host, count it
+            self.counters.storage_errors += 1
+            return None
         if num_pages == 0:
             return None
         # The fetched pages extend the cached prefix: its host-only part is the oldest

@@ -78,13 +78,6 @@ class StorageTier:
         self.num_in_flight -= len(out)
         return out
 
-    def exists(self, keys: list[str]) -> int:
-        """How many leading keys the backend holds; 0 if it cannot be reached."""
-        try:
-            return self.backend.exists(keys)
-        except StorageError:
-            return 0
-
     def close(self) -> None:
         for q in self._queues.values():
             q.put(None)
