@@ -26,6 +26,7 @@ import argparse
 import json
 import random
 import sys
+import threading
 import time
 import traceback
 
@@ -47,10 +48,10 @@ class FaultyCopier:
     """A page copier that sleeps a random time before each copy and sometimes fails.
 
     ``fault_rate`` is the probability that one ``load``/``backup`` call (one layer
-    of a load on the thread executor, a whole backup) raises :class:`InjectedFault`
-    instead of copying; earlier layers of the same load have landed, later ones
-    will not. Each direction has its own RNG and counter: the thread executor runs
-    one worker per direction, so nothing here is shared between threads.
+    of a transfer on the thread executor) raises :class:`InjectedFault` instead of
+    copying; earlier layers of the same transfer have landed, later ones will not.
+    A worker and a caller blocked in ``wait`` may copy (different transfers) at the
+    same time, so the RNGs and counters are guarded by a lock.
     """
 
     def __init__(self, inner: PageCopier, seed: int, fault_rate: float = 0.0,
@@ -64,6 +65,7 @@ class FaultyCopier:
         self.max_delay_s = max_delay_s
         self._rng = {"load": random.Random(seed * 2 + 1), "backup": random.Random(seed * 2 + 2)}
         self.num_faults = {"load": 0, "backup": 0}
+        self._lock = threading.Lock()
 
     @classmethod
     def wrap(cls, cache: HiCache, seed: int, fault_rate: float = 0.0,
@@ -76,11 +78,15 @@ class FaultyCopier:
         return self.num_faults["load"] + self.num_faults["backup"]
 
     def _before(self, direction: str) -> None:
-        rng = self._rng[direction]
-        if self.max_delay_s:
-            time.sleep(rng.uniform(0.0, self.max_delay_s))
-        if self.fault_rate and rng.random() < self.fault_rate:
-            self.num_faults[direction] += 1
+        with self._lock:
+            rng = self._rng[direction]
+            delay_s = rng.uniform(0.0, self.max_delay_s) if self.max_delay_s else 0.0
+            fault = bool(self.fault_rate) and rng.random() < self.fault_rate
+            if fault:
+                self.num_faults[direction] += 1
+        if delay_s:
+            time.sleep(delay_s)
+        if fault:
             raise InjectedFault(f"injected {direction} fault")
 
     def load(self, host_ids: torch.Tensor, device_ids: torch.Tensor, first: int, last: int):
