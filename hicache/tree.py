@@ -280,19 +280,15 @@ class RadixTree:
         node = self.root(namespace)
         self._clock += 1
         clock = self._clock
-        pnb = self._page_nbytes
         off, n = 0, len(key)
         device_len = host_len = 0
         last_device = node
         while off < n:
-            child = node.children.get(key[off : off + pnb])
+            child = self._descend(node, key, off)
             if child is None:
                 break
-            ck = child.key
-            if not key.startswith(ck, off):
-                child = self._split(child, self._common_pages(ck, key, off))
-                ck = child.key
             node = child
+            ck = node.key
             off += len(ck)
             node.hit_count += 1
             node.last_access = clock
@@ -307,6 +303,13 @@ class RadixTree:
         if node is not last_device:
             self._refresh(node)
         return MatchResult(device_len >> 2, host_len >> 2, last_device, node)
+
+    def _descend(self, node: TreeNode, key: bytes, off: int) -> TreeNode | None:
+        """The child of ``node`` that ``key[off:]`` enters, split to end inside the key."""
+        child = node.children.get(key[off : off + self._page_nbytes])
+        if child is not None and not key.startswith(child.key, off):
+            child = self._split(child, self._common_pages(child.key, key, off))
+        return child
 
     def probe_key(self, key: bytes, namespace: str | None = None) -> int:
         """Tokens of ``key`` cached in any tier, like :meth:`match_key` but read-only.
@@ -395,14 +398,11 @@ class RadixTree:
         off, n = 0, len(key)
         num_cached = 0
         while off < n:
-            child = node.children.get(key[off : off + pnb])
+            child = self._descend(node, key, off)
             if child is None:
                 break
-            ck = child.key
-            if not key.startswith(ck, off):
-                child = self._split(child, self._common_pages(ck, key, off))
-                ck = child.key
             node = child
+            ck = node.key
             node.last_access = clock
             if node.device_indices is None:  # host-only: adopt the caller's pages
                 p = off // pnb
@@ -435,14 +435,11 @@ class RadixTree:
         pnb = self._page_nbytes
         off, n = 0, len(key)
         while off < n:
-            child = node.children.get(key[off : off + pnb])
+            child = self._descend(node, key, off)
             if child is None:
                 break
-            ck = child.key
-            if not key.startswith(ck, off):
-                child = self._split(child, self._common_pages(ck, key, off))
-                ck = child.key
             node = child
+            ck = node.key
             node.last_access = self._clock
             if node.device_indices is not None:
                 last_device = node
