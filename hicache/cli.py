@@ -27,7 +27,7 @@ _BENCHES = [
     ("transfer", "hicache.benchmarks.transfer", "backup/load bandwidth vs a contiguous copy"),
     ("recompute", "hicache.benchmarks.recompute", "recompute vs reload latency per prefix length"),
     ("multiturn", "hicache.benchmarks.multiturn", "TTFT and computed tokens: none / device / "
-     "hierarchical"),
+     "hierarchical (+ small host, + storage tier)"),
 ]
 
 
