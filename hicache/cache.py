@@ -198,6 +198,9 @@ class HiCache:
         self.storage = None
         self._storage_pins: dict[TreeNode, object] = {}  # host-pinned by a storage write
         self._prefetches: list = []  # storage reads in flight
+        # While a load is being set up, finished storage jobs wait: a read applied then
+        # would insert host pages (splitting the pinned nodes the load is about to use).
+        self._storage_paused = False
         if config.storage is not None:
             self._open_storage(config)
 
@@ -228,10 +231,12 @@ class HiCache:
         c.device_hit_tokens += result.device_len
         if self._num_loading_nodes:
             self._wait_for_loads_on_path(h, result.last_device_node)
-        if self.config.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
-            self._backup_path(result.last_device_node)
         if load_back and result.host_len:
             self._start_load(h, result)
+        if self.config.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+            # After the load: the host allocation for these backups may evict host
+            # pages, and the matched host-only nodes are pinned only once loading.
+            self._backup_path(h._lock_node)
         return h
 
     def load_back(self, h: PrefixHandle):
@@ -273,7 +278,11 @@ class HiCache:
         if pin:
             for node in nodes:
                 self.tree.host_lock(node)
-        pages = self._alloc_device(num_pages)
+        self._storage_paused = True
+        try:
+            pages = self._alloc_device(num_pages)
+        finally:
+            self._storage_paused = False
         if h._lock_node is not result.last_device_node:
             # Eviction polls: a failed load applied meanwhile cut ``h`` back above these
             # nodes (their parent may have lost its device copy). Load nothing.
@@ -419,7 +428,7 @@ class HiCache:
         if not self._inflight and (self.storage is None or not self.storage.num_in_flight):
             return 0  # nothing can have finished
         done = self.transfers.poll()
-        if self.storage is not None:
+        if self.storage is not None and not self._storage_paused:
             for job in self.storage.poll():
                 if job.kind == "write":
                     self._finish_storage_write(job)

@@ -20,7 +20,7 @@ from collections import deque
 import torch
 
 from hicache.pool import HostPool
-from hicache.storage import StorageBackend, StorageError
+from hicache.storage import StorageBackend
 
 
 class StorageJob:
@@ -95,7 +95,7 @@ class StorageTier:
                     job.num_done = self.backend.set(job.keys, views)
                 else:
                     job.num_done = self.backend.get_into(job.keys, views)
-            except (StorageError, OSError, ValueError) as exc:
+            except Exception as exc:  # noqa: BLE001 - any failure finishes the job as failed
                 job.error = exc
             job.seconds = time.perf_counter() - start
             self._finished.append(job)
