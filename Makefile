@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 		$(PY) -m pip install -q torch==2.13.0; \
 	fi
 	$(PY) -m pip install -q -e '.[dev]'
+	# Build the native radix tree once now (about a minute), not inside the first demo or
+	# test run. Without a compiler this only warns: the Python tree is the fallback.
+	$(PY) -c "from hicache.native import native_available as ok; print('native tree:', 'built' if ok() else 'unavailable (Python fallback)')"
 	touch $(STAMP)
 
 demo: install
