@@ -13,6 +13,19 @@ import numpy as np
 import torch
 
 
+def check_page_tensor(name: str, page_ids: object) -> torch.Tensor:
+    """Check that ``page_ids`` is a 1-D int64 CPU tensor (the form page ids take everywhere)."""
+    if not isinstance(page_ids, torch.Tensor):
+        raise TypeError(f"{name}: expected an int64 torch.Tensor, got {type(page_ids).__name__}")
+    if page_ids.dtype != torch.int64:
+        raise TypeError(f"{name}: expected dtype torch.int64, got {page_ids.dtype}")
+    if page_ids.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(page_ids.shape)}")
+    if not page_ids.is_cpu:
+        raise ValueError(f"{name}: expected a CPU tensor, got device {page_ids.device}")
+    return page_ids
+
+
 class PageAllocator:
     """Free list of ``num_pages`` page ids ``0 .. num_pages-1``.
 
@@ -69,13 +82,7 @@ class PageAllocator:
         self._num_free = end
 
     def _check_pages(self, pages: torch.Tensor) -> np.ndarray:
-        if not isinstance(pages, torch.Tensor):
-            raise TypeError(f"{self.name}: expected an int64 torch.Tensor, got {type(pages).__name__}")
-        if pages.dtype != torch.int64:
-            raise TypeError(f"{self.name}: expected dtype torch.int64, got {pages.dtype}")
-        if pages.dim() != 1:
-            raise ValueError(f"{self.name}: expected a 1-D tensor, got shape {tuple(pages.shape)}")
-        ids = pages.numpy() if pages.device.type == "cpu" else pages.cpu().numpy()
+        ids = check_page_tensor(self.name, pages).numpy()
         if ids.size == 0:
             return ids
         # One reduction checks both ends: as unsigned, a negative id is huge (and numpy

@@ -31,6 +31,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from hicache.allocator import check_page_tensor
 from hicache.config import GiB, KVConfig
 
 # Registering host memory with CUDA one chunk at a time: pinning hundreds of GiB in a
@@ -70,14 +71,7 @@ def as_rows(t: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 def check_page_ids(name: str, page_ids: object, num_pages: int) -> torch.Tensor:
     """Validate a page id tensor: int64, 1-D, on the CPU, each id in ``[0, num_pages)``."""
-    if not isinstance(page_ids, torch.Tensor):
-        raise TypeError(f"{name}: expected an int64 torch.Tensor, got {type(page_ids).__name__}")
-    if page_ids.dtype != torch.int64:
-        raise TypeError(f"{name}: expected dtype torch.int64, got {page_ids.dtype}")
-    if page_ids.dim() != 1:
-        raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(page_ids.shape)}")
-    if not page_ids.is_cpu:
-        raise ValueError(f"{name}: expected a CPU tensor, got device {page_ids.device}")
+    check_page_tensor(name, page_ids)
     if page_ids.numel():
         # One reduction for both bounds: this runs on every transfer submission.
         lo_t, hi_t = page_ids.aminmax()
