@@ -22,5 +22,23 @@ def make_tree(request):
     return factory
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny matmuls gain nothing from threads, and spinning OpenMP workers on a busy
+    2-core machine made the model tests ~10x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The tiny reference model, seeded (weights drawn once per module)."""
+    from hicache.model import Model, preset
+
+    return Model(preset("tiny"), seed=0)
+
+
 def pages(*ids: int) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int64)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hicache.engine import Engine, GenerateResult
-from hicache.model import Model, preset
+from hicache.model import Model
 
 ATOL = RTOL = 1e-4
 PAGE_SIZE = 16
@@ -27,19 +27,7 @@ HOST_TOKENS = 16384  # holds the whole workload
 MAX_NEW_TOKENS = 6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny matmuls gain nothing from threads, and spinning OpenMP workers on a busy
-    2-core machine made these tests ~10x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model() -> Model:
-    return Model(preset("tiny"), seed=0)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_engine(model: Model, mode: str, **kwargs) -> Engine:

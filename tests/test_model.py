@@ -30,11 +30,6 @@ PAGE_SIZE = 16
 NUM_PAGES = 64
 
 
-@pytest.fixture(scope="module")
-def model() -> Model:
-    return Model(preset("tiny"), seed=0)
-
-
 def make_pool(m: Model, num_pages: int = NUM_PAGES) -> DevicePool:
     return DevicePool(m.kv_config(PAGE_SIZE), num_pages)
 

@@ -15,7 +15,6 @@ import random
 import time
 
 import pytest
-import torch
 from test_storage_engine import (
     MAX_NEW_TOKENS,
     PAGE_SIZE,
@@ -26,7 +25,6 @@ from test_storage_engine import (
 )
 
 from hicache.engine import Engine
-from hicache.model import Model, preset
 
 try:
     import mooncake.store  # noqa: F401
@@ -40,18 +38,7 @@ except ImportError as e:  # the extra, or a system library it links (libibverbs 
 
 from hicache.storage.mooncake import start_mooncake_master  # noqa: E402
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model() -> Model:
-    return Model(preset("tiny"), seed=0)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -16,14 +16,13 @@ import sys
 import time
 
 import pytest
-import torch
 from test_cache import KV, assert_quiescent, read_prefix, serve
 
 from hicache.benchmarks import multiturn
 from hicache.cache import HiCache
 from hicache.config import CacheConfig
 from hicache.engine import Engine
-from hicache.model import Model, preset
+from hicache.model import Model
 
 PAGE_SIZE = 16
 MAX_NEW_TOKENS = 6
@@ -93,17 +92,7 @@ def shared_prompts(seed: int = 0) -> list[list[int]]:
     return [system + [rng.randrange(32000) for _ in range(40 + 8 * i)] for i in range(2)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model() -> Model:
-    return Model(preset("tiny"), seed=0)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def no_cache_tokens(model: Model, prompts: list[list[int]]) -> list[list[int]]:
