@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TREE_KINDS
+from conftest import TREE_KINDS, assert_no_leaks
 
 from hicache.cache import HiCache, PrefixHandle
 from hicache.config import CacheConfig, KVConfig
@@ -85,12 +85,7 @@ def settle(cache: HiCache) -> None:
 
 def assert_quiescent(cache: HiCache) -> None:
     settle(cache)
-    cache.check_integrity()
-    s = cache.stats()
-    assert s["live_requests"] == 0 and s["transfers_in_flight"] == 0
-    assert s["device_pages_used"] * P == cache.tree.device_tokens
-    assert s["host_pages_used"] * P == cache.tree.host_tokens
-    assert cache.tree.device_protected_tokens == 0 and cache.tree.host_protected_tokens == 0
+    assert_no_leaks(cache)
 
 
 A = [1, 1, 2, 2, 3, 3]

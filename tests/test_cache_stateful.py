@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hypothesis.strategies as st
 import pytest
+from conftest import assert_no_leaks
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -27,7 +28,6 @@ from hypothesis.stateful import (
 from hicache import kvcheck
 from hicache.cache import HiCache, LoadError
 from hicache.config import CacheConfig, KVConfig
-from hicache.tree import IOStatus
 
 P = 2
 KV = KVConfig(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float16", page_size=P)
@@ -217,14 +217,7 @@ class CacheMachine(RuleBasedStateMachine):
         for req in self.live:
             cache.release(req.h)
         cache.poll()
-        cache.check_integrity()
-        s = cache.stats()
-        assert s["transfers_in_flight"] == 0 and s["live_requests"] == 0
-        assert s["device_pages_used"] == s["device_cached_tokens"] // P, "device pages leaked"
-        assert s["host_pages_used"] == s["host_cached_tokens"] // P, "host pages leaked"
-        for node in cache.tree.nodes():
-            assert node.lock_ref == 0 and node.host_lock_ref == 0, f"lock leaked: {node}"
-            assert node.io_status is IOStatus.NONE
+        assert_no_leaks(cache)
         assert kvcheck.verify_cache(cache) == []
         cache.close()
 

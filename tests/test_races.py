@@ -11,12 +11,12 @@ zero pages unaccounted for on both tiers.
 from __future__ import annotations
 
 import pytest
+from conftest import assert_no_leaks
 
 from hicache import kvcheck
 from hicache.cache import HiCache, LoadError
 from hicache.config import CacheConfig, KVConfig
 from hicache.transfer import ManualFence, TransferKind
-from hicache.tree import IOStatus
 
 P = 2  # tokens per page
 KV = KVConfig(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float16", page_size=P)
@@ -89,15 +89,7 @@ def settle(cache: HiCache) -> None:
     """Drive to quiescence and check everything: integrity, KV, zero leaked pages."""
     while pending(cache):
         complete(cache)
-    cache.check_integrity()
-    s = cache.stats()
-    assert s["transfers_in_flight"] == 0 and s["live_requests"] == 0
-    assert s["device_pages_used"] == s["device_cached_tokens"] // P, "device pages leaked"
-    assert s["host_pages_used"] == s["host_cached_tokens"] // P, "host pages leaked"
-    for node in cache.tree.nodes():
-        assert node.lock_ref == 0 and node.host_lock_ref == 0, f"lock leaked on {node}"
-        assert node.io_status is IOStatus.NONE
-    assert cache.tree.device_protected_tokens == 0 and cache.tree.host_protected_tokens == 0
+    assert_no_leaks(cache)
     assert kvcheck.verify_cache(cache) == []
 
 
