@@ -135,3 +135,20 @@ def test_split_while_storage_write_pinned(tmp_path):
     assert_quiescent(cache)
     assert torch.equal(torch.tensor(0), torch.tensor(cache.tree.host_protected_tokens))
     cache.close()
+
+
+@pytest.mark.parametrize(
+    "tokens, namespace, exc",
+    [("12", None, TypeError), ([1, -2], None, ValueError), ([1.5, 2], None, TypeError),
+     ([1, 2], 3, TypeError)],
+)
+def test_prefetch_bad_input_raises_and_changes_nothing(tmp_path, tokens, namespace, exc):
+    cache = make(tmp_path)
+    serve(cache, A)
+    cache.wait_all()
+    before = cache.stats()
+    with pytest.raises(exc):
+        cache.prefetch(tokens, namespace)
+    assert cache.stats() == before
+    assert_quiescent(cache)
+    cache.close()
