@@ -5,6 +5,12 @@ tensors, on the CPU) and takes them back; it knows nothing of what the pages
 hold, of streams, or of the tree. Running out is a normal return (``None``),
 never a partial allocation; a double free or a foreign page id is a caller
 bug and raises ``ValueError`` without changing any state.
+
+Two backends behave identically (same order, same errors): the free list in
+the C++ extension (:mod:`hicache.jit`; a call costs about a microsecond) and
+numpy (the fallback when the extension cannot be built). Both keep the free
+stack and the in-use map in numpy-visible arrays, which ``check_integrity``
+reads.
 """
 
 from __future__ import annotations
@@ -26,20 +32,41 @@ def check_page_tensor(name: str, page_ids: object) -> torch.Tensor:
     return page_ids
 
 
+BACKENDS = ("auto", "native", "numpy")
+
+
 class PageAllocator:
     """Free list of ``num_pages`` page ids ``0 .. num_pages-1``.
 
     ``alloc`` hands out the most recently freed pages first (a stack), which keeps
     hot pages hot in caches and makes allocation order deterministic for tests.
+    ``backend``: ``"native"`` (the C++ free list; raises
+    :class:`hicache.jit.NativeBuildError` if it cannot be built), ``"numpy"``, or
+    ``"auto"`` (native when it builds, else numpy).
     """
 
-    def __init__(self, num_pages: int, name: str = "pages") -> None:
+    def __init__(self, num_pages: int, name: str = "pages", backend: str = "auto") -> None:
         if isinstance(num_pages, bool) or not isinstance(num_pages, int):
             raise TypeError(f"num_pages: expected int, got {type(num_pages).__name__}")
         if num_pages < 0:
             raise ValueError(f"num_pages: expected >= 0, got {num_pages}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
         self.name = name
         self.num_pages = num_pages
+        self._native = None
+        if backend != "numpy":
+            from hicache import jit
+
+            if backend == "native" or jit.native_available():
+                self._native = jit.load_native().FreeList(name, num_pages)
+        self.backend = "native" if self._native is not None else "numpy"
+        if self._native is not None:
+            # The C++ list owns the arrays; these are views of the same memory.
+            self._free = self._native.free_stack.numpy()
+            self._in_use = self._native.in_use.numpy()
+            self._num_free = num_pages
+            return
         # free[:num_free] is the stack of free ids; the top is at the end.
         self._free = np.arange(num_pages - 1, -1, -1, dtype=np.int64)
         self._num_free = num_pages
@@ -65,6 +92,10 @@ class PageAllocator:
             raise ValueError(f"num_pages: expected >= 0, got {num_pages}")
         if num_pages > self._num_free:
             return None
+        if self._native is not None:
+            pages = self._native.alloc(num_pages)
+            self._num_free -= num_pages
+            return pages
         start = self._num_free - num_pages
         pages = self._free[start : self._num_free][::-1].copy()
         self._num_free = start
@@ -73,6 +104,10 @@ class PageAllocator:
 
     def free(self, pages: torch.Tensor) -> None:
         """Return pages to the free list. Every id must be allocated and appear once."""
+        if self._native is not None:
+            self._native.free(check_page_tensor(self.name, pages))
+            self._num_free += pages.shape[0]
+            return
         ids = self._check_pages(pages)
         if ids.size == 0:
             return

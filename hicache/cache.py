@@ -123,7 +123,10 @@ class PrefixHandle:
 
     def page_table(self) -> torch.Tensor:
         """Device pages of the whole sequence so far: the prefix, then the allocated pages."""
-        parts = [self.prefix_pages, *self._new_pages]
+        new = self._new_pages
+        if self._prefix_pages is None and len(new) == 1 and not self.released:
+            return self._cache.tree.device_indices_of(self._lock_node, new[0])  # one gather
+        parts = [self.prefix_pages, *new]
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def wait_layer(self, layer: int) -> None:

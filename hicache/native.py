@@ -1,11 +1,9 @@
-"""The native (C++20) radix tree: JIT build, proxy nodes, and the tree factory.
+"""The native (C++20) radix tree: proxy nodes, the tree wrapper, and the tree factory.
 
 :class:`NativeRadixTree` behaves exactly like :class:`hicache.tree.RadixTree`
 (same methods, results, eviction order, page order and errors); the Python
-tree stays the reference and the fallback. The C++ sources in ``hicache/csrc``
-are compiled on first use with ``torch.utils.cpp_extension.load`` into a build
-directory keyed by a hash of the sources, the torch version and the Python
-version, so later processes load the cached module in milliseconds.
+tree stays the reference and the fallback. :mod:`hicache.jit` builds and loads
+the C++ sources.
 
 Nodes cross the binding as integer handles; :class:`NativeNode` proxies wrap
 them. One handle always maps to the same proxy object (callers compare nodes
@@ -14,31 +12,30 @@ through its proxy (``parent`` is ``None``), as a removed Python node does, but
 tree operations on it raise ``ValueError`` (stale).
 
 What this module does not know: what the tree is used for, KV tensors, pages'
-owners. It never edits the sources and never builds anywhere but its cache
-directory.
+owners.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import hashlib
-import logging
-import os
-import shutil
 import sys
-import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from pathlib import Path
-from types import ModuleType
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from hicache import jit
+from hicache.allocator import check_page_tensor
 from hicache.config import EvictionPolicy
+from hicache.jit import (  # noqa: F401  (re-exported: the tree's build status)
+    NativeBuildError,
+    load_native,
+    native_available,
+    native_build_seconds,
+    native_unavailable_reason,
+)
 from hicache.tree import (
     EvictResult,
     InsertResult,
@@ -51,120 +48,9 @@ from hicache.tree import (
 )
 from hicache.treeapi import RadixTreeLike
 
-_CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("tree.cpp", "bindings.cpp")  # translation units; headers are hashed too
 _ARRAY_TYPES = (torch.Tensor, np.ndarray)
 _FAST_TOKEN_DTYPES = frozenset({torch.int32, torch.int64, np.dtype(np.int32), np.dtype(np.int64)})
 _MAX_COUNT = 2**62  # larger eviction requests mean "everything"; keeps C++ int64 math safe
-_log = logging.getLogger(__name__)
-
-
-class NativeBuildError(RuntimeError):
-    """The native tree cannot be built or loaded here; the message names why."""
-
-
-class _LoadResult(NamedTuple):
-    module: ModuleType | None
-    reason: str  # why module is None ("" when it loaded)
-    build_seconds: float  # time spent in cpp_extension.load (compile or cache hit)
-
-
-def source_digest() -> str:
-    """Hash of every C++ source and header, the torch version and the Python version."""
-    h = hashlib.sha256()
-    for path in sorted(_CSRC.glob("*")):
-        if path.suffix in (".h", ".cpp"):
-            h.update(path.name.encode())
-            h.update(path.read_bytes())
-    h.update(torch.__version__.encode())
-    h.update(sys.version.encode())
-    h.update(os.environ.get("CXX", "c++").encode())
-    return h.hexdigest()[:16]
-
-
-def build_directory() -> Path:
-    """Where the module is compiled and cached (``$HICACHE_BUILD_DIR`` overrides the root)."""
-    root = os.environ.get("HICACHE_BUILD_DIR")
-    if root is None:
-        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(cache, "hicache")
-    return Path(root) / f"native-{source_digest()}"
-
-
-@contextlib.contextmanager
-def _ninja_on_path() -> Iterator[None]:
-    """Put the ``ninja`` of the ninja wheel (or of this interpreter's venv) on PATH for the build.
-
-    ``pip install ninja`` puts the binary next to the interpreter, which is not on
-    PATH when the venv is not activated; cpp_extension looks it up on PATH.
-    """
-    if shutil.which("ninja") is not None:
-        yield
-        return
-    dirs = [os.path.dirname(sys.executable)]
-    with contextlib.suppress(ImportError):
-        import ninja  # the PyPI wheel of the build tool
-
-        dirs.insert(0, ninja.BIN_DIR)
-    old = os.environ.get("PATH", "")
-    os.environ["PATH"] = os.pathsep.join([*dirs, old])
-    try:
-        yield
-    finally:
-        os.environ["PATH"] = old
-
-
-@functools.cache
-def _load() -> _LoadResult:
-    cxx = os.environ.get("CXX", "c++")
-    if shutil.which(cxx) is None:
-        return _LoadResult(None, f"no C++ compiler ({cxx!r} not found on PATH; set CXX)", 0.0)
-    from torch.utils import cpp_extension
-
-    build_dir = build_directory()
-    name = f"hicache_native_{build_dir.name.removeprefix('native-')}"
-    start = time.perf_counter()
-    try:
-        build_dir.mkdir(parents=True, exist_ok=True)
-        with _ninja_on_path():
-            if shutil.which("ninja") is None:
-                return _LoadResult(None, "ninja not found (pip install ninja)", 0.0)
-            _log.info("hicache: loading the native tree from %s (compiles on first use)", build_dir)
-            module = cpp_extension.load(
-                name=name,
-                sources=[str(_CSRC / s) for s in _SOURCES],
-                extra_cflags=["-O3", "-std=c++20"],
-                build_directory=str(build_dir),
-                verbose=False,
-            )
-    except Exception as exc:  # any build or import failure means "fall back"
-        first = str(exc).strip().splitlines()
-        detail = first[0] if first else type(exc).__name__
-        return _LoadResult(None, f"build error: {type(exc).__name__}: {detail}", 0.0)
-    return _LoadResult(module, "", time.perf_counter() - start)
-
-
-def load_native() -> ModuleType:
-    """The compiled module (built on first use); raises :class:`NativeBuildError`."""
-    result = _load()
-    if result.module is None:
-        raise NativeBuildError(f"hicache native tree unavailable: {result.reason}")
-    return result.module
-
-
-def native_available() -> bool:
-    """True if the native tree builds and loads here (builds it on first call)."""
-    return _load().module is not None
-
-
-def native_unavailable_reason() -> str:
-    """Why the native tree is unavailable ("" if it is available)."""
-    return _load().reason
-
-
-def native_build_seconds() -> float:
-    """Seconds this process spent loading the module (the compile, if it was not cached)."""
-    return _load().build_seconds
 
 
 @functools.cache
@@ -544,12 +430,17 @@ class NativeRadixTree:
         return EvictResult(*self._impl.evict_host(num, bool(drop_device_resident)))
 
     # -------------------------------------------------------------- queries
-    def device_indices_of(self, node: NativeNode) -> torch.Tensor:
-        """Device page ids of the path from the root to ``node`` (all on the device)."""
+    def device_indices_of(
+        self, node: NativeNode, extra: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Device page ids of the path from the root to ``node``, then ``extra``."""
+        if extra is not None:
+            check_page_tensor("extra", extra)
         return self._impl.device_indices_of(
             node._h
             if type(node) is NativeNode and node._tree is self
-            else self._handle(node, "device_indices_of")
+            else self._handle(node, "device_indices_of"),
+            extra,
         )
 
     def host_only_path(self, result: MatchResult) -> list[NativeNode]:
@@ -597,7 +488,7 @@ def make_tree(
     if kind == "native":
         return NativeRadixTree(page_size, eviction, on_split=on_split)
     if kind == "auto":
-        result = _load()
+        result = jit._load()
         if result.module is None:
             _warn_fallback(result.reason)
             return RadixTree(page_size, eviction, on_split=on_split)

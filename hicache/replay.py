@@ -24,7 +24,6 @@ import tracemalloc
 from typing import NamedTuple
 
 import numpy as np
-import torch
 
 from hicache.allocator import PageAllocator
 from hicache.cache import HiCache
@@ -82,7 +81,7 @@ def replay_device(
         if new_pages is None:
             skipped += 1
         elif need_pages:
-            pages = torch.cat((tree.device_indices_of(node), new_pages))
+            pages = tree.device_indices_of(node, new_pages)
             cached = tree.insert(full, pages).num_cached_tokens
             if cached > hit:  # another insert got there first: give our copies back
                 allocator.free(new_pages[: (cached - hit) // page_size])

@@ -35,6 +35,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from hicache.allocator import check_page_tensor
 from hicache.config import EvictionPolicy
 from hicache.policy import CandidateHeap, priority_fn
 
@@ -761,9 +762,13 @@ class RadixTree:
         return EvictResult(pages, num_freed, 0)
 
     # ---------------------------------------------------------------- queries
-    def device_indices_of(self, node: TreeNode) -> torch.Tensor:
-        """Device page ids of the path from the root to ``node`` (all on the device)."""
-        parts = []
+    def device_indices_of(self, node: TreeNode, extra: torch.Tensor | None = None) -> torch.Tensor:
+        """Device page ids of the path from the root to ``node`` (all on the device).
+
+        With ``extra`` (1-D int64 CPU page ids) the result continues with them: a
+        request's page table is ``device_indices_of(prefix_node, new_pages)``.
+        """
+        parts = [] if extra is None else [check_page_tensor("extra", extra)]
         while node.parent is not None:
             if node.device_indices is None:
                 raise ValueError(f"device_indices_of: node {node.id} is not on the device")

@@ -36,6 +36,13 @@ def test_insert_then_match_exact_accounting(make_tree):
     m = tree.match_prefix([1, 2, 3, 4, 5, 6, 7, 8])
     assert (m.device_len, m.host_len) == (6, 0)
     assert tree.device_indices_of(m.last_device_node).tolist() == [10, 11, 12]
+    # A request's page table: the cached prefix, then its new pages.
+    assert tree.device_indices_of(m.last_device_node, pages(3, 4)).tolist() == [10, 11, 12, 3, 4]
+    assert tree.device_indices_of(tree.root(), pages(5)).tolist() == [5]
+    with pytest.raises(TypeError, match="extra"):
+        tree.device_indices_of(m.last_device_node, [3])
+    with pytest.raises(TypeError, match="extra"):
+        tree.device_indices_of(m.last_device_node, torch.tensor([3], dtype=torch.int32))
     tree.check_integrity()
 
 

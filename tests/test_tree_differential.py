@@ -21,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from hicache import native
+from hicache import jit, native
 from hicache.tree import IOStatus, RadixTree, token_key
 from hicache.treeapi import RadixTreeLike
 
@@ -253,12 +253,17 @@ class PythonVsNative(RuleBasedStateMachine):
         assert ra.num_evicted_tokens == rb.num_evicted_tokens
 
     @precondition(lambda self: self.pairs)
-    @rule(i=st.integers(0, 100))
-    def device_indices_of(self, i):
+    @rule(
+        i=st.integers(0, 100),
+        extra=st.none()
+        | st.lists(st.integers(0, 99), max_size=3).map(lambda x: torch.tensor(x, dtype=torch.int64))
+        | st.sampled_from([torch.tensor([1], dtype=torch.int32), [1], torch.zeros(1, 1).long()]),
+    )
+    def device_indices_of(self, i, extra):
         a, b = self.pick(i)
         if b not in self.live():
             return
-        ra, rb = self.both("device_indices_of", i)
+        ra, rb = self.both("device_indices_of", i, extra)
         if ra[0] == "ok":
             assert ra[1].tolist() == rb[1].tolist()
 
@@ -485,8 +490,8 @@ def test_make_tree_kinds_and_single_fallback_warning(monkeypatch):
         assert isinstance(tree, RadixTreeLike)
     with pytest.raises(ValueError, match="kind"):
         native.make_tree("cuda", 2)
-    failed = native._LoadResult(None, "no C++ compiler ('c++' not found on PATH; set CXX)", 0.0)
-    monkeypatch.setattr(native, "_load", lambda: failed)
+    failed = jit._LoadResult(None, "no C++ compiler ('c++' not found on PATH; set CXX)", 0.0)
+    monkeypatch.setattr(jit, "_load", lambda: failed)
     native._warn_fallback.cache_clear()
     with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler") as record:
         assert isinstance(native.make_tree("auto", 2), RadixTree)

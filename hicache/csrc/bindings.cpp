@@ -13,6 +13,7 @@
 #include <cstring>
 #include <limits>
 
+#include "allocator.h"
 #include "tree.h"
 
 namespace py = pybind11;
@@ -237,6 +238,20 @@ std::vector<NodeHandle> handles(const std::vector<TreeNode*>& nodes) {
   return result;
 }
 
+// A FreeList whose arrays live in tensors Python reads (PageAllocator's
+// integrity check sees the same memory).
+struct TensorFreeList {
+  at::Tensor free_stack;
+  at::Tensor in_use;
+  hicache::FreeList list;
+
+  TensorFreeList(const std::string& name, std::int64_t num_pages)
+      : free_stack(at::empty({num_pages}, at::kLong)),
+        in_use(at::empty({num_pages}, at::kBool)),
+        list(name, num_pages, free_stack.data_ptr<hicache::page_id_t>(),
+             in_use.data_ptr<bool>()) {}
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -357,8 +372,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return evict_result(t.evict_host(num_tokens, drop_device_resident));
            })
       .def("device_indices_of",
-           [](RadixTree& t, NodeHandle h) {
-             return t.device_indices_of(node_of(t, h, "device_indices_of"));
+           [](RadixTree& t, NodeHandle h, py::handle extra) {
+             TreeNode* node = node_of(t, h, "device_indices_of");
+             if (extra.is_none()) return t.device_indices_of(node);
+             const IndexRun run = read_pages(extra, "extra");
+             return t.device_indices_of(node, &run);
            })
       .def("path_to",
            [](RadixTree& t, NodeHandle h) {
@@ -449,5 +467,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            [](RadixTree& t, NodeHandle h, std::int64_t v) { readable_node(t, h, "lock_ref")->lock_ref = v; })
       .def("set_host_lock_ref", [](RadixTree& t, NodeHandle h, std::int64_t v) {
         readable_node(t, h, "host_lock_ref")->host_lock_ref = v;
+      });
+
+  // The page allocator's free list (hicache/allocator.py checks types first).
+  py::class_<TensorFreeList>(m, "FreeList")
+      .def(py::init([](const std::string& name, std::int64_t num_pages) {
+        if (num_pages < 0) {
+          throw hicache::ValueError("num_pages: expected >= 0, got " + std::to_string(num_pages));
+        }
+        return std::make_unique<TensorFreeList>(name, num_pages);
+      }))
+      .def_readonly("free_stack", &TensorFreeList::free_stack)
+      .def_readonly("in_use", &TensorFreeList::in_use)
+      .def_property_readonly("num_free", [](const TensorFreeList& f) { return f.list.num_free(); })
+      .def("alloc",
+           [](TensorFreeList& f, std::int64_t n) -> py::object {
+             if (n < 0) {
+               throw hicache::ValueError("num_pages: expected >= 0, got " + std::to_string(n));
+             }
+             if (n > f.list.num_free()) return py::none();
+             at::Tensor out = at::empty({n}, at::kLong);
+             f.list.alloc(n, out.data_ptr<hicache::page_id_t>());
+             return py::cast(out);
+           })
+      .def("free", [](TensorFreeList& f, py::handle pages) {
+        const IndexRun run = read_pages(pages, "pages");
+        f.list.free(run.data(), run.num_pages);
       });
 }

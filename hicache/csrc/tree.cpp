@@ -730,8 +730,9 @@ EvictOut RadixTree::evict_host(std::int64_t num_tokens, bool drop_device_residen
 }
 
 // ----------------------------------------------------------------- queries
-at::Tensor RadixTree::device_indices_of(TreeNode* node) const {
+at::Tensor RadixTree::device_indices_of(TreeNode* node, const IndexRun* extra) const {
   std::vector<IndexRun> parts;
+  if (extra != nullptr && extra->num_pages != 0) parts.push_back(*extra);
   for (; node->parent != nullptr; node = node->parent) {
     if (!node->on_device()) {
       throw ValueError("device_indices_of: node " + std::to_string(node->id) +

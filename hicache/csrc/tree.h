@@ -94,7 +94,8 @@ class RadixTree {
   EvictOut evict_device(std::int64_t num_tokens, const BackupHook* backup);
   EvictOut evict_host(std::int64_t num_tokens, bool drop_device_resident);
 
-  at::Tensor device_indices_of(TreeNode* node) const;
+  // The path's device pages, then `extra` (if any): one request's page table.
+  at::Tensor device_indices_of(TreeNode* node, const IndexRun* extra = nullptr) const;
   std::vector<TreeNode*> nodes() const;  // non-root nodes, parents before children
 
   // "" if every invariant holds, else the first violation (Python asserts on it).
