@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from hicache.replay import frozen_gc
 from hicache.traces import load_trace_arrays
 
 SGLANG_VERSION = "0.5.23"
@@ -218,7 +219,16 @@ def build_cache(sgl: Sglang, page_size: int, device_tokens: int, eviction: str) 
 
 def replay(sgl: Sglang, requests: list[Prepared], page_size: int, device_tokens: int,
            eviction: str = "lru") -> Result:
-    """One timed replay through a fresh cache (WORKLOADS.md semantics, device tier)."""
+    """One timed replay through a fresh cache (WORKLOADS.md semantics, device tier).
+
+    Under :func:`hicache.replay.frozen_gc`, as hicache's own replays run.
+    """
+    with frozen_gc():
+        return _replay(sgl, requests, page_size, device_tokens, eviction)
+
+
+def _replay(sgl: Sglang, requests: list[Prepared], page_size: int, device_tokens: int,
+            eviction: str) -> Result:
     cache = build_cache(sgl, page_size, device_tokens, eviction)
     allocator = cache.token_to_kv_pool_allocator
     capacity = device_tokens // page_size * page_size

@@ -86,7 +86,9 @@ class PageAllocator:
 
     def alloc(self, num_pages: int) -> torch.Tensor | None:
         """Return ``num_pages`` distinct free page ids (int64), or ``None`` if fewer are free."""
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int | np.integer):
+        if type(num_pages) is not int and (
+            isinstance(num_pages, bool) or not isinstance(num_pages, int | np.integer)
+        ):
             raise TypeError(f"num_pages: expected int, got {type(num_pages).__name__}")
         if num_pages < 0:
             raise ValueError(f"num_pages: expected >= 0, got {num_pages}")

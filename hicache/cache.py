@@ -615,18 +615,8 @@ class HiCache:
         if not self.has_host_tier:
             return
         selective = self.config.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE
-        threshold = self.config.backup_hit_threshold
-        todo = []
-        while node.parent is not None:
-            if (
-                node.host_indices is None
-                and node.io_status is IOStatus.NONE
-                and (not selective or node.hit_count >= threshold)
-            ):
-                todo.append(node)
-            node = node.parent
+        todo = self.tree.path_missing_host(node, self.config.backup_hit_threshold if selective else 0)
         if todo:
-            todo.reverse()
             self._start_backup(todo, evict_after=False)
 
     def _backup_for_eviction(self, node: TreeNode) -> bool:

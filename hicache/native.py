@@ -443,6 +443,13 @@ class NativeRadixTree:
             extra,
         )
 
+    def path_missing_host(self, node: NativeNode, min_hit_count: int = 0) -> list[NativeNode]:
+        """Nodes on ``node``'s path a backup would copy; see :meth:`RadixTree.path_missing_host`."""
+        min_hit_count = min(_check_count("min_hit_count", min_hit_count), _MAX_COUNT)
+        proxy = self._node
+        handles = self._impl.path_missing_host(self._handle(node, "path_missing_host"), min_hit_count)
+        return [proxy(h) for h in handles]
+
     def host_only_path(self, result: MatchResult) -> list[NativeNode]:
         """The host-only nodes of a match, root side first."""
         last = self._handle(result.last_node, "host_only_path")

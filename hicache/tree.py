@@ -119,8 +119,11 @@ class EvictResult(NamedTuple):
     num_backup_tokens: int  # tokens handed to the backup hook instead (freed when it completes)
 
 
+_INTEGERS = (int, np.integer)
+
+
 def _check_count(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, _INTEGERS)):
         raise TypeError(f"{name}: expected int, got {type(value).__name__}")
     if value < 0:
         raise ValueError(f"{name}: expected >= 0, got {value}")
@@ -169,8 +172,8 @@ def token_key(tokens: TokenLike, page_size: int) -> bytes:
         n = len(tokens) // page_size * page_size
         arr = tokens[:n]
         if arr.dtype == np.int32:
-            # One reduction: negative ids show up as huge unsigned values.
-            if n and arr.view(np.uint32).max() > _MAX_TOKEN:
+            # Every int32 id but a negative one is valid: OR them and test the sign bit.
+            if n and np.bitwise_or.reduce(arr) < 0:
                 raise ValueError(f"tokens: expected ids in [0, {_MAX_TOKEN}], got {arr.min()}")
             return arr.tobytes()
         if n and (arr.min() < 0 or arr.max() > _MAX_TOKEN):
@@ -778,6 +781,27 @@ class RadixTree:
             return _EMPTY
         parts.reverse()
         return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def path_missing_host(self, node: TreeNode, min_hit_count: int = 0) -> list[TreeNode]:
+        """Nodes from the root down to ``node`` that a backup would copy, root side first.
+
+        Those on the device without a host copy, with no IO in flight and at
+        least ``min_hit_count`` hits (the selective write policy's threshold).
+        """
+        min_hit_count = _check_count("min_hit_count", min_hit_count)
+        self._check_live(node, "path_missing_host")
+        nodes = []
+        while node.parent is not None:
+            if (
+                node.host_indices is None
+                and node.device_indices is not None
+                and node.io_status is IOStatus.NONE
+                and node.hit_count >= min_hit_count
+            ):
+                nodes.append(node)
+            node = node.parent
+        nodes.reverse()
+        return nodes
 
     def host_only_path(self, result: MatchResult) -> list[TreeNode]:
         """The host-only nodes of a match, root side first."""

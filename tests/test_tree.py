@@ -450,3 +450,26 @@ def test_evicted_chain_merges_into_one_host_only_node(make_tree):
     assert m.last_node.host_indices.tolist() == [10, 11, 12]
     assert tree.evict_host(2).device_indices.tolist() == [12]  # tail of the merged node
     tree.check_integrity()
+
+
+def test_path_missing_host_lists_what_a_backup_would_copy(make_tree):
+    tree = make_tree(2)
+    a = tree.insert([1, 1], pages(0)).last_node
+    b = tree.insert([1, 1, 2, 2], pages(0, 1)).last_node
+    c = tree.insert([1, 1, 2, 2, 3, 3], pages(0, 1, 2)).last_node
+    assert tree.path_missing_host(c) == [a, b, c]
+    tree.attach_host(b, pages(7))
+    assert tree.path_missing_host(c) == [a, c]
+    tree.attach_host(c, pages(8))
+    tree.set_io_status(c, IOStatus.BACKING_UP)  # in flight: not listed
+    assert tree.path_missing_host(c) == [a]
+    tree.set_io_status(c, IOStatus.NONE)
+    tree.match_prefix([1, 1, 2, 2, 3, 3])  # one more hit on the whole path
+    assert tree.path_missing_host(c, min_hit_count=1) == [a]
+    assert tree.path_missing_host(c, min_hit_count=2) == []
+    assert tree.path_missing_host(tree.root()) == []
+    with pytest.raises(ValueError):
+        tree.path_missing_host(c, -1)
+    with pytest.raises(TypeError):
+        tree.path_missing_host(c, 1.5)
+    tree.check_integrity()

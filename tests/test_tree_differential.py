@@ -267,6 +267,15 @@ class PythonVsNative(RuleBasedStateMachine):
         if ra[0] == "ok":
             assert ra[1].tolist() == rb[1].tolist()
 
+    @precondition(lambda self: self.pairs)
+    @rule(i=st.integers(0, 100), min_hits=st.integers(-1, 3) | st.none())
+    def path_missing_host(self, i, min_hits):
+        a, b = self.pick(i)
+        ra, rb = self.both("path_missing_host", i, min_hits)
+        if ra[0] == "ok":
+            assert [n.id for n in ra[1]] == [n.id for n in rb[1]]
+            self.remember(ra[1], rb[1])
+
     @rule(num_tokens=st.integers(-3, 3) | st.floats(0, 2) | st.none())
     def bad_counts(self, num_tokens):
         for fn in ("evict_device", "evict_host"):

@@ -387,6 +387,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              std::reverse(path.begin(), path.end());
              return handles(path);
            })
+      .def("path_missing_host",
+           [](RadixTree& t, NodeHandle h, std::int64_t min_hit_count) {
+             std::vector<TreeNode*> path;
+             for (TreeNode* n = node_of(t, h, "path_missing_host"); n->parent != nullptr;
+                  n = n->parent) {
+               if (n->on_device() && !n->on_host() && n->io_status == hicache::IOStatus::None &&
+                   n->hit_count >= min_hit_count) {
+                 path.push_back(n);
+               }
+             }
+             std::reverse(path.begin(), path.end());
+             return handles(path);
+           })
       .def("host_only_path",
            [](RadixTree& t, NodeHandle last, NodeHandle last_device) {
              TreeNode* stop = node_of(t, last_device, "host_only_path");
