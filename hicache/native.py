@@ -48,8 +48,18 @@ from hicache.tree import (
 )
 from hicache.treeapi import RadixTreeLike
 
-_ARRAY_TYPES = (torch.Tensor, np.ndarray)
 _FAST_TOKEN_DTYPES = frozenset({torch.int32, torch.int64, np.dtype(np.int32), np.dtype(np.int64)})
+
+
+def _readable_in_place(tokens: object) -> bool:
+    """True for int32/int64 tensors and numpy arrays: the binding reads them as they are.
+
+    Exact type checks (``isinstance`` against ``torch.Tensor`` goes through its
+    metaclass); subclasses and other dtypes take the general path through
+    :func:`hicache.tree.token_key`.
+    """
+    tp = type(tokens)
+    return (tp is np.ndarray or tp is torch.Tensor) and tokens.dtype in _FAST_TOKEN_DTYPES
 _MAX_COUNT = 2**62  # larger eviction requests mean "everything"; keeps C++ int64 math safe
 
 
@@ -244,7 +254,7 @@ class NativeRadixTree:
 
     def _tokens(self, tokens: TokenLike) -> object:
         """``tokens`` as the binding reads them: int32/int64 arrays as they are, else key bytes."""
-        if isinstance(tokens, _ARRAY_TYPES) and tokens.dtype in _FAST_TOKEN_DTYPES:
+        if _readable_in_place(tokens):
             return tokens
         return token_key(tokens, self.page_size)
 
@@ -311,7 +321,7 @@ class NativeRadixTree:
     # --------------------------------------------------------- match/insert
     def match_prefix(self, tokens: TokenLike, namespace: str | None = None) -> MatchResult:
         """Longest cached prefix of ``tokens`` (whole pages); see :meth:`RadixTree.match_prefix`."""
-        if not (isinstance(tokens, _ARRAY_TYPES) and tokens.dtype in _FAST_TOKEN_DTYPES):
+        if not _readable_in_place(tokens):
             tokens = token_key(tokens, self.page_size)
         device_len, host_len, last_device, last = self._impl.match(tokens, namespace)
         proxies = self._proxies
@@ -337,7 +347,7 @@ class NativeRadixTree:
 
         The tree keeps a view of ``device_indices`` (no copy), as the Python tree does.
         """
-        if not (isinstance(tokens, _ARRAY_TYPES) and tokens.dtype in _FAST_TOKEN_DTYPES):
+        if not _readable_in_place(tokens):
             tokens = token_key(tokens, self.page_size)
         num_cached, last = self._impl.insert(tokens, device_indices, namespace)
         return InsertResult(num_cached, self._proxies.get(last) or self._node(last))
