@@ -27,7 +27,6 @@ import numpy as np
 import torch
 
 from hicache import jit
-from hicache.allocator import check_page_tensor
 from hicache.config import EvictionPolicy
 from hicache.jit import (  # noqa: F401  (re-exported: the tree's build status)
     NativeBuildError,
@@ -443,9 +442,10 @@ class NativeRadixTree:
     def device_indices_of(
         self, node: NativeNode, extra: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Device page ids of the path from the root to ``node``, then ``extra``."""
-        if extra is not None:
-            check_page_tensor("extra", extra)
+        """Device page ids of the path from the root to ``node``, then ``extra``.
+
+        The binding checks ``extra`` as :meth:`RadixTree.device_indices_of` does.
+        """
         return self._impl.device_indices_of(
             node._h
             if type(node) is NativeNode and node._tree is self

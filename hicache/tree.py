@@ -35,7 +35,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from hicache.allocator import check_page_tensor
 from hicache.config import EvictionPolicy
 from hicache.policy import CandidateHeap, priority_fn
 
@@ -135,7 +134,8 @@ def _check_namespace(namespace: object) -> None:
         raise TypeError(f"namespace: expected str or None, got {type(namespace).__name__}")
 
 
-def _check_indices(name: str, indices: object, num_pages: int) -> None:
+def _check_page_ids(name: str, indices: object) -> torch.Tensor:
+    """``indices`` as the tree takes page ids: a 1-D int64 CPU tensor (else the error)."""
     if not isinstance(indices, torch.Tensor):
         raise TypeError(f"{name}: expected an int64 torch.Tensor, got {type(indices).__name__}")
     if indices.dtype != torch.int64 or indices.dim() != 1:
@@ -145,6 +145,11 @@ def _check_indices(name: str, indices: object, num_pages: int) -> None:
         )
     if indices.device.type != "cpu":
         raise ValueError(f"{name}: expected a CPU tensor, got {indices.device}")
+    return indices
+
+
+def _check_indices(name: str, indices: object, num_pages: int) -> None:
+    _check_page_ids(name, indices)
     if indices.shape[0] != num_pages:
         raise ValueError(
             f"{name}: expected one page id per whole page ({num_pages}), got {indices.shape[0]}"
@@ -771,7 +776,7 @@ class RadixTree:
         With ``extra`` (1-D int64 CPU page ids) the result continues with them: a
         request's page table is ``device_indices_of(prefix_node, new_pages)``.
         """
-        parts = [] if extra is None else [check_page_tensor("extra", extra)]
+        parts = [] if extra is None else [_check_page_ids("extra", extra)]
         while node.parent is not None:
             if node.device_indices is None:
                 raise ValueError(f"device_indices_of: node {node.id} is not on the device")
