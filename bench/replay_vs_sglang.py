@@ -74,9 +74,19 @@ def main(argv: list[str] | None = None) -> int:
                       "hit_ratio": round(hit[name], 6)}
         print(f"{name:<16}{med:>14.0f}{min(xs):>9.0f}{max(xs):>9.0f}{med / base:>10.2f}"
               f"{hit[name]:>11.4f}")
-    print(json.dumps({"trace": os.path.basename(args.trace), "page_size": args.page_size,
-                      "device_tokens": args.device_tokens, "repeats": args.repeats,
-                      "systems": rows}))
+    out = {"trace": os.path.basename(args.trace), "page_size": args.page_size,
+           "device_tokens": args.device_tokens, "repeats": args.repeats, "systems": rows}
+    if {"hicache-python", "hicache-native"} <= samples.keys():
+        # Issue 8's figure: native vs Python tree, same run. Per-round ratios pair
+        # runs that sat side by side, so slow drifts in machine load cancel out.
+        py, nat = samples["hicache-python"], samples["hicache-native"]
+        out["native_vs_python"] = round(statistics.median(nat) / statistics.median(py), 2)
+        out["native_vs_python_per_round"] = round(
+            statistics.median(b / a for a, b in zip(py, nat, strict=True)), 2
+        )
+        print(f"native / python tree: {out['native_vs_python']:.2f}x (ratio of medians), "
+              f"{out['native_vs_python_per_round']:.2f}x (median of per-round ratios)")
+    print(json.dumps(out))
     return 0
 
 
