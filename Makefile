@@ -18,9 +18,10 @@ $(STAMP): pyproject.toml
 		$(PY) -m pip install -q torch==2.13.0; \
 	fi
 	$(PY) -m pip install -q -e '.[dev]'
-	# Build the native radix tree once now (about a minute), not inside the first demo or
-	# test run. Without a compiler this only warns: the Python tree is the fallback.
-	$(PY) -c "from hicache.native import native_available as ok; print('native tree:', 'built' if ok() else 'unavailable (Python fallback)')"
+	# Build the native extension (radix tree, page free list) once now (about a minute),
+	# not inside the first demo or test run. Without a compiler this only reports it:
+	# the Python tree and the numpy allocator are the fallbacks.
+	$(PY) -c "from hicache.jit import native_available as ok; print('native extension:', 'built' if ok() else 'unavailable (Python fallbacks)')"
 	touch $(STAMP)
 
 demo: install
