@@ -168,7 +168,7 @@ class HiCache(ThirdTierMixin):
             raise TypeError(f"config: expected CacheConfig, got {type(config).__name__}")
         self.config = config
         self.page_size = config.page_size
-        self.tree = _make_tree(config, self._on_split)
+        self.tree = _make_tree(config)  # split hook: only while IO or a pin is tracked
         self.device_allocator = PageAllocator(config.num_device_pages, "device pages")
         self.host_allocator = PageAllocator(config.num_host_pages, "host pages")
         self.has_host_tier = config.has_host_tier
@@ -445,6 +445,8 @@ class HiCache(ThirdTierMixin):
                 self._finish_load(rec)
             else:
                 self._finish_backup(rec)
+        if not self._node_transfer and not self._storage_pins and self.tree.on_split is not None:
+            self.tree.on_split = None  # nothing to follow through splits any more
         return len(done)
 
     def wait_all(self, timeout: float | None = None) -> None:
@@ -464,7 +466,18 @@ class HiCache(ThirdTierMixin):
             job.done.wait(timeout)
         self.poll()
 
+    def _watch_splits(self) -> None:
+        """Follow splits (``_on_split``) while a node is tracked by a transfer or a pin.
+
+        Installed on demand: with nothing tracked a split needs no bookkeeping, and
+        the native tree would otherwise call into Python on every split (most
+        evictions split a leaf). ``poll`` removes the hook once nothing is tracked.
+        """
+        if self.tree.on_split is None:
+            self.tree.on_split = self._on_split
+
     def _track(self, rec: _Transfer) -> None:
+        self._watch_splits()
         self._inflight[id(rec.handle)] = rec
         for node in rec.nodes:
             self._node_transfer[node] = rec
@@ -743,11 +756,11 @@ class HiCache(ThirdTierMixin):
         self.close()
 
 
-def _make_tree(config: CacheConfig, on_split):
+def _make_tree(config: CacheConfig):
     if config.tree == "python":
         from hicache.tree import RadixTree
 
-        return RadixTree(config.page_size, config.eviction, on_split=on_split)
+        return RadixTree(config.page_size, config.eviction)
     from hicache.native import make_tree
 
-    return make_tree(config.tree, config.page_size, config.eviction, on_split=on_split)
+    return make_tree(config.tree, config.page_size, config.eviction)

@@ -152,6 +152,7 @@ class ThirdTierMixin:
         if not live:
             return
         job = StorageJob("write", keys, torch.cat([n.host_indices for n in live]))
+        self._watch_splits()
         for node in live:
             self.tree.host_lock(node)
             self._storage_pins[node] = job

@@ -353,6 +353,23 @@ def test_split_while_a_backup_is_in_flight():
     assert cache.tree.host_tokens == len(a)
 
 
+def test_split_hook_is_installed_only_while_something_is_tracked():
+    cache = make_cache()
+    assert cache.tree.on_split is None  # nothing in flight: splits need no bookkeeping
+    a = seq(100, 4)
+    h = cache.match(a)
+    cache.alloc(h, len(a))
+    cache.insert(h, a)  # write-through: the backup is in flight (manual executor)
+    assert cache.tree.on_split is not None
+    h2 = cache.match(a[:P] + [9, 9])  # a split the in-flight backup must see
+    complete(cache, TransferKind.BACKUP)
+    assert cache.tree.on_split is None
+    for x in (h, h2):
+        cache.release(x)
+    cache.check_integrity()
+    assert cache.tree.host_tokens == len(a) and cache.tree.device_tokens == len(a)
+
+
 def test_write_back_eviction_frees_every_part_of_a_node_split_in_flight():
     cache = make_cache(device_pages=6, policy="write_back")
     a = seq(100, 6)
