@@ -48,6 +48,7 @@ from hicache.tree import (
 from hicache.treeapi import RadixTreeLike
 
 _FAST_TOKEN_DTYPES = frozenset({torch.int32, torch.int64, np.dtype(np.int32), np.dtype(np.int64)})
+_MAX_COUNT = 2**62  # larger eviction requests mean "everything"; keeps C++ int64 math safe
 
 
 def _readable_in_place(tokens: object) -> bool:
@@ -59,7 +60,6 @@ def _readable_in_place(tokens: object) -> bool:
     """
     tp = type(tokens)
     return (tp is np.ndarray or tp is torch.Tensor) and tokens.dtype in _FAST_TOKEN_DTYPES
-_MAX_COUNT = 2**62  # larger eviction requests mean "everything"; keeps C++ int64 math safe
 
 
 @functools.cache

@@ -64,14 +64,18 @@ def frozen_gc() -> Iterator[None]:
     will free): full collections then walk only the objects made since, the cache's
     own. The parsed trace and the hundreds of thousands of objects torch's modules
     hold would otherwise be walked by every full collection and billed to the
-    cache. The frozen objects return to the collector on exit.
+    cache. The frozen objects return to the collector on exit, unless some were
+    frozen before (an engine's own ``gc.freeze()``): those stay frozen, and with
+    them what this froze.
     """
+    frozen_before = gc.get_freeze_count()
     gc.collect()
     gc.freeze()
     try:
         yield
     finally:
-        gc.unfreeze()
+        if not frozen_before:
+            gc.unfreeze()
 
 
 def replay_device(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 from conftest import TREE_KINDS
 
 from hicache.cli import main
-from hicache.replay import _prepare, replay_device, replay_hierarchical
+from hicache.replay import _prepare, frozen_gc, replay_device, replay_hierarchical
 from hicache.traces import load_trace, trace_stats
 
 # The shared sample trace lies beside the checkout (in CI too); else a generated one.
@@ -93,3 +94,18 @@ def test_sweep_is_monotone_in_host_size(trace, capsys):
 def test_bad_arguments_exit_with_a_message(trace, argv):
     with pytest.raises(SystemExit):
         main(["replay", trace, "--page-size", "16", *argv])
+
+
+def test_frozen_gc_freezes_only_while_inside_and_keeps_an_earlier_freeze():
+    gc.collect()
+    assert gc.get_freeze_count() == 0
+    with frozen_gc():
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
+    gc.freeze()  # an engine froze its start-up objects: the replay must not undo it
+    try:
+        with frozen_gc():
+            pass
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
