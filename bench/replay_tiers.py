@@ -10,7 +10,11 @@ three configurations in the same run, interleaved over ``--repeats`` rounds
 * ``device-hicache``: the same device tier through HiCache with no host tier, so
   the ratio below it isolates what the host tier itself costs;
 * ``hierarchical``: the same device plus a host tier holding every unique token,
-  through the real HiCache (write-through, LRU).
+  through the real HiCache (write-through, LRU);
+* ``calls-floor``: the tree and allocator calls that ``hierarchical`` makes per
+  request (match, load-back with eviction, allocation, insert, write-through
+  backup with host eviction, unlock) in a bare loop: no handle, no checks, no
+  counters. What any Python lifecycle over this tree would cost at the least.
 
 Targets (issue 4): hierarchical hit ratio >= 0.99 x unbounded; hierarchical
 req/s >= 0.5 x device-only req/s.
@@ -25,10 +29,84 @@ import json
 import os
 import statistics
 import sys
+import time
 
+from hicache.allocator import PageAllocator
 from hicache.native import make_tree
-from hicache.replay import _prepare, replay_device, replay_hicache_device_only, replay_hierarchical
+from hicache.replay import (
+    ReplayResult,
+    _prepare,
+    frozen_gc,
+    replay_device,
+    replay_hicache_device_only,
+    replay_hierarchical,
+)
 from hicache.traces import load_trace, trace_stats
+
+
+def calls_floor(requests, P: int, device_tokens: int, host_tokens: int, tree) -> ReplayResult:
+    """The host-tier lifecycle's tree and allocator calls, write-through, in a bare loop."""
+    dev = PageAllocator(device_tokens // P, "device pages")
+    host = PageAllocator(host_tokens // P, "host pages")
+    device_hits = host_hits = prompt_total = 0
+
+    def alloc_device(n: int):
+        short = n - dev.num_free_pages
+        if short > 0:
+            r = tree.evict_device(short * P)
+            if r.num_evicted_tokens:
+                dev.free(r.device_indices)
+        return dev.alloc(n)
+
+    def attach(nodes, pages, attach_fn) -> None:
+        off = 0
+        for node in nodes:
+            n = node.num_tokens // P
+            attach_fn(node, pages[off : off + n])
+            off += n
+
+    with frozen_gc():
+        start = time.perf_counter()
+        for prompt, full in requests:
+            m = tree.match_prefix(prompt)
+            node, hit = m.last_device_node, m.device_len
+            tree.lock(node)
+            device_hits += hit
+            if m.host_len:  # load back
+                nodes = tree.host_only_path(m)
+                pages = alloc_device(m.host_len // P)
+                if pages is not None:
+                    attach(nodes, pages, tree.attach_device)
+                    tree.lock(nodes[-1])
+                    tree.unlock(node)
+                    node, hit = nodes[-1], hit + m.host_len
+                    host_hits += m.host_len
+            need = (len(full) - hit) // P
+            new = alloc_device(need)
+            if new is not None and need:
+                r = tree.insert(full, tree.device_indices_of(node, new))
+                if r.num_cached_tokens > hit:
+                    dev.free(new[: (r.num_cached_tokens - hit) // P])
+                tree.lock(r.last_node)
+                tree.unlock(node)
+                node = r.last_node
+                todo = tree.path_missing_host(node)  # write-through backup
+                if todo:
+                    num = sum(n.num_tokens for n in todo) // P
+                    short = num - host.num_free_pages
+                    if short > 0:
+                        e = tree.evict_host(short * P)
+                        if e.num_evicted_tokens:
+                            host.free(e.device_indices)
+                    host_pages = host.alloc(num)
+                    if host_pages is not None:
+                        attach(todo, host_pages, tree.attach_host)
+            tree.unlock(node)
+            prompt_total += len(prompt)
+        seconds = time.perf_counter() - start
+    return ReplayResult(len(requests), seconds, prompt_total, device_hits + host_hits, 0, 0,
+                        tree.device_tokens, device_hit_tokens=device_hits,
+                        host_hit_tokens=host_hits)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,8 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     def device_hicache():
         return replay_hicache_device_only(requests, P, device_tokens, args.tree)
 
+    def floor():
+        return calls_floor(requests, P, device_tokens, host_tokens, make_tree(args.tree, P, "lru"))
+
     runs = {"unbounded": unbounded, "device": device, "device-hicache": device_hicache,
-            "hierarchical": hierarchical}
+            "hierarchical": hierarchical, "calls-floor": floor}
     for fn in runs.values():
         fn()  # warm-up
     rps: dict[str, list[float]] = {k: [] for k in runs}
@@ -89,12 +170,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"hierarchical hit ratio / unbounded:        {hit_vs_unbounded:.4f} (target >= 0.99)")
     print(f"hierarchical req/s / device-only:          {speed_vs_device:.2f} (target >= 0.50)")
     print(f"hierarchical req/s / HiCache device-only:  {speed_vs_hicache:.2f}")
+    floor_vs_device = out["calls-floor"]["req_per_s"] / out["device"]["req_per_s"]
+    print(f"calls-floor req/s / device-only:           {floor_vs_device:.2f} "
+          "(the most a Python lifecycle over this tree could reach)")
     print(json.dumps({"trace": os.path.basename(args.trace), "unique_tokens": unique,
                       "device_tokens": device_tokens, "host_tokens": host_tokens,
                       "tree": args.tree, "configs": out,
                       "hit_vs_unbounded": round(hit_vs_unbounded, 4),
                       "speed_vs_device": round(speed_vs_device, 3),
-                      "speed_vs_hicache_device": round(speed_vs_hicache, 3)}))
+                      "speed_vs_hicache_device": round(speed_vs_hicache, 3),
+                      "calls_floor_vs_device": round(floor_vs_device, 3)}))
     return 0
 
 
