@@ -109,3 +109,31 @@ def test_frozen_gc_freezes_only_while_inside_and_keeps_an_earlier_freeze():
         assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
+
+
+@pytest.mark.parametrize("tree", TREE_KINDS)
+@pytest.mark.parametrize("host_fraction", [1.0, 0.5])
+def test_calls_floor_makes_the_calls_hicache_makes(trace, tree, host_fraction):
+    """bench/replay_tiers.py's bare loop must replay HiCache's hits exactly (else no floor)."""
+    import importlib.util
+
+    from hicache.native import make_tree
+
+    spec = importlib.util.spec_from_file_location(
+        "replay_tiers", Path(__file__).resolve().parents[1] / "bench" / "replay_tiers.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    P = 16
+    stats = trace_stats(load_trace(trace), P)
+    requests = _prepare(trace, P)
+    device = stats.working_set_tokens // 4 // P * P
+    host = int(stats.working_set_tokens * host_fraction) // P * P + 64 * P
+    tree_ = make_tree(tree, P, "lru")
+    floor = bench.calls_floor(requests, P, device, host, tree_)
+    hier = replay_hierarchical(requests, P, device, host, tree=tree)
+    assert (floor.device_hit_tokens, floor.host_hit_tokens) == (
+        hier.device_hit_tokens, hier.host_hit_tokens
+    )
+    assert floor.host_hit_tokens > 0
+    tree_.check_integrity()
