@@ -376,6 +376,16 @@ class NativeRadixTree:
             return 0
         return self._impl.probe(key, namespace)
 
+    def probe_path(self, key: bytes, namespace: str | None = None) -> list[NativeNode]:
+        """The nodes holding the cached prefix of ``key``; see :meth:`RadixTree.probe_path`."""
+        if isinstance(key, bytearray | memoryview):
+            key = bytes(key)
+        if namespace is not None and not isinstance(namespace, str):
+            hash(namespace)  # an unhashable namespace raises TypeError, as a dict lookup does
+            return []
+        proxy = self._node
+        return [proxy(h) for h in self._impl.probe_path(key, namespace)]
+
     # ---------------------------------------------------------------- locks
     def lock(self, node: NativeNode) -> None:
         """Protect ``node`` and its ancestors from device eviction (one reference each)."""

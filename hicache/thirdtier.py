@@ -77,8 +77,9 @@ class ThirdTierMixin:
         # The fetched pages extend the cached prefix: its host-only part is the oldest
         # host leaf, so making room for them would evict it first and waste the read.
         held = []
-        if start:
-            held = self.tree.host_only_path(self.tree.match_key(key[: start * pnb], namespace))
+        if start:  # read-only: a prefetch is not a hit (LFU, selective write-through)
+            held = [n for n in self.tree.probe_path(key[: start * pnb], namespace)
+                    if not n.on_device]
         for node in held:
             self.tree.host_lock(node)
         host_pages = self._alloc_host(num_pages)

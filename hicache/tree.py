@@ -325,6 +325,18 @@ class RadixTree:
 
         No split, no hit counted, no access time changed.
         """
+        return self._probe(key, namespace, None)
+
+    def probe_path(self, key: bytes, namespace: str | None = None) -> list[TreeNode]:
+        """The nodes holding the cached prefix of ``key`` (:meth:`probe_key`), root side first.
+
+        Read-only like :meth:`probe_key`; the last node may hold more than ``key``.
+        """
+        nodes: list[TreeNode] = []
+        self._probe(key, namespace, nodes)
+        return nodes
+
+    def _probe(self, key: bytes, namespace: str | None, path: list[TreeNode] | None) -> int:
         node = self._roots.get(namespace)
         pnb = self._page_nbytes
         off, n = 0, len(key)
@@ -332,6 +344,8 @@ class RadixTree:
             child = node.children.get(key[off : off + pnb])
             if child is None:
                 break
+            if path is not None:
+                path.append(child)
             ck = child.key
             if not key.startswith(ck, off):
                 return (off + self._common_pages(ck, key, off) * pnb) >> 2

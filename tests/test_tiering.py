@@ -8,6 +8,7 @@ from test_cache import KV, assert_quiescent, compute, read_prefix, serve
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig
+from hicache.tree import token_key
 
 A = [1, 1, 2, 2, 3, 3, 4, 4]
 
@@ -152,3 +153,24 @@ def test_prefetch_bad_input_raises_and_changes_nothing(tmp_path, tokens, namespa
     assert cache.stats() == before
     assert_quiescent(cache)
     cache.close()
+
+
+def test_prefetch_counts_no_hit_on_the_cached_prefix(tmp_path):
+    """Only a match is a hit: a prefetch that extends a cached prefix reads the tree only."""
+    first = make(tmp_path, device_tokens=16, host_tokens=32)
+    serve(first, A + [5, 5])
+    first.close()
+    second = make(tmp_path, device_tokens=16, host_tokens=32, prefetch_policy="best_effort")
+    serve(second, A)
+    (node,) = second.tree.probe_path(token_key(A, KV.page_size))
+    hits, access = node.hit_count, node.last_access
+    job = second.prefetch(A + [5, 5])
+    assert job is not None and job.start_page == len(A) // KV.page_size
+    assert (node.hit_count, node.last_access) == (hits, access)
+    job.done.wait()
+    second.wait_all()
+    h = second.match(A + [5, 5])
+    assert h.prefix_len == len(A) + 2  # the prefetched page is used
+    second.release(h)
+    assert_quiescent(second)
+    second.close()

@@ -428,6 +428,9 @@ def test_probe_is_read_only(make_tree):
     assert tree.probe_key(token_key([1, 1, 2, 2, 9, 9], 2)) == 4  # ends mid-node: no split
     assert tree.probe_key(token_key([1, 1, 2, 2, 3, 3, 4, 4], 2)) == 6
     assert tree.probe_key(token_key([5, 5], 2), namespace="other") == 0
+    (node,) = tree.probe_path(token_key([1, 1, 2, 2, 9, 9], 2))  # the node holding the prefix
+    assert node.num_tokens == 6 and tree.probe_path(token_key([5, 5], 2)) == []
+    assert tree.probe_path(token_key([1, 1], 2), namespace="other") == []
     assert tree.num_nodes == nodes_before
     m = tree.match_prefix([1, 1])
     assert m.last_node.hit_count == 1  # the probes counted no hits

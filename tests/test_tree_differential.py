@@ -149,6 +149,14 @@ class PythonVsNative(RuleBasedStateMachine):
         key = token_key(tokens, P)
         assert self.py.probe_key(key, ns) == self.nat.probe_key(key, ns)
 
+    @rule(tokens=tokens_st, ns=st.sampled_from(NAMESPACES))
+    def probe(self, tokens, ns):
+        key = token_key(tokens, P)
+        assert self.py.probe_key(key, ns) == self.nat.probe_key(key, ns)
+        pa, pb = self.py.probe_path(key, ns), self.nat.probe_path(key, ns)
+        assert ids_of(pa) == ids_of(pb)
+        self.remember(pa, pb)
+
     @rule(tokens=tokens_st, ns=st.sampled_from(NAMESPACES), form=st.sampled_from(FORMS))
     def insert(self, tokens, ns, form):
         ids = self.pages(len(tokens) // P)

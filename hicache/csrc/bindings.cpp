@@ -327,6 +327,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              }
              return t.probe(key.span, t.find_namespace(name));
            })
+      .def("probe_path",
+           [](RadixTree& t, py::handle tokens, py::handle ns) {
+             Key key;
+             read_key(tokens, t.page_size(), key);
+             std::vector<TreeNode*> path;
+             if (ns.is_none() || PyUnicode_Check(ns.ptr())) {
+               std::optional<std::string> name;
+               if (!ns.is_none()) name = ns.cast<std::string>();
+               t.probe(key.span, t.find_namespace(name), &path);
+             }
+             return handles(path);
+           })
       .def("lock", [](RadixTree& t, NodeHandle h) { t.lock(node_of(t, h, "lock")); })
       .def("unlock", [](RadixTree& t, NodeHandle h) { t.unlock(node_of(t, h, "unlock")); })
       .def("host_lock",

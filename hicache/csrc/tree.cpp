@@ -311,7 +311,8 @@ InsertOut RadixTree::insert_host(token_span key, const IndexRun& pages, std::uin
   return {num_cached, node};
 }
 
-std::int64_t RadixTree::probe(token_span key, std::optional<std::uint32_t> ns) const {
+std::int64_t RadixTree::probe(token_span key, std::optional<std::uint32_t> ns,
+                              std::vector<TreeNode*>* path) const {
   if (!ns) return 0;
   const TreeNode* node = roots_[*ns].get();
   const auto ps = static_cast<std::size_t>(page_size_);
@@ -319,7 +320,8 @@ std::int64_t RadixTree::probe(token_span key, std::optional<std::uint32_t> ns) c
   while (off < key.size()) {
     const auto it = node->children.find(PageKey{key.data() + off, ps});
     if (it == node->children.end()) break;
-    const TreeNode* child = it->second.get();
+    TreeNode* child = it->second.get();
+    if (path != nullptr) path->push_back(child);
     const std::int64_t common = common_pages(child->tokens.span(), key.subspan(off));
     if (static_cast<std::size_t>(common) * ps < child->tokens.len) {
       return static_cast<std::int64_t>(off) + common * page_size_;

@@ -78,7 +78,10 @@ class RadixTree {
   // becomes one host-only leaf; num_cached_tokens counts both tiers.
   InsertOut insert_host(token_span key, const IndexRun& pages, std::uint32_t ns);
   // Tokens of key cached in any tier: no split, no hit, no access time changed.
-  std::int64_t probe(token_span key, std::optional<std::uint32_t> ns) const;
+  // With `path`, also the nodes holding them, root side first (the last may
+  // hold more than the key).
+  std::int64_t probe(token_span key, std::optional<std::uint32_t> ns,
+                     std::vector<TreeNode*>* path = nullptr) const;
 
   void lock(TreeNode* node);
   void unlock(TreeNode* node);
