@@ -62,6 +62,15 @@ def _readable_in_place(tokens: object) -> bool:
     return (tp is np.ndarray or tp is torch.Tensor) and tokens.dtype in _FAST_TOKEN_DTYPES
 
 
+def _probe_key_bytes(key: bytes, namespace: object) -> bytes:
+    """A probe's key as the binding reads it. A non-str namespace names no root (the
+    binding finds nothing), but an unhashable one raises TypeError, as the Python
+    tree's dict lookup does."""
+    if namespace is not None and not isinstance(namespace, str):
+        hash(namespace)
+    return bytes(key) if isinstance(key, bytearray | memoryview) else key
+
+
 @functools.cache
 def _warn_fallback(reason: str) -> None:
     warnings.warn(
@@ -369,20 +378,11 @@ class NativeRadixTree:
 
     def probe_key(self, key: bytes, namespace: str | None = None) -> int:
         """Tokens of ``key`` cached in any tier; read-only (no split, no hit, no access)."""
-        if isinstance(key, bytearray | memoryview):
-            key = bytes(key)
-        if namespace is not None and not isinstance(namespace, str):
-            hash(namespace)  # an unhashable namespace raises TypeError, as a dict lookup does
-            return 0
-        return self._impl.probe(key, namespace)
+        return self._impl.probe(_probe_key_bytes(key, namespace), namespace)
 
     def probe_path(self, key: bytes, namespace: str | None = None) -> list[NativeNode]:
         """The nodes holding the cached prefix of ``key``; see :meth:`RadixTree.probe_path`."""
-        if isinstance(key, bytearray | memoryview):
-            key = bytes(key)
-        if namespace is not None and not isinstance(namespace, str):
-            hash(namespace)  # an unhashable namespace raises TypeError, as a dict lookup does
-            return []
+        key = _probe_key_bytes(key, namespace)
         proxy = self._node
         return [proxy(h) for h in self._impl.probe_path(key, namespace)]
 

@@ -197,6 +197,14 @@ std::uint32_t ns_of(RadixTree& tree, py::handle ns) {
   return tree.namespace_index(ns.cast<std::string>());
 }
 
+// The namespace's index if it exists (read-only lookups create none; a non-str
+// namespace names no root).
+std::optional<std::uint32_t> existing_ns(const RadixTree& tree, py::handle ns) {
+  if (ns.is_none()) return tree.find_namespace(std::nullopt);
+  if (!PyUnicode_Check(ns.ptr())) return std::nullopt;
+  return tree.find_namespace(ns.cast<std::string>());
+}
+
 TreeNode* node_of(const RadixTree& tree, NodeHandle handle, const char* op) {
   TreeNode* node = tree.find(handle);
   if (node == nullptr) {
@@ -320,23 +328,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            [](RadixTree& t, py::handle tokens, py::handle ns) {
              Key key;
              read_key(tokens, t.page_size(), key);
-             std::optional<std::string> name;
-             if (!ns.is_none()) {
-               if (!PyUnicode_Check(ns.ptr())) return std::int64_t{0};  // no such root
-               name = ns.cast<std::string>();
-             }
-             return t.probe(key.span, t.find_namespace(name));
+             return t.probe(key.span, existing_ns(t, ns));
            })
       .def("probe_path",
            [](RadixTree& t, py::handle tokens, py::handle ns) {
              Key key;
              read_key(tokens, t.page_size(), key);
              std::vector<TreeNode*> path;
-             if (ns.is_none() || PyUnicode_Check(ns.ptr())) {
-               std::optional<std::string> name;
-               if (!ns.is_none()) name = ns.cast<std::string>();
-               t.probe(key.span, t.find_namespace(name), &path);
-             }
+             t.probe(key.span, existing_ns(t, ns), &path);
              return handles(path);
            })
       .def("lock", [](RadixTree& t, NodeHandle h) { t.lock(node_of(t, h, "lock")); })
