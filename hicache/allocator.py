@@ -62,10 +62,10 @@ class PageAllocator:
                 self._native = jit.load_native().FreeList(name, num_pages)
         self.backend = "native" if self._native is not None else "numpy"
         if self._native is not None:
-            # The C++ list owns the arrays; these are views of the same memory.
+            # The C++ list owns the arrays and the count (the native lifecycle
+            # allocates from it too); these are views of the same memory.
             self._free = self._native.free_stack.numpy()
             self._in_use = self._native.in_use.numpy()
-            self._num_free = num_pages
             return
         # free[:num_free] is the stack of free ids; the top is at the end.
         self._free = np.arange(num_pages - 1, -1, -1, dtype=np.int64)
@@ -75,14 +75,14 @@ class PageAllocator:
 
     @property
     def num_free_pages(self) -> int:
-        return self._num_free
+        return self._num_free if self._native is None else self._native.num_free
 
     @property
     def num_used_pages(self) -> int:
-        return self.num_pages - self._num_free
+        return self.num_pages - self.num_free_pages
 
     def can_alloc(self, num_pages: int) -> bool:
-        return num_pages <= self._num_free
+        return num_pages <= self.num_free_pages
 
     def alloc(self, num_pages: int) -> torch.Tensor | None:
         """Return ``num_pages`` distinct free page ids (int64), or ``None`` if fewer are free."""
@@ -92,12 +92,10 @@ class PageAllocator:
             raise TypeError(f"num_pages: expected int, got {type(num_pages).__name__}")
         if num_pages < 0:
             raise ValueError(f"num_pages: expected >= 0, got {num_pages}")
+        if self._native is not None:
+            return self._native.alloc(num_pages)  # None when fewer are free
         if num_pages > self._num_free:
             return None
-        if self._native is not None:
-            pages = self._native.alloc(num_pages)
-            self._num_free -= num_pages
-            return pages
         start = self._num_free - num_pages
         pages = self._free[start : self._num_free][::-1].copy()
         self._num_free = start
@@ -108,7 +106,6 @@ class PageAllocator:
         """Return pages to the free list. Every id must be allocated and appear once."""
         if self._native is not None:
             self._native.free(check_page_tensor(self.name, pages))
-            self._num_free += pages.shape[0]
             return
         ids = self._check_pages(pages)
         if ids.size == 0:
@@ -145,7 +142,7 @@ class PageAllocator:
 
     def check_integrity(self) -> None:
         """Assert that the free stack and the in-use map agree."""
-        free = self._free[: self._num_free]
+        free = self._free[: self.num_free_pages]
         assert np.unique(free).size == free.size, f"{self.name}: a page is free twice"
         assert not self._in_use[free].any(), f"{self.name}: a free page is marked in use"
         assert int(self._in_use.sum()) == self.num_used_pages, (

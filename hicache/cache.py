@@ -29,6 +29,7 @@ import torch
 
 from hicache.allocator import PageAllocator
 from hicache.config import CacheConfig, WritePolicy
+from hicache.lifecycle import NativeLifecycleMixin
 from hicache.thirdtier import ThirdTierMixin
 from hicache.tree import IOStatus, MatchResult, TokenLike, TreeNode, token_key
 
@@ -94,15 +95,18 @@ class PrefixHandle:
     :meth:`wait_layer`) returns when a load is involved.
     """
 
-    def __init__(self, cache: HiCache, key: bytes, namespace: str | None, match: MatchResult):
+    def __init__(
+        self, cache: HiCache, key: bytes, namespace: str | None, device_len: int, host_len: int,
+        lock_node: TreeNode,
+    ) -> None:
         self._cache = cache
         self.namespace = namespace
         self.key = key  # int32 bytes of the matched prompt's whole pages
-        self.device_len = match.device_len  # matched on the device at match time
-        self.host_len = match.host_len  # matched only in host memory at match time
-        self.prefix_len = match.device_len  # tokens whose KV is (or is being loaded) on device
+        self.device_len = device_len  # matched on the device at match time
+        self.host_len = host_len  # matched only in host memory at match time
+        self.prefix_len = device_len  # tokens whose KV is (or is being loaded) on device
         self.load_error: BaseException | None = None
-        self._lock_node: TreeNode = match.last_device_node
+        self._lock_node = lock_node  # locked; ends the prefix
         self._prefix_pages: torch.Tensor | None = None  # lazily gathered from the tree
         self._new_pages: list[torch.Tensor] = []  # allocated by alloc, owned until inserted
         self._loads: list[_Transfer] = []
@@ -157,7 +161,7 @@ class PrefixHandle:
         )
 
 
-class HiCache(ThirdTierMixin):
+class HiCache(ThirdTierMixin, NativeLifecycleMixin):
     """Hierarchical (device + host) prefix cache. See the module docstring for the lifecycle."""
 
     def __init__(self, config: CacheConfig) -> None:
@@ -191,7 +195,7 @@ class HiCache(ThirdTierMixin):
         # Bookkeeping only (no KV tensors): loads and write-through backups complete
         # as they start, so they skip the IO states and transfer records entirely.
         self._bookkeeping = self.device_pool is None
-        self.counters = CacheStats()
+        self._counters = CacheStats()
         self._page_nbytes = config.kv.page_nbytes
         self._inflight: dict[int, _Transfer] = {}  # id(transfer handle) -> record
         self._node_transfer: dict[TreeNode, _Transfer] = {}  # nodes with IO in flight
@@ -205,6 +209,7 @@ class HiCache(ThirdTierMixin):
         self._storage_paused = False
         if config.storage is not None:
             self._open_storage(config)
+        self._open_lifecycle(config)  # sets _core: the C++ lifecycle, or None
 
     # ------------------------------------------------------------- lifecycle
     def match(
@@ -219,15 +224,19 @@ class HiCache(ThirdTierMixin):
         """
         if not isinstance(load_back, bool):
             raise TypeError(f"load_back: expected bool, got {type(load_back).__name__}")
+        if self._core is not None:  # bookkeeping only: nothing is ever in flight to poll
+            return self._match_native(tokens, namespace, load_back)
         self.poll()
         key = token_key(tokens, self.page_size)
         if self.storage is not None:
             self._prefetch_for_match(key, namespace)
         result = self.tree.match_key(key, namespace)
-        h = PrefixHandle(self, key, namespace, result)
+        h = PrefixHandle(
+            self, key, namespace, result.device_len, result.host_len, result.last_device_node
+        )
         self.tree.lock(result.last_device_node)
         self._live.add(h)
-        c = self.counters
+        c = self._counters
         c.requests += 1
         c.requested_tokens += len(tokens)
         c.device_hit_tokens += result.device_len
@@ -271,8 +280,8 @@ class HiCache(ThirdTierMixin):
         num_pages = sum(n.num_tokens for n in nodes) // self.page_size
         num_tokens = num_pages * self.page_size
         if num_tokens < self.config.load_threshold_tokens:
-            self.counters.loads_refused_by_threshold += 1
-            self.counters.host_hit_refused_tokens += num_tokens
+            self._counters.loads_refused_by_threshold += 1
+            self._counters.host_hit_refused_tokens += num_tokens
             return None
         # Pinned now: the eviction below must not take them (a write-back eviction
         # may evict host pages), and a real load reads them until it completes.
@@ -296,8 +305,8 @@ class HiCache(ThirdTierMixin):
         if pages is None:
             for node in nodes if pin else ():
                 self.tree.host_unlock(node)
-            self.counters.loads_refused_no_space += 1
-            self.counters.host_hit_refused_tokens += num_tokens
+            self._counters.loads_refused_no_space += 1
+            self._counters.host_hit_refused_tokens += num_tokens
             return None
         off = 0
         for node in nodes:
@@ -314,10 +323,10 @@ class HiCache(ThirdTierMixin):
         h._lock_node = nodes[-1]
         h._prefix_pages = None
         h.prefix_len += num_tokens
-        self.counters.loads += 1
-        self.counters.host_hit_tokens += num_tokens
+        self._counters.loads += 1
+        self._counters.host_hit_tokens += num_tokens
         if self._bookkeeping:  # no KV to move: the load is complete as it starts
-            self.counters.load_bytes += num_pages * self._page_nbytes
+            self._counters.load_bytes += num_pages * self._page_nbytes
             return None
         host_pages = torch.cat([n.host_indices for n in nodes]) if len(nodes) > 1 else (
             nodes[0].host_indices
@@ -354,8 +363,11 @@ class HiCache(ThirdTierMixin):
             raise TypeError(f"num_tokens: expected int, got {type(num_tokens).__name__}")
         if num_tokens < 0:
             raise ValueError(f"num_tokens: expected >= 0, got {num_tokens}")
-        self.poll()
-        pages = self._alloc_device(-(-num_tokens // self.page_size))
+        if self._core is not None:
+            pages = self._core.alloc(-(-num_tokens // self.page_size))
+        else:
+            self.poll()
+            pages = self._alloc_device(-(-num_tokens // self.page_size))
         if pages is not None and pages.shape[0]:
             h._new_pages.append(pages)
         return pages
@@ -369,6 +381,8 @@ class HiCache(ThirdTierMixin):
         number of tokens newly cached.
         """
         self._check_handle(h)
+        if self._core is not None:  # bookkeeping only: no load is ever in flight
+            return self._insert_native(h, tokens)
         self.poll()
         for rec in h._loads:
             if not rec.handle.done():
@@ -408,7 +422,7 @@ class HiCache(ThirdTierMixin):
         h.prefix_len = num_pages * self.page_size
         h.key = key
         new_tokens = (num_pages - cached_pages) * self.page_size
-        self.counters.inserted_tokens += new_tokens
+        self._counters.inserted_tokens += new_tokens
         if self.config.write_policy is not WritePolicy.WRITE_BACK:
             self._backup_path(result.last_node)
         return new_tokens
@@ -416,9 +430,12 @@ class HiCache(ThirdTierMixin):
     def release(self, h: PrefixHandle) -> None:
         """Unlock ``h``'s prefix and free the pages it owns. The cached KV stays cached."""
         self._check_handle(h)
-        self.tree.unlock(h._lock_node)
-        for pages in h._new_pages:
-            self.device_allocator.free(pages)
+        if self._core is not None and len(h._new_pages) <= 1:
+            self._core.release(h._lock_node._h, h._new_pages[0] if h._new_pages else None)
+        else:
+            self.tree.unlock(h._lock_node)
+            for pages in h._new_pages:
+                self.device_allocator.free(pages)
         h._new_pages = []
         h.released = True
         self._live.discard(h)
@@ -498,7 +515,7 @@ class HiCache(ThirdTierMixin):
 
     def _finish_load(self, rec: _Transfer) -> None:
         handle = rec.handle
-        c = self.counters
+        c = self._counters
         for node in rec.nodes:
             self.tree.set_io_status(node, IOStatus.NONE)
             self.tree.host_unlock(node)
@@ -549,7 +566,7 @@ class HiCache(ThirdTierMixin):
 
     def _finish_backup(self, rec: _Transfer) -> None:
         handle = rec.handle
-        c = self.counters
+        c = self._counters
         for node in rec.nodes:
             self.tree.set_io_status(node, IOStatus.NONE)
         if handle.error is not None:
@@ -606,7 +623,7 @@ class HiCache(ThirdTierMixin):
         result = self.tree.evict_device(num_pages * self.page_size, hook)
         if result.num_evicted_tokens:
             self.device_allocator.free(result.device_indices)
-            self.counters.device_evicted_tokens += result.num_evicted_tokens
+            self._counters.device_evicted_tokens += result.num_evicted_tokens
         if result.num_backup_tokens:
             self.poll()  # the immediate executor has finished already
 
@@ -619,7 +636,7 @@ class HiCache(ThirdTierMixin):
             result = self.tree.evict_host(short * self.page_size)
             if result.num_evicted_tokens:
                 self.host_allocator.free(result.device_indices)
-                self.counters.host_evicted_tokens += result.num_evicted_tokens
+                self._counters.host_evicted_tokens += result.num_evicted_tokens
         return alloc.alloc(num_pages)
 
     def _backup_path(self, node: TreeNode) -> None:
@@ -642,7 +659,7 @@ class HiCache(ThirdTierMixin):
         for node in nodes:
             host_pages = self._alloc_host(node.num_tokens // self.page_size)
             if host_pages is None:
-                self.counters.backups_skipped += 1
+                self._counters.backups_skipped += 1
                 continue
             self.tree.attach_host(node, host_pages)
             if not sync:
@@ -650,9 +667,9 @@ class HiCache(ThirdTierMixin):
             started.append(node)
         if not started:
             return False
-        self.counters.backups += 1
+        self._counters.backups += 1
         if sync:  # bookkeeping only: the host copy is complete as it starts
-            self.counters.backup_bytes += (
+            self._counters.backup_bytes += (
                 sum(n.num_tokens for n in started) // self.page_size * self._page_nbytes
             )
             return True
@@ -681,8 +698,8 @@ class HiCache(ThirdTierMixin):
     def stats(self) -> dict:
         """Counters plus current occupancy; bandwidths in GB/s (1e9 bytes per second)."""
         self.poll()
-        s = asdict(self.counters)
-        c = self.counters
+        c = self.counters  # with the C++ lifecycle: its counts added in
+        s = asdict(c)
         s["hit_tokens"] = c.device_hit_tokens + c.host_hit_tokens
         s["hit_ratio"] = s["hit_tokens"] / c.requested_tokens if c.requested_tokens else 0.0
         s["load_gbps"] = c.load_bytes / c.load_seconds / 1e9 if c.load_seconds else 0.0

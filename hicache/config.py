@@ -158,6 +158,10 @@ class CacheConfig:
     allocate_kv: bool = True  # False: bookkeeping only (replay), no KV tensors
     executor: str = "auto"  # "auto", "cuda", "thread", "manual" or "immediate"
     tree: str = "auto"  # "python", "native" or "auto" (native when it builds)
+    # Where a bookkeeping-only cache (allocate_kv=False, no storage) runs its request
+    # lifecycle: "native" (C++, over the native tree), "python", or "auto" (native
+    # when the native tree is in use). Same results either way.
+    lifecycle: str = "auto"
     storage: str | None = None  # third tier: "file:DIR" or "mooncake://HOST:PORT?metadata=URL"
     prefetch_policy: PrefetchPolicy | str = PrefetchPolicy.BEST_EFFORT
     prefetch_timeout_s: float = 0.05
@@ -223,6 +227,18 @@ class CacheConfig:
             )
         if self.tree not in ("python", "native", "auto"):
             raise ValueError(f"tree: expected 'python', 'native' or 'auto', got {self.tree!r}")
+        if self.lifecycle not in ("python", "native", "auto"):
+            raise ValueError(
+                f"lifecycle: expected 'python', 'native' or 'auto', got {self.lifecycle!r}"
+            )
+        if self.lifecycle == "native" and (
+            self.allocate_kv or self.storage is not None or self.tree == "python"
+        ):
+            raise ValueError(
+                "lifecycle='native' runs bookkeeping-only caches over the native tree: "
+                "expected allocate_kv=False, storage=None and tree 'native' or 'auto', got "
+                f"allocate_kv={self.allocate_kv}, storage={self.storage!r}, tree={self.tree!r}"
+            )
         if not self.prefetch_timeout_s >= 0:
             raise ValueError(f"prefetch_timeout_s: expected >= 0, got {self.prefetch_timeout_s}")
 

@@ -1,8 +1,8 @@
 """The C++ extension: JIT build, cache and load.
 
-The sources in ``hicache/csrc`` (the radix tree, the page free list) are
-compiled on first use with ``torch.utils.cpp_extension.load`` into a build
-directory keyed by a hash of the sources, the torch version and the Python
+The sources in ``hicache/csrc`` (the radix tree, the page free list, HiCache's
+bookkeeping-only lifecycle) are compiled on first use with
+``torch.utils.cpp_extension.load`` into a build directory keyed by a hash of the sources, the torch version and the Python
 version, so later processes load the cached module in milliseconds. Any
 failure (no compiler, no ninja, a build error) is reported as a reason, never
 raised from here except by :func:`load_native`; callers fall back to their
@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("tree.cpp", "bindings.cpp")  # translation units; headers are hashed too
+_SOURCES = ("tree.cpp", "lifecycle.cpp", "bindings.cpp")  # translation units; headers are hashed too
 _log = logging.getLogger(__name__)
 
 

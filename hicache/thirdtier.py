@@ -70,7 +70,7 @@ class ThirdTierMixin:
         try:
             num_pages = self.storage.backend.exists(keys)
         except StorageError:  # unreachable store: serve from device and host, count it
-            self.counters.storage_errors += 1
+            self._counters.storage_errors += 1
             return None
         if num_pages == 0:
             return None
@@ -93,7 +93,7 @@ class ThirdTierMixin:
         job.start_page = start
         self._prefetches.append(job)
         self.storage.submit(job)
-        self.counters.storage_prefetches += 1
+        self._counters.storage_prefetches += 1
         return job
 
     def _prefetch_for_match(self, key: bytes, namespace: str | None) -> None:
@@ -108,7 +108,7 @@ class ThirdTierMixin:
 
     def _finish_storage_read(self, job) -> None:
         self._prefetches.remove(job)
-        c = self.counters
+        c = self._counters
         c.storage_read_seconds += job.seconds
         if job.error is not None:
             c.storage_errors += 1
@@ -159,13 +159,13 @@ class ThirdTierMixin:
             self._storage_pins[node] = job
         job.nodes = live
         self.storage.submit(job)
-        self.counters.storage_writes += 1
+        self._counters.storage_writes += 1
 
     def _finish_storage_write(self, job) -> None:
         for node in job.nodes:
             self.tree.host_unlock(node)
             del self._storage_pins[node]
-        c = self.counters
+        c = self._counters
         c.storage_write_seconds += job.seconds
         if job.error is not None:
             c.storage_errors += 1

@@ -14,10 +14,12 @@
 #include <limits>
 
 #include "allocator.h"
+#include "lifecycle.h"
 #include "tree.h"
 
 namespace py = pybind11;
 using hicache::IndexRun;
+using hicache::Lifecycle;
 using hicache::NodeHandle;
 using hicache::RadixTree;
 using hicache::token_t;
@@ -235,6 +237,11 @@ py::object maybe_tensor(const IndexRun& run) {
   return py::cast(run.tensor());
 }
 
+// The int32 bytes of a key (what hicache.tree.token_key returns for it).
+py::bytes key_bytes(hicache::token_span span) {
+  return py::bytes(reinterpret_cast<const char*>(span.data()), span.size() * sizeof(token_t));
+}
+
 py::tuple evict_result(const hicache::EvictOut& out) {
   return py::make_tuple(out.pages, out.num_evicted_tokens, out.num_backup_tokens);
 }
@@ -400,30 +407,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            })
       .def("path_missing_host",
            [](RadixTree& t, NodeHandle h, std::int64_t min_hit_count) {
-             std::vector<TreeNode*> path;
-             for (TreeNode* n = node_of(t, h, "path_missing_host"); n->parent != nullptr;
-                  n = n->parent) {
-               if (n->on_device() && !n->on_host() && n->io_status == hicache::IOStatus::None &&
-                   n->hit_count >= min_hit_count) {
-                 path.push_back(n);
-               }
-             }
-             std::reverse(path.begin(), path.end());
-             return handles(path);
+             return handles(t.path_missing_host(node_of(t, h, "path_missing_host"), min_hit_count));
            })
       .def("host_only_path",
            [](RadixTree& t, NodeHandle last, NodeHandle last_device) {
              TreeNode* stop = node_of(t, last_device, "host_only_path");
-             std::vector<TreeNode*> path;
-             for (TreeNode* n = node_of(t, last, "host_only_path"); n != stop; n = n->parent) {
-               if (n->parent == nullptr) {
-                 throw hicache::ValueError(
-                     "host_only_path: last_device_node is not an ancestor of last_node");
-               }
-               path.push_back(n);
-             }
-             std::reverse(path.begin(), path.end());
-             return handles(path);
+             return handles(t.host_only_path(node_of(t, last, "host_only_path"), stop));
            })
       .def("nodes", [](RadixTree& t) { return handles(t.nodes()); })
       .def("live",
@@ -517,5 +506,85 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("free", [](TensorFreeList& f, py::handle pages) {
         const IndexRun run = read_pages(pages, "pages");
         f.list.free(run.data(), run.num_pages);
+      });
+
+  // HiCache's bookkeeping-only lifecycle (hicache/cache.py delegates to it).
+  // It keeps the tree and both free lists alive; handles as in Tree.
+  py::class_<Lifecycle>(m, "Lifecycle")
+      .def(py::init([](RadixTree& tree, TensorFreeList& device, TensorFreeList& host,
+                       const std::string& write_policy, std::int64_t backup_hit_threshold,
+                       std::int64_t load_threshold_tokens, std::int64_t page_nbytes,
+                       bool has_host_tier) {
+             hicache::LifecycleConfig config;
+             if (write_policy == "write_through") {
+               config.write_policy = hicache::WritePolicy::WriteThrough;
+             } else if (write_policy == "write_through_selective") {
+               config.write_policy = hicache::WritePolicy::WriteThroughSelective;
+             } else if (write_policy == "write_back") {
+               config.write_policy = hicache::WritePolicy::WriteBack;
+             } else {
+               throw hicache::ValueError(
+                   "write_policy: expected 'write_through', 'write_through_selective' or "
+                   "'write_back', got '" + write_policy + "'");
+             }
+             config.backup_hit_threshold = backup_hit_threshold;
+             config.load_threshold_tokens = load_threshold_tokens;
+             config.page_nbytes = page_nbytes;
+             config.has_host_tier = has_host_tier;
+             return std::make_unique<Lifecycle>(tree, device.list, host.list, config);
+           }),
+           py::keep_alive<1, 2>(), py::keep_alive<1, 3>(), py::keep_alive<1, 4>())
+      .def_property_readonly_static("counter_names",
+                                    [](py::object) {
+                                      py::tuple names(hicache::kLifecycleCounterNames.size());
+                                      for (std::size_t i = 0; i < names.size(); ++i) {
+                                        names[i] = py::str(hicache::kLifecycleCounterNames[i]);
+                                      }
+                                      return names;
+                                    })
+      .def("match",
+           [](Lifecycle& lc, py::handle tokens, py::handle ns, std::int64_t num_tokens,
+              bool load_back) {
+             RadixTree& t = lc.tree();
+             Key key;
+             read_key(tokens, t.page_size(), key);
+             const auto m = lc.match(key.span, ns_of(t, ns), num_tokens, load_back);
+             return py::make_tuple(out(m.lock), m.device_len, m.host_len, m.prefix_len,
+                                   key_bytes(key.span));
+           })
+      .def("alloc",
+           [](Lifecycle& lc, std::int64_t num_pages) -> py::object {
+             std::optional<at::Tensor> pages = lc.alloc_device(num_pages);
+             if (!pages) return py::none();
+             return py::cast(*pages);
+           })
+      .def("insert",
+           [](Lifecycle& lc, py::handle tokens, py::handle ns, NodeHandle lock, py::handle owned,
+              py::handle prefix_key, std::int64_t prefix_len) -> py::object {
+             RadixTree& t = lc.tree();
+             Key key;
+             read_key(tokens, t.page_size(), key);
+             Key prefix;
+             read_key(prefix_key, t.page_size(), prefix);
+             TreeNode* node = node_of(t, lock, "insert");
+             const std::uint32_t k = ns_of(t, ns);
+             std::optional<IndexRun> run;
+             if (!owned.is_none()) run = read_pages(owned, "owned");
+             const auto r = lc.insert(key.span, k, node, run ? &*run : nullptr, prefix.span,
+                                      prefix_len);
+             if (!r) return py::none();
+             py::object rest = r->rest.size(0) != 0 ? py::cast(r->rest) : py::none();
+             return py::make_tuple(out(r->last), r->new_tokens, key_bytes(key.span), rest);
+           })
+      .def("release",
+           [](Lifecycle& lc, NodeHandle lock, py::handle owned) {
+             TreeNode* node = node_of(lc.tree(), lock, "release");
+             if (owned.is_none()) return lc.release(node, nullptr);
+             const IndexRun run = read_pages(owned, "owned");
+             lc.release(node, &run);
+           })
+      .def("take_counters", [](Lifecycle& lc) {
+        const auto values = lc.take_counters();
+        return py::tuple(py::cast(std::vector<std::int64_t>(values.begin(), values.end())));
       });
 }

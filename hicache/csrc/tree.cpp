@@ -747,6 +747,32 @@ at::Tensor RadixTree::device_indices_of(TreeNode* node, const IndexRun* extra) c
   return concat(parts);
 }
 
+std::vector<TreeNode*> RadixTree::path_missing_host(TreeNode* node,
+                                                    std::int64_t min_hit_count) const {
+  std::vector<TreeNode*> path;
+  for (; node->parent != nullptr; node = node->parent) {
+    if (node->on_device() && !node->on_host() && node->io_status == IOStatus::None &&
+        node->hit_count >= min_hit_count) {
+      path.push_back(node);
+    }
+  }
+  std::reverse(path.begin(), path.end());
+  return path;
+}
+
+std::vector<TreeNode*> RadixTree::host_only_path(TreeNode* last,
+                                                 const TreeNode* last_device) const {
+  std::vector<TreeNode*> path;
+  for (TreeNode* n = last; n != last_device; n = n->parent) {
+    if (n->parent == nullptr) {
+      throw ValueError("host_only_path: last_device_node is not an ancestor of last_node");
+    }
+    path.push_back(n);
+  }
+  std::reverse(path.begin(), path.end());
+  return path;
+}
+
 // --------------------------------------------------------------- integrity
 std::string RadixTree::check_integrity() const {
   const auto ps = static_cast<std::size_t>(page_size_);

@@ -99,6 +99,11 @@ class RadixTree {
 
   // The path's device pages, then `extra` (if any): one request's page table.
   at::Tensor device_indices_of(TreeNode* node, const IndexRun* extra = nullptr) const;
+  // Nodes on node's path (root side first) a backup would copy: on the device,
+  // no host copy, no IO in flight, at least min_hit_count hits.
+  std::vector<TreeNode*> path_missing_host(TreeNode* node, std::int64_t min_hit_count) const;
+  // The host-only nodes of a match (below last_device down to last), root side first.
+  std::vector<TreeNode*> host_only_path(TreeNode* last, const TreeNode* last_device) const;
   std::vector<TreeNode*> nodes() const;  // non-root nodes, parents before children
 
   // "" if every invariant holds, else the first violation (Python asserts on it).

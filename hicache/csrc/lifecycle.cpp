@@ -1,0 +1,289 @@
+// HiCache's bookkeeping-only lifecycle (lifecycle.h). Each method follows the
+// Python method named in its comment statement by statement: the order of
+// tree and free-list calls decides eviction order and page reuse, and the
+// differential test holds both to the same results.
+#include "lifecycle.h"
+
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+
+namespace hicache {
+namespace {
+
+std::int64_t depth(const TreeNode* node) {
+  std::int64_t d = 0;
+  for (; node->parent != nullptr; node = node->parent) ++d;
+  return d;
+}
+
+}  // namespace
+
+Lifecycle::Lifecycle(RadixTree& tree, FreeList& device, FreeList& host, LifecycleConfig config)
+    : tree_(tree), device_(device), host_(host), config_(config) {}
+
+// HiCache.match (bookkeeping: no storage, no load in flight).
+MatchedPrefix Lifecycle::match(token_span key, std::uint32_t ns, std::int64_t num_tokens,
+                               bool load_back) {
+  OpScope scope(tree_);
+  const MatchOut r = tree_.match(key, ns);
+  tree_.lock(r.last_device);
+  c_.requests += 1;
+  c_.requested_tokens += num_tokens;
+  c_.device_hit_tokens += r.device_len;
+  MatchedPrefix m{r.last_device, r.device_len, r.host_len, r.device_len};
+  if (load_back && r.host_len != 0) start_load(m, r.last);
+  if (config_.write_policy == WritePolicy::WriteThroughSelective) backup_path(m.lock);
+  return m;
+}
+
+// HiCache._start_load: the load is complete as it starts.
+void Lifecycle::start_load(MatchedPrefix& m, TreeNode* last) {
+  const std::int64_t ps = tree_.page_size();
+  const std::vector<TreeNode*> nodes = tree_.host_only_path(last, m.lock);
+  std::int64_t total = 0;
+  for (const TreeNode* n : nodes) total += n->num_tokens();
+  const std::int64_t num_pages = total / ps;
+  const std::int64_t num_tokens = num_pages * ps;
+  if (num_tokens < config_.load_threshold_tokens) {
+    c_.loads_refused_by_threshold += 1;
+    c_.host_hit_refused_tokens += num_tokens;
+    return;
+  }
+  // Pinned while a write-back eviction (which may evict host pages) makes room.
+  const bool pin = config_.write_policy == WritePolicy::WriteBack;
+  if (pin) {
+    for (TreeNode* n : nodes) tree_.host_lock(n);
+  }
+  const std::optional<at::Tensor> pages = alloc_device(num_pages);
+  if (!pages) {
+    if (pin) {
+      for (TreeNode* n : nodes) tree_.host_unlock(n);
+    }
+    c_.loads_refused_no_space += 1;
+    c_.host_hit_refused_tokens += num_tokens;
+    return;
+  }
+  std::int64_t off = 0;
+  for (TreeNode* n : nodes) {
+    const std::int64_t k = n->num_tokens() / ps;
+    tree_.attach_device(n, IndexRun{*pages, off, k});
+    if (pin) tree_.host_unlock(n);
+    off += k;
+  }
+  tree_.lock(nodes.back());
+  tree_.unlock(m.lock);
+  m.lock = nodes.back();
+  m.prefix_len += num_tokens;
+  c_.loads += 1;
+  c_.host_hit_tokens += num_tokens;
+  c_.load_bytes += num_pages * config_.page_nbytes;
+}
+
+// HiCache._alloc_device (nothing is ever in flight here: no wait_all).
+std::optional<at::Tensor> Lifecycle::alloc_device(std::int64_t num_pages) {
+  if (num_pages < 0) throw ValueError("num_pages: expected >= 0, got " + std::to_string(num_pages));
+  OpScope scope(tree_);
+  const std::int64_t missing = num_pages - device_.num_free();
+  if (missing > 0) evict_device(missing);
+  if (num_pages > device_.num_free()) return std::nullopt;
+  at::Tensor pages = at::empty({num_pages}, at::kLong);
+  device_.alloc(num_pages, pages.data_ptr<page_id_t>());
+  return pages;
+}
+
+// HiCache._evict_device; the poll that applies write-back backups is finish_backups.
+void Lifecycle::evict_device(std::int64_t num_pages) {
+  if (num_pages <= 0) return;
+  if (config_.write_policy != WritePolicy::WriteBack || !config_.has_host_tier) {
+    const EvictOut r = tree_.evict_device(num_pages * tree_.page_size(), nullptr);
+    if (r.num_evicted_tokens != 0) {
+      free_device(r.pages);
+      c_.device_evicted_tokens += r.num_evicted_tokens;
+    }
+    return;
+  }
+  // Follow splits of nodes whose backup is pending (HiCache._on_split), and
+  // hand the previous hook back however this returns.
+  struct Restore {
+    RadixTree& tree;
+    RadixTree::SplitHook previous;
+    ~Restore() { tree.on_split = std::move(previous); }
+  } restore{tree_, tree_.on_split};
+  tree_.on_split = [this, previous = restore.previous](TreeNode* prefix, TreeNode* suffix) {
+    follow_split(prefix, suffix);
+    if (previous) previous(prefix, suffix);
+  };
+  const RadixTree::BackupHook hook = [this](TreeNode* node) { return start_backup({node}, true); };
+  const EvictOut r = tree_.evict_device(num_pages * tree_.page_size(), &hook);
+  if (r.num_evicted_tokens != 0) {
+    free_device(r.pages);
+    c_.device_evicted_tokens += r.num_evicted_tokens;
+  }
+  if (r.num_backup_tokens != 0) finish_backups();
+}
+
+void Lifecycle::follow_split(TreeNode* prefix, TreeNode* suffix) {
+  for (PendingBackup& rec : pending_) {
+    if (std::find(rec.nodes.begin(), rec.nodes.end(), suffix) != rec.nodes.end()) {
+      rec.nodes.push_back(prefix);
+      return;
+    }
+  }
+}
+
+// HiCache.poll applying completed write-back backups (HiCache._finish_backup).
+void Lifecycle::finish_backups() {
+  std::vector<PendingBackup> done = std::move(pending_);
+  pending_.clear();
+  for (PendingBackup& rec : done) {
+    for (TreeNode* n : rec.nodes) tree_.set_io_status(n, IOStatus::None);
+    c_.backup_bytes += rec.nbytes;
+    // Deepest first: parts split off in flight become leaves once their child goes.
+    std::vector<std::pair<std::int64_t, TreeNode*>> order;
+    for (TreeNode* n : rec.nodes) order.emplace_back(depth(n), n);
+    std::stable_sort(order.begin(), order.end(),
+                     [](const auto& a, const auto& b) { return a.first > b.first; });
+    for (const auto& [d, n] : order) {
+      if (n->lock_ref == 0 && n->num_device_children == 0) {
+        c_.device_evicted_tokens += n->num_tokens();
+        free_device(tree_.detach_device(n));
+      }
+    }
+  }
+}
+
+// HiCache._alloc_host.
+std::optional<at::Tensor> Lifecycle::alloc_host(std::int64_t num_pages) {
+  const std::int64_t ps = tree_.page_size();
+  const std::int64_t missing = num_pages - host_.num_free();
+  if (missing > tree_.host_evictable_tokens / ps) return std::nullopt;
+  if (missing > 0) {
+    const EvictOut r = tree_.evict_host(missing * ps, true);
+    if (r.num_evicted_tokens != 0) {
+      free_host(r.pages);
+      c_.host_evicted_tokens += r.num_evicted_tokens;
+    }
+  }
+  if (num_pages > host_.num_free()) return std::nullopt;
+  at::Tensor pages = at::empty({num_pages}, at::kLong);
+  host_.alloc(num_pages, pages.data_ptr<page_id_t>());
+  return pages;
+}
+
+// HiCache._backup_path.
+void Lifecycle::backup_path(TreeNode* node) {
+  if (!config_.has_host_tier) return;
+  const std::int64_t threshold =
+      config_.write_policy == WritePolicy::WriteThroughSelective ? config_.backup_hit_threshold : 0;
+  const std::vector<TreeNode*> todo = tree_.path_missing_host(node, threshold);
+  if (!todo.empty()) start_backup(todo, false);
+}
+
+// HiCache._start_backup: write-through backups complete as they start; a
+// write-back one (evict_after) is applied when the eviction returns.
+bool Lifecycle::start_backup(const std::vector<TreeNode*>& nodes, bool evict_after) {
+  const std::int64_t ps = tree_.page_size();
+  std::vector<TreeNode*> started;
+  std::int64_t num_pages = 0;
+  for (TreeNode* n : nodes) {
+    const std::int64_t k = n->num_tokens() / ps;
+    const std::optional<at::Tensor> pages = alloc_host(k);
+    if (!pages) {
+      c_.backups_skipped += 1;
+      continue;
+    }
+    tree_.attach_host(n, IndexRun{*pages, 0, k});
+    if (evict_after) tree_.set_io_status(n, IOStatus::BackingUp);
+    started.push_back(n);
+    num_pages += k;
+  }
+  if (started.empty()) return false;
+  c_.backups += 1;
+  if (!evict_after) {
+    c_.backup_bytes += num_pages * config_.page_nbytes;
+  } else {
+    pending_.push_back({std::move(started), num_pages * config_.page_nbytes});
+  }
+  return true;
+}
+
+// HiCache.insert, its checks included (same order, same messages).
+std::optional<InsertedPath> Lifecycle::insert(token_span key, std::uint32_t ns, TreeNode* lock,
+                                              const IndexRun* owned, token_span prefix_key,
+                                              std::int64_t prefix_len) {
+  OpScope scope(tree_);
+  const std::int64_t ps = tree_.page_size();
+  const auto n = static_cast<std::int64_t>(prefix_len);
+  if (n < 0 || n > static_cast<std::int64_t>(prefix_key.size())) {
+    throw ValueError("insert: prefix_len " + std::to_string(prefix_len) + " outside the prefix key");
+  }
+  if (static_cast<std::int64_t>(key.size()) < n ||
+      !std::equal(prefix_key.begin(), prefix_key.begin() + n, key.begin())) {
+    throw ValueError("insert: tokens must start with the handle's " + std::to_string(prefix_len) +
+                     "-token prefix");
+  }
+  const auto num_pages = static_cast<std::int64_t>(key.size()) / ps;
+  const std::int64_t num_prefix_pages = prefix_len / ps;
+  const std::int64_t num_owned = owned != nullptr ? owned->num_pages : 0;
+  if (num_pages > num_prefix_pages + num_owned) {
+    throw ValueError("insert: " + std::to_string(num_pages) +
+                     " whole pages of tokens, but the handle holds only " +
+                     std::to_string(num_prefix_pages + num_owned) + " pages (alloc more first)");
+  }
+  if (num_pages == num_prefix_pages) return std::nullopt;
+  const at::Tensor table = tree_.device_indices_of(lock, owned);
+  if (table.size(0) != num_prefix_pages + num_owned) {
+    throw std::logic_error("insert: the locked path holds " +
+                           std::to_string(table.size(0) - num_owned) + " pages, the prefix " +
+                           std::to_string(num_prefix_pages));
+  }
+  const InsertOut r = tree_.insert(key, IndexRun{table, 0, num_pages}, ns);
+  const std::int64_t cached_pages = r.num_cached_tokens / ps;
+  if (cached_pages > num_prefix_pages) {  // cached meanwhile by someone else: ours are spare
+    free_device(table.narrow(0, num_prefix_pages, cached_pages - num_prefix_pages));
+  }
+  tree_.lock(r.last);
+  tree_.unlock(lock);
+  const std::int64_t new_tokens = (num_pages - cached_pages) * ps;
+  c_.inserted_tokens += new_tokens;
+  if (config_.write_policy != WritePolicy::WriteBack) backup_path(r.last);
+  return InsertedPath{r.last, new_tokens, table.narrow(0, num_pages, table.size(0) - num_pages)};
+}
+
+// HiCache.release for a handle owning at most one run of pages.
+void Lifecycle::release(TreeNode* lock, const IndexRun* owned) {
+  OpScope scope(tree_);
+  tree_.unlock(lock);
+  if (owned != nullptr && owned->num_pages != 0) device_.free(owned->data(), owned->num_pages);
+}
+
+std::array<std::int64_t, kLifecycleCounterNames.size()> Lifecycle::take_counters() {
+  const Counters c = c_;
+  c_ = Counters{};
+  return {c.requests,
+          c.requested_tokens,
+          c.device_hit_tokens,
+          c.host_hit_tokens,
+          c.host_hit_refused_tokens,
+          c.loads_refused_by_threshold,
+          c.loads_refused_no_space,
+          c.loads,
+          c.load_bytes,
+          c.backups,
+          c.backups_skipped,
+          c.backup_bytes,
+          c.device_evicted_tokens,
+          c.host_evicted_tokens,
+          c.inserted_tokens};
+}
+
+void Lifecycle::free_device(const at::Tensor& pages) {
+  device_.free(pages.const_data_ptr<page_id_t>(), pages.size(0));
+}
+
+void Lifecycle::free_host(const at::Tensor& pages) {
+  host_.free(pages.const_data_ptr<page_id_t>(), pages.size(0));
+}
+
+}  // namespace hicache

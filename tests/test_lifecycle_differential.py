@@ -1,0 +1,208 @@
+"""Differential tests: HiCache's C++ lifecycle against its Python lifecycle.
+
+A bookkeeping-only HiCache (``allocate_kv=False``) runs match / alloc / insert /
+release in C++ (``lifecycle="native"``). Hypothesis drives it and the Python
+lifecycle over the Python tree (the reference) with the same requests, under
+every write policy, with and without a host tier, a load threshold, LRU and
+LFU, several live requests and two namespaces, and demands identical results
+after every step: returned lengths, keys, pages (same ids, same order) and
+errors; the whole tree; both free lists; every counter; and integrity.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from test_tree_differential import snapshot
+
+from hicache import native
+from hicache.cache import HiCache
+from hicache.config import CacheConfig, KVConfig
+
+pytestmark = pytest.mark.skipif(
+    not native.native_available(),
+    reason=f"native extension unavailable: {native.native_unavailable_reason()}",
+)
+
+P = 2
+KV = KVConfig(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float16", page_size=P)
+STEMS = [[0, 1, 2, 3, 0, 1, 2, 3], [0, 1, 2, 3, 3, 3], [5, 5, 5, 5, 5, 5], [1, 2]]
+prompts = st.builds(
+    lambda stem, cut, tail: stem[:cut] + tail,
+    st.sampled_from(STEMS),
+    st.integers(0, 8),
+    st.lists(st.integers(0, 3), min_size=0, max_size=5),
+)
+FORMS = ("list", "np32", "t64", "np64")
+
+
+def as_form(tokens: list[int], form: str):
+    if form == "np32":
+        return np.array(tokens, dtype=np.int32)
+    if form == "np64":
+        return np.array(tokens, dtype=np.int64)
+    if form == "t64":
+        return torch.tensor(tokens, dtype=torch.int64)
+    return list(tokens)
+
+
+def outcome(fn, *args, **kwargs):
+    try:
+        return "ok", fn(*args, **kwargs)
+    except (ValueError, TypeError) as exc:
+        return "raise", (type(exc), str(exc))
+
+
+def pages_list(pages) -> list[int] | None:
+    return None if pages is None else pages.tolist()
+
+
+def handle_state(h) -> tuple:
+    return (h.device_len, h.host_len, h.prefix_len, h.key, h.num_owned_pages, h._lock_node.id,
+            [p.tolist() for p in h._new_pages])
+
+
+class Lifecycles(RuleBasedStateMachine):
+    """The reference (Python lifecycle, Python tree) and the C++ lifecycle, step by step."""
+
+    @initialize(
+        policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
+        device_pages=st.integers(2, 10),
+        host_pages=st.sampled_from([None, 3, 8, 40]),
+        threshold=st.sampled_from([0, 0, 2 * P]),
+        eviction=st.sampled_from(["lru", "lfu"]),
+    )
+    def setup(self, policy, device_pages, host_pages, threshold, eviction):
+        def config(**kw):
+            return CacheConfig(
+                KV, device_tokens=device_pages * P,
+                host_tokens=None if host_pages is None else host_pages * P,
+                write_policy=policy, load_threshold_tokens=threshold, eviction=eviction,
+                allocate_kv=False, **kw,
+            )
+
+        self.ref = HiCache(config(tree="python", lifecycle="python"))
+        self.nat = HiCache(config(tree="native", lifecycle="native"))
+        assert (self.ref.lifecycle, self.nat.lifecycle) == ("python", "native")
+        self.live: list[tuple] = []  # (reference handle, native handle, tokens)
+
+    def both(self, op: str, *args, **kwargs):
+        ra = outcome(getattr(self.ref, op), *args[0::2], **kwargs)
+        rb = outcome(getattr(self.nat, op), *args[1::2], **kwargs)
+        return ra, rb
+
+    def pick(self, i: int) -> tuple:
+        return self.live[i % len(self.live)]
+
+    @precondition(lambda self: len(self.live) < 4)
+    @rule(tokens=prompts, ns=st.sampled_from([None, "b"]), load_back=st.booleans(),
+          form=st.sampled_from(FORMS))
+    def match(self, tokens, ns, load_back, form):
+        ha = self.ref.match(as_form(tokens, form), ns, load_back=load_back)
+        hb = self.nat.match(as_form(tokens, form), ns, load_back=load_back)
+        assert handle_state(ha) == handle_state(hb)
+        self.live.append((ha, hb, tokens))
+
+    @rule(tokens=prompts, tail=st.lists(st.integers(0, 3), max_size=4),
+          ns=st.sampled_from([None, "b"]), keep=st.booleans(), form=st.sampled_from(FORMS))
+    def serve(self, tokens, tail, ns, keep, form):
+        """One whole request: match, allocate, insert the prompt and its output, release."""
+        ha = self.ref.match(as_form(tokens, form), ns)
+        hb = self.nat.match(as_form(tokens, form), ns)
+        assert handle_state(ha) == handle_state(hb)
+        seq = tokens + tail
+        pa = self.ref.alloc(ha, len(seq) - ha.prefix_len)
+        pb = self.nat.alloc(hb, len(seq) - hb.prefix_len)
+        assert pages_list(pa) == pages_list(pb)
+        if pa is not None:
+            assert self.ref.insert(ha, as_form(seq, form)) == self.nat.insert(hb, as_form(seq, form))
+        assert handle_state(ha) == handle_state(hb)
+        if keep and len(self.live) < 4:
+            self.live.append((ha, hb, seq))
+        else:
+            self.ref.release(ha)
+            self.nat.release(hb)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 3), extra=st.integers(0, 3 * P))
+    def alloc(self, i, extra):
+        ha, hb, tokens = self.pick(i)
+        ra, rb = outcome(self.ref.alloc, ha, extra), outcome(self.nat.alloc, hb, extra)
+        assert ra[0] == rb[0]
+        if ra[0] == "ok":
+            assert pages_list(ra[1]) == pages_list(rb[1])
+        assert handle_state(ha) == handle_state(hb)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 3), tail=st.lists(st.integers(0, 3), max_size=6),
+          mode=st.sampled_from(["extend", "extend", "own", "random"]), form=st.sampled_from(FORMS))
+    def insert(self, i, tail, mode, form):
+        ha, hb, tokens = self.pick(i)
+        if mode == "extend":  # the prefix, then what the request computed
+            seq = np.frombuffer(ha.key, dtype=np.int32)[: ha.prefix_len].tolist() + tail
+        elif mode == "own":  # its whole prompt (the prefix may be shorter)
+            seq = tokens + tail
+        else:  # may not start with the prefix: both must refuse alike
+            seq = tail
+        ra = outcome(self.ref.insert, ha, as_form(seq, form))
+        rb = outcome(self.nat.insert, hb, as_form(seq, form))
+        assert ra == rb
+        assert handle_state(ha) == handle_state(hb)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 3))
+    def load_back(self, i):
+        ha, hb, _ = self.pick(i)
+        ra, rb = outcome(self.ref.load_back, ha), outcome(self.nat.load_back, hb)
+        assert (ra[0], ra[1] is None) == (rb[0], rb[1] is None)
+        assert handle_state(ha) == handle_state(hb)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 3))
+    def release(self, i):
+        ha, hb, _ = self.live.pop(i % len(self.live))
+        self.ref.release(ha)
+        self.nat.release(hb)
+
+    @invariant()
+    def identical(self):
+        if not hasattr(self, "ref"):
+            return
+        assert self.ref.stats() == self.nat.stats()
+        assert snapshot(self.ref.tree) == snapshot(self.nat.tree)
+        for name in ("device_allocator", "host_allocator"):
+            a, b = getattr(self.ref, name), getattr(self.nat, name)
+            assert a.num_free_pages == b.num_free_pages, name
+            assert a._free[: a.num_free_pages].tolist() == b._free[: b.num_free_pages].tolist()
+        assert self.ref.counters == self.nat.counters
+        self.ref.check_integrity()
+        self.nat.check_integrity()
+
+    def teardown(self):
+        if hasattr(self, "ref"):
+            for ha, hb, _ in self.live:
+                self.ref.release(ha)
+                self.nat.release(hb)
+            self.identical()
+            assert self.nat.device_allocator.num_used_pages == self.nat.tree.device_tokens // P
+
+
+def test_native_lifecycle_matches_python():
+    Lifecycles.TestCase.settings = settings(
+        max_examples=150, stateful_step_count=40, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
+    Lifecycles.TestCase().runTest()
+
+
+@pytest.mark.slow
+def test_native_lifecycle_matches_python_long():
+    Lifecycles.TestCase.settings = settings(
+        max_examples=2000, stateful_step_count=80, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
+    Lifecycles.TestCase().runTest()
