@@ -106,7 +106,7 @@ class PrefixHandle:
         self.host_len = host_len  # matched only in host memory at match time
         self.prefix_len = device_len  # tokens whose KV is (or is being loaded) on device
         self.load_error: BaseException | None = None
-        self._lock_node = lock_node  # locked; ends the prefix
+        self._lock_node = lock_node  # locked; ends the prefix (a native handle: see lifecycle.py)
         self._prefix_pages: torch.Tensor | None = None  # lazily gathered from the tree
         self._new_pages: list[torch.Tensor] = []  # allocated by alloc, owned until inserted
         self._loads: list[_Transfer] = []
@@ -431,7 +431,7 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
         """Unlock ``h``'s prefix and free the pages it owns. The cached KV stays cached."""
         self._check_handle(h)
         if self._core is not None and len(h._new_pages) <= 1:
-            self._core.release(h._lock_node._h, h._new_pages[0] if h._new_pages else None)
+            self._core.release(h._lock_h, h._new_pages[0] if h._new_pages else None)
         else:
             self.tree.unlock(h._lock_node)
             for pages in h._new_pages:

@@ -13,12 +13,13 @@ holds both lifecycles to identical trees, pages and counters.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
 
 from hicache.config import CacheConfig
-from hicache.native import _readable_in_place
+from hicache.native import NativeNode, _readable_in_place
 from hicache.tree import TokenLike, token_key
 
 if TYPE_CHECKING:
@@ -84,15 +85,16 @@ class NativeLifecycleMixin:
     def _match_native(
         self, tokens: TokenLike, namespace: str | None, load_back: bool
     ) -> PrefixHandle:
-        from hicache.cache import PrefixHandle
-
-        num_tokens = len(tokens)
-        if not _readable_in_place(tokens):  # the binding reads int32/int64 arrays in place
-            tokens = token_key(tokens, self.page_size)
+        if _readable_in_place(tokens):  # the binding reads int32/int64 arrays in place
+            num_tokens = len(tokens)
+        else:
+            key = token_key(tokens, self.page_size)  # checks what tokens are first
+            num_tokens = len(tokens)
+            tokens = key
         lock, device_len, host_len, prefix_len, key = self._core.match(
             tokens, namespace, num_tokens, load_back
         )
-        h = PrefixHandle(self, key, namespace, device_len, host_len, self.tree._node(lock))
+        h = _handle_class()(self, key, namespace, device_len, host_len, lock)
         h.prefix_len = prefix_len
         self._live.add(h)
         return h
@@ -102,12 +104,32 @@ class NativeLifecycleMixin:
             tokens = token_key(tokens, self.page_size)
         owned = h._new_pages
         run = owned[0] if len(owned) == 1 else torch.cat(owned) if owned else None
-        done = self._core.insert(tokens, h.namespace, h._lock_node._h, run, h.key, h.prefix_len)
+        done = self._core.insert(tokens, h.namespace, h._lock_h, run, h.key, h.prefix_len)
         if done is None:  # no whole page past the prefix
             return 0
-        last, new_tokens, h.key, rest = done
+        h._lock_h, new_tokens, h.key, rest = done
         h._new_pages = [] if rest is None else [rest]
-        h._lock_node = self.tree._node(last)
         h._prefix_pages = None
         h.prefix_len = len(h.key) >> 2
         return new_tokens
+
+
+@functools.cache
+def _handle_class() -> type:
+    """:class:`hicache.cache.PrefixHandle` holding its lock node as a native handle.
+
+    The hot calls pass ``_lock_h`` straight to C++; a node proxy is made only
+    when Python code reads ``_lock_node``.
+    """
+    from hicache.cache import PrefixHandle
+
+    class NativePrefixHandle(PrefixHandle):
+        @property
+        def _lock_node(self) -> NativeNode:
+            return self._cache.tree._node(self._lock_h)
+
+        @_lock_node.setter
+        def _lock_node(self, node: NativeNode | int) -> None:
+            self._lock_h = node if type(node) is int else node._h
+
+    return NativePrefixHandle

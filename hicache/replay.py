@@ -46,6 +46,7 @@ class ReplayResult(NamedTuple):
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
     host_evicted_tokens: int = 0
+    lifecycle: str = ""  # HiCache replays: "native" (C++) or "python"
 
     @property
     def req_per_s(self) -> float:
@@ -123,10 +124,12 @@ def replay_device(
 
 def replay_hicache_device_only(
     requests: list[tuple[np.ndarray, np.ndarray]], page_size: int, device_tokens: int,
-    tree: str = "python",
+    tree: str = "python", lifecycle: str = "auto",
 ) -> ReplayResult:
     """:func:`replay_hierarchical` without a host tier: HiCache's own device-only cost."""
-    return replay_hierarchical(requests, page_size, device_tokens, None, tree=tree)
+    return replay_hierarchical(
+        requests, page_size, device_tokens, None, tree=tree, lifecycle=lifecycle
+    )
 
 
 def replay_hierarchical(
@@ -137,12 +140,15 @@ def replay_hierarchical(
     write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH,
     eviction: EvictionPolicy | str = EvictionPolicy.LRU,
     tree: str = "python",
+    lifecycle: str = "auto",
 ) -> ReplayResult:
     """Replay through a bookkeeping-only :class:`HiCache` with a host tier.
 
     Per request: match (host hits load back at once), allocate the new pages,
     insert ``full``, release. A KV shape is needed only to size transfers; no KV
-    tensors exist and every transfer completes at submission.
+    tensors exist and every transfer completes at submission. ``lifecycle``:
+    see :attr:`hicache.config.CacheConfig.lifecycle` (the C++ lifecycle needs
+    the native tree).
     """
     config = CacheConfig(
         KVConfig(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float16", page_size=page_size),
@@ -152,6 +158,7 @@ def replay_hierarchical(
         eviction=eviction,
         allocate_kv=False,
         tree=tree,
+        lifecycle=lifecycle,
     )
     cache = HiCache(config)
     prompt_total = skipped = 0
@@ -171,7 +178,7 @@ def replay_hierarchical(
         len(requests), seconds, prompt_total, c.device_hit_tokens + c.host_hit_tokens,
         c.device_evicted_tokens, skipped, cache.tree.device_tokens,
         device_hit_tokens=c.device_hit_tokens, host_hit_tokens=c.host_hit_tokens,
-        host_evicted_tokens=c.host_evicted_tokens,
+        host_evicted_tokens=c.host_evicted_tokens, lifecycle=cache.lifecycle,
     )
 
 
@@ -320,6 +327,7 @@ def run(args: argparse.Namespace) -> int:
         out.update(
             device_hit_tokens=r.device_hit_tokens, host_hit_tokens=r.host_hit_tokens,
             host_evicted_tokens=r.host_evicted_tokens, write_policy=args.write_policy,
+            lifecycle=r.lifecycle,
         )
         _print_table(out)
     else:

@@ -206,3 +206,107 @@ def test_native_lifecycle_matches_python_long():
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
     )
     Lifecycles.TestCase().runTest()
+
+
+def seq(start: int, num_pages: int) -> list[int]:
+    return list(range(start, start + num_pages * P))
+
+
+def busy(lifecycle: str) -> tuple[HiCache, dict]:
+    """A bookkeeping cache with a host-only prefix, live handles and a released one."""
+    tree = "python" if lifecycle == "python" else "native"
+    cache = HiCache(CacheConfig(KV, device_tokens=6 * P, host_tokens=16 * P, allocate_kv=False,
+                                tree=tree, lifecycle=lifecycle))
+    for prompt in (seq(100, 3), seq(200, 3), seq(300, 3)):  # the first ends host-only
+        h = cache.match(prompt)
+        cache.alloc(h, len(prompt))
+        cache.insert(h, prompt)
+        cache.release(h)
+    owner = cache.match(seq(300, 2) + [7])
+    assert cache.alloc(owner, 2 * P) is not None
+    hit = cache.match(seq(300, 2))
+    released = cache.match([1, 2])
+    cache.release(released)
+    return cache, {"owner": owner, "hit": hit, "released": released}
+
+
+def state(cache: HiCache, handles: dict) -> tuple:
+    allocs = tuple(
+        a._free[: a.num_free_pages].tolist() for a in (cache.device_allocator,
+                                                        cache.host_allocator)
+    )
+    return (cache.stats(), snapshot(cache.tree), allocs,
+            {k: handle_state(h) + (h.released,) for k, h in handles.items()})
+
+
+BAD_CALLS = [
+    ("match-float-tokens", lambda c, h: c.match(np.ones(4))),
+    ("match-negative-token", lambda c, h: c.match([0, -1])),
+    ("match-negative-np64", lambda c, h: c.match(np.array([0, -1], dtype=np.int64))),
+    ("match-2d", lambda c, h: c.match(torch.zeros(2, 2, dtype=torch.int64))),
+    ("match-generator", lambda c, h: c.match(t for t in range(4))),
+    ("match-int-namespace", lambda c, h: c.match([1, 2], 3)),
+    ("match-load-back-int", lambda c, h: c.match([1, 2], load_back=1)),
+    ("alloc-negative", lambda c, h: c.alloc(h["owner"], -1)),
+    ("alloc-float", lambda c, h: c.alloc(h["owner"], 2.0)),
+    ("alloc-released", lambda c, h: c.alloc(h["released"], 2)),
+    ("insert-diverging", lambda c, h: c.insert(h["hit"], seq(301, 3))),
+    ("insert-shorter-than-prefix", lambda c, h: c.insert(h["hit"], seq(300, 1))),
+    ("insert-more-than-owned", lambda c, h: c.insert(h["owner"], seq(300, 6))),
+    ("insert-no-pages-diverging", lambda c, h: c.insert(h["hit"], seq(400, 2))),
+    ("insert-float-tokens", lambda c, h: c.insert(h["owner"], np.ones(4))),
+    ("insert-negative-token", lambda c, h: c.insert(h["owner"], [-1, 0, 1, 2])),
+    ("insert-released", lambda c, h: c.insert(h["released"], [1, 2])),
+    ("release-released", lambda c, h: c.release(h["released"])),
+    ("release-str", lambda c, h: c.release("h")),
+]
+
+
+@pytest.mark.parametrize("case", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_bad_input_same_error_and_nothing_changed(case):
+    _, call = case
+    outcomes = []
+    for lifecycle in ("python", "native"):
+        cache, handles = busy(lifecycle)
+        assert cache.lifecycle == lifecycle
+        before = state(cache, handles)
+        with pytest.raises((ValueError, TypeError)) as info:
+            call(cache, handles)
+        assert state(cache, handles) == before, f"{lifecycle}: a rejected call changed the cache"
+        cache.check_integrity()
+        outcomes.append((type(info.value), str(info.value)))
+        assert before[0]["host_cached_tokens"] > 0 and before[0]["device_evicted_tokens"] > 0
+    # Same type, naming the same argument (token checks word their details per tree).
+    (ta, ma), (tb, mb) = outcomes
+    assert ta is tb and ma.split(":")[0] == mb.split(":")[0], outcomes
+
+
+def test_lifecycle_config():
+    def config(**kw):
+        return CacheConfig(KV, device_tokens=4 * P, host_tokens=8 * P, **kw)
+
+    assert HiCache(config(allocate_kv=False, tree="native")).lifecycle == "native"
+    assert HiCache(config(allocate_kv=False, tree="python")).lifecycle == "python"
+    assert HiCache(config(allocate_kv=False, lifecycle="python")).lifecycle == "python"
+    assert HiCache(config(tree="native")).lifecycle == "python"  # KV to move: Python
+    with pytest.raises(ValueError, match="lifecycle"):
+        config(lifecycle="c++")
+    for bad in (dict(), dict(allocate_kv=False, tree="python"),
+                dict(allocate_kv=False, storage="file:/tmp/x")):
+        with pytest.raises(ValueError, match="allocate_kv=False"):
+            config(lifecycle="native", **bad)
+
+
+def test_counters_are_exact_between_calls():
+    """Counters read mid-run include the C++ lifecycle's counts up to that call."""
+    cache = HiCache(CacheConfig(KV, device_tokens=4 * P, host_tokens=8 * P, allocate_kv=False,
+                                tree="native"))
+    h = cache.match(seq(0, 2))
+    assert (cache.counters.requests, cache.counters.requested_tokens) == (1, 2 * P)
+    cache.alloc(h, 2 * P)
+    assert cache.insert(h, seq(0, 2)) == 2 * P
+    assert cache.stats()["inserted_tokens"] == 2 * P
+    assert cache.stats()["backups"] == 1  # write-through, complete at once
+    cache.release(h)
+    assert cache.stats()["device_pages_used"] == 2 and cache.stats()["host_pages_used"] == 2
+    cache.check_integrity()

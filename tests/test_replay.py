@@ -69,6 +69,7 @@ def test_replay_host_tier_cli(trace, capsys, policy):
     out = last_json(capsys)
     assert out["device_hit_tokens"] + out["host_hit_tokens"] == out["hit_tokens"]
     assert out["write_policy"] == policy
+    assert out["lifecycle"] in ("native", "python")
     if policy != "write_through_selective":
         assert out["host_hit_tokens"] > 0
 
@@ -111,29 +112,24 @@ def test_frozen_gc_freezes_only_while_inside_and_keeps_an_earlier_freeze():
         gc.unfreeze()
 
 
-@pytest.mark.parametrize("tree", TREE_KINDS)
-@pytest.mark.parametrize("host_fraction", [1.0, 0.5])
-def test_calls_floor_makes_the_calls_hicache_makes(trace, tree, host_fraction):
-    """bench/replay_tiers.py's bare loop must replay HiCache's hits exactly (else no floor)."""
-    import importlib.util
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
+@pytest.mark.parametrize("host_fraction", [1.0, 0.3])
+def test_native_and_python_lifecycles_replay_identically(trace, policy, host_fraction):
+    """The C++ lifecycle (the default over the native tree) replays the trace as Python does."""
+    from hicache import native
 
-    from hicache.native import make_tree
-
-    spec = importlib.util.spec_from_file_location(
-        "replay_tiers", Path(__file__).resolve().parents[1] / "bench" / "replay_tiers.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    if not native.native_available():
+        pytest.skip(f"native extension unavailable: {native.native_unavailable_reason()}")
     P = 16
     stats = trace_stats(load_trace(trace), P)
     requests = _prepare(trace, P)
     device = stats.working_set_tokens // 4 // P * P
     host = int(stats.working_set_tokens * host_fraction) // P * P + 64 * P
-    tree_ = make_tree(tree, P, "lru")
-    floor = bench.calls_floor(requests, P, device, host, tree_)
-    hier = replay_hierarchical(requests, P, device, host, tree=tree)
-    assert (floor.device_hit_tokens, floor.host_hit_tokens) == (
-        hier.device_hit_tokens, hier.host_hit_tokens
-    )
-    assert floor.host_hit_tokens > 0
-    tree_.check_integrity()
+    results = [
+        replay_hierarchical(requests, P, device, host, policy, tree=tree, lifecycle=lifecycle)
+        for tree, lifecycle in (("python", "python"), ("native", "native"))
+    ]
+    assert [r.lifecycle for r in results] == ["python", "native"]
+    py, nat = (r._replace(seconds=0.0, lifecycle="") for r in results)
+    assert py == nat
+    assert py.host_hit_tokens > 0 and py.evicted_tokens > 0
