@@ -29,15 +29,12 @@ import torch
 
 from hicache.allocator import PageAllocator
 from hicache.config import CacheConfig, WritePolicy
+from hicache.handle import LoadError, PrefixHandle  # noqa: F401  (LoadError: re-exported)
 from hicache.lifecycle import NativeLifecycleMixin
 from hicache.thirdtier import ThirdTierMixin
 from hicache.tree import IOStatus, MatchResult, TokenLike, TreeNode, token_key
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
-
-
-class LoadError(RuntimeError):
-    """A load this request depends on failed: its tokens past ``prefix_len`` must be recomputed."""
 
 
 @dataclass
@@ -85,80 +82,6 @@ class _Transfer:
         self.requests: list[PrefixHandle] = []  # requests that must wait for this load
         self.evict_after = False  # write-back: free the device pages once backed up
         self.nbytes = nbytes
-
-
-class PrefixHandle:
-    """One request's view of the cache: its locked prefix and the pages it owns.
-
-    Valid until :meth:`HiCache.release`. ``prefix_pages`` are valid device pages
-    only while the handle is held, and only after :meth:`wait` (or per layer,
-    :meth:`wait_layer`) returns when a load is involved.
-    """
-
-    def __init__(
-        self, cache: HiCache, key: bytes, namespace: str | None, device_len: int, host_len: int,
-        lock_node: TreeNode,
-    ) -> None:
-        self._cache = cache
-        self.namespace = namespace
-        self.key = key  # int32 bytes of the matched prompt's whole pages
-        self.device_len = device_len  # matched on the device at match time
-        self.host_len = host_len  # matched only in host memory at match time
-        self.prefix_len = device_len  # tokens whose KV is (or is being loaded) on device
-        self.load_error: BaseException | None = None
-        self._lock_node = lock_node  # locked; ends the prefix (a native handle: see lifecycle.py)
-        self._prefix_pages: torch.Tensor | None = None  # lazily gathered from the tree
-        self._new_pages: list[torch.Tensor] = []  # allocated by alloc, owned until inserted
-        self._loads: list[_Transfer] = []
-        self.released = False
-
-    @property
-    def prefix_pages(self) -> torch.Tensor:
-        if self.released:  # the tree may have evicted and reused them since
-            raise ValueError("handle was already released: its pages are no longer valid")
-        if self._prefix_pages is None:
-            self._prefix_pages = self._cache.tree.device_indices_of(self._lock_node)
-        return self._prefix_pages
-
-    @property
-    def num_owned_pages(self) -> int:
-        return sum(p.shape[0] for p in self._new_pages)
-
-    def page_table(self) -> torch.Tensor:
-        """Device pages of the whole sequence so far: the prefix, then the allocated pages."""
-        new = self._new_pages
-        if self._prefix_pages is None and len(new) == 1 and not self.released:
-            return self._cache.tree.device_indices_of(self._lock_node, new[0])  # one gather
-        parts = [self.prefix_pages, *new]
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
-
-    def wait_layer(self, layer: int) -> None:
-        """Block until layer ``layer`` of every load this request depends on has landed."""
-        num_layers = self._cache.config.kv.num_layers
-        if isinstance(layer, bool) or not isinstance(layer, int):
-            raise TypeError(f"layer: expected int, got {type(layer).__name__}")
-        if not 0 <= layer < num_layers:
-            raise ValueError(f"layer: expected 0 <= layer < {num_layers}, got {layer}")
-        for rec in self._loads:
-            landed = rec.handle.wait_layer(layer)
-            if rec.handle.error is not None:
-                raise LoadError(f"prefix load failed: {rec.handle.error}") from rec.handle.error
-            if not landed:  # only the manual executor returns before the layer lands
-                raise LoadError(f"layer {layer} of a prefix load has not landed yet")
-
-    def wait(self) -> None:
-        """Block until every load this request depends on is complete; raise LoadError if one failed."""
-        for rec in self._loads:
-            rec.handle.wait()
-            if rec.handle.error is not None:
-                raise LoadError(f"prefix load failed: {rec.handle.error}") from rec.handle.error
-
-    def __repr__(self) -> str:
-        return (
-            f"PrefixHandle(prefix_len={self.prefix_len}, device_len={self.device_len}, "
-            f"host_len={self.host_len}, owned_pages={self.num_owned_pages}, "
-            f"released={self.released})"
-        )
 
 
 class HiCache(ThirdTierMixin, NativeLifecycleMixin):
@@ -363,11 +286,14 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
             raise TypeError(f"num_tokens: expected int, got {type(num_tokens).__name__}")
         if num_tokens < 0:
             raise ValueError(f"num_tokens: expected >= 0, got {num_tokens}")
+        num_pages = -(-num_tokens // self.page_size)
+        if num_pages > self.device_allocator.num_pages:
+            return None  # more than the whole device tier: evicting cannot help
         if self._core is not None:
-            pages = self._core.alloc(-(-num_tokens // self.page_size))
+            pages = self._core.alloc(num_pages)
         else:
             self.poll()
-            pages = self._alloc_device(-(-num_tokens // self.page_size))
+            pages = self._alloc_device(num_pages)
         if pages is not None and pages.shape[0]:
             h._new_pages.append(pages)
         return pages

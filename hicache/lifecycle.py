@@ -13,17 +13,34 @@ holds both lifecycles to identical trees, pages and counters.
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
 import torch
 
 from hicache.config import CacheConfig
+from hicache.handle import PrefixHandle
 from hicache.native import NativeNode, _readable_in_place
 from hicache.tree import TokenLike, token_key
 
 if TYPE_CHECKING:
-    from hicache.cache import CacheStats, PrefixHandle
+    from hicache.cache import CacheStats
+
+
+class NativePrefixHandle(PrefixHandle):
+    """A :class:`PrefixHandle` whose lock node is held as a native node handle (an int).
+
+    The hot calls pass ``_lock_h`` straight to C++. Python code reading
+    ``_lock_node`` gets the node's proxy (made then, and the node kept
+    readable from then on, as proxies are); after release the node may be gone.
+    """
+
+    @property
+    def _lock_node(self) -> NativeNode:
+        return self._cache.tree._adopt(self._lock_h)
+
+    @_lock_node.setter
+    def _lock_node(self, node: NativeNode | int) -> None:
+        self._lock_h = node if type(node) is int else node._h
 
 
 class NativeLifecycleMixin:
@@ -94,7 +111,7 @@ class NativeLifecycleMixin:
         lock, device_len, host_len, prefix_len, key = self._core.match(
             tokens, namespace, num_tokens, load_back
         )
-        h = _handle_class()(self, key, namespace, device_len, host_len, lock)
+        h = NativePrefixHandle(self, key, namespace, device_len, host_len, lock)
         h.prefix_len = prefix_len
         self._live.add(h)
         return h
@@ -112,24 +129,3 @@ class NativeLifecycleMixin:
         h._prefix_pages = None
         h.prefix_len = len(h.key) >> 2
         return new_tokens
-
-
-@functools.cache
-def _handle_class() -> type:
-    """:class:`hicache.cache.PrefixHandle` holding its lock node as a native handle.
-
-    The hot calls pass ``_lock_h`` straight to C++; a node proxy is made only
-    when Python code reads ``_lock_node``.
-    """
-    from hicache.cache import PrefixHandle
-
-    class NativePrefixHandle(PrefixHandle):
-        @property
-        def _lock_node(self) -> NativeNode:
-            return self._cache.tree._node(self._lock_h)
-
-        @_lock_node.setter
-        def _lock_node(self, node: NativeNode | int) -> None:
-            self._lock_h = node if type(node) is int else node._h
-
-    return NativePrefixHandle

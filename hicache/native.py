@@ -235,6 +235,19 @@ class NativeRadixTree:
                 self._prune_proxies()
         return proxy
 
+    def _adopt(self, handle: int) -> NativeNode:
+        """The proxy of a handle the binding returned without a proxy (the native lifecycle's).
+
+        Such a node is freed as soon as it leaves the tree; once it has a proxy it
+        stays readable after removal, as every proxied node does. Raises
+        ``ValueError`` when the node already left the tree.
+        """
+        proxy = self._proxies.get(handle)
+        if proxy is None:
+            self._impl.export(handle)
+            proxy = self._node(handle)
+        return proxy
+
     def _prune_proxies(self) -> None:
         """Forget proxies of removed nodes that nobody else holds, and free those nodes.
 

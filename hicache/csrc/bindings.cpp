@@ -308,6 +308,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              }
            })
       .def("root", [](RadixTree& t, py::handle ns) { return out(t.root(ns_of(t, ns))); })
+      // A live node's handle the Lifecycle returned without exporting (see `out`).
+      .def("export", [](RadixTree& t, NodeHandle h) { return out(node_of(t, h, "export")); })
       .def("match",
            [](RadixTree& t, py::handle tokens, py::handle ns) {
              Key key;
@@ -509,7 +511,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       });
 
   // HiCache's bookkeeping-only lifecycle (hicache/cache.py delegates to it).
-  // It keeps the tree and both free lists alive; handles as in Tree.
+  // It keeps the tree and both free lists alive. Lock nodes cross as handles
+  // that are not exported (no proxy is made for them in the hot path): such a
+  // node is freed when it leaves the tree, unless Python exports it first.
   py::class_<Lifecycle>(m, "Lifecycle")
       .def(py::init([](RadixTree& tree, TensorFreeList& device, TensorFreeList& host,
                        const std::string& write_policy, std::int64_t backup_hit_threshold,
@@ -549,7 +553,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              Key key;
              read_key(tokens, t.page_size(), key);
              const auto m = lc.match(key.span, ns_of(t, ns), num_tokens, load_back);
-             return py::make_tuple(out(m.lock), m.device_len, m.host_len, m.prefix_len,
+             return py::make_tuple(m.lock->handle, m.device_len, m.host_len, m.prefix_len,
                                    key_bytes(key.span));
            })
       .def("alloc",
@@ -574,7 +578,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                       prefix_len);
              if (!r) return py::none();
              py::object rest = r->rest.size(0) != 0 ? py::cast(r->rest) : py::none();
-             return py::make_tuple(out(r->last), r->new_tokens, key_bytes(key.span), rest);
+             return py::make_tuple(r->last->handle, r->new_tokens, key_bytes(key.span), rest);
            })
       .def("release",
            [](Lifecycle& lc, NodeHandle lock, py::handle owned) {

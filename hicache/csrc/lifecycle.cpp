@@ -9,15 +9,6 @@
 #include <algorithm>
 
 namespace hicache {
-namespace {
-
-std::int64_t depth(const TreeNode* node) {
-  std::int64_t d = 0;
-  for (; node->parent != nullptr; node = node->parent) ++d;
-  return d;
-}
-
-}  // namespace
 
 Lifecycle::Lifecycle(RadixTree& tree, FreeList& device, FreeList& host, LifecycleConfig config)
     : tree_(tree), device_(device), host_(host), config_(config) {}
@@ -95,27 +86,14 @@ std::optional<at::Tensor> Lifecycle::alloc_device(std::int64_t num_pages) {
 // HiCache._evict_device; the poll that applies write-back backups is finish_backups.
 void Lifecycle::evict_device(std::int64_t num_pages) {
   if (num_pages <= 0) return;
-  if (config_.write_policy != WritePolicy::WriteBack || !config_.has_host_tier) {
-    const EvictOut r = tree_.evict_device(num_pages * tree_.page_size(), nullptr);
-    if (r.num_evicted_tokens != 0) {
-      free_device(r.pages);
-      c_.device_evicted_tokens += r.num_evicted_tokens;
-    }
-    return;
-  }
-  // Follow splits of nodes whose backup is pending (HiCache._on_split), and
-  // hand the previous hook back however this returns.
-  struct Restore {
-    RadixTree& tree;
-    RadixTree::SplitHook previous;
-    ~Restore() { tree.on_split = std::move(previous); }
-  } restore{tree_, tree_.on_split};
-  tree_.on_split = [this, previous = restore.previous](TreeNode* prefix, TreeNode* suffix) {
-    follow_split(prefix, suffix);
-    if (previous) previous(prefix, suffix);
-  };
+  const bool write_back = config_.write_policy == WritePolicy::WriteBack && config_.has_host_tier;
   const RadixTree::BackupHook hook = [this](TreeNode* node) { return start_backup({node}, true); };
-  const EvictOut r = tree_.evict_device(num_pages * tree_.page_size(), &hook);
+  // Whatever happens, no record outlives this call (its nodes could be freed later).
+  struct Clear {
+    std::vector<PendingBackup>& pending;
+    ~Clear() { pending.clear(); }
+  } clear{pending_};
+  const EvictOut r = tree_.evict_device(num_pages * tree_.page_size(), write_back ? &hook : nullptr);
   if (r.num_evicted_tokens != 0) {
     free_device(r.pages);
     c_.device_evicted_tokens += r.num_evicted_tokens;
@@ -123,34 +101,24 @@ void Lifecycle::evict_device(std::int64_t num_pages) {
   if (r.num_backup_tokens != 0) finish_backups();
 }
 
-void Lifecycle::follow_split(TreeNode* prefix, TreeNode* suffix) {
-  for (PendingBackup& rec : pending_) {
-    if (std::find(rec.nodes.begin(), rec.nodes.end(), suffix) != rec.nodes.end()) {
-      rec.nodes.push_back(prefix);
-      return;
-    }
-  }
-}
-
 // HiCache.poll applying completed write-back backups (HiCache._finish_backup).
+// Each record holds the one node the eviction handed over: BACKING_UP, it is no
+// eviction candidate on either tier, so nothing splits or merges it meanwhile
+// (HiCache follows such splits for transfers that really run).
 void Lifecycle::finish_backups() {
-  std::vector<PendingBackup> done = std::move(pending_);
-  pending_.clear();
-  for (PendingBackup& rec : done) {
-    for (TreeNode* n : rec.nodes) tree_.set_io_status(n, IOStatus::None);
+  for (const PendingBackup& rec : pending_) {
+    TreeNode* n = rec.node;
+    if (n->io_status != IOStatus::BackingUp || n->parent == nullptr) {
+      throw std::logic_error("write-back: the node of a pending backup changed meanwhile");
+    }
+    tree_.set_io_status(n, IOStatus::None);
     c_.backup_bytes += rec.nbytes;
-    // Deepest first: parts split off in flight become leaves once their child goes.
-    std::vector<std::pair<std::int64_t, TreeNode*>> order;
-    for (TreeNode* n : rec.nodes) order.emplace_back(depth(n), n);
-    std::stable_sort(order.begin(), order.end(),
-                     [](const auto& a, const auto& b) { return a.first > b.first; });
-    for (const auto& [d, n] : order) {
-      if (n->lock_ref == 0 && n->num_device_children == 0) {
-        c_.device_evicted_tokens += n->num_tokens();
-        free_device(tree_.detach_device(n));
-      }
+    if (n->lock_ref == 0 && n->num_device_children == 0) {
+      c_.device_evicted_tokens += n->num_tokens();
+      free_device(tree_.detach_device(n));
     }
   }
+  pending_.clear();
 }
 
 // HiCache._alloc_host.
@@ -203,7 +171,7 @@ bool Lifecycle::start_backup(const std::vector<TreeNode*>& nodes, bool evict_aft
   if (!evict_after) {
     c_.backup_bytes += num_pages * config_.page_nbytes;
   } else {
-    pending_.push_back({std::move(started), num_pages * config_.page_nbytes});
+    pending_.push_back({started.front(), num_pages * config_.page_nbytes});  // one node
   }
   return true;
 }

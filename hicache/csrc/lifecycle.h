@@ -99,7 +99,7 @@ class Lifecycle {
   };
   // A write-back backup started by an eviction, applied when the eviction returns.
   struct PendingBackup {
-    std::vector<TreeNode*> nodes;  // grows when one is split meanwhile
+    TreeNode* node;
     std::int64_t nbytes;
   };
 
@@ -109,7 +109,6 @@ class Lifecycle {
   void backup_path(TreeNode* node);
   bool start_backup(const std::vector<TreeNode*>& nodes, bool evict_after);
   void finish_backups();
-  void follow_split(TreeNode* prefix, TreeNode* suffix);
   void free_device(const at::Tensor& pages);
   void free_host(const at::Tensor& pages);
 
