@@ -17,7 +17,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from test_tree_differential import snapshot
+from test_tree_differential import FORMS, as_form, snapshot
 
 from hicache import native
 from hicache.cache import HiCache
@@ -37,17 +37,6 @@ prompts = st.builds(
     st.integers(0, 8),
     st.lists(st.integers(0, 3), min_size=0, max_size=5),
 )
-FORMS = ("list", "np32", "t32", "t64", "np64")
-
-
-def as_form(tokens: list[int], form: str):
-    if form == "np32":
-        return np.array(tokens, dtype=np.int32)
-    if form == "np64":
-        return np.array(tokens, dtype=np.int64)
-    if form in ("t32", "t64"):
-        return torch.tensor(tokens, dtype=torch.int32 if form == "t32" else torch.int64)
-    return list(tokens)
 
 
 def outcome(fn, *args, **kwargs):
