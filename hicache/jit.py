@@ -42,8 +42,13 @@ class _LoadResult(NamedTuple):
 
 
 def source_digest() -> str:
-    """Hash of every C++ source and header, the torch version and the Python version."""
+    """Hash of every C++ source and header, where they are, the torch and Python versions.
+
+    Where: the build records the sources' paths, so two checkouts sharing one
+    build directory would rebuild each other's module on every load.
+    """
     h = hashlib.sha256()
+    h.update(str(_CSRC).encode())
     for path in sorted(_CSRC.glob("*")):
         if path.suffix in (".h", ".cpp"):
             h.update(path.name.encode())
@@ -86,6 +91,31 @@ def _ninja_on_path() -> Iterator[None]:
         os.environ["PATH"] = old
 
 
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Hold the build directory exclusively; clear a lock file a killed build left behind.
+
+    cpp_extension marks a build in progress with a ``lock`` file and waits, forever,
+    for it to disappear: a build interrupted by Ctrl-C or a kill leaves it behind
+    and every later import would hang. This ``flock`` is released by the kernel
+    however its holder dies, and while it is held no other hicache process is
+    building here, so a ``lock`` file found then is stale.
+    """
+    import fcntl
+
+    with open(build_dir / "hicache.flock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                _log.warning("hicache: removing the lock file of an interrupted build in %s",
+                             build_dir)
+                stale.unlink()
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @functools.cache
 def _load() -> _LoadResult:
     cxx = os.environ.get("CXX", "c++")
@@ -98,7 +128,7 @@ def _load() -> _LoadResult:
     start = time.perf_counter()
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
-        with _ninja_on_path():
+        with _ninja_on_path(), _build_lock(build_dir):
             if shutil.which("ninja") is None:
                 return _LoadResult(None, "ninja not found (pip install ninja)", 0.0)
             _log.info("hicache: loading the native extension from %s (compiles on first use)", build_dir)
