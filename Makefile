@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 		$(PY) -m pip install -q torch==2.13.0; \
 	fi
 	$(PY) -m pip install -q -e '.[dev]'
-	# Build the native extension (radix tree, page free list) once now (about a minute),
+	# Build the native extension (radix tree, page free list, lifecycle) once now (about a minute),
 	# not inside the first demo or test run. Without a compiler this only reports it:
 	# the Python tree and the numpy allocator are the fallbacks.
 	$(PY) -c "from hicache.jit import native_available as ok; print('native extension:', 'built' if ok() else 'unavailable (Python fallbacks)')"
