@@ -182,12 +182,11 @@ std::optional<InsertedPath> Lifecycle::insert(token_span key, std::uint32_t ns, 
                                               std::int64_t prefix_len) {
   OpScope scope(tree_);
   const std::int64_t ps = tree_.page_size();
-  const auto n = static_cast<std::int64_t>(prefix_len);
-  if (n < 0 || n > static_cast<std::int64_t>(prefix_key.size())) {
+  if (prefix_len < 0 || prefix_len > static_cast<std::int64_t>(prefix_key.size())) {
     throw ValueError("insert: prefix_len " + std::to_string(prefix_len) + " outside the prefix key");
   }
-  if (static_cast<std::int64_t>(key.size()) < n ||
-      !std::equal(prefix_key.begin(), prefix_key.begin() + n, key.begin())) {
+  if (static_cast<std::int64_t>(key.size()) < prefix_len ||
+      !std::equal(prefix_key.begin(), prefix_key.begin() + prefix_len, key.begin())) {
     throw ValueError("insert: tokens must start with the handle's " + std::to_string(prefix_len) +
                      "-token prefix");
   }

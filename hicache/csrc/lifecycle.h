@@ -10,8 +10,9 @@
 // does not cover (handles, argument checks, load_back of an unloaded handle,
 // transfers with data, the third tier) stays in Python, on the same state.
 //
-// Knows nothing of Python or of requests: the caller owns handles and checks
-// their arguments; this checks only what would corrupt the tree.
+// Knows nothing of Python or of requests: the caller owns the handles and
+// checks argument types and counts; insert checks the tokens against the
+// prefix and the pages held, as HiCache.insert does, before changing anything.
 #pragma once
 
 #include <ATen/core/Tensor.h>
