@@ -28,6 +28,8 @@ _BENCHES = [
     ("recompute", "hicache.benchmarks.recompute", "recompute vs reload latency per prefix length"),
     ("multiturn", "hicache.benchmarks.multiturn", "TTFT and computed tokens: none / device / "
      "hierarchical (+ small host, + storage tier)"),
+    ("tiers", "hicache.benchmarks.tiers", "host tier in replay: hit ratio and req/s against "
+     "device-only on one trace"),
 ]
 
 

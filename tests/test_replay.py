@@ -133,3 +133,25 @@ def test_native_and_python_lifecycles_replay_identically(trace, policy, host_fra
     py, nat = (r._replace(seconds=0.0, lifecycle="") for r in results)
     assert py == nat
     assert py.host_hit_tokens > 0 and py.evicted_tokens > 0
+
+
+def test_bench_tiers_prints_a_table_then_json(trace, capsys):
+    assert main(["bench", "tiers", trace, "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "hierarchical hit ratio / unbounded" in out
+    result = json.loads(out.strip().splitlines()[-1])
+    configs = result["configs"]
+    assert set(configs) == {"unbounded", "device", "device-hicache", "hierarchical",
+                            "hierarchical-py"}
+    hier, py = configs["hierarchical"], configs["hierarchical-py"]
+    assert (hier["device_hit_tokens"], hier["host_hit_tokens"]) == (
+        py["device_hit_tokens"], py["host_hit_tokens"])
+    assert configs["device"]["host_hit_tokens"] == 0 and hier["host_hit_tokens"] > 0
+    assert result["hit_vs_unbounded"] >= 0.99  # the host tier holds every unique token
+    assert result["speed_vs_device"] > 0
+
+
+@pytest.mark.parametrize("argv", [["--repeats", "0"], ["--device-fraction", "1.5"]])
+def test_bench_tiers_rejects_bad_arguments(trace, argv):
+    with pytest.raises(SystemExit, match="expected"):
+        main(["bench", "tiers", trace, *argv])
