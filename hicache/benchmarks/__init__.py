@@ -1,1 +1,21 @@
 """Benchmarks behind `hicache bench`; each prints a table and ends with one JSON line."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+
+def standalone_main(
+    doc: str,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], int],
+) -> Callable[[list[str] | None], int]:
+    """A benchmark module's ``main(argv)``: its own parser (``doc``'s first line), then ``run``."""
+
+    def main(argv: list[str] | None = None) -> int:
+        parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+        add_arguments(parser)
+        return run(parser.parse_args(argv))
+
+    return main

@@ -49,6 +49,7 @@ import numpy as np
 import psutil
 import torch
 
+from hicache.benchmarks import standalone_main
 from hicache.engine import Engine, GenerateResult
 from hicache.model import PRESET_NAMES, Model, preset
 from hicache.traces import Request as TraceRequest
@@ -537,10 +538,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+main = standalone_main(__doc__, add_arguments, run)
 
 
 if __name__ == "__main__":

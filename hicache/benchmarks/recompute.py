@@ -30,6 +30,7 @@ from collections.abc import Callable
 import psutil
 import torch
 
+from hicache.benchmarks import standalone_main
 from hicache.costmodel import DEFAULT_MFU, GPUS, estimate_table, kv_bytes_per_token
 from hicache.model import PRESET_NAMES, Model, preset
 from hicache.pool import DevicePool, HostPool
@@ -225,10 +226,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+main = standalone_main(__doc__, add_arguments, run)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import os
 import statistics
 import sys
 
+from hicache.benchmarks import standalone_main
 from hicache.config import WritePolicy
 from hicache.native import make_tree
 from hicache.replay import (
@@ -126,10 +127,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+main = standalone_main(__doc__, add_arguments, run)
 
 
 if __name__ == "__main__":

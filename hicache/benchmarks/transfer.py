@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from hicache.benchmarks import standalone_main
 from hicache.config import KVConfig
 from hicache.pool import DevicePool, HostPool
 from hicache.transfer import TransferEngine
@@ -170,10 +171,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+main = standalone_main(__doc__, add_arguments, run)
 
 
 if __name__ == "__main__":
