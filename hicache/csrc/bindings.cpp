@@ -237,7 +237,7 @@ py::object maybe_tensor(const IndexRun& run) {
   return py::cast(run.tensor());
 }
 
-// The int32 bytes of a key (what hicache.tree.token_key returns for it).
+// The int32 bytes of tokens (what hicache.tree.token_key returns for them).
 py::bytes key_bytes(hicache::token_span span) {
   return py::bytes(reinterpret_cast<const char*>(span.data()), span.size() * sizeof(token_t));
 }
@@ -439,11 +439,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("children",
            [](RadixTree& t, NodeHandle h) {
              const TreeNode* node = readable_node(t, h, "children");
-             const auto nbytes = static_cast<std::size_t>(t.page_size()) * sizeof(token_t);
+             const auto ps = static_cast<std::size_t>(t.page_size());
              py::list result;
              for (TreeNode* c = node->first_child; c != nullptr; c = c->next_sibling) {
-               result.append(py::make_tuple(
-                   py::bytes(reinterpret_cast<const char*>(c->tokens.data), nbytes), out(c)));
+               result.append(py::make_tuple(key_bytes(c->tokens.span().first(ps)), out(c)));
              }
              return result;
            })
@@ -455,9 +454,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            })
       .def("key",
            [](RadixTree& t, NodeHandle h) {
-             const TreeNode* node = readable_node(t, h, "key");
-             return py::bytes(reinterpret_cast<const char*>(node->tokens.data),
-                              node->tokens.len * sizeof(token_t));
+             return key_bytes(readable_node(t, h, "key")->tokens.span());
            })
       .def("device_indices",
            [](RadixTree& t, NodeHandle h) { return maybe_tensor(readable_node(t, h, "device_indices")->device); })
