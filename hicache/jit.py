@@ -2,8 +2,9 @@
 
 The sources in ``hicache/csrc`` (the radix tree, the page free list, HiCache's
 bookkeeping-only lifecycle) are compiled on first use with
-``torch.utils.cpp_extension.load`` into a build directory keyed by a hash of the sources, the torch version and the Python
-version, so later processes load the cached module in milliseconds. Any
+``torch.utils.cpp_extension.load`` into a build directory keyed by a hash of the
+sources, their directory, the torch version and the Python version, so later
+processes load the cached module in milliseconds. Any
 failure (no compiler, no ninja, a build error) is reported as a reason, never
 raised from here except by :func:`load_native`; callers fall back to their
 pure-Python implementations.
