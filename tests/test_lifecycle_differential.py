@@ -311,10 +311,14 @@ def test_lifecycle_config():
     def config(**kw):
         return CacheConfig(KV, device_tokens=4 * P, host_tokens=8 * P, **kw)
 
-    assert HiCache(config(allocate_kv=False, tree="native")).lifecycle == "native"
-    assert HiCache(config(allocate_kv=False, tree="python")).lifecycle == "python"
-    assert HiCache(config(allocate_kv=False, lifecycle="python")).lifecycle == "python"
-    assert HiCache(config(tree="native")).lifecycle == "python"  # KV to move: Python
+    cases = [(dict(allocate_kv=False, tree="native"), "native"),
+             (dict(allocate_kv=False, tree="python"), "python"),
+             (dict(allocate_kv=False, lifecycle="python"), "python"),
+             (dict(tree="native"), "python")]  # KV to move: Python
+    for kwargs, expected in cases:
+        cache = HiCache(config(**kwargs))
+        assert cache.lifecycle == expected, kwargs
+        cache.check_integrity()
     with pytest.raises(ValueError, match="lifecycle"):
         config(lifecycle="c++")
     for bad in (dict(), dict(allocate_kv=False, tree="python"),
