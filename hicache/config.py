@@ -12,6 +12,8 @@ from enum import Enum
 
 import torch
 
+from hicache.storage.keys import check_model_id
+
 _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
@@ -163,6 +165,11 @@ class CacheConfig:
     # when the native tree is in use). Same results either way.
     lifecycle: str = "auto"
     storage: str | None = None  # third tier: "file:DIR" or "mooncake://HOST:PORT?metadata=URL"
+    # Identity of the model whose KV this cache holds (name, weights digest or revision,
+    # compute dtype, tensor-parallel rank: see hicache.storage.model_identity). Part of
+    # every storage key, so models sharing a store never read each other's pages;
+    # required with `storage`.
+    model_id: str | None = None
     prefetch_policy: PrefetchPolicy | str = PrefetchPolicy.BEST_EFFORT
     prefetch_timeout_s: float = 0.05
     extra: dict = field(default_factory=dict, compare=False)  # backend-specific options
@@ -238,6 +245,15 @@ class CacheConfig:
                 "lifecycle='native' runs bookkeeping-only caches over the native tree: "
                 "expected allocate_kv=False, storage=None and tree 'native' or 'auto', got "
                 f"allocate_kv={self.allocate_kv}, storage={self.storage!r}, tree={self.tree!r}"
+            )
+        if self.model_id is not None:
+            check_model_id(self.model_id)
+        if self.storage is not None and self.model_id is None:
+            raise ValueError(
+                "model_id: a storage tier is shared by every cache that opens it, so its "
+                "keys must name the model whose KV they hold; expected a model_id "
+                "(hicache.storage.model_identity(name, weights_digest=... or revision=..., "
+                f"dtype=..., tp_rank=...)) with storage={self.storage!r}, got None"
             )
         if not self.prefetch_timeout_s >= 0:
             raise ValueError(f"prefetch_timeout_s: expected >= 0, got {self.prefetch_timeout_s}")

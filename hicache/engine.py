@@ -84,7 +84,9 @@ class Engine:
     complete on their own). ``storage`` (``hierarchical`` only) adds the third
     tier, with ``prefetch_policy``/``prefetch_timeout_s`` (see
     :class:`~hicache.config.CacheConfig`) and backend ``storage_options`` (see
-    :func:`hicache.storage.make_storage`).
+    :func:`hicache.storage.make_storage`); its keys carry ``model.identity()``
+    (preset, config, dtype and a digest of the weights), so engines of different
+    models can share one store without reading each other's pages.
     """
 
     def __init__(
@@ -155,6 +157,9 @@ class Engine:
                 executor=executor,
                 load_threshold_tokens=load_threshold_tokens,
                 storage=storage,
+                # Storage keys name the model: another model with this KV layout sharing
+                # the store (other seed, fine-tune, dtype) never gets these pages.
+                model_id=model.identity() if storage is not None else None,
                 prefetch_policy=prefetch_policy,
                 prefetch_timeout_s=prefetch_timeout_s,
                 extra={"storage": dict(storage_options)} if storage_options else {},

@@ -30,8 +30,12 @@ caller passes the page table, and optionally a load handle to wait on per layer.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
-from dataclasses import dataclass
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from typing import Protocol
 
 import torch
@@ -39,9 +43,11 @@ import torch.nn.functional as F
 
 from hicache.config import KVConfig, resolve_dtype
 from hicache.pool import DevicePool, as_rows
+from hicache.storage.keys import model_identity
 
 _MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SDPA_HAS_GQA = torch.__version__ >= (2, 5)  # enable_gqa= appeared in torch 2.5
+_DIGEST_CHUNK_NBYTES = 64 << 20  # unit of parallel hashing in weights_digest (part of its value)
 
 
 @dataclass(frozen=True)
@@ -178,6 +184,52 @@ class Model:
         self._inv_freq = 1.0 / (
             cfg.rope_theta ** (torch.arange(half, dtype=torch.float64) / half)
         ).to(device=self.device, dtype=torch.float32)  # (D/2,)
+        self._weights_digest: str | None = None
+
+    def weights_digest(self) -> str:
+        """sha256 (first 32 hex digits) over every weight's dtype, shape and bytes, in order.
+
+        Computed once (the weights never change after construction). Each tensor is
+        hashed in 64 MiB chunks on a thread pool (hashlib releases the GIL), then the
+        chunk digests in order, so the cost at engine start scales with weight bytes
+        divided by cores.
+        """
+        if self._weights_digest is None:
+            total = hashlib.sha256()
+            workers = min(8, os.cpu_count() or 1)
+            with ThreadPoolExecutor(workers, thread_name_prefix="hicache-digest") as pool:
+                for t in self._weight_tensors():
+                    cpu = t.detach().to("cpu").contiguous()  # one tensor on the host at a time
+                    flat = memoryview(cpu.reshape(-1).view(torch.uint8).numpy())
+                    chunks = [flat[i : i + _DIGEST_CHUNK_NBYTES]
+                              for i in range(0, len(flat), _DIGEST_CHUNK_NBYTES)]
+                    total.update(f"{cpu.dtype}{tuple(cpu.shape)};".encode())
+                    for digest in pool.map(lambda c: hashlib.sha256(c).digest(), chunks):
+                        total.update(digest)
+            self._weights_digest = total.hexdigest()[:32]
+        return self._weights_digest
+
+    def identity(self) -> str:
+        """This model's ``model_id`` for storage keys (see :func:`hicache.storage.model_identity`).
+
+        Covers the preset name, every config field (RoPE base and norm epsilon change
+        K too), the compute dtype and the weights' digest: two models share stored
+        pages only when they compute the same KV.
+        """
+        cfg = {k: str(v) for k, v in asdict(self.config).items()}
+        return model_identity(
+            self.config.name,
+            weights_digest=self.weights_digest(),
+            dtype=str(self.config.torch_dtype).removeprefix("torch."),
+            extra={"config": json.dumps(cfg, sort_keys=True)},
+        )
+
+    def _weight_tensors(self) -> list[torch.Tensor]:
+        tensors = [self.embed]
+        for layer in self.layers:
+            tensors.extend(vars(layer).values())
+        tensors += [self.final_norm, self.lm_head]
+        return tensors
 
     @property
     def num_params(self) -> int:

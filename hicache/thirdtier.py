@@ -36,12 +36,16 @@ class ThirdTierMixin:
         )
         self.storage = StorageTier(backend, self.host_pool)
         self._fingerprint = config.kv.fingerprint()
+        assert config.model_id is not None, "CacheConfig refuses storage without model_id"
+        self._model_id = config.model_id
 
     def _page_keys(self, key: bytes, namespace: str | None) -> list[str]:
         from hicache.storage import page_keys
 
         tokens = np.frombuffer(key, dtype=np.int32)
-        return page_keys(tokens, self.page_size, namespace, self._fingerprint)
+        # The model identity is in the salt: a store shared by several models (same
+        # KV layout, other weights) never hands one model another's pages.
+        return page_keys(tokens, self.page_size, namespace, self._fingerprint, self._model_id)
 
     def prefetch(self, tokens: TokenLike, namespace: str | None = None):
         """Start reading the pages of ``tokens`` that only storage holds into host memory.

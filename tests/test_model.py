@@ -207,6 +207,26 @@ def test_seeded_weights_are_deterministic() -> None:
     assert (a - c).abs().max() > 0.5
 
 
+def test_identity_names_the_weights_config_and_dtype() -> None:
+    """The storage-key identity is equal exactly when the KV is: same preset, config,
+    dtype and weights (in any process: it is a digest, not an object id)."""
+    a = Model(preset("tiny"), seed=5)
+    assert a.identity() == Model(preset("tiny"), seed=5).identity()
+    others = [
+        Model(preset("tiny"), seed=6),  # same layout, other weights
+        Model(preset("tiny", dtype="bfloat16"), seed=5),  # other compute dtype
+        Model(ModelConfig(**{**preset("tiny").__dict__, "rope_theta": 500000.0}), seed=5),
+    ]
+    ids = {a.identity(), *(m.identity() for m in others)}
+    assert len(ids) == 1 + len(others)
+    assert a.kv_config(PAGE_SIZE) == others[0].kv_config(PAGE_SIZE)  # the layout cannot tell
+    # The digest covers every weight: change one element, the identity changes.
+    b = Model(preset("tiny"), seed=5)
+    b.layers[1].wv[3, 7] += 1.0
+    assert b.identity() != a.identity()
+    assert len(a.weights_digest()) == 32 and a.weights_digest() == a.weights_digest()
+
+
 def test_greedy_tokens_are_not_degenerate(model: Model) -> None:
     logits = model.prefill_reference(tokens(64))
     assert 0.5 < logits.std() < 5, "logits should be of unit scale"

@@ -34,6 +34,7 @@ from hicache.storage.mooncake import MooncakeStorage, start_mooncake_master  # n
 
 PAGE_NBYTES = 16 * 1024
 FP = "L2-H2-D8-float16-P4"
+MID = "test-model"
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,7 @@ def make_pages(num_pages: int, seed: int) -> torch.Tensor:
 
 
 def test_mooncake_round_trip_between_clients(master):
-    keys = page_keys(np.arange(40), 4, "round-trip", FP)
+    keys = page_keys(np.arange(40), 4, "round-trip", FP, MID)
     pages = make_pages(len(keys), seed=1)
     writer = client(master)
     writer.register_memory(pages)
@@ -86,7 +87,7 @@ def test_mooncake_round_trip_between_clients(master):
 
 def test_mooncake_exists_counts_leading_keys(master):
     store = client(master)
-    keys = page_keys(np.arange(32), 4, "exists", FP)
+    keys = page_keys(np.arange(32), 4, "exists", FP, MID)
     pages = make_pages(len(keys), seed=2)
     assert store.exists(keys) == 0
     assert store.set(keys[:3] + keys[4:], list(pages[:3]) + list(pages[4:])) == 7
@@ -102,7 +103,7 @@ def test_mooncake_exists_counts_leading_keys(master):
 @pytest.mark.parametrize("damage", ["same_length", "truncated", "other_key"])
 def test_mooncake_checksum_detects_corruption(master, damage):
     store = client(master)
-    keys = page_keys(np.arange(12), 4, f"corrupt-{damage}", FP)
+    keys = page_keys(np.arange(12), 4, f"corrupt-{damage}", FP, MID)
     pages = make_pages(3, seed=3)
     assert store.set(keys, list(pages)) == 3
     raw = raw_client(master)
@@ -143,7 +144,7 @@ def test_mooncake_master_killed_mid_run(tmp_path):
     """The master dies under a live client: errors, bounded waits, no crash, no garbage."""
     with start_mooncake_master(segment_nbytes=16 << 20, log_dir=tmp_path) as own:
         store = client(own, retry_after_s=30.0)
-        keys = page_keys(np.arange(16), 4, "killed", FP)
+        keys = page_keys(np.arange(16), 4, "killed", FP, MID)
         pages = make_pages(len(keys), seed=4)
         assert store.set(keys, list(pages)) == 4
         own.kill_master()
@@ -177,7 +178,7 @@ def test_mooncake_process_exits_cleanly_after_master_loss(tmp_path):
         from hicache.storage.mooncake import start_mooncake_master
         with start_mooncake_master(log_dir={str(tmp_path)!r}) as m:
             s = make_storage(m.spec, page_nbytes=4096, segment_nbytes=16 << 20)
-            keys = page_keys(np.arange(8), 4, None, "fp")
+            keys = page_keys(np.arange(8), 4, None, "fp", "m")
             assert s.set(keys, [bytes(4096)] * 2) == 2
             m.kill_master()
             try:
@@ -203,7 +204,7 @@ def test_mooncake_threads_share_one_client(master):
 
     def work(thread: int) -> None:
         try:
-            keys = page_keys(np.arange(32) + 1000 * thread, 4, "threads", FP)
+            keys = page_keys(np.arange(32) + 1000 * thread, 4, "threads", FP, MID)
             pages = make_pages(len(keys), seed=10 + thread)
             out = torch.zeros_like(pages)
             for _ in range(5):
@@ -230,7 +231,7 @@ def test_mooncake_spec_query_options(master):
         page_nbytes=PAGE_NBYTES,
     )
     assert isinstance(store, MooncakeStorage) and store.retry_after_s == 0.5
-    keys = page_keys(np.arange(4), 4, "spec", FP)
+    keys = page_keys(np.arange(4), 4, "spec", FP, MID)
     assert store.set(keys, [bytes(PAGE_NBYTES)]) == 1
     assert store.get(keys) == [bytes(PAGE_NBYTES)]
     store.delete(keys)

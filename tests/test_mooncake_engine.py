@@ -25,6 +25,7 @@ from test_storage_engine import (
 )
 
 from hicache.engine import Engine
+from hicache.model import Model, preset
 
 try:
     import mooncake.store  # noqa: F401
@@ -58,6 +59,31 @@ def test_mooncake_second_process_gets_storage_hits_for_prompts_only_the_first_sa
     first = run_engine_process(spec, prompts)
     second = run_engine_process(spec, prompts, prefetch_policy="wait_complete")
     assert_second_process_reuses_first(first, second, no_cache_tokens(model, prompts), prompts)
+
+
+def test_mooncake_models_with_one_kv_layout_never_read_each_others_pages(master, model):
+    """Two models of one preset (same KV layout), other weights, one Mooncake Store: the
+    second gets no page of the first; a new object with the first's weights gets them."""
+    spec = f"{master.spec}&segment_nbytes=0"
+    prompt = shared_prompts(seed=12)[0]  # tokens no other test stores
+    whole = (len(prompt) - 1) // PAGE_SIZE * PAGE_SIZE
+    other = Model(preset("tiny"), seed=1)
+    with Engine(model, "hierarchical", 512, 1024, page_size=PAGE_SIZE, storage=spec) as a:
+        first = a.generate(prompt, MAX_NEW_TOKENS)
+    assert a.stats()["storage_write_bytes"] > 0 and a.stats()["storage_errors"] == 0
+    with Engine(other, "hierarchical", 512, 1024, page_size=PAGE_SIZE, storage=spec,
+                prefetch_policy="wait_complete") as b:
+        r = b.generate(prompt, MAX_NEW_TOKENS)
+        b.check_integrity()
+    s = b.stats()
+    assert (s["storage_prefetches"], s["storage_hit_tokens"], r.host_hit_tokens) == (0, 0, 0)
+    assert r.tokens == no_cache_tokens(other, [prompt])[0] != first.tokens
+    with Engine(Model(preset("tiny"), seed=0), "hierarchical", 512, 1024, page_size=PAGE_SIZE,
+                storage=spec, prefetch_policy="wait_complete") as c:
+        again = c.generate(prompt, MAX_NEW_TOKENS)
+        c.check_integrity()
+    assert c.stats()["storage_hit_tokens"] == again.host_hit_tokens == whole
+    assert again.tokens == first.tokens
 
 
 def test_mooncake_master_killed_mid_run_engine_keeps_serving(tmp_path, model):

@@ -69,7 +69,8 @@ def test_selective_backup_in_match_does_not_evict_the_host_part_being_loaded(tre
 
 @pytest.mark.parametrize("executor", ["manual", "immediate"])
 def test_storage_read_landing_during_load_setup_does_not_split_pinned_nodes(tmp_path, executor):
-    cfg = dict(device_tokens=8, host_tokens=32, tree="python", storage=f"file:{tmp_path}")
+    cfg = dict(device_tokens=8, host_tokens=32, tree="python", storage=f"file:{tmp_path}",
+               model_id="test-model")
     first = HiCache(CacheConfig(KV, executor="immediate", **cfg))
     serve(first, [1, 2])
     first.close()
@@ -110,7 +111,8 @@ def test_storage_read_landing_during_load_setup_does_not_split_pinned_nodes(tmp_
 
 
 def test_storage_worker_survives_an_unexpected_backend_exception(tmp_path):
-    cfg = dict(device_tokens=8, host_tokens=32, tree="python", storage=f"file:{tmp_path}")
+    cfg = dict(device_tokens=8, host_tokens=32, tree="python", storage=f"file:{tmp_path}",
+               model_id="test-model")
     first = HiCache(CacheConfig(KV, executor="immediate", **cfg))
     serve(first, [1, 2])
     first.close()

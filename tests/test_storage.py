@@ -19,11 +19,13 @@ from hicache.storage import (
     check_key,
     extend_keys,
     make_storage,
+    model_identity,
     page_keys,
     root_key,
 )
 
 FP = KVConfig(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4).fingerprint()
+MID = model_identity("test-model", revision="r1")
 
 
 def make_pages(num_pages: int, page_nbytes: int, seed: int = 0) -> torch.Tensor:
@@ -32,7 +34,7 @@ def make_pages(num_pages: int, page_nbytes: int, seed: int = 0) -> torch.Tensor:
 
 
 def keys_for(num_pages: int, page_size: int = 4, namespace: str | None = None) -> list[str]:
-    return page_keys(np.arange(num_pages * page_size), page_size, namespace, FP)
+    return page_keys(np.arange(num_pages * page_size), page_size, namespace, FP, MID)
 
 
 def value_path(store: FileStorage, key: str) -> Path:
@@ -44,23 +46,23 @@ def value_path(store: FileStorage, key: str) -> Path:
 
 def test_keys_of_a_prefix_are_the_leading_keys():
     tokens = np.random.default_rng(0).integers(0, 50_000, 103)
-    full = page_keys(tokens, 4, "tenant", FP)
+    full = page_keys(tokens, 4, "tenant", FP, MID)
     assert len(full) == 103 // 4  # the partial last page has no key
     assert len(set(full)) == len(full)
     for num_tokens in range(0, 104):
-        assert page_keys(tokens[:num_tokens], 4, "tenant", FP) == full[: num_tokens // 4]
+        assert page_keys(tokens[:num_tokens], 4, "tenant", FP, MID) == full[: num_tokens // 4]
     for k in range(1, len(full)):
         assert extend_keys(full[k - 1], tokens[4 * k :], 4) == full[k:]
     changed = tokens.copy()
     changed[9] += 1  # inside page 2: pages 0-1 keep their keys, every later one changes
-    other = page_keys(changed, 4, "tenant", FP)
+    other = page_keys(changed, 4, "tenant", FP, MID)
     assert other[:2] == full[:2]
     assert all(a != b for a, b in zip(other[2:], full[2:], strict=True))
 
 
 def test_keys_do_not_depend_on_the_token_container():
     ids = [5, 0, 7, 123456, 9, 9, 1, 2]
-    expected = page_keys(ids, 4, None, FP)
+    expected = page_keys(ids, 4, None, FP, MID)
     for tokens in (
         np.array(ids, dtype=np.int32),
         np.array(ids, dtype=np.int64),
@@ -69,11 +71,11 @@ def test_keys_do_not_depend_on_the_token_container():
         torch.tensor(ids, dtype=torch.int64),
         tuple(ids),
     ):
-        assert page_keys(tokens, 4, None, FP) == expected
+        assert page_keys(tokens, 4, None, FP, MID) == expected
     assert all(len(k) == 32 and check_key(k) == k for k in expected)
 
 
-def test_keys_isolate_namespaces_and_models():
+def test_keys_isolate_namespaces_layouts_and_models():
     tokens = np.arange(64)
     fingerprints = [
         FP,
@@ -82,36 +84,71 @@ def test_keys_isolate_namespaces_and_models():
             num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="bfloat16"
         ).fingerprint(),
     ]
+    # Same KV layout, different KV: other weights, revision, compute dtype, TP rank.
+    model_ids = [
+        MID,
+        model_identity("test-model", revision="r2"),
+        model_identity("test-model", weights_digest="0f" * 16),
+        model_identity("other-model", revision="r1"),
+        model_identity("test-model", revision="r1", dtype="bfloat16"),
+        model_identity("test-model", revision="r1", tp_rank=1, tp_size=2),
+        model_identity("test-model", revision="r1", extra={"rope_scaling": "yarn-4"}),
+    ]
+    assert len(set(model_ids)) == len(model_ids)
     seen: set[str] = set()
     num_keys = 0
     for namespace in (None, "", "a", "b"):
         for fp in fingerprints:
-            keys = page_keys(tokens, 4, namespace, fp)
-            seen.update(keys)
-            num_keys += len(keys)
-    assert len(seen) == num_keys  # no key shared by any two (tenant, model) pairs
-    assert root_key(None, FP) != root_key("", FP)
-    # Length-prefixed salt: moving a character between fields gives another tenant.
-    assert root_key("ab", "c-fp") != root_key("a", "bc-fp")
+            for model_id in model_ids:
+                keys = page_keys(tokens, 4, namespace, fp, model_id)
+                seen.update(keys)
+                num_keys += len(keys)
+    assert len(seen) == num_keys  # no key shared by any two (tenant, layout, model) triples
+    assert root_key(None, FP, MID) != root_key("", FP, MID)
+    # Length-prefixed salt: moving a character between fields gives another salt.
+    assert root_key("ab", "c-fp", MID) != root_key("a", "bc-fp", MID)
+    assert root_key("a", "fp", "xmodel") != root_key("a", "fpx", "model")
+
+
+def test_model_identity_is_canonical_and_checked():
+    a = model_identity("m", revision="r", dtype="float16", extra={"x": "1", "y": "2"})
+    b = model_identity("m", extra={"y": "2", "x": "1"}, dtype="float16", revision="r")
+    assert a == b  # keyword order and mapping order do not matter
+    assert model_identity("m", revision="r") == model_identity("m", revision="r", tp_rank=0)
+    with pytest.raises(ValueError, match="weights_digest or revision"):
+        model_identity("m")
+    with pytest.raises(ValueError, match="name"):
+        model_identity("", revision="r")
+    with pytest.raises(ValueError, match="tp_rank"):
+        model_identity("m", revision="r", tp_rank=2, tp_size=2)
+    with pytest.raises(TypeError, match="tp_size"):
+        model_identity("m", revision="r", tp_size=2.0)
+    with pytest.raises(ValueError, match="dtype"):
+        model_identity("m", revision="r", dtype="")
+    with pytest.raises(TypeError, match="extra"):
+        model_identity("m", revision="r", extra={"x": 1})
+    for bad, error in ((None, TypeError), ("", ValueError), ("  ", ValueError), (3, TypeError)):
+        with pytest.raises(error, match="model_id"):
+            root_key(None, FP, bad)
 
 
 def test_key_and_token_validation():
     with pytest.raises(TypeError, match="integer"):
-        page_keys([1.0, 2.0, 3.0, 4.0], 4, None, FP)
+        page_keys([1.0, 2.0, 3.0, 4.0], 4, None, FP, MID)
     with pytest.raises(ValueError, match="non-negative"):
-        page_keys([1, -2, 3, 4], 4, None, FP)
+        page_keys([1, -2, 3, 4], 4, None, FP, MID)
     with pytest.raises(ValueError, match="1-D"):
-        page_keys(np.zeros((2, 4), dtype=np.int64), 4, None, FP)
+        page_keys(np.zeros((2, 4), dtype=np.int64), 4, None, FP, MID)
     with pytest.raises(ValueError, match="page_size"):
-        page_keys([1, 2], 0, None, FP)
+        page_keys([1, 2], 0, None, FP, MID)
     with pytest.raises(ValueError, match="fingerprint"):
-        page_keys([1, 2], 1, None, "")
+        page_keys([1, 2], 1, None, "", MID)
     for bad in ("../../etc/passwd", "ABCDEF" * 6, "abc", "g" * 32, "a" * 129):
         with pytest.raises(ValueError, match="hex"):
             check_key(bad)
     with pytest.raises(TypeError):
         check_key(b"a" * 32)
-    assert page_keys([], 4, None, FP) == []
+    assert page_keys([], 4, None, FP, MID) == []
 
 
 # ---- file backend -------------------------------------------------------------------
@@ -121,7 +158,7 @@ def test_file_round_trip_from_and_into_page_views(tmp_path):
     kv = KVConfig(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="bfloat16")
     host = torch.randn(6, 2, 2, 4, 2, 8).to(torch.bfloat16)  # (pages, layers, K/V, P, H, D)
     store = make_storage(f"file:{tmp_path}", page_nbytes=kv.page_nbytes)
-    keys = page_keys(np.arange(24), 4, "t", kv.fingerprint())
+    keys = page_keys(np.arange(24), 4, "t", kv.fingerprint(), MID)
     assert store.set(keys[:5], [host[i] for i in range(5)]) == 5
     assert store.exists(keys) == 5
     assert store.exists(keys[1:]) == 4
@@ -178,7 +215,7 @@ def test_file_capacity_evicts_least_recently_used_first(tmp_path):
     store = FileStorage(
         tmp_path, page_nbytes=page_nbytes, capacity_nbytes=4 * value_nbytes, low_watermark=1.0
     )
-    keys = [root_key(f"k{i}", FP) for i in range(7)]  # unrelated single pages
+    keys = [root_key(f"k{i}", FP, MID) for i in range(7)]  # unrelated single pages
     pages = make_pages(7, page_nbytes)
     buf = torch.zeros(page_nbytes, dtype=torch.uint8)
     for i in range(4):
@@ -228,7 +265,7 @@ def _race(root: str, key: str, page_nbytes: int, worker: int, rounds: int, q) ->
 
 def test_file_concurrent_processes_writing_one_key(tmp_path):
     page_nbytes = 256 * 1024
-    key = root_key("race", FP)
+    key = root_key("race", FP, MID)
     ctx = mp.get_context("fork")  # the workers touch files only, never torch
     q = ctx.Queue()
     procs = [
@@ -279,19 +316,19 @@ def test_file_threads_share_one_backend(tmp_path):
 
 def test_file_io_failure_is_a_storage_error(tmp_path):
     store = FileStorage(tmp_path, page_nbytes=64)
-    key = root_key("blocked", FP)
+    key = root_key("blocked", FP, MID)
     (tmp_path / key[:2]).write_bytes(b"not a directory")
     with pytest.raises(StorageError, match="write"):
         store.set([key], [bytes(64)])
     assert store.counters().num_errors == 1
-    assert store.exists([root_key("other", FP)]) == 0  # the backend keeps working
+    assert store.exists([root_key("other", FP, MID)]) == 0  # the backend keeps working
     store.close()
     with pytest.raises(StorageError, match="closed"):
         store.exists([key])
 
 
 def test_file_removes_stale_temp_files_on_open(tmp_path):
-    key = root_key("stale", FP)
+    key = root_key("stale", FP, MID)
     (tmp_path / key[:2]).mkdir()
     stale = tmp_path / key[:2] / f".{key}.1.2.3.tmp"
     fresh = tmp_path / key[:2] / f".{key}.1.2.4.tmp"
@@ -304,7 +341,7 @@ def test_file_removes_stale_temp_files_on_open(tmp_path):
 
 def test_bad_arguments_name_what_was_expected(tmp_path):
     store = FileStorage(tmp_path, page_nbytes=64)
-    key = root_key("x", FP)
+    key = root_key("x", FP, MID)
     with pytest.raises(ValueError, match="expected 64 bytes"):
         store.set([key], [bytes(63)])
     with pytest.raises(ValueError, match="writable"):

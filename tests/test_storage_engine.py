@@ -22,7 +22,7 @@ from hicache.benchmarks import multiturn
 from hicache.cache import HiCache
 from hicache.config import CacheConfig
 from hicache.engine import Engine
-from hicache.model import Model
+from hicache.model import Model, preset
 
 PAGE_SIZE = 16
 MAX_NEW_TOKENS = 6
@@ -175,7 +175,8 @@ def test_prefetch_keeps_the_host_only_prefix_it_extends(tmp_path):
     (the oldest host-only leaf), so the read was discarded and the prompt recomputed."""
     x = [1, 1, 2, 2, 3, 3, 4, 4]  # 4 pages of 2 tokens
     y = [7, 7, 8, 8, 9, 9, 5, 5]
-    cfg = dict(storage=f"file:{tmp_path}", executor="thread", prefetch_policy="wait_complete")
+    cfg = dict(storage=f"file:{tmp_path}", executor="thread", prefetch_policy="wait_complete",
+               model_id="test-model")
     with HiCache(CacheConfig(KV, device_tokens=16, host_tokens=16, **cfg)) as writer:
         serve(writer, x)
     cache = HiCache(CacheConfig(KV, device_tokens=8, host_tokens=12, **cfg))
@@ -190,6 +191,34 @@ def test_prefetch_keeps_the_host_only_prefix_it_extends(tmp_path):
     assert cache.stats()["storage_hit_tokens"] - before == 4  # x[4:] came from storage
     assert_quiescent(cache)
     cache.close()
+
+
+def test_models_with_one_kv_layout_sharing_a_store_never_mix_pages(tmp_path, model):
+    """Two models of the same preset (so the same KV layout) with different weights
+    share one directory: the second computes everything itself and generates what it
+    generates without a cache; the first model's weights, in a new object, hit."""
+    other = Model(preset("tiny"), seed=1)
+    assert other.kv_config(PAGE_SIZE) == model.kv_config(PAGE_SIZE)
+    prompt = PROMPTS[0]
+    whole = (len(prompt) - 1) // PAGE_SIZE * PAGE_SIZE
+    with Engine(model, "hierarchical", 512, 1024, storage=f"file:{tmp_path}") as a:
+        first = a.generate(prompt, MAX_NEW_TOKENS)
+    assert a.stats()["storage_write_bytes"] > 0
+    with Engine(other, "hierarchical", 512, 1024, storage=f"file:{tmp_path}",
+                prefetch_policy="wait_complete") as b:
+        r = b.generate(prompt, MAX_NEW_TOKENS)
+        b.check_integrity()
+    s = b.stats()
+    assert (s["storage_prefetches"], s["storage_hit_tokens"], r.host_hit_tokens) == (0, 0, 0)
+    assert r.computed_tokens == len(prompt)
+    assert r.tokens == no_cache_tokens(other, [prompt])[0]
+    assert r.tokens != first.tokens  # the two models really differ
+    with Engine(Model(preset("tiny"), seed=0), "hierarchical", 512, 1024,
+                storage=f"file:{tmp_path}", prefetch_policy="wait_complete") as c:
+        again = c.generate(prompt, MAX_NEW_TOKENS)
+        c.check_integrity()
+    assert c.stats()["storage_hit_tokens"] == again.host_hit_tokens == whole
+    assert again.tokens == first.tokens
 
 
 def test_engine_prefetch_announces_a_request(tmp_path, model):

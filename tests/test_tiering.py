@@ -8,13 +8,15 @@ from test_cache import KV, assert_quiescent, compute, read_prefix, serve
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig
+from hicache.storage import model_identity
 from hicache.tree import token_key
 
 A = [1, 1, 2, 2, 3, 3, 4, 4]
 
 
 def make(tmp_path, **kw) -> HiCache:
-    cfg = dict(device_tokens=8, host_tokens=16, storage=f"file:{tmp_path}", executor="thread")
+    cfg = dict(device_tokens=8, host_tokens=16, storage=f"file:{tmp_path}", executor="thread",
+               model_id="test-model")
     cfg.update(kw)
     return HiCache(CacheConfig(KV, **cfg))
 
@@ -119,11 +121,55 @@ def test_store_going_away_keeps_serving_and_counts_errors(tmp_path):
     cache.transfers.close()
 
 
+def test_models_sharing_a_store_never_read_each_others_pages(tmp_path):
+    """Equal keys mean equal KV: the model identity is in every key, so a cache of another
+    model with the same KV layout (another revision here) gets no page of this one."""
+    r1, r2 = model_identity("m", revision="1"), model_identity("m", revision="2")
+    with make(tmp_path, model_id=r1) as first:
+        serve(first, A)
+    other = make(tmp_path, model_id=r2, prefetch_policy="wait_complete")
+    assert other.prefetch(A) is None  # nothing stored for this model
+    h = other.match(A)
+    assert h.prefix_len == 0  # before: 8, the other model's KV
+    other.release(h)
+    serve(other, A)  # computes and stores its own pages next to the first model's
+    other.wait_all()
+    s = other.stats()
+    assert (s["storage_prefetches"], s["storage_hit_tokens"]) == (0, 0)
+    assert s["storage_write_bytes"] == 4 * KV.page_nbytes  # not "already stored"
+    assert_quiescent(other)
+    other.close()
+    same = make(tmp_path, model_id=r1, prefetch_policy="wait_complete")
+    h = same.match(A)
+    assert h.prefix_len == 8  # the same model still gets its pages
+    read_prefix(same, h, A)
+    same.release(h)
+    assert_quiescent(same)
+    same.close()
+
+
+@pytest.mark.parametrize(
+    ("model_id", "error", "match"),
+    [(None, ValueError, "expected a model_id"), ("", ValueError, "non-empty"),
+     (" ", ValueError, "non-empty"), (7, TypeError, "model_id: expected"),
+     (b"m", TypeError, "model_id: expected")],
+)
+def test_storage_without_a_model_identity_is_refused(tmp_path, model_id, error, match):
+    with pytest.raises(error, match=match):
+        CacheConfig(KV, device_tokens=8, host_tokens=16, storage=f"file:{tmp_path}",
+                    model_id=model_id)
+    assert not any(tmp_path.iterdir())  # refused before anything was opened
+    if model_id is not None:  # a bad identity is refused without storage too
+        with pytest.raises(error, match=match):
+            CacheConfig(KV, device_tokens=8, host_tokens=16, model_id=model_id)
+
+
 def test_storage_needs_a_host_tier(tmp_path):
     with pytest.raises(ValueError, match="host tier"):
-        HiCache(CacheConfig(KV, device_tokens=8, storage=f"file:{tmp_path}"))
+        HiCache(CacheConfig(KV, device_tokens=8, storage=f"file:{tmp_path}", model_id="m"))
     with pytest.raises(ValueError, match="storage spec"):
-        HiCache(CacheConfig(KV, device_tokens=8, host_tokens=8, storage="ftp://x"))
+        HiCache(CacheConfig(KV, device_tokens=8, host_tokens=8, storage="ftp://x",
+                            model_id="m"))
 
 
 def test_split_while_storage_write_pinned(tmp_path):

@@ -26,7 +26,14 @@ from hicache.storage.base import (
     StorageError,
 )
 from hicache.storage.file import FileStorage
-from hicache.storage.keys import check_key, extend_keys, page_keys, root_key
+from hicache.storage.keys import (
+    check_key,
+    check_model_id,
+    extend_keys,
+    model_identity,
+    page_keys,
+    root_key,
+)
 
 __all__ = [
     "VALUE_HEADER_NBYTES",
@@ -35,8 +42,10 @@ __all__ = [
     "StorageCounters",
     "StorageError",
     "check_key",
+    "check_model_id",
     "extend_keys",
     "make_storage",
+    "model_identity",
     "page_keys",
     "root_key",
 ]

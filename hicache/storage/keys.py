@@ -1,17 +1,22 @@
 """Page keys for the storage tier: chained hashes of page tokens.
 
-A page's key covers its whole prefix, so equal keys mean equal KV (for one model
-layout), and the keys of a prefix are exactly the leading keys of any longer
-sequence that starts with it::
+A page's key covers its whole prefix and the model that computed it, so equal
+keys mean equal KV, and the keys of a prefix are exactly the leading keys of any
+longer sequence that starts with it::
 
-    root   = H(version, namespace, fingerprint)          # the salt
+    root   = H(version, namespace, fingerprint, model_id)   # the salt
     key_0  = H(root  || tokens[0 : P])
     key_1  = H(key_0 || tokens[P : 2P])
-    ...                                                  # a partial last page has no key
+    ...                                                     # a partial last page has no key
 
-The salt keeps tenants (namespace) and model layouts (``KVConfig.fingerprint()``)
-apart. Tokens are hashed as little-endian int64 bytes whatever the input type, so
-a list, an int32 array and an int64 tensor of the same ids give the same keys.
+The salt keeps tenants (``namespace``), KV layouts (``KVConfig.fingerprint()``:
+layers, KV heads, head dim, KV dtype, page size) and models (``model_id``) apart.
+The layout alone is not enough: two models with the same shapes and different
+weights (a fine-tune, another revision, another tensor-parallel rank's heads)
+compute different KV for the same tokens. :func:`model_identity` builds a
+``model_id`` from what identifies a model's KV. Tokens are hashed as
+little-endian int64 bytes whatever the input type, so a list, an int32 array and
+an int64 tensor of the same ids give the same keys.
 
 This module knows nothing about where pages are stored or what KV they hold.
 """
@@ -19,14 +24,15 @@ This module knows nothing about where pages are stored or what KV they hold.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 
 KEY_DIGEST_NBYTES = 16  # 32 hex characters; collisions need ~2**64 pages
 KEY_HEX_LEN = 2 * KEY_DIGEST_NBYTES
-_KEY_VERSION = b"hicache-page-key-v1"
+_KEY_VERSION = b"hicache-page-key-v2"  # v2: the salt names the model
 _HEX_DIGITS = frozenset("0123456789abcdef")
 
 TokenSeq = Sequence[int] | np.ndarray | torch.Tensor
@@ -36,8 +42,72 @@ def _hash(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=KEY_DIGEST_NBYTES).digest()
 
 
-def root_key(namespace: str | None, fingerprint: str) -> str:
-    """The chain seed of one tenant and one model layout, as a hex key.
+def model_identity(
+    name: str,
+    *,
+    weights_digest: str | None = None,
+    revision: str | None = None,
+    dtype: str | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    extra: Mapping[str, str] | None = None,
+) -> str:
+    """A ``model_id`` for :func:`root_key`: one canonical string per model whose KV differs.
+
+    ``name`` is the model's name or path; ``weights_digest`` (a hash of the weights)
+    or ``revision`` (an immutable checkpoint revision) says which weights, at least
+    one is required; ``dtype`` is the compute dtype (it changes the KV even when the
+    KV is stored in another dtype); ``tp_rank``/``tp_size`` name the slice of KV heads
+    a tensor-parallel rank holds; ``extra`` carries anything else that changes the KV
+    (RoPE scaling, quantization recipe ...). Equal inputs give equal strings in any
+    process; any differing field gives a different string.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name: expected a non-empty str, got {name!r}")
+    if weights_digest is None and revision is None:
+        raise ValueError(
+            "model_identity: expected weights_digest or revision (which weights computed "
+            "the KV), got neither"
+        )
+    fields: dict[str, object] = {"name": name}
+    for field_name, value in (
+        ("weights_digest", weights_digest), ("revision", revision), ("dtype", dtype)
+    ):
+        if value is not None:
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{field_name}: expected a non-empty str, got {value!r}")
+            fields[field_name] = value
+    for field_name, value in (("tp_rank", tp_rank), ("tp_size", tp_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{field_name}: expected int, got {type(value).__name__}")
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank: expected 0 <= tp_rank < tp_size={tp_size}, got {tp_rank}")
+    fields["tp"] = [tp_rank, tp_size]
+    if extra:
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in extra.items()):
+            raise TypeError(f"extra: expected a mapping of str to str, got {dict(extra)!r}")
+        fields["extra"] = dict(extra)
+    # JSON with sorted keys: canonical, and no choice of strings makes two fields collide.
+    return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def check_model_id(model_id: object) -> str:
+    """Return ``model_id`` if it is a non-empty str, else raise naming what was expected."""
+    if not isinstance(model_id, str):
+        raise TypeError(
+            f"model_id: expected a non-empty str naming the model (see "
+            f"hicache.storage.model_identity), got {type(model_id).__name__}"
+        )
+    if not model_id.strip():
+        raise ValueError(
+            f"model_id: expected a non-empty str naming the model (see "
+            f"hicache.storage.model_identity), got {model_id!r}"
+        )
+    return model_id
+
+
+def root_key(namespace: str | None, fingerprint: str, model_id: str) -> str:
+    """The chain seed of one tenant, one KV layout and one model, as a hex key.
 
     ``namespace=None`` and ``namespace=""`` are different tenants.
     """
@@ -45,10 +115,11 @@ def root_key(namespace: str | None, fingerprint: str) -> str:
         raise TypeError(f"namespace: expected str or None, got {type(namespace).__name__}")
     if not isinstance(fingerprint, str) or not fingerprint:
         raise ValueError(f"fingerprint: expected a non-empty str, got {fingerprint!r}")
+    check_model_id(model_id)
     # Length-prefixed fields: no choice of strings can make two salts collide.
     parts = [_KEY_VERSION]
     ns = b"\x00" if namespace is None else b"\x01" + namespace.encode()
-    for field in (ns, fingerprint.encode()):
+    for field in (ns, fingerprint.encode(), model_id.encode()):
         parts.append(len(field).to_bytes(8, "little"))
         parts.append(field)
     return _hash(b"".join(parts)).hex()
@@ -96,13 +167,13 @@ def extend_keys(prefix_key: str, tokens: TokenSeq, page_size: int) -> list[str]:
 
 
 def page_keys(
-    tokens: TokenSeq, page_size: int, namespace: str | None, fingerprint: str
+    tokens: TokenSeq, page_size: int, namespace: str | None, fingerprint: str, model_id: str
 ) -> list[str]:
     """Keys of the whole pages of a token sequence from its start.
 
     ``page_keys(t[:n*P], ...) == page_keys(t, ...)[:n]`` for every ``n``.
     """
-    return extend_keys(root_key(namespace, fingerprint), tokens, page_size)
+    return extend_keys(root_key(namespace, fingerprint, model_id), tokens, page_size)
 
 
 def check_key(key: object) -> str:
