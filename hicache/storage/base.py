@@ -237,6 +237,12 @@ class StorageBackend(ABC):
         return [check_key(k) for k in keys]
 
     def _run(self, op: Any, *args: Any) -> int:
+        """Run a primitive; whatever it raises reaches the caller as a counted StorageError.
+
+        Arguments were validated before, so an exception here is the backend's
+        failure (an ``OSError`` a primitive did not expect, a client library's own
+        error), never the caller's mistake: the cache catches one type and carries on.
+        """
         if self._closed:
             raise StorageError(f"{type(self).__name__} is closed")
         try:
@@ -244,3 +250,6 @@ class StorageBackend(ABC):
         except StorageError:
             self._count(num_errors=1)
             raise
+        except Exception as e:
+            self._count(num_errors=1)
+            raise StorageError(f"{type(self).__name__}: {type(e).__name__}: {e}") from e

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import stat
 import threading
 import time
 from pathlib import Path
@@ -91,11 +92,13 @@ class FileStorage(StorageBackend):
     def _exists(self, keys: list[str]) -> int:
         for i, key in enumerate(keys):
             try:
-                os.stat(self._path(key))
-            except FileNotFoundError:
+                st = os.stat(self._path(key))
+            except (FileNotFoundError, NotADirectoryError):
                 return i
             except OSError as e:
                 raise StorageError(f"file storage: stat {key}: {e}") from e
+            if not stat.S_ISREG(st.st_mode):
+                return i  # a FIFO, directory ... in a page's place holds no page
         return len(keys)
 
     def _get_into(self, keys: list[str], views: list[memoryview]) -> int:
@@ -103,15 +106,18 @@ class FileStorage(StorageBackend):
         for i, (key, view) in enumerate(zip(keys, views, strict=True)):
             path = self._path(key)
             try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
+                # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a
+                # writer forever. It changes nothing for a regular file.
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+            except (FileNotFoundError, NotADirectoryError):
                 return i
             except OSError as e:
                 raise StorageError(f"file storage: open {path}: {e}") from e
             try:
                 st = os.fstat(fd)
                 intact = (
-                    st.st_size == self.value_nbytes
+                    stat.S_ISREG(st.st_mode)
+                    and st.st_size == self.value_nbytes
                     and os.readv(fd, [header, view]) == self.value_nbytes
                     and check_value(key, header, view)
                 )
@@ -127,11 +133,23 @@ class FileStorage(StorageBackend):
 
     def _set(self, keys: list[str], views: list[memoryview]) -> int:
         num_written = 0
-        for key, view in zip(keys, views, strict=True):
+        num_stored = len(keys)
+        for i, (key, view) in enumerate(zip(keys, views, strict=True)):
             path = self._path(key)
-            if path.exists():
+            try:
+                st = os.stat(path)
+            except (FileNotFoundError, NotADirectoryError):
+                st = None
+            except OSError as e:
+                raise StorageError(f"file storage: stat {path}: {e}") from e
+            if st is not None and stat.S_ISREG(st.st_mode):
                 self._stamp(path)  # a re-offered page is a recent page
                 continue
+            if st is not None and stat.S_ISDIR(st.st_mode):
+                # Not ours to remove, and os.replace cannot go over it: the pages
+                # from here on cannot be stored (a FIFO or socket is replaced below).
+                num_stored = i
+                break
             self._write(path, key, view)
             num_written += 1
         if num_written:
@@ -140,7 +158,7 @@ class FileStorage(StorageBackend):
                 self._tracked_nbytes += num_written * self.value_nbytes
             if self.capacity_nbytes is not None and self._tracked_nbytes > self.capacity_nbytes:
                 self._evict()
-        return len(keys)
+        return num_stored
 
     def _delete(self, keys: list[str]) -> int:
         num_deleted = 0
@@ -191,17 +209,27 @@ class FileStorage(StorageBackend):
             raise StorageError(f"file storage: write {path}: {e}") from e
 
     def _drop_corrupt(self, path: Path, read_stat: os.stat_result) -> None:
+        """Count a value that failed verification and remove it when it is a file.
+
+        Best effort: a store that cannot be written (read-only mount) still serves
+        its intact pages, so a failed removal is counted, not raised. A directory in
+        a page's place is left alone (removing a tree is not a cache's business).
+        """
         self._count(num_corrupt_values=1)
+        if stat.S_ISDIR(read_stat.st_mode):
+            return
         try:
             # Another process may have replaced the bad file with a good one meanwhile.
             if os.stat(path).st_ino == read_stat.st_ino:
                 os.unlink(path)
         except FileNotFoundError:
             return
-        except OSError as e:
-            raise StorageError(f"file storage: remove corrupt {path}: {e}") from e
-        with self._lock:
-            self._tracked_nbytes = max(0, self._tracked_nbytes - read_stat.st_size)
+        except OSError:
+            self._count(num_errors=1)
+            return
+        if stat.S_ISREG(read_stat.st_mode):
+            with self._lock:
+                self._tracked_nbytes = max(0, self._tracked_nbytes - read_stat.st_size)
 
     def _next_stamp(self) -> int:
         # Strictly increasing within the process, so LRU order is exact even when
@@ -211,11 +239,13 @@ class FileStorage(StorageBackend):
             return self._last_stamp_ns
 
     def _stamp(self, path: Path) -> None:
+        """Mark ``path`` recently used. Best effort: recency is a hint for clean-up, and
+        a read-only store (mount, permissions) must still serve reads."""
         stamp = self._next_stamp()
         try:
             os.utime(path, ns=(stamp, stamp))
-        except FileNotFoundError:
-            pass  # evicted by someone else since: nothing to keep fresh
+        except OSError:
+            pass  # evicted by someone else since, or the store is read-only
 
     def _scan(self, *, remove_stale: bool = False) -> list[tuple[int, int, str]]:
         """(mtime_ns, nbytes, path) of every value file; optionally drop dead temp files."""
@@ -226,12 +256,17 @@ class FileStorage(StorageBackend):
             for sub in subdirs:
                 for entry in os.scandir(sub.path):
                     try:
-                        st = entry.stat()
+                        st = entry.stat(follow_symlinks=False)
                     except FileNotFoundError:
                         continue
+                    if not stat.S_ISREG(st.st_mode):
+                        continue  # not a value (nor ours to remove)
                     if entry.name.startswith("."):
                         if remove_stale and now - st.st_mtime > _STALE_TEMP_AGE_S:
-                            _unlink_quietly(entry.path)
+                            try:
+                                _unlink_quietly(entry.path)
+                            except OSError:
+                                pass  # read-only store: stale temp files stay harmless
                         continue
                     entries.append((st.st_mtime_ns, st.st_size, entry.path))
         except OSError as e:
@@ -248,8 +283,12 @@ class FileStorage(StorageBackend):
             for _, nbytes, path in entries:
                 if total <= target:
                     break
-                if _unlink_quietly(path):
-                    num_evicted += 1
+                try:
+                    if _unlink_quietly(path):
+                        num_evicted += 1
+                except OSError:  # cannot remove it (permissions): it still takes room
+                    self._count(num_errors=1)
+                    continue
                 total -= nbytes
             with self._lock:
                 self._tracked_nbytes = total
