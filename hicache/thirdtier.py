@@ -51,8 +51,11 @@ class ThirdTierMixin:
         """Start reading the pages of ``tokens`` that only storage holds into host memory.
 
         Call it when a request arrives; :meth:`match` (when the request is scheduled)
-        then uses what has arrived, as ``prefetch_policy`` says. Returns the job, or
-        ``None`` when there is no third tier or nothing to fetch.
+        then uses what has arrived, as ``prefetch_policy`` says. A read in flight that
+        fetches the same tokens' pages is shared, and one that fetches a prefix of them
+        is continued after (reads finish in the order they start). Returns the job that
+        brings the last of the pages, or ``None`` when there is no third tier or
+        nothing to fetch.
         """
         self.poll()
         if self.storage is None:
@@ -64,20 +67,31 @@ class ThirdTierMixin:
 
         pnb = 4 * self.page_size
         start = self.tree.probe_key(key, namespace) // self.page_size
-        if start >= len(key) // pnb:
+        end = len(key) // pnb  # whole pages of the request
+        if start >= end:
             return None
-        for job in self._prefetches:  # already on its way
-            if (job.namespace == namespace and job.start_page == start
-                    and job.token_key[: start * pnb] == key[: start * pnb]):
-                return job
+        covering = None
+        # Reads in flight that fetch exactly this sequence's next pages (same tenant,
+        # same tokens up to the end of what they fetch) are already on their way; a
+        # request that goes further continues after them. A job is compared by its
+        # tokens, not only where it starts: two prompts with nothing cached both start
+        # at page 0 and share nothing.
+        while start < end:
+            job = self._prefetch_continuing(key, namespace, start, end)
+            if job is None:
+                break
+            covering = job
+            start = job.start_page + job.host_pages.shape[0]
+        if start >= end:
+            return covering
         keys = self._page_keys(key, namespace)[start:]
         try:
             num_pages = self.storage.backend.exists(keys)
         except StorageError:  # unreachable store: serve from device and host, count it
             self._counters.storage_errors += 1
-            return None
+            return covering
         if num_pages == 0:
-            return None
+            return covering
         # The fetched pages extend the cached prefix: its host-only part is the oldest
         # host leaf, so making room for them would evict it first and waste the read.
         held = []
@@ -90,7 +104,7 @@ class ThirdTierMixin:
         for node in held:
             self.tree.host_unlock(node)
         if host_pages is None:
-            return None
+            return covering
         job = StorageJob("read", keys[:num_pages], host_pages)
         job.token_key = key[: (start + num_pages) * pnb]
         job.namespace = namespace
@@ -99,6 +113,18 @@ class ThirdTierMixin:
         self.storage.submit(job)
         self._counters.storage_prefetches += 1
         return job
+
+    def _prefetch_continuing(self, key: bytes, namespace: str | None, start: int, end: int):
+        """The read in flight that fetches pages ``start`` onward of ``key`` (at least one
+        of them, all as ``key`` has them up to ``end``), or None."""
+        pnb = 4 * self.page_size
+        for job in self._prefetches:
+            if job.namespace != namespace or job.start_page != start:
+                continue
+            num_common = min(len(job.token_key), end * pnb)
+            if job.token_key[:num_common] == key[:num_common]:
+                return job
+        return None
 
     def _prefetch_for_match(self, key: bytes, namespace: str | None) -> None:
         job = self._start_prefetch(key, namespace)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from test_cache import KV, assert_quiescent, compute, read_prefix, serve
@@ -162,6 +164,86 @@ def test_storage_without_a_model_identity_is_refused(tmp_path, model_id, error, 
     if model_id is not None:  # a bad identity is refused without storage too
         with pytest.raises(error, match=match):
             CacheConfig(KV, device_tokens=8, host_tokens=16, model_id=model_id)
+
+
+def store_prompts(tmp_path, *prompts: list[int]) -> None:
+    """A first cache (room for everything: no backup skipped) computes and stores them."""
+    with make(tmp_path, device_tokens=32, host_tokens=64) as first:
+        for tokens in prompts:
+            serve(first, tokens)
+
+
+def hold_reads(cache: HiCache) -> threading.Event:
+    """Storage reads wait for the returned event: prefetches stay in flight meanwhile."""
+    gate = threading.Event()
+    backend = cache.storage.backend
+    get_into = backend.get_into
+
+    def gated(keys, views):
+        gate.wait(10)
+        return get_into(keys, views)
+
+    backend.get_into = gated
+    return gate
+
+
+def test_prefetches_of_two_prompts_with_nothing_cached_both_fetch(tmp_path):
+    """Both start at page 0 of one namespace; before, the second was taken for the first
+    ("already on its way") and its storage hits were lost."""
+    b = [9, 9, 8, 8, 7, 7, 6, 6]
+    store_prompts(tmp_path, A, b)
+    cache = make(tmp_path, host_tokens=32, prefetch_policy="best_effort")
+    gate = hold_reads(cache)
+    job_a, job_b = cache.prefetch(A), cache.prefetch(b)
+    assert job_a is not None and job_b is not None and job_b is not job_a
+    assert (job_b.start_page, len(job_b.keys)) == (0, 4)
+    gate.set()
+    cache.wait_all()
+    for tokens in (A, b):
+        h = cache.match(tokens)
+        assert (h.device_len, h.host_len) == (0, 8)
+        read_prefix(cache, h, tokens)
+        cache.release(h)
+    s = cache.stats()
+    assert (s["storage_prefetches"], s["storage_hit_tokens"]) == (2, 16)
+    assert s["storage_read_bytes"] == 8 * KV.page_nbytes
+    assert_quiescent(cache)
+    cache.close()
+
+
+def test_prefetch_joins_or_continues_reads_in_flight_by_their_tokens(tmp_path):
+    c = A[:4] + [6, 6, 5, 5]  # shares A's pages 0-1
+    d = A[:2] + [7, 7, 5, 5, 6, 6]  # shares A's page 0 only
+    store_prompts(tmp_path, A, c, d)
+    cache = make(tmp_path, host_tokens=32, prefetch_policy="best_effort")
+    gate = hold_reads(cache)
+    first = cache.prefetch(A[:4])
+    assert (first.start_page, len(first.keys)) == (0, 2)
+    assert cache.prefetch(A[:4]) is first  # the same pages: already on their way
+    assert cache.prefetch(A[:2]) is first  # a prefix of them too
+    rest_a = cache.prefetch(A)  # goes further: continues after the read in flight
+    assert (rest_a.start_page, len(rest_a.keys)) == (2, 2)
+    assert cache.prefetch(A) is rest_a
+    rest_c = cache.prefetch(c)  # same pages 0-1, its own pages 2-3
+    assert (rest_c.start_page, len(rest_c.keys)) == (2, 2)
+    whole_d = cache.prefetch(d)  # differs inside the first read: a read of its own
+    assert (whole_d.start_page, len(whole_d.keys)) == (0, 4)
+    assert len({id(j) for j in (first, rest_a, rest_c, whole_d)}) == 4
+    cache.check_integrity()
+    gate.set()
+    cache.wait_all()
+    for tokens, device_len in ((A, 0), (c, 4), (d, 2)):  # shared pages loaded before
+        h = cache.match(tokens)
+        assert (h.device_len, h.host_len) == (device_len, 8 - device_len)
+        read_prefix(cache, h, tokens)
+        cache.release(h)
+    s = cache.stats()
+    assert s["storage_prefetches"] == 4
+    assert s["storage_read_bytes"] == 10 * KV.page_nbytes
+    # d's page 0 arrived twice: the tree kept the first copy and the second was freed.
+    assert s["storage_hit_tokens"] == 2 * (4 + 2 + 3)
+    assert_quiescent(cache)
+    cache.close()
 
 
 def test_storage_needs_a_host_tier(tmp_path):
