@@ -57,10 +57,12 @@ def bounded(fn: Callable[[], object], what: str, fifos: tuple[Path, ...] = ()) -
     thread.start()
     thread.join(BOUND_S)
     if thread.is_alive():
-        while thread.is_alive():  # a reader may open the FIFO again: keep releasing
+        for _ in range(100):  # a reader may open the FIFO again: keep releasing a while
             for fifo in fifos:
                 release_fifo(fifo)
             thread.join(0.1)
+            if not thread.is_alive():
+                break
         pytest.fail(f"{what} did not return within {BOUND_S} s (blocked on a FIFO)")
     if "error" in out:
         raise out["error"]  # type: ignore[misc]
