@@ -11,8 +11,12 @@ Safety across threads and processes that share a directory:
   new file, or none, never a torn one; two writers of one key both win whole;
 - reads use ``readv`` straight into the caller's buffer, verify, and remove a
   value that fails (only if the name still points at the file that was read);
+- only regular files are values: anything else in a page's place (a FIFO, a
+  directory) is a miss, and values are opened with ``O_NONBLOCK`` so a FIFO
+  cannot block a reader;
 - recency lives in the file's mtime: a hit stamps it, so every process sees one
-  LRU order. With ``capacity_nbytes`` set, a write that takes this process's view
+  LRU order. Stamps and removals are best effort, so a read-only store still
+  serves every intact page. With ``capacity_nbytes`` set, a write that takes this process's view
   of the total past the cap scans the directory (the truth, including other
   processes' files) and removes oldest-first down to ``low_watermark * cap``.
   Between scans a process does not see other writers, so several writers can
