@@ -10,18 +10,21 @@ install: $(STAMP)
 
 # Torch first, pinned: with no GPU, `pip install torch==2.13.0` takes the local CPU
 # build instead of a multi-GB CUDA one. The project's own range then installs nothing more.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py buildtools/backend.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
 		$(PY) -m pip install -q torch; \
 	else \
 		$(PY) -m pip install -q torch==2.13.0; \
 	fi
-	$(PY) -m pip install -q -e '.[dev]'
-	# Build the native extension (radix tree, page free list, lifecycle) once now (about a minute),
-	# not inside the first demo or test run. Without a compiler this only reports it:
-	# the Python tree and the numpy allocator are the fallbacks.
-	$(PY) -c "from hicache.jit import native_available as ok; print('native extension:', 'built' if ok() else 'unavailable (Python fallbacks)')"
+	# setup.py compiles the native extension (radix tree, page free list, lifecycle) into
+	# the package now, once, against the torch above (hence no build isolation), not in the
+	# first demo or test run. Without a compiler the install still succeeds: the Python tree
+	# and the numpy allocator are the fallbacks.
+	$(PY) -m pip install -q 'setuptools>=77' ninja
+	@echo 'installing hicache and compiling its native extension (about a minute)'
+	$(PY) -m pip install -q --no-build-isolation -e '.[dev]'
+	$(PY) -c "from hicache import jit; print('native extension:', jit.native_origin() or 'unavailable (Python fallbacks): ' + jit.native_unavailable_reason())"
 	touch $(STAMP)
 
 demo: install
@@ -34,4 +37,4 @@ lint: install
 	$(VENV)/bin/ruff check hicache tests bench
 
 clean:
-	rm -rf $(VENV) build .pytest_cache
+	rm -rf $(VENV) build .pytest_cache hicache/_native*.so hicache/_native_build.json

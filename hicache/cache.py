@@ -23,6 +23,7 @@ The cache is not thread-safe; one engine loop drives it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -32,7 +33,7 @@ from hicache.config import CacheConfig, WritePolicy
 from hicache.handle import LoadError, PrefixHandle  # noqa: F401  (LoadError: re-exported)
 from hicache.lifecycle import NativeLifecycleMixin
 from hicache.thirdtier import ThirdTierMixin
-from hicache.tree import IOStatus, MatchResult, TokenLike, TreeNode, token_key
+from hicache.tree import IOStatus, MatchResult, TokenLike, TreeNode, _check_namespace, token_key
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -88,11 +89,12 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
     """Hierarchical (device + host) prefix cache. See the module docstring for the lifecycle."""
 
     def __init__(self, config: CacheConfig) -> None:
-        from hicache.pool import DevicePool, HostPool
+        from hicache.pool import DevicePool, HostPool, check_cache_memory
         from hicache.transfer import TransferEngine
 
         if not isinstance(config, CacheConfig):
             raise TypeError(f"config: expected CacheConfig, got {type(config).__name__}")
+        check_cache_memory(config)  # before any pool or page allocator is built
         self.config = config
         self.page_size = config.page_size
         self.tree = _make_tree(config)  # split hook: only while IO or a pin is tracked
@@ -147,6 +149,7 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
         """
         if not isinstance(load_back, bool):
             raise TypeError(f"load_back: expected bool, got {type(load_back).__name__}")
+        _check_namespace(namespace)  # before storage keys are derived from it
         if self._core is not None:  # bookkeeping only: nothing is ever in flight to poll
             return self._match_native(tokens, namespace, load_back)
         self.poll()
@@ -400,8 +403,10 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
         if timeout is not None:
             if isinstance(timeout, bool) or not isinstance(timeout, int | float):
                 raise TypeError(f"timeout: expected seconds or None, got {type(timeout).__name__}")
-            if timeout < 0:
+            if not timeout >= 0:
                 raise ValueError(f"timeout: expected >= 0, got {timeout}")
+            if math.isinf(timeout):  # waits take a finite timeout: infinity is no limit
+                timeout = None
         for rec in list(self._inflight.values()):
             rec.handle.wait(timeout)
         self.poll()  # finished backups may start storage writes

@@ -1,8 +1,10 @@
-"""The ``hicache`` command: demo, replay, trace, bench, stress.
+"""The hicache command: demo, replay, trace, bench, stress.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 ``run(args) -> int``; this file only wires them up, importing a module when its
-subcommand runs so that ``hicache --help`` stays fast.
+subcommand runs so that ``hicache --help`` stays fast, and applies the error
+contract of :mod:`hicache.cliargs`: a user's mistake is one line on stderr and
+exit status 2.
 """
 
 from __future__ import annotations
@@ -11,26 +13,45 @@ import argparse
 import importlib
 import sys
 
+from hicache.cliargs import Parser, run_guarded
+
+DESCRIPTION = (
+    "hicache: a hierarchical GPU/CPU KV-cache manager. Run a workload through it (demo), "
+    "replay request traces (replay, trace), measure it (bench) or attack it (stress)."
+)
+
 # (command, module, help)
 _COMMANDS = [
-    ("demo", "hicache.demo", "the main job: an agentic workload through no cache, device cache "
-     "and the hierarchy, with a comparison table"),
-    ("replay", "hicache.replay", "replay a trace through the cache (bookkeeping only) and report "
-     "hit ratios"),
-    ("trace", "hicache.traces", "make synthetic traces in the shared JSONL format"),
+    ("demo", "hicache.demo", "the main job: an agentic workload through no cache, a device "
+     "cache and the hierarchy, with a comparison table"),
+    ("replay", "hicache.replay", "replay a trace through the cache (bookkeeping only, no KV) "
+     "and report hit ratios"),
+    ("trace", "hicache.traces", "make synthetic traces, or summarize one"),
     ("stress", "hicache.stress", "concurrent requests with random delays and faults; verifies "
      "every KV read"),
 ]
 
 # (bench name, module, help)
 _BENCHES = [
-    ("transfer", "hicache.benchmarks.transfer", "backup/load bandwidth vs a contiguous copy"),
-    ("recompute", "hicache.benchmarks.recompute", "recompute vs reload latency per prefix length"),
-    ("multiturn", "hicache.benchmarks.multiturn", "TTFT and computed tokens: none / device / "
-     "hierarchical (+ small host, + storage tier)"),
-    ("tiers", "hicache.benchmarks.tiers", "host tier in replay: hit ratio and req/s against "
+    ("transfer", "hicache.benchmarks.transfer", "backup/load bandwidth against a contiguous copy"),
+    ("recompute", "hicache.benchmarks.recompute", "recompute against reload latency per prefix "
+     "length"),
+    ("multiturn", "hicache.benchmarks.multiturn", "TTFT and computed tokens: no cache, device "
+     "cache, hierarchy (+ small host tier, + storage tier)"),
+    ("tiers", "hicache.benchmarks.tiers", "host tier in replay: hit ratio and requests/s against "
      "device-only on one trace"),
 ]
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hicache")
+    except PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
+        from hicache import __version__
+
+        return __version__
 
 
 def _add(subparsers, name: str, module: str, help_text: str) -> None:
@@ -41,15 +62,20 @@ def _add(subparsers, name: str, module: str, help_text: str) -> None:
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hicache", description=__doc__.splitlines()[0])
+    """The whole parser; only the subcommand named in ``argv`` imports its module."""
+    parser = Parser(prog="hicache", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"hicache {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     wanted = argv[0] if argv else None
+    everything = wanted is None or wanted.startswith("-")
     for name, module, help_text in _COMMANDS:
-        if wanted in (None, name) or wanted.startswith("-"):
+        if everything or wanted == name:
             _add(sub, name, module, help_text)
         else:
             sub.add_parser(name, help=help_text)
-    bench = sub.add_parser("bench", help="benchmarks (each ends with one JSON line)")
+    bench = sub.add_parser("bench", help="benchmarks (with --json: one JSON line)",
+                           description="Benchmarks. Each prints a table, or with --json one "
+                           "JSON object on one line.")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     wanted_bench = argv[1] if wanted == "bench" and len(argv) > 1 else None
     for name, module, help_text in _BENCHES:
@@ -60,10 +86,16 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def _prog(args: argparse.Namespace) -> str:
+    parts = ["hicache", getattr(args, "command", None), getattr(args, "bench", None),
+             getattr(args, "trace_command", None)]
+    return " ".join(p for p in parts if p)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
-    return int(args._run(args) or 0)
+    return run_guarded(args._run, args, _prog(args))
 
 
 if __name__ == "__main__":

@@ -7,8 +7,12 @@ not deep inside a transfer. This module knows torch only to name dtypes.
 
 from __future__ import annotations
 
+import math
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import torch
 
@@ -134,6 +138,9 @@ def _enum(cls: type[Enum], name: str, value: object) -> Enum:
 
 
 GiB = 1 << 30
+HOST_SIZE_FIELDS = ("host_tokens", "host_nbytes", "host_ratio", "host_gb")  # at most one
+DEVICE_SIZE_FIELDS = ("device_tokens", "device_nbytes")  # exactly one
+_MAX_PAGES = 1 << 48  # beyond any machine; keeps page counts far inside int64
 
 
 @dataclass(frozen=True)
@@ -141,8 +148,10 @@ class CacheConfig:
     """Everything a :class:`hicache.HiCache` needs: KV shape, tier sizes, policies.
 
     Device capacity is given in tokens or bytes (exactly one); host capacity in
-    tokens, bytes, or as a ratio of the device capacity (at most one; none means
-    no host tier). Sizes are rounded down to whole pages.
+    tokens, bytes, GB or as a ratio of the device capacity (at most one; none
+    means no host tier). Sizes are rounded down to whole pages. Configs also
+    come from plain data, files and the environment: :meth:`from_dict`,
+    :meth:`from_file` (``docs/configuration.md``).
     """
 
     kv: KVConfig
@@ -151,6 +160,7 @@ class CacheConfig:
     host_tokens: int | None = None
     host_nbytes: int | None = None
     host_ratio: float | None = None
+    host_gb: float | None = None  # host tier in GB (10**9 bytes), like SGLang's --hicache-size
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N": where the device pool lives
     host_reserve_nbytes: int = 2 * GiB  # host memory left to the rest of the machine
     write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH
@@ -186,16 +196,31 @@ class CacheConfig:
         for name in ("device_tokens", "device_nbytes", "host_tokens", "host_nbytes"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
-        host_given = [
-            n for n in ("host_tokens", "host_nbytes", "host_ratio") if getattr(self, n) is not None
-        ]
+        host_given = [n for n in HOST_SIZE_FIELDS if getattr(self, n) is not None]
         if len(host_given) > 1:
             raise ValueError(f"host pool: expected at most one size option, got {host_given}")
+        if self.host_gb is not None:
+            if isinstance(self.host_gb, bool) or not isinstance(self.host_gb, int | float):
+                raise TypeError(f"host_gb: expected a number, got {type(self.host_gb).__name__}")
+            if not (self.host_gb > 0 and math.isfinite(self.host_gb)):
+                raise ValueError(f"host_gb: expected a finite number > 0, got {self.host_gb}")
+            if self.host_gb * 1e9 / self.kv.page_nbytes >= _MAX_PAGES:
+                raise ValueError(f"host_gb: expected fewer than {_MAX_PAGES} host pages, "
+                                 f"got {self.host_gb} GB")
         if self.host_ratio is not None:
             if isinstance(self.host_ratio, bool) or not isinstance(self.host_ratio, int | float):
                 raise TypeError(f"host_ratio: expected float, got {type(self.host_ratio).__name__}")
-            if not self.host_ratio > 0:
-                raise ValueError(f"host_ratio: expected > 0, got {self.host_ratio}")
+            if not (self.host_ratio > 0 and math.isfinite(self.host_ratio)):
+                raise ValueError(f"host_ratio: expected a finite number > 0, got {self.host_ratio}")
+            if self.num_device_pages * self.host_ratio >= _MAX_PAGES:
+                raise ValueError(
+                    f"host_ratio: expected fewer than {_MAX_PAGES} host pages, got "
+                    f"{self.host_ratio} x {self.num_device_pages} device pages"
+                )
+        for name, pages in (("device", self.num_device_pages), ("host", self.num_host_pages)):
+            if pages >= _MAX_PAGES:  # page ids are int64 and the free lists index them
+                raise ValueError(f"{name} pool: expected fewer than {_MAX_PAGES} pages, "
+                                 f"got {pages}")
         if self.num_device_pages < 1:
             raise ValueError(
                 f"device pool: expected at least one page ({self.kv.page_size} tokens, "
@@ -246,6 +271,22 @@ class CacheConfig:
                 "expected allocate_kv=False, storage=None and tree 'native' or 'auto', got "
                 f"allocate_kv={self.allocate_kv}, storage={self.storage!r}, tree={self.tree!r}"
             )
+        if isinstance(self.prefetch_timeout_s, bool) or not isinstance(
+            self.prefetch_timeout_s, int | float
+        ):
+            raise TypeError(
+                f"prefetch_timeout_s: expected seconds, got {type(self.prefetch_timeout_s).__name__}"
+            )
+        if not (self.prefetch_timeout_s >= 0 and math.isfinite(self.prefetch_timeout_s)):
+            raise ValueError(
+                f"prefetch_timeout_s: expected a finite number >= 0, got {self.prefetch_timeout_s}"
+            )
+        if not isinstance(self.extra, dict):
+            raise TypeError(f"extra: expected dict, got {type(self.extra).__name__}")
+        if not isinstance(self.allocate_kv, bool):
+            raise TypeError(f"allocate_kv: expected bool, got {type(self.allocate_kv).__name__}")
+        if self.storage is not None and not isinstance(self.storage, str):
+            raise TypeError(f"storage: expected str or None, got {type(self.storage).__name__}")
         if self.model_id is not None:
             check_model_id(self.model_id)
         if self.storage is not None and self.model_id is None:
@@ -255,8 +296,6 @@ class CacheConfig:
                 "(hicache.storage.model_identity(name, weights_digest=... or revision=..., "
                 f"dtype=..., tp_rank=...)) with storage={self.storage!r}, got None"
             )
-        if not self.prefetch_timeout_s >= 0:
-            raise ValueError(f"prefetch_timeout_s: expected >= 0, got {self.prefetch_timeout_s}")
 
     @property
     def page_size(self) -> int:
@@ -270,9 +309,7 @@ class CacheConfig:
 
     @property
     def has_host_tier(self) -> bool:
-        return any(
-            getattr(self, n) is not None for n in ("host_tokens", "host_nbytes", "host_ratio")
-        )
+        return any(getattr(self, n) is not None for n in HOST_SIZE_FIELDS)
 
     @property
     def num_host_pages(self) -> int:
@@ -281,6 +318,33 @@ class CacheConfig:
             return self.host_tokens // self.kv.page_size
         if self.host_nbytes is not None:
             return self.host_nbytes // self.kv.page_nbytes
+        if self.host_gb is not None:
+            return int(self.host_gb * 1e9) // self.kv.page_nbytes
         if self.host_ratio is not None:
             return int(self.num_device_pages * self.host_ratio)
         return 0
+
+    # ------------------------------------------------------------- loading
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, env: bool = False) -> CacheConfig:
+        """A config from plain data: the field names of this class, ``kv`` a mapping of
+        :class:`KVConfig` fields. Unknown keys and bad values raise ``ValueError`` /
+        ``TypeError`` naming the field. ``env=True`` applies ``HICACHE_*`` overrides
+        first (see :func:`hicache.configfile.apply_env`)."""
+        from hicache.configfile import config_from_dict
+
+        return config_from_dict(data, env=env)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], *, env: bool = True) -> CacheConfig:
+        """A config from a JSON or YAML file (by extension; YAML needs PyYAML), with
+        ``HICACHE_*`` environment overrides applied unless ``env=False``."""
+        from hicache.configfile import config_from_file
+
+        return config_from_file(path, env=env)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data that :meth:`from_dict` turns back into an equal config."""
+        from hicache.configfile import config_to_dict
+
+        return config_to_dict(self)

@@ -15,7 +15,6 @@ This module only presents: the workload, the engines and the metrics come from
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import time
 from typing import TextIO
@@ -35,6 +34,7 @@ from hicache.benchmarks.multiturn import (
     to_requests,
     workload_from_args,
 )
+from hicache.cliargs import nonneg_int, positive_int, require_matplotlib
 from hicache.engine import GenerateResult
 from hicache.model import PRESET_NAMES, Model, preset
 
@@ -49,14 +49,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="small", choices=PRESET_NAMES,
                         help="model shapes (default: small)")
     add_workload_arguments(parser, num_sessions=DEMO_SESSIONS, num_turns=DEMO_TURNS)
-    parser.add_argument("--requests", type=int, default=None,
+    parser.add_argument("--requests", type=positive_int, default=None,
                         help="run only the first N requests (a quick look)")
-    parser.add_argument("--device-tokens", type=int, default=None,
+    parser.add_argument("--device-tokens", type=positive_int, default=None,
                         help="device capacity in tokens (default: 25%% of the working set)")
-    parser.add_argument("--page-size", type=int, default=16, help="tokens per page")
-    parser.add_argument("--threads", type=int, default=1,
+    parser.add_argument("--page-size", type=positive_int, default=16, help="tokens per page")
+    parser.add_argument("--threads", type=positive_int, default=1,
                         help="torch threads (default 1: the other core runs transfers)")
-    parser.add_argument("--seed", type=int, default=0, help="workload and model weights")
+    parser.add_argument("--seed", type=nonneg_int, default=0, help="workload and model weights")
     parser.add_argument("--plot", metavar="FILE.png", default=None,
                         help="draw TTFT per request for each configuration (needs matplotlib)")
 
@@ -113,19 +113,12 @@ def plot_ttft(path: str, runs: dict[str, ConfigResult], title: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
-        print("hicache demo: --plot needs matplotlib, which is not installed; "
-              "install it with `pip install matplotlib` (or the package's 'plot' extra), "
-              "or run without --plot", file=sys.stderr)
-        return 2
-    if args.threads < 1:
-        raise ValueError(f"--threads: expected >= 1, got {args.threads}")
+    if args.plot is not None:
+        require_matplotlib()
     workload = workload_from_args(args)
     torch.set_num_threads(args.threads)
     trace = generated_trace(args.seed, workload)
     if args.requests is not None:
-        if args.requests < 1:
-            raise ValueError(f"--requests: expected >= 1, got {args.requests}")
         trace = trace[: args.requests]
     page_size = args.page_size
     requests = to_requests(trace)

@@ -32,7 +32,7 @@ import psutil
 import torch
 
 from hicache.allocator import check_page_tensor
-from hicache.config import GiB, KVConfig
+from hicache.config import CacheConfig, GiB, KVConfig, check_device
 
 # Registering host memory with CUDA one chunk at a time: pinning hundreds of GiB in a
 # single call is known to stall for minutes and gives no progress in between.
@@ -83,6 +83,82 @@ def check_page_ids(name: str, page_ids: object, num_pages: int) -> torch.Tensor:
     return page_ids
 
 
+# What a page allocator keeps per page (allocator.py: an int64 free stack, a bool
+# in-use flag, an int64 scratch slot), rounded up.
+_ALLOCATOR_NBYTES_PER_PAGE = 24
+
+
+def check_device_available(device: str) -> None:
+    """``ValueError`` unless ``device`` exists here (``cuda`` needs a CUDA device)."""
+    check_device(device)
+    if device == "cpu":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r} asked for, but CUDA is not available here "
+                         "(use device='cpu')")
+    index = int(device[5:]) if ":" in device else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device: {device!r} asked for, but there are "
+                         f"{torch.cuda.device_count()} CUDA devices")
+
+
+def available_nbytes(device: str) -> int:
+    """Memory a new buffer on ``device`` can take now: CPU available memory, or free CUDA memory."""
+    if device == "cpu":
+        return psutil.virtual_memory().available
+    return torch.cuda.mem_get_info(torch.device(device))[0]
+
+
+def check_device_pool_memory(kv: KVConfig, num_pages: int, device: str,
+                             option: str = "device_tokens / device_nbytes") -> None:
+    """Refuse a device pool that does not fit, before allocating it.
+
+    The error names both numbers (asked, free) and the option to lower: a pool
+    larger than memory would otherwise be an allocator error on a GPU, and on a
+    CPU an out-of-memory kill with no message.
+    """
+    check_device_available(device)
+    need = num_pages * kv.page_nbytes
+    free = available_nbytes(device)
+    if need > free:
+        where = "available CPU memory" if device == "cpu" else f"free memory on {device}"
+        raise ValueError(
+            f"device pool: {num_pages} pages x {kv.page_nbytes} bytes = {need} bytes asked for, "
+            f"but only {free} bytes of {where}; lower {option}"
+        )
+
+
+def check_cache_memory(config: CacheConfig) -> None:
+    """Check every pool a :class:`hicache.HiCache` of ``config`` would allocate, first.
+
+    Page allocators (bookkeeping, always) and, with ``allocate_kv``, the device pool
+    and the host pool, against what this machine has now; nothing is allocated
+    before all of them pass, so a refused configuration costs nothing.
+    """
+    check_device_available(config.device)
+    pages = config.num_device_pages + config.num_host_pages
+    host_need = pages * _ALLOCATOR_NBYTES_PER_PAGE
+    if config.allocate_kv:
+        check_device_pool_memory(config.kv, config.num_device_pages, config.device)
+        host_need += config.num_host_pages * config.kv.page_nbytes
+        if config.device == "cpu":  # both pools then come out of the same memory
+            host_need += config.num_device_pages * config.kv.page_nbytes
+    available = psutil.virtual_memory().available
+    usable = available - (config.host_reserve_nbytes if config.num_host_pages else 0)
+    if host_need > usable:
+        options = "host_tokens / host_nbytes / host_ratio or host_reserve_nbytes"
+        if config.device == "cpu" and config.allocate_kv:
+            options = "device_tokens / device_nbytes, " + options
+        raise ValueError(
+            f"host memory: {host_need} bytes asked for (page allocators for {pages} pages"
+            + (", the KV pools" if config.allocate_kv else "")
+            + f") but only {max(0, usable)} bytes may be used ({available} available"
+            + (f" minus host_reserve_nbytes={config.host_reserve_nbytes}"
+               if config.num_host_pages else "")
+            + f"); lower {options}"
+        )
+
+
 class DevicePool:
     """Per-layer K and V pages on the compute device (``"cpu"`` for CPU-only runs)."""
 
@@ -91,6 +167,7 @@ class DevicePool:
             raise TypeError(f"kv: expected KVConfig, got {type(kv).__name__}")
         self.kv = kv
         self.num_pages = _check_num_pages(num_pages)
+        check_device_pool_memory(kv, num_pages, device, option="num_pages")
         self.device = torch.device(device)
         shape = (num_pages, kv.page_size, kv.num_kv_heads, kv.head_dim)
         dtype = kv.torch_dtype

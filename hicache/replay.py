@@ -1,6 +1,6 @@
 """``hicache replay``: run a trace through the cache's bookkeeping and report hit ratios.
 
-Device tier only (the shared replay semantics, WORKLOADS.md), per request:
+Device tier only (the replay semantics of docs/workloads.md), per request:
 
     1. match the page-aligned prompt; hit = matched tokens; lock the matched path
     2. full = prompt + output cut to whole pages; need = len(full) - hit;
@@ -30,6 +30,7 @@ import numpy as np
 
 from hicache.allocator import PageAllocator
 from hicache.cache import HiCache
+from hicache.cliargs import TRACE_HELP, UsageError, add_json, positive_int, require_matplotlib
 from hicache.config import CacheConfig, EvictionPolicy, KVConfig, WritePolicy
 from hicache.traces import load_trace_arrays
 from hicache.tree import RadixTree
@@ -235,30 +236,39 @@ def _sizes(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated token counts, got {text!r}"
         ) from None
-    if not sizes or min(sizes) <= 0:
-        raise argparse.ArgumentTypeError(f"expected positive token counts, got {text!r}")
+    if not sizes or min(sizes) < 0:
+        raise argparse.ArgumentTypeError(f"expected token counts >= 0, got {text!r}")
     return sizes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("trace", help="trace file (JSON Lines, see WORKLOADS.md)")
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--device-tokens", type=int, required=True, help="device capacity")
-    parser.add_argument("--host-tokens", type=int, help="host tier capacity (runs HiCache)")
+    parser.add_argument("trace", help=TRACE_HELP)
+    parser.add_argument("--page-size", type=positive_int, default=16,
+                        help="tokens per page, the unit of caching")
+    parser.add_argument("--device-tokens", type=positive_int, required=True,
+                        help="device tier capacity in tokens (at least one page)")
+    parser.add_argument("--host-tokens", type=positive_int,
+                        help="host tier capacity in tokens; runs the real HiCache in "
+                        "bookkeeping-only mode with a host tier (default: device tier only)")
     parser.add_argument(
-        "--write-policy", choices=[p.value for p in WritePolicy], default="write_through"
+        "--write-policy", choices=[p.value for p in WritePolicy], default="write_through",
+        help="when a device page gets its host copy (with a host tier)",
     )
-    parser.add_argument("--eviction", choices=[p.value for p in EvictionPolicy], default="lru")
+    parser.add_argument("--eviction", choices=[p.value for p in EvictionPolicy], default="lru",
+                        help="which unlocked leaf is evicted first")
     parser.add_argument(
         "--tree", choices=["python", "native", "auto"], default="auto",
-        help="radix tree implementation (auto: native when it builds)",
+        help="radix tree implementation (auto: native when it is available)",
     )
     parser.add_argument(
         "--sweep-host", type=_sizes, metavar="A,B,C",
-        help="hit ratio against host capacity (tokens), for capacity planning",
+        help="replay once per host tier capacity (tokens; 0: no host tier) and report the hit "
+        "ratio of each, for capacity planning",
     )
-    parser.add_argument("--plot", metavar="FILE.png", help="with --sweep-host: draw the curve")
-    parser.add_argument("--json", action="store_true", help="end with one JSON line")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="with --sweep-host: draw hit ratio against host capacity "
+                        "(needs matplotlib)")
+    add_json(parser)
 
 
 def _print_table(out: dict) -> None:
@@ -269,10 +279,11 @@ def _print_table(out: dict) -> None:
 
 def _sweep(args: argparse.Namespace, requests) -> dict:
     rows = []
-    print(f"{'host_tokens':>12}{'hit_ratio':>11}{'device_hits':>13}{'host_hits':>11}{'req/s':>9}")
+    say = (lambda _line: None) if args.json else print
+    say(f"{'host_tokens':>12}{'hit_ratio':>11}{'device_hits':>13}{'host_hits':>11}{'req/s':>9}")
     for host_tokens in args.sweep_host:
         r = replay_hierarchical(
-            requests, args.page_size, args.device_tokens, host_tokens, args.write_policy,
+            requests, args.page_size, args.device_tokens, host_tokens or None, args.write_policy,
             args.eviction, args.tree,
         )
         rows.append({
@@ -280,22 +291,20 @@ def _sweep(args: argparse.Namespace, requests) -> dict:
             "device_hit_tokens": r.device_hit_tokens, "host_hit_tokens": r.host_hit_tokens,
             "req_per_s": round(r.req_per_s, 1),
         })
-        print(f"{host_tokens:>12}{r.hit_ratio:>11.4f}{r.device_hit_tokens:>13}"
-              f"{r.host_hit_tokens:>11}{r.req_per_s:>9.0f}")
+        say(f"{host_tokens:>12}{r.hit_ratio:>11.4f}{r.device_hit_tokens:>13}"
+            f"{r.host_hit_tokens:>11}{r.req_per_s:>9.0f}")
     if args.plot:
         _plot_sweep(rows, args)
+        say(f"plot written to {args.plot}")
     return {"device_tokens": args.device_tokens, "sweep": rows}
 
 
 def _plot_sweep(rows: list[dict], args: argparse.Namespace) -> None:
-    try:
-        import matplotlib
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("--plot needs matplotlib (pip install matplotlib); no plot drawn", file=sys.stderr)
-        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([r["host_tokens"] for r in rows], [r["hit_ratio"] for r in rows], marker="o")
     ax.set_xlabel("host tier capacity (tokens)")
@@ -304,17 +313,37 @@ def _plot_sweep(rows: list[dict], args: argparse.Namespace) -> None:
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(args.plot, dpi=120)
-    print(f"plot written to {args.plot}")
+    plt.close(fig)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Every option checked before the trace is read (one line and exit 2 on a mistake)."""
+    P = args.page_size
+    if args.device_tokens < P:
+        raise UsageError(f"--device-tokens: expected at least one page ({P} tokens), "
+                         f"got {args.device_tokens}")
+    if args.host_tokens is not None and args.host_tokens < P:
+        raise UsageError(f"--host-tokens: expected at least one page ({P} tokens), "
+                         f"got {args.host_tokens}")
+    if args.sweep_host:
+        if args.host_tokens is not None:
+            raise UsageError("--sweep-host replaces --host-tokens; give one of them")
+        small = [n for n in args.sweep_host if 0 < n < P]
+        if small:
+            raise UsageError(f"--sweep-host: expected 0 (no host tier) or at least one page "
+                             f"({P} tokens), got {small[0]}")
+    if args.plot:
+        if not args.sweep_host:
+            raise UsageError("--plot draws a --sweep-host curve; give --sweep-host too")
+        require_matplotlib()
+    if args.tree == "native":
+        from hicache.native import load_native
+
+        load_native()  # NativeBuildError (a RuntimeError) would be a traceback: say why
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.page_size <= 0 or args.device_tokens < args.page_size:
-        raise SystemExit(
-            f"hicache replay: expected --page-size > 0 and --device-tokens >= page size, "
-            f"got {args.page_size} and {args.device_tokens}"
-        )
-    if args.plot and not args.sweep_host:
-        raise SystemExit("hicache replay: --plot draws a --sweep-host curve; give --sweep-host too")
+    _check_args(args)
     requests = _prepare(args.trace, args.page_size)
     if args.sweep_host:
         out = _sweep(args, requests)
@@ -329,7 +358,6 @@ def run(args: argparse.Namespace) -> int:
             host_evicted_tokens=r.host_evicted_tokens, write_policy=args.write_policy,
             lifecycle=r.lifecycle,
         )
-        _print_table(out)
     else:
         tree = _make_tree(args.tree, args.page_size, args.eviction)
         r = replay_device(requests, args.page_size, args.device_tokens, args.eviction, tree=tree)
@@ -342,9 +370,10 @@ def run(args: argparse.Namespace) -> int:
                 requests, args.page_size, args.device_tokens, args.eviction, args.tree
             ), 2,
         )
-        _print_table(out)
     if args.json:
         print(json.dumps(out))
+    elif not args.sweep_host:
+        _print_table(out)
     sys.stdout.flush()
     return 0
 

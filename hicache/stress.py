@@ -16,7 +16,8 @@ their copier's ``load``/``backup`` for every layer range they move).
 ``evictions_blocked_by_io`` counts device evictions during which an idle device
 leaf (unlocked, no device child) could not be taken because its IO was in
 flight, and that made the eviction come up short or take a more recently used
-node instead. The last stdout line is one JSON object; the exit status is 1
+node instead. The last stdout line is one JSON object (with ``--json``, the only
+one); the exit status is 1
 when a corruption, leak, invariant violation or unexpected error was seen.
 """
 
@@ -34,6 +35,17 @@ import torch
 
 from hicache import kvcheck
 from hicache.cache import HiCache, PrefixHandle
+from hicache.cliargs import (
+    Parser,
+    UsageError,
+    add_json,
+    nonneg_float,
+    nonneg_int,
+    positive_float,
+    positive_int,
+    probability,
+    run_guarded,
+)
 from hicache.config import CacheConfig, KVConfig
 from hicache.pool import PageCopier
 from hicache.transfer import ManualExecutor, ThreadExecutor
@@ -338,32 +350,56 @@ class StressRun:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seconds", type=float, default=30.0, help="how long to run")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="print only the JSON line")
-    parser.add_argument("--concurrency", type=int, default=6, help="requests in flight")
+    parser.add_argument("--seconds", type=positive_float, default=30.0,
+                        help="how long to issue requests")
+    parser.add_argument("--seed", type=nonneg_int, default=0,
+                        help="seeds the workload, the delays and the faults")
+    add_json(parser)
+    parser.add_argument("--concurrency", type=positive_int, default=6,
+                        help="requests in flight at once")
     parser.add_argument("--write-policy", default="write_through",
-                        choices=["write_through", "write_through_selective", "write_back"])
+                        choices=["write_through", "write_through_selective", "write_back"],
+                        help="when a device page gets its host copy")
     parser.add_argument("--eviction", default="lfu", choices=["lru", "lfu"],
-                        help="lfu (default) evicts once-hit nodes first: fresh loads and "
-                        "backups, the nodes with IO in flight, are then the first candidates")
-    parser.add_argument("--fault-rate", type=float, default=0.02,
+                        help="lfu evicts once-hit nodes first: fresh loads and backups, the "
+                        "nodes with IO in flight, are then the first candidates")
+    parser.add_argument("--fault-rate", type=probability, default=0.02,
                         help="probability that one page copy call fails")
-    parser.add_argument("--max-delay-ms", type=float, default=2.0,
+    parser.add_argument("--max-delay-ms", type=nonneg_float, default=2.0,
                         help="random delay before each page copy, up to this")
-    parser.add_argument("--page-size", type=int, default=4)
-    parser.add_argument("--device-pages", type=int, default=96)
-    parser.add_argument("--host-pages", type=int, default=112)
-    parser.add_argument("--conversations", type=int, default=24)
-    parser.add_argument("--max-tokens", type=int, default=96,
+    parser.add_argument("--page-size", type=positive_int, default=4, help="tokens per page")
+    parser.add_argument("--device-pages", type=positive_int, default=96,
+                        help="device pool pages (small, so that requests keep evicting; at least "
+                        "the pages of the longest request)")
+    parser.add_argument("--host-pages", type=positive_int, default=112, help="host pool pages")
+    parser.add_argument("--conversations", type=positive_int, default=24,
+                        help="conversations the requests continue, in three namespaces")
+    parser.add_argument("--max-tokens", type=positive_int, default=96,
                         help="a conversation longer than this starts over")
-    parser.add_argument("--verify-every", type=int, default=25,
-                        help="verify every readable page each N steps")
+    parser.add_argument("--verify-every", type=positive_int, default=25,
+                        help="verify every readable page of the cache each N steps")
+
+
+def longest_request_tokens(args: argparse.Namespace) -> int:
+    """The longest prompt :class:`StressRun` can issue (see ``_new_request``)."""
+    P = args.page_size
+    restarted = 5 * P + 8  # the longest system prompt plus the longest task
+    continued = args.max_tokens  # a history this long is still continued
+    return max(restarted, continued) + 3 * P - 1
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse a run that cannot test anything (every request would be aborted)."""
+    need = -(-longest_request_tokens(args) // args.page_size)
+    if args.device_pages < need:
+        raise UsageError(
+            f"--device-pages: expected at least {need} (the pages of the longest request, "
+            f"{longest_request_tokens(args)} tokens), got {args.device_pages}"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.seconds <= 0:
-        raise ValueError(f"--seconds: expected > 0, got {args.seconds}")
+    check_args(args)
     report = StressRun(args).run()
     for line in report.pop("first_problems"):
         print(line, file=sys.stderr)
@@ -380,9 +416,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hicache stress", description=__doc__.splitlines()[0])
+    parser = Parser(prog="hicache stress", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return run_guarded(run, parser.parse_args(argv), parser.prog)
 
 
 if __name__ == "__main__":

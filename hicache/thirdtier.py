@@ -16,7 +16,7 @@ import torch
 
 from hicache.config import CacheConfig, PrefetchPolicy
 from hicache.storage.base import StorageError
-from hicache.tree import TokenLike, TreeNode, token_key
+from hicache.tree import TokenLike, TreeNode, _check_namespace, token_key
 
 
 class ThirdTierMixin:
@@ -57,10 +57,12 @@ class ThirdTierMixin:
         brings the last of the pages, or ``None`` when there is no third tier or
         nothing to fetch.
         """
+        key = token_key(tokens, self.page_size)  # bad input is refused with or without storage
+        _check_namespace(namespace)
         self.poll()
         if self.storage is None:
             return None
-        return self._start_prefetch(token_key(tokens, self.page_size), namespace)
+        return self._start_prefetch(key, namespace)
 
     def _start_prefetch(self, key: bytes, namespace: str | None):
         from hicache.tiering import StorageJob

@@ -1,13 +1,13 @@
 """Request traces in the shared JSON Lines format: read, write, generate, summarize.
 
-One request per line, in arrival order (see ``WORKLOADS.md``)::
+One request per line, in arrival order (see ``docs/workloads.md``)::
 
     {"id": 0, "session": 3, "prompt": [12, 907, ...], "output": [55, 1, ...]}
 
 ``prompt`` is the full token list sent (history included); ``output`` is what the
 model produced; an optional ``"t"`` is the arrival time in seconds.
 
-The generators build the workload kinds of ``WORKLOADS.md`` from a seed alone, so
+The generators build the workload kinds of ``docs/workloads.md`` from a seed alone, so
 the same trace can be replayed through hicache and through other systems. Token
 ids are uniform in ``[0, vocab_size)``: two unrelated runs of tokens never share
 a page, so every hit a replay reports comes from the structure of the workload.
@@ -19,6 +19,7 @@ notion here is the page-aligned working set that ``trace stats`` reports.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import sys
@@ -27,6 +28,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import IO, NamedTuple
 
 import numpy as np
+
+from hicache.cliargs import TRACE_HELP, add_json, nonneg_float, nonneg_int, positive_int
 
 _MAX_TOKEN_ID = 2**31 - 1  # token ids are held in int32 arrays
 
@@ -238,7 +241,7 @@ def make_agentic(*, seed: int = 0, vocab_size: int = 32000, num_system_prompts: 
 
     Session ``s`` uses system prompt ``s % num_system_prompts``; its first turn adds
     ``first_turn_tokens`` (the task), every later one ``turn_tokens`` after the
-    previous output. The defaults give the shape of ``data/sample_trace.jsonl``.
+    previous output. The defaults give the shape of the sample trace of ``docs/workloads.md``.
     """
     rng = np.random.default_rng(seed)
     systems = [rng.integers(0, vocab_size, system_tokens, dtype=np.int32)
@@ -368,6 +371,11 @@ GENERATORS: dict[str, Callable[..., list[Request]]] = {
     "mcts": make_mcts,
     "noreuse": make_noreuse,
 }
+# Each generator's keyword defaults, for the command line's help.
+GENERATOR_DEFAULTS: dict[str, dict[str, object]] = {
+    kind: {name: p.default for name, p in inspect.signature(fn).parameters.items()}
+    for kind, fn in GENERATORS.items()
+}
 
 # Named shapes. "foundation" is the benchmark trace of the foundation issue: 5 shared
 # 3k-token system prompts, 300 sessions x 10 turns = 3,000 requests whose prompts grow
@@ -399,7 +407,14 @@ def generate(kind: str, **params: int | float | str) -> list[Request]:
         raise ValueError(f"jitter: expected a fraction in [0, 1), got {params['jitter']!r}")
     if float(params.get("rate", 0.0)) < 0:
         raise ValueError(f"rate: expected requests/s >= 0, got {params['rate']!r}")
-    return GENERATORS[kind](**params)
+    requests = GENERATORS[kind](**params)
+    if not requests:
+        zeros = [f"{k}={v}" for k, v in params.items() if k not in ("seed", "rate") and v == 0]
+        raise ValueError(
+            f"{kind}: expected a trace of at least one request, got none"
+            + (f" (from {', '.join(zeros)})" if zeros else "")
+        )
+    return requests
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -430,7 +445,7 @@ def trace_stats(requests: Sequence[Request], page_size: int = 16) -> TraceStats:
 
     The working set counts each distinct page-aligned prefix page of every
     ``prompt + output`` once: what a cache that never evicts would hold after the
-    replay of ``WORKLOADS.md``. Prefix pages are identified by a chained hash of
+    replay of ``docs/workloads.md``. Prefix pages are identified by a chained hash of
     their bytes (a false match needs a 64-bit collision).
     """
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
@@ -531,29 +546,49 @@ _OPTIONS: dict[str, list[tuple[str, str, type, str]]] = {
 }
 
 
+# One line per kind for `trace make --help` (a generator's docstring is for the API).
+_KIND_HELP = {
+    "agentic": "agent loops: shared system prompts, sessions appending tool results and thoughts",
+    "multiturn": "chat: a shared system prompt, per-client history growing round by round",
+    "fewshot": "one long example block shared by many short questions",
+    "longdoc": "long documents, several questions each, documents interleaved",
+    "mcts": "tree search: a root context expanded into branches of branches",
+    "noreuse": "random prompts that share nothing (the cache must not slow these down)",
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``hicache trace make KIND ...`` and ``hicache trace stats FILE``."""
     sub = parser.add_subparsers(dest="trace_command", required=True, metavar="{make,stats}")
-    make = sub.add_parser("make", help="generate a trace (JSON Lines to stdout or -o FILE)")
+    make = sub.add_parser(
+        "make", help="generate a trace (JSON Lines to stdout or -o FILE)",
+        description="Generate a synthetic trace of one workload kind from a seed. Format and "
+        "kinds: docs/workloads.md.",
+    )
     kinds = make.add_subparsers(dest="kind", required=True, metavar="KIND")
     for kind, options in _OPTIONS.items():
-        p = kinds.add_parser(kind, help=(GENERATORS[kind].__doc__ or "").split("\n")[0],
-                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-        p.add_argument("--seed", type=int, default=0, help="random seed")
-        p.add_argument("--vocab", dest="vocab_size", type=int, default=32000,
+        p = kinds.add_parser(kind, help=_KIND_HELP[kind], description=_KIND_HELP[kind] + ".")
+        p.add_argument("--seed", type=nonneg_int, default=0, help="random seed")
+        p.add_argument("--vocab", dest="vocab_size", type=positive_int, default=32000,
                        help="token ids are drawn from [0, VOCAB)")
-        p.add_argument("--rate", type=float, default=0.0,
+        p.add_argument("--rate", type=nonneg_float, default=0.0,
                        help="add Poisson arrival times 't' at this many requests/s (0: none)")
-        p.add_argument("-o", "--output", dest="out", default="-", help="output file ('-': stdout)")
+        p.add_argument("-o", "--output", dest="out", default="-",
+                       help="output file ('-': stdout)")
         if kind in PRESETS:
             p.add_argument("--preset", choices=sorted(PRESETS[kind]),
                            help="a named shape; explicit options override it")
         for flag, dest, typ, help_text in options:
-            p.add_argument(flag, dest=dest, type=typ, default=None, help=help_text)
-    stats = sub.add_parser("stats", help="sizes, working set and ideal hit ratio of a trace")
-    stats.add_argument("trace", help="trace file (JSON Lines)")
-    stats.add_argument("--page-size", type=int, default=16, help="tokens per page")
-    stats.add_argument("--json", action="store_true", help="end with one JSON line")
+            kw = {"choices": ["bfs", "dfs"]} if dest == "order" else {}
+            typ = nonneg_float if typ is float else nonneg_int if typ is int else typ
+            default = GENERATOR_DEFAULTS[kind].get(dest)
+            p.add_argument(flag, dest=dest, type=typ, default=None, **kw,
+                           help=f"{help_text} (default: {default})")
+    stats = sub.add_parser("stats", help="sizes, working set and ideal hit ratio of a trace",
+                           description="Sizes, working set and ideal hit ratio of a trace.")
+    stats.add_argument("trace", help=TRACE_HELP)
+    stats.add_argument("--page-size", type=positive_int, default=16, help="tokens per page")
+    add_json(stats)
 
 
 def _make_params(args: argparse.Namespace) -> dict[str, int | float | str]:
@@ -569,22 +604,23 @@ def _make_params(args: argparse.Namespace) -> dict[str, int | float | str]:
 
 def run(args: argparse.Namespace) -> int:
     if args.trace_command == "make":
-        try:
-            requests = generate(args.kind, **_make_params(args))
-        except ValueError as exc:
-            print(f"hicache trace make: {exc}", file=sys.stderr)
-            return 2
+        requests = generate(args.kind, **_make_params(args))  # ValueError: one line, exit 2
         if args.out == "-":
             write_trace(requests, sys.stdout)
         else:
             write_trace(requests, args.out)
         return 0
-    try:
-        requests = load_trace(args.trace)
-        s = trace_stats(requests, args.page_size)
-    except (OSError, ValueError) as exc:
-        print(f"hicache trace stats: {exc}", file=sys.stderr)
-        return 2
+    s = trace_stats(load_trace(args.trace), args.page_size)
+    if args.json:
+        print(json.dumps({
+            "requests": s.num_requests, "sessions": s.num_sessions,
+            "prompt_tokens": s.prompt_tokens, "output_tokens": s.output_tokens,
+            "min_prompt_len": s.min_prompt_len, "max_prompt_len": s.max_prompt_len,
+            "page_size": s.page_size, "working_set_tokens": s.working_set_tokens,
+            "ideal_hit_tokens": s.ideal_hit_tokens,
+            "ideal_hit_ratio": round(s.ideal_hit_ratio, 6),
+        }))
+        return 0
     rows = [
         ("requests", s.num_requests), ("sessions", s.num_sessions),
         ("prompt tokens", s.prompt_tokens), ("output tokens", s.output_tokens),
@@ -595,13 +631,4 @@ def run(args: argparse.Namespace) -> int:
     ]
     for name, value in rows:
         print(f"{name:<40}{value:>20}")
-    if args.json:
-        print(json.dumps({
-            "requests": s.num_requests, "sessions": s.num_sessions,
-            "prompt_tokens": s.prompt_tokens, "output_tokens": s.output_tokens,
-            "min_prompt_len": s.min_prompt_len, "max_prompt_len": s.max_prompt_len,
-            "page_size": s.page_size, "working_set_tokens": s.working_set_tokens,
-            "ideal_hit_tokens": s.ideal_hit_tokens,
-            "ideal_hit_ratio": round(s.ideal_hit_ratio, 6),
-        }))
     return 0

@@ -66,9 +66,11 @@ def test_demo_plot_without_matplotlib(monkeypatch, tmp_path, capsys):
     assert captured.out == ""  # failed before running anything
 
 
-def test_demo_rejects_bad_sizes():
-    with pytest.raises(ValueError, match="--turns: expected >= 1, got 0"):
+def test_demo_rejects_bad_sizes(capsys):
+    with pytest.raises(SystemExit) as exc:
         cli.main(["demo", *TINY_WORKLOAD, "--turns", "0"])
+    assert exc.value.code == 2
+    assert "--turns: expected an integer > 0, got 0" in capsys.readouterr().err
 
 
 def test_bench_multiturn_json(capsys):
@@ -102,6 +104,6 @@ def test_bench_multiturn_trace_file(tmp_path, capsys):
     assert result["num_requests"] == 4 and result["trace"] == str(path)
 
 
-def test_bench_multiturn_rejects_unknown_config():
-    with pytest.raises(ValueError, match="--configs"):
-        multiturn.main(["--preset", "tiny", "--requests", "2", "--configs", "none,disk"])
+def test_bench_multiturn_rejects_unknown_config(capsys):
+    assert multiturn.main(["--preset", "tiny", "--requests", "2", "--configs", "none,disk"]) == 2
+    assert "--configs" in capsys.readouterr().err

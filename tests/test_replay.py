@@ -92,9 +92,12 @@ def test_sweep_is_monotone_in_host_size(trace, capsys):
         ["--device-tokens", "8192", "--plot", "x.png"],
     ],
 )
-def test_bad_arguments_exit_with_a_message(trace, argv):
-    with pytest.raises(SystemExit):
-        main(["replay", trace, "--page-size", "16", *argv])
+def test_bad_arguments_exit_with_a_message(trace, argv, capsys):
+    try:
+        rc = main(["replay", trace, "--page-size", "16", *argv])
+    except SystemExit as exc:  # refused by the parser
+        rc = exc.code
+    assert rc == 2 and "error: " in capsys.readouterr().err
 
 
 def test_frozen_gc_freezes_only_while_inside_and_keeps_an_earlier_freeze():
@@ -152,6 +155,7 @@ def test_bench_tiers_prints_a_table_then_json(trace, capsys):
 
 
 @pytest.mark.parametrize("argv", [["--repeats", "0"], ["--device-fraction", "1.5"]])
-def test_bench_tiers_rejects_bad_arguments(trace, argv):
-    with pytest.raises(SystemExit, match="expected"):
+def test_bench_tiers_rejects_bad_arguments(trace, argv, capsys):
+    with pytest.raises(SystemExit) as exc:
         main(["bench", "tiers", trace, *argv])
+    assert exc.value.code == 2 and "expected" in capsys.readouterr().err

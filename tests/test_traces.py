@@ -275,8 +275,12 @@ def test_cli_preset_with_override_to_stdout(capsys):
 
 
 def test_cli_errors_return_2(tmp_path, capsys):
-    assert traces.run(_cli(["make", "mcts", "--order", "zigzag"])) == 2
+    from hicache.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["trace", "make", "mcts", "--order", "zigzag"])
+    assert exc.value.code == 2
     bad = tmp_path / "bad.jsonl"
     bad.write_text("oops\n")
-    assert traces.run(_cli(["stats", str(bad)])) == 2
+    assert main(["trace", "stats", str(bad)]) == 2
     assert "bad.jsonl:1" in capsys.readouterr().err

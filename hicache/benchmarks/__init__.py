@@ -1,4 +1,5 @@
-"""Benchmarks behind `hicache bench`; each prints a table and ends with one JSON line."""
+"""Benchmarks behind ``hicache bench``: each prints a table and ends with one JSON line
+(with ``--json``, only that line)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ def standalone_main(
     """A benchmark module's ``main(argv)``: its own parser (``doc``'s first line), then ``run``."""
 
     def main(argv: list[str] | None = None) -> int:
-        parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+        from hicache.cliargs import Parser, run_guarded
+
+        parser = Parser(description=doc.splitlines()[0])
         add_arguments(parser)
-        return run(parser.parse_args(argv))
+        return run_guarded(run, parser.parse_args(argv), parser.prog)
 
     return main

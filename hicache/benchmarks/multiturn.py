@@ -49,7 +49,9 @@ import numpy as np
 import psutil
 import torch
 
+from hicache import cliargs
 from hicache.benchmarks import standalone_main
+from hicache.cliargs import add_json, nonneg_float, nonneg_int, positive_int
 from hicache.engine import Engine, GenerateResult
 from hicache.model import PRESET_NAMES, Model, preset
 from hicache.traces import Request as TraceRequest
@@ -132,8 +134,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser, **defaults: int) -> 
     """Shape options of the generated agentic workload (``defaults`` override the bench's)."""
     for flag, name, help_text in _WORKLOAD_OPTIONS:
         default = defaults.get(name, DEFAULT_WORKLOAD[name])
-        parser.add_argument(flag, dest=name, type=int, default=default, metavar="N",
-                            help=f"{help_text} (default {default})")
+        parser.add_argument(flag, dest=name, type=positive_int, default=default, metavar="N",
+                            help=f"{help_text} (default: {default})")
 
 
 def workload_from_args(args: argparse.Namespace) -> dict:
@@ -156,18 +158,18 @@ class ConfigResult(NamedTuple):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", default=None,
-                        help="JSONL trace (WORKLOADS.md format); default: a generated agentic "
-                        "workload")
+                        help="trace file, JSON Lines (format: docs/workloads.md); default: a "
+                        "generated agentic workload shaped by the options below")
     add_workload_arguments(parser)
-    parser.add_argument("--requests", type=int, default=None,
+    parser.add_argument("--requests", type=positive_int, default=None,
                         help="replay only the first N requests")
     parser.add_argument("--preset", default="small", choices=PRESET_NAMES,
                         help="model shapes (default: small)")
-    parser.add_argument("--page-size", type=int, default=16, help="tokens per page")
-    parser.add_argument("--device-tokens", type=int, default=None,
+    parser.add_argument("--page-size", type=positive_int, default=16, help="tokens per page")
+    parser.add_argument("--device-tokens", type=positive_int, default=None,
                         help="device pool capacity in tokens (default: 25%% of the working set, "
                         "at least one request)")
-    parser.add_argument("--host-tokens", type=int, default=None,
+    parser.add_argument("--host-tokens", type=positive_int, default=None,
                         help="host tier capacity in tokens (default: 2x the working set)")
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"comma-separated subset of {list(ALL_CONFIGS)} (default: "
@@ -176,7 +178,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="third tier of hierarchical+storage: 'file:DIR' or "
                         "'mooncake://HOST:PORT?metadata=URL' (default: a fresh temporary "
                         "file: store); pages are namespaced per run")
-    parser.add_argument("--storage-host-tokens", type=int, default=None, metavar="N",
+    parser.add_argument("--storage-host-tokens", type=positive_int, default=None, metavar="N",
                         help="host tier of hierarchical-small-host and hierarchical+storage "
                         "(default: 25%% of --host-tokens, at least one request)")
     parser.add_argument("--prefetch-policy", default="wait_complete",
@@ -184,17 +186,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how long a request waits for its stored pages (default "
                         "wait_complete: the pages announced ahead are usually there already; "
                         "best_effort recomputes what is still on its way)")
-    parser.add_argument("--prefetch-timeout-s", type=float, default=0.05, metavar="S",
+    parser.add_argument("--prefetch-timeout-s", type=nonneg_float, default=0.05, metavar="S",
                         help="wait of the 'timeout' prefetch policy (default 0.05)")
-    parser.add_argument("--lookahead", type=int, default=1, metavar="N",
+    parser.add_argument("--lookahead", type=nonneg_int, default=1, metavar="N",
                         help="requests announced ahead of the running one, so their stored "
                         "pages are prefetched while it computes (default 1; 0: none)")
-    parser.add_argument("--threads", type=int, default=1,
+    parser.add_argument("--threads", type=positive_int, default=1,
                         help="torch intra-op threads (default 1: the other core runs the "
                         "transfer threads, as a GPU's copy engines run beside its SMs)")
-    parser.add_argument("--device", default="cpu", help="'cpu' or 'cuda[:N]'")
-    parser.add_argument("--seed", type=int, default=0, help="workload and model weights")
-    parser.add_argument("--json", action="store_true", help="print only the JSON line")
+    parser.add_argument("--device", type=cliargs.device, default="cpu",
+                        help="where the model and the device pool live: 'cpu' or 'cuda[:N]'")
+    parser.add_argument("--seed", type=nonneg_int, default=0, help="workload and model weights")
+    add_json(parser)
 
 
 # ------------------------------------------------------------------ workload

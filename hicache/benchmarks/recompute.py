@@ -30,7 +30,10 @@ from collections.abc import Callable
 import psutil
 import torch
 
+from hicache import cliargs
 from hicache.benchmarks import standalone_main
+from hicache.cliargs import add_json, nonneg_int, positive_int
+from hicache.config import resolve_dtype
 from hicache.costmodel import DEFAULT_MFU, GPUS, estimate_table, kv_bytes_per_token
 from hicache.model import PRESET_NAMES, Model, preset
 from hicache.pool import DevicePool, HostPool
@@ -43,19 +46,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="small", choices=PRESET_NAMES,
                         help="model shapes (default: small; llama3-8b-layers2 is ~100x slower "
                         "to recompute on a CPU, pass fewer --tokens)")
-    parser.add_argument("--page-size", type=int, default=16, help="tokens per page")
+    parser.add_argument("--page-size", type=positive_int, default=16, help="tokens per page")
     parser.add_argument("--tokens", default=DEFAULT_TOKENS,
                         help=f"comma-separated prefix lengths (default {DEFAULT_TOKENS})")
-    parser.add_argument("--device", default="cpu", help="'cpu' or 'cuda[:N]'")
+    parser.add_argument("--device", type=cliargs.device, default="cpu",
+                        help="'cpu' or 'cuda[:N]'")
     parser.add_argument("--dtype", default=None,
                         help="model and KV dtype (default: the preset's, float32)")
     parser.add_argument("--executor", default="auto",
-                        help="transfer executor: auto, thread, cuda or immediate")
-    parser.add_argument("--repeats", type=int, default=3, help="timed recompute runs per length")
-    parser.add_argument("--reload-repeats", type=int, default=20,
+                        choices=["auto", "thread", "cuda", "immediate"],
+                        help="transfer executor")
+    parser.add_argument("--repeats", type=positive_int, default=3,
+                        help="timed recompute runs per length")
+    parser.add_argument("--reload-repeats", type=positive_int, default=20,
                         help="timed reload and copy runs per length")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="print only the JSON line")
+    parser.add_argument("--seed", type=nonneg_int, default=0, help="seeds the model weights")
+    add_json(parser)
 
 
 def _parse_tokens(text: str, page_size: int) -> list[int]:
@@ -220,6 +226,9 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    _parse_tokens(args.tokens, args.page_size)  # checked before the model is built
+    if args.dtype is not None:
+        resolve_dtype(args.dtype)
     torch.manual_seed(args.seed)
     result = measure(args, log=(lambda _line: None) if args.json else print)
     print(json.dumps(result))

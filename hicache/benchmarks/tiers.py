@@ -31,6 +31,7 @@ import statistics
 import sys
 
 from hicache.benchmarks import standalone_main
+from hicache.cliargs import TRACE_HELP, add_json, fraction, positive_int
 from hicache.config import WritePolicy
 from hicache.native import make_tree
 from hicache.replay import (
@@ -43,23 +44,22 @@ from hicache.traces import load_trace, trace_stats
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("trace", help="trace file (JSON Lines, see WORKLOADS.md)")
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--device-fraction", type=float, default=0.25,
+    parser.add_argument("trace", help=TRACE_HELP)
+    parser.add_argument("--page-size", type=positive_int, default=16, help="tokens per page")
+    parser.add_argument("--device-fraction", type=fraction, default=0.25,
                         help="device tier as a fraction of the trace's unique tokens")
-    parser.add_argument("--tree", default="auto", choices=["python", "native", "auto"])
+    parser.add_argument("--tree", default="auto", choices=["python", "native", "auto"],
+                        help="radix tree implementation (auto: native when it is available)")
     parser.add_argument("--write-policy", default="write_through",
-                        choices=[p.value for p in WritePolicy])
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (medians)")
+                        choices=[p.value for p in WritePolicy],
+                        help="when a device page gets its host copy")
+    parser.add_argument("--repeats", type=positive_int, default=3,
+                        help="interleaved rounds (medians)")
+    add_json(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.page_size <= 0 or args.repeats <= 0 or not 0 < args.device_fraction <= 1:
-        raise SystemExit(
-            "hicache bench tiers: expected --page-size > 0, --repeats > 0 and "
-            f"0 < --device-fraction <= 1, got {args.page_size}, {args.repeats}, "
-            f"{args.device_fraction}"
-        )
+    say = (lambda *_a, **_k: None) if args.json else print
     P = args.page_size
     unique = trace_stats(load_trace(args.trace), P).working_set_tokens
     requests = _prepare(args.trace, P)
@@ -93,29 +93,29 @@ def run(args: argparse.Namespace) -> int:
             last[name] = fn()
             rps[name].append(last[name].req_per_s)
 
-    print(f"trace {os.path.basename(args.trace)}: {unique} unique tokens, device "
-          f"{device_tokens} ({args.device_fraction:.0%}), host {host_tokens}, tree {args.tree}")
-    print(f"{'config':<16}{'req/s (median)':>16}{'hit ratio':>11}{'device hits':>13}"
-          f"{'host hits':>11}")
+    say(f"trace {os.path.basename(args.trace)}: {unique} unique tokens, device "
+        f"{device_tokens} ({args.device_fraction:.0%}), host {host_tokens}, tree {args.tree}")
+    say(f"{'config':<16}{'req/s (median)':>16}{'hit ratio':>11}{'device hits':>13}"
+        f"{'host hits':>11}")
     out = {}
     for name, r in last.items():
         med = statistics.median(rps[name])
         out[name] = {"req_per_s": round(med, 1), "hit_ratio": round(r.hit_ratio, 6),
                      "device_hit_tokens": r.device_hit_tokens, "host_hit_tokens": r.host_hit_tokens}
-        print(f"{name:<16}{med:>16.0f}{r.hit_ratio:>11.4f}{r.device_hit_tokens:>13}"
-              f"{r.host_hit_tokens:>11}")
+        say(f"{name:<16}{med:>16.0f}{r.hit_ratio:>11.4f}{r.device_hit_tokens:>13}"
+            f"{r.host_hit_tokens:>11}")
     hit_vs_unbounded = out["hierarchical"]["hit_ratio"] / out["unbounded"]["hit_ratio"]
     speed_vs_device = out["hierarchical"]["req_per_s"] / out["device"]["req_per_s"]
     speed_vs_hicache = out["hierarchical"]["req_per_s"] / out["device-hicache"]["req_per_s"]
-    print(f"hierarchical hit ratio / unbounded:        {hit_vs_unbounded:.4f} (target >= 0.99)")
+    say(f"hierarchical hit ratio / unbounded:        {hit_vs_unbounded:.4f} (target >= 0.99)")
     per_round = statistics.median(
         h / d for h, d in zip(rps["hierarchical"], rps["device"], strict=True)
     )
-    print(f"hierarchical req/s / device-only:          {speed_vs_device:.2f} (target >= 0.50; "
-          f"median of per-round ratios {per_round:.2f})")
-    print(f"hierarchical req/s / HiCache device-only:  {speed_vs_hicache:.2f}")
+    say(f"hierarchical req/s / device-only:          {speed_vs_device:.2f} (target >= 0.50; "
+        f"median of per-round ratios {per_round:.2f})")
+    say(f"hierarchical req/s / HiCache device-only:  {speed_vs_hicache:.2f}")
     py_vs_device = out["hierarchical-py"]["req_per_s"] / out["device"]["req_per_s"]
-    print(f"hierarchical-py req/s / device-only:       {py_vs_device:.2f} (Python lifecycle)")
+    say(f"hierarchical-py req/s / device-only:       {py_vs_device:.2f} (Python lifecycle)")
     print(json.dumps({"trace": os.path.basename(args.trace), "unique_tokens": unique,
                       "device_tokens": device_tokens, "host_tokens": host_tokens,
                       "tree": args.tree, "configs": out,

@@ -24,7 +24,9 @@ import time
 
 import torch
 
+from hicache import cliargs
 from hicache.benchmarks import standalone_main
+from hicache.cliargs import UsageError, add_json, nonneg_int, positive_int
 from hicache.config import KVConfig
 from hicache.pool import DevicePool, HostPool
 from hicache.transfer import TransferEngine
@@ -33,15 +35,20 @@ _HEADS, _HEAD_DIM, _DTYPE = 8, 128, torch.bfloat16  # 2 KiB per token per layer 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print only the JSON line")
-    parser.add_argument("--page-kib", type=int, nargs="+",
-                        default=[16, 32, 64, 128, 256, 512, 1024, 2048])
-    parser.add_argument("--total-mib", type=int, default=128, help="bytes per transfer")
-    parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=6,
+    add_json(parser)
+    parser.add_argument("--page-kib", type=positive_int, nargs="+",
+                        default=[16, 32, 64, 128, 256, 512, 1024, 2048],
+                        help="page sizes to measure, KiB per page over all layers (even numbers)")
+    parser.add_argument("--total-mib", type=positive_int, default=128,
+                        help="MiB moved by each timed transfer")
+    parser.add_argument("--num-layers", type=positive_int, default=4,
+                        help="layers of the KV layout (each page is split over them)")
+    parser.add_argument("--repeats", type=positive_int, default=6,
                         help="timed runs per row (median); a multiple of 3 rotates evenly")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seed", type=nonneg_int, default=0, help="seeds the page order")
+    parser.add_argument("--device", type=cliargs.device,
+                        default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="'cpu' or 'cuda[:N]' (default: cuda when available)")
     parser.add_argument("--native", choices=["auto", "on", "off"], default="auto",
                         help="CPU row copier: native C (on), torch gather/scatter (off)")
 
@@ -139,9 +146,10 @@ def run(args: argparse.Namespace) -> int:
     rows, all_limits = [], {}
     limit_copies = _Limits(args.total_mib << 20, device)
     lines = [f"{'op':<8}{'page_kib':>9}{'GB/s':>8}{'x limit':>9}"]
+    odd = [k for k in args.page_kib if k * 1024 % (_HEADS * _HEAD_DIM * 2)]
+    if odd:
+        raise UsageError(f"--page-kib: expected multiples of 2, got {odd[0]}")
     for page_kib in args.page_kib:
-        if page_kib * 1024 % (_HEADS * _HEAD_DIM * 2):
-            raise ValueError(f"--page-kib: expected multiples of 2, got {page_kib}")
         total_nbytes, times, limit_times = _measure_page_size(
             args, page_kib, device, gen, limit_copies
         )
