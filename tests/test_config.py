@@ -87,7 +87,7 @@ def test_a_device_pool_that_fits_still_builds():
 
 
 def test_list_namespace_is_a_type_error_before_storage_keys(tmp_path):
-    with HiCache(cfg(host_tokens=128, storage=f"file:{tmp_path}")) as cache:
+    with HiCache(cfg(host_tokens=128, storage=f"file:{tmp_path}", model_id="test-model")) as cache:
         with pytest.raises(TypeError, match="namespace: expected str or None, got list"):
             cache.match(list(range(8)), ["tenant"])
         with pytest.raises(TypeError, match="namespace: expected str or None, got list"):
