@@ -149,6 +149,29 @@ def add_json(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_metrics_port(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--metrics-port", type=port, default=None, metavar="PORT",
+        help="while running, serve Prometheus metrics of the caches on "
+        "http://127.0.0.1:PORT/metrics (0: any free port; needs the metrics extra)",
+    )
+
+
+def start_metrics(args: argparse.Namespace, prog: str):
+    """A serving :class:`hicache.metrics.CacheMetrics` if ``--metrics-port`` was given."""
+    if getattr(args, "metrics_port", None) is None:
+        return None
+    try:
+        from hicache.metrics import CacheMetrics
+    except ImportError as exc:
+        raise UsageError(f"--metrics-port: {exc}") from None
+    metrics = CacheMetrics()
+    bound = metrics.serve(args.metrics_port)  # OSError (port in use): one line, exit 2
+    sys.stderr.write(f"{prog}: serving metrics on http://127.0.0.1:{bound}/metrics\n")
+    sys.stderr.flush()
+    return metrics
+
+
 def run_guarded(run: Callable[[argparse.Namespace], int | None], args: argparse.Namespace,
                 prog: str) -> int:
     """``run(args)``, with a user's mistake turned into one stderr line and exit status 2.
