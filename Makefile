@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml setup.py buildtools/backend.py $(wildcard hicache/csrc/
 	$(PY) -m pip install -q 'setuptools>=77' ninja
 	@echo 'installing hicache and compiling its native extension (about a minute)'
 	$(PY) -m pip install -q --no-build-isolation -e '.[dev]'
-	$(PY) -c "from hicache import jit; print('native extension:', jit.native_origin() or 'unavailable (Python fallbacks): ' + jit.native_unavailable_reason())"
+	$(PY) -c "from hicache import jit; print('native extension:', jit.native_status())"
 	touch $(STAMP)
 
 demo: install

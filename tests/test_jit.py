@@ -161,3 +161,20 @@ def test_the_build_lock_is_released_when_its_holder_is_killed(tmp_path):
     finally:
         if holder.poll() is None:
             holder.kill()
+
+
+def test_native_status_says_where_the_module_came_from(tmp_path, monkeypatch):
+    module = types.ModuleType("fake")
+    (tmp_path / jit.BUILD_INFO_NAME).write_text(json.dumps({**jit.build_info(),
+                                                            "build_seconds": 63.2}))
+    monkeypatch.setattr(jit, "_PACKAGE", tmp_path)
+    cases = [
+        (jit._LoadResult(module, "", 0.0, "prebuilt"), "compiled at install (63.2 s)"),
+        (jit._LoadResult(module, "", 71.04, "jit-build"), "compiled now (71.0 s)"),
+        (jit._LoadResult(module, "", 0.0, "jit-cache"), "loaded from an earlier JIT build"),
+        (jit._LoadResult(None, "ninja not found (pip install ninja)", 0.0),
+         "unavailable, Python fallbacks in use (ninja not found (pip install ninja))"),
+    ]
+    for result, expected in cases:
+        monkeypatch.setattr(jit, "_load", lambda result=result: result)
+        assert jit.native_status() == expected
