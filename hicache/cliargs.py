@@ -18,8 +18,6 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-import torch
-
 TRACE_HELP = "trace file: JSON Lines, one request per line (format: docs/workloads.md)"
 
 
@@ -122,6 +120,8 @@ def device(text: str) -> str:
     if text != "cpu" and not (text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit())):
         raise argparse.ArgumentTypeError(f"expected 'cpu', 'cuda' or 'cuda:N', got {text!r}")
     if text.startswith("cuda"):
+        import torch  # here: hicache.traces imports this module and needs no torch
+
         if not torch.cuda.is_available():
             raise argparse.ArgumentTypeError(f"{text!r} asked for, but CUDA is not available here")
         index = int(text[5:]) if ":" in text else 0
