@@ -15,6 +15,7 @@ This module only presents: the workload, the engines and the metrics come from
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from typing import TextIO
@@ -36,6 +37,7 @@ from hicache.benchmarks.multiturn import (
     workload_from_args,
 )
 from hicache.cliargs import (
+    add_json,
     add_metrics_port,
     nonneg_int,
     positive_int,
@@ -65,6 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=nonneg_int, default=0, help="workload and model weights")
     parser.add_argument("--plot", metavar="FILE.png", default=None,
                         help="draw TTFT per request for each configuration (needs matplotlib)")
+    add_json(parser)
     add_metrics_port(parser)
 
 
@@ -131,31 +134,39 @@ def run(args: argparse.Namespace) -> int:
     model = Model(cfg, seed=args.seed)
     prompt_tokens = sum(len(r.prompt) for r in requests)
 
-    print(f"hicache demo: {len(requests)} agent requests ({workload['num_sessions']} sessions "
+    say = (lambda *_a, **_k: None) if args.json else print
+    say(f"hicache demo: {len(requests)} agent requests ({workload['num_sessions']} sessions "
           f"x {workload['num_turns']} turns over {workload['num_system_prompts']} shared "
           f"{workload['system_tokens']}-token system prompts, interleaved), "
           f"{prompt_tokens} prompt tokens")
-    print(f"model preset '{cfg.name}' ({cfg.num_layers} layers, hidden {cfg.hidden_size}); "
+    say(f"model preset '{cfg.name}' ({cfg.num_layers} layers, hidden {cfg.hidden_size}); "
           f"device tier {device_tokens} tokens = {device_tokens / ws:.0%} of the "
           f"{ws}-token working set; host tier {host_tokens} tokens (hierarchical only)")
     bar = ProgressBar(len(requests), sys.stdout)
     metrics = start_metrics(args, "hicache demo")
     try:
         runs = run_configs(model, requests, list(CONFIGS), device_tokens, host_tokens,
-                           page_size, bar.update, metrics=metrics)
+                           page_size, None if args.json else bar.update, metrics=metrics)
     finally:
         if metrics is not None:
             metrics.close()
     summaries = {name: summarize(res, requests) for name, res in runs.items()}
-    print()
+    say()
     for line in format_table(summaries):
-        print(line)
-    print()
-    print("all three configurations generated identical tokens")
-    print(conclusion(summaries))
+        say(line)
+    say()
+    say("all three configurations generated identical tokens")
+    say(conclusion(summaries))
     if args.plot is not None:
         plot_ttft(args.plot, runs, f"TTFT per request, preset {cfg.name}, device tier "
                   f"{device_tokens / ws:.0%} of the working set")
-        print(f"plot written to {args.plot}")
-    print(f"({time.perf_counter() - start:.0f} s)")
+        say(f"plot written to {args.plot}")
+    say(f"({time.perf_counter() - start:.0f} s)")
+    if args.json:
+        print(json.dumps({
+            "preset": cfg.name, "page_size": page_size, "seed": args.seed,
+            "workload": workload, "num_requests": len(requests), "prompt_tokens": prompt_tokens,
+            "working_set_tokens": ws, "device_tokens": device_tokens,
+            "host_tokens": host_tokens, "identical_tokens": True, "configs": summaries,
+        }))
     return 0
