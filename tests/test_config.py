@@ -234,3 +234,12 @@ def test_a_cuda_device_pool_is_checked_against_free_device_memory(monkeypatch):
     )
     with pytest.raises(ValueError, match="'cuda:1' asked for, but there are 1 CUDA devices"):
         pool.check_device_available("cuda:1")
+
+
+def test_a_bookkeeping_only_cache_never_needs_its_device():
+    with HiCache(cfg(device="cuda", host_tokens=128, allocate_kv=False)) as cache:
+        h = cache.match(list(range(8)))
+        assert cache.alloc(h, 8) is not None
+        cache.insert(h, list(range(8)))
+        cache.release(h)
+        assert_no_leaks(cache)
