@@ -178,3 +178,31 @@ def test_native_status_says_where_the_module_came_from(tmp_path, monkeypatch):
     for result, expected in cases:
         monkeypatch.setattr(jit, "_load", lambda result=result: result)
         assert jit.native_status() == expected
+
+
+@pytest.mark.slow
+def test_a_wheel_install_ships_the_compiled_module(tmp_path):
+    """pip install . (not editable) puts the module and its build info into the package.
+
+    Without build isolation, so that the build uses this environment's torch
+    instead of downloading one (an isolated build asks for the same version, see
+    buildtools/backend.py). Compiles the extension: minutes.
+    """
+    root = Path(__file__).resolve().parents[1]
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+         "--target", str(target), str(root)],
+        check=True, timeout=1800, cwd=tmp_path,
+    )
+    assert sorted(p.name for p in (target / "hicache").glob("_native*"))[-1] == (
+        jit.BUILD_INFO_NAME)
+    assert list((target / "hicache").glob(f"{jit._MODULE}.*.so"))
+    probe = "import hicache; print(hicache.__file__)\n" + _PROBE
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(target)}, check=True,
+    )
+    where, status = out.stdout.splitlines()[:2]
+    assert where == str(target / "hicache" / "__init__.py"), out.stdout
+    assert status.split()[:2] == ["prebuilt", "0.0"], (out.stdout, out.stderr)
