@@ -10,7 +10,8 @@ install: $(STAMP)
 
 # Torch first, pinned: with no GPU, `pip install torch==2.13.0` takes the local CPU
 # build instead of a multi-GB CUDA one. The project's own range then installs nothing more.
-$(STAMP): pyproject.toml setup.py buildtools/backend.py
+# The C++ sources too: a change to them recompiles the installed module here, once.
+$(STAMP): pyproject.toml setup.py buildtools/backend.py $(wildcard hicache/csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
 		$(PY) -m pip install -q torch; \
@@ -24,7 +25,7 @@ $(STAMP): pyproject.toml setup.py buildtools/backend.py
 	$(PY) -m pip install -q 'setuptools>=77' ninja
 	@echo 'installing hicache and compiling its native extension (about a minute)'
 	$(PY) -m pip install -q --no-build-isolation -e '.[dev]'
-	$(PY) -c "from hicache import jit; print('native extension:', jit.native_origin() or 'unavailable (Python fallbacks): ' + jit.native_unavailable_reason())"
+	$(PY) -c "from hicache import jit; print('native extension:', jit.native_status())"
 	touch $(STAMP)
 
 demo: install

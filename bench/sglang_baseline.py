@@ -1,6 +1,6 @@
 """Baseline: SGLang's Python ``RadixCache`` (sglang 0.5.23) replaying a trace.
 
-The regime is the device-tier replay of ``WORKLOADS.md``, the same sequence
+The regime is the device-tier replay of ``docs/workloads.md``, the same sequence
 ``hicache replay`` runs, done with SGLang's own API and its paged allocator:
 
     match_prefix(prompt) -> inc_lock_ref(last node) -> need = len(full) - hit
@@ -219,7 +219,7 @@ def build_cache(sgl: Sglang, page_size: int, device_tokens: int, eviction: str) 
 
 def replay(sgl: Sglang, requests: list[Prepared], page_size: int, device_tokens: int,
            eviction: str = "lru") -> Result:
-    """One timed replay through a fresh cache (WORKLOADS.md semantics, device tier).
+    """One timed replay through a fresh cache (docs/workloads.md semantics, device tier).
 
     Under :func:`hicache.replay.frozen_gc`, as hicache's own replays run.
     """
@@ -265,7 +265,7 @@ def _replay(sgl: Sglang, requests: list[Prepared], page_size: int, device_tokens
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("trace", help="trace file (JSON Lines, WORKLOADS.md)")
+    parser.add_argument("trace", help="trace file (JSON Lines, format: docs/workloads.md)")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per page")
     parser.add_argument("--device-tokens", type=int, required=True, help="device capacity")
     parser.add_argument("--eviction", default="lru", choices=["lru", "lfu"])

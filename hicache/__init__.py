@@ -3,6 +3,7 @@
 from hicache.allocator import PageAllocator
 from hicache.cache import CacheStats, HiCache, LoadError, PrefixHandle
 from hicache.config import CacheConfig, EvictionPolicy, KVConfig, PrefetchPolicy, WritePolicy
+from hicache.logs import configure_from_env as _configure_logging
 from hicache.tree import IOStatus, RadixTree
 
 __all__ = [
@@ -20,3 +21,5 @@ __all__ = [
     "WritePolicy",
 ]
 __version__ = "0.1.0"
+
+_configure_logging()  # the `hicache` logger: silent unless HICACHE_LOG_LEVEL or the app says

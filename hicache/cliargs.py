@@ -18,8 +18,6 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-import torch
-
 TRACE_HELP = "trace file: JSON Lines, one request per line (format: docs/workloads.md)"
 
 
@@ -122,6 +120,8 @@ def device(text: str) -> str:
     if text != "cpu" and not (text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit())):
         raise argparse.ArgumentTypeError(f"expected 'cpu', 'cuda' or 'cuda:N', got {text!r}")
     if text.startswith("cuda"):
+        import torch  # here: hicache.traces imports this module and needs no torch
+
         if not torch.cuda.is_available():
             raise argparse.ArgumentTypeError(f"{text!r} asked for, but CUDA is not available here")
         index = int(text[5:]) if ":" in text else 0
@@ -147,6 +147,29 @@ def add_json(parser: argparse.ArgumentParser) -> None:
         "--json", action="store_true",
         help="print only one JSON object (one line) on stdout, no table",
     )
+
+
+def add_metrics_port(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--metrics-port", type=port, default=None, metavar="PORT",
+        help="while running, serve Prometheus metrics of the caches on "
+        "http://127.0.0.1:PORT/metrics (0: any free port; needs the metrics extra)",
+    )
+
+
+def start_metrics(args: argparse.Namespace, prog: str):
+    """A serving :class:`hicache.metrics.CacheMetrics` if ``--metrics-port`` was given."""
+    if getattr(args, "metrics_port", None) is None:
+        return None
+    try:
+        from hicache.metrics import CacheMetrics
+    except ImportError as exc:
+        raise UsageError(f"--metrics-port: {exc}") from None
+    metrics = CacheMetrics()
+    bound = metrics.serve(args.metrics_port)  # OSError (port in use): one line, exit 2
+    sys.stderr.write(f"{prog}: serving metrics on http://127.0.0.1:{bound}/metrics\n")
+    sys.stderr.flush()
+    return metrics
 
 
 def run_guarded(run: Callable[[argparse.Namespace], int | None], args: argparse.Namespace,

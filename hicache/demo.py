@@ -4,7 +4,7 @@ Agent sessions share a few long system prompts and grow turn by turn; they
 interleave, so a device tier holding a quarter of the working set thrashes.
 Every request runs through :class:`hicache.engine.Engine` in the three
 configurations at the same device capacity (the hierarchy adds a host tier
-that holds the whole working set). Prints a progress bar per configuration,
+that holds the whole working set). Shows a progress bar per configuration,
 then a comparison table and a one-line conclusion computed from the numbers;
 ``--plot FILE.png`` draws TTFT per request (needs matplotlib).
 
@@ -15,11 +15,13 @@ This module only presents: the workload, the engines and the metrics come from
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from typing import TextIO
 
 import torch
+from tqdm import tqdm
 
 from hicache.benchmarks.multiturn import (
     CONFIGS,
@@ -34,11 +36,17 @@ from hicache.benchmarks.multiturn import (
     to_requests,
     workload_from_args,
 )
-from hicache.cliargs import nonneg_int, positive_int, require_matplotlib
+from hicache.cliargs import (
+    add_json,
+    add_metrics_port,
+    nonneg_int,
+    positive_int,
+    require_matplotlib,
+    start_metrics,
+)
 from hicache.engine import GenerateResult
 from hicache.model import PRESET_NAMES, Model, preset
 
-_BAR_WIDTH = 30
 # The bench's workload with 6 sessions x 8 turns instead of 8 x 10: 48 requests, so
 # that all three configurations finish in well under two minutes on two cores.
 DEMO_SESSIONS = 6
@@ -59,35 +67,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=nonneg_int, default=0, help="workload and model weights")
     parser.add_argument("--plot", metavar="FILE.png", default=None,
                         help="draw TTFT per request for each configuration (needs matplotlib)")
+    add_json(parser)
+    add_metrics_port(parser)
 
 
 class ProgressBar:
-    """One plain-text line per configuration, redrawn with ``\\r`` on a terminal.
-
-    Off a terminal (a log, a pipe) only the finished line is printed, so logs
-    stay one line per configuration.
-    """
+    """A tqdm bar per configuration on a terminal; off a terminal (a log, a pipe) only
+    one finished line per configuration, so logs stay one line per configuration."""
 
     def __init__(self, total: int, out: TextIO) -> None:
         self.total = total
         self.out = out
         self.live = out.isatty()
+        self._bar: tqdm | None = None
         self._start = time.perf_counter()
 
     def update(self, name: str, done: int, result: GenerateResult) -> None:
         if done == 1:
             self._start = time.perf_counter()
-        filled = _BAR_WIDTH * done // self.total
-        line = (f"  {name:<13} [{'#' * filled}{'-' * (_BAR_WIDTH - filled)}] "
-                f"{done:>4}/{self.total}  TTFT {result.ttft_s * 1e3:7.1f} ms  "
-                f"{time.perf_counter() - self._start:6.1f} s")
-        if self.live:
-            self.out.write("\r" + line)
-            if done == self.total:
-                self.out.write("\n")
-            self.out.flush()
-        elif done == self.total:
-            print(line, file=self.out, flush=True)
+            self._bar = tqdm(total=self.total, desc=f"  {name:<13}", unit="req", file=self.out,
+                             disable=not self.live, leave=True, dynamic_ncols=True)
+        assert self._bar is not None
+        self._bar.set_postfix_str(f"TTFT {result.ttft_s * 1e3:7.1f} ms", refresh=False)
+        self._bar.update(1)
+        if done == self.total:
+            self._bar.close()
+            if not self.live:
+                print(f"  {name:<13} {done:>4}/{self.total} requests  "
+                      f"{time.perf_counter() - self._start:6.1f} s", file=self.out, flush=True)
 
 
 def plot_ttft(path: str, runs: dict[str, ConfigResult], title: str) -> None:
@@ -127,26 +134,39 @@ def run(args: argparse.Namespace) -> int:
     model = Model(cfg, seed=args.seed)
     prompt_tokens = sum(len(r.prompt) for r in requests)
 
-    print(f"hicache demo: {len(requests)} agent requests ({workload['num_sessions']} sessions "
+    say = (lambda *_a, **_k: None) if args.json else print
+    say(f"hicache demo: {len(requests)} agent requests ({workload['num_sessions']} sessions "
           f"x {workload['num_turns']} turns over {workload['num_system_prompts']} shared "
           f"{workload['system_tokens']}-token system prompts, interleaved), "
           f"{prompt_tokens} prompt tokens")
-    print(f"model preset '{cfg.name}' ({cfg.num_layers} layers, hidden {cfg.hidden_size}); "
+    say(f"model preset '{cfg.name}' ({cfg.num_layers} layers, hidden {cfg.hidden_size}); "
           f"device tier {device_tokens} tokens = {device_tokens / ws:.0%} of the "
           f"{ws}-token working set; host tier {host_tokens} tokens (hierarchical only)")
     bar = ProgressBar(len(requests), sys.stdout)
-    runs = run_configs(model, requests, list(CONFIGS), device_tokens, host_tokens, page_size,
-                       bar.update)
+    metrics = start_metrics(args, "hicache demo")
+    try:
+        runs = run_configs(model, requests, list(CONFIGS), device_tokens, host_tokens,
+                           page_size, None if args.json else bar.update, metrics=metrics)
+    finally:
+        if metrics is not None:
+            metrics.close()
     summaries = {name: summarize(res, requests) for name, res in runs.items()}
-    print()
+    say()
     for line in format_table(summaries):
-        print(line)
-    print()
-    print("all three configurations generated identical tokens")
-    print(conclusion(summaries))
+        say(line)
+    say()
+    say("all three configurations generated identical tokens")
+    say(conclusion(summaries))
     if args.plot is not None:
         plot_ttft(args.plot, runs, f"TTFT per request, preset {cfg.name}, device tier "
                   f"{device_tokens / ws:.0%} of the working set")
-        print(f"plot written to {args.plot}")
-    print(f"({time.perf_counter() - start:.0f} s)")
+        say(f"plot written to {args.plot}")
+    say(f"({time.perf_counter() - start:.0f} s)")
+    if args.json:
+        print(json.dumps({
+            "preset": cfg.name, "page_size": page_size, "seed": args.seed,
+            "workload": workload, "num_requests": len(requests), "prompt_tokens": prompt_tokens,
+            "working_set_tokens": ws, "device_tokens": device_tokens,
+            "host_tokens": host_tokens, "identical_tokens": True, "configs": summaries,
+        }))
     return 0

@@ -293,6 +293,22 @@ def native_build_seconds() -> float:
     return _load().build_seconds
 
 
+def native_status() -> str:
+    """One line for people: where the module came from, or why it is unavailable."""
+    result = _load()
+    if result.module is None:
+        return f"unavailable, Python fallbacks in use ({result.reason})"
+    if result.origin == "prebuilt":
+        with contextlib.suppress(OSError, ValueError):
+            seconds = json.loads((_PACKAGE / BUILD_INFO_NAME).read_text()).get("build_seconds")
+            if seconds is not None:
+                return f"compiled at install ({seconds} s)"
+        return "compiled at install"
+    if result.origin == "jit-build":
+        return f"compiled now ({result.build_seconds:.1f} s)"
+    return "loaded from an earlier JIT build"
+
+
 def native_origin() -> str:
     """Where the loaded module came from: ``"prebuilt"`` (compiled at install time),
     ``"jit-cache"`` (an earlier JIT build), ``"jit-build"`` (compiled by this process),

@@ -132,10 +132,10 @@ def check_cache_memory(config: CacheConfig) -> None:
     """Check every pool a :class:`hicache.HiCache` of ``config`` would allocate, first.
 
     Page allocators (bookkeeping, always) and, with ``allocate_kv``, the device pool
-    and the host pool, against what this machine has now; nothing is allocated
-    before all of them pass, so a refused configuration costs nothing.
+    (its device must exist here) and the host pool, against what this machine has
+    now; nothing is allocated before all of them pass, so a refused configuration
+    costs nothing. A bookkeeping-only cache never touches its device.
     """
-    check_device_available(config.device)
     pages = config.num_device_pages + config.num_host_pages
     host_need = pages * _ALLOCATOR_NBYTES_PER_PAGE
     if config.allocate_kv:

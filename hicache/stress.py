@@ -39,12 +39,14 @@ from hicache.cliargs import (
     Parser,
     UsageError,
     add_json,
+    add_metrics_port,
     nonneg_float,
     nonneg_int,
     positive_float,
     positive_int,
     probability,
     run_guarded,
+    start_metrics,
 )
 from hicache.config import CacheConfig, KVConfig
 from hicache.pool import PageCopier
@@ -182,8 +184,9 @@ class _Request:
 class StressRun:
     """One stress run; :meth:`run` returns the report dict (the JSON line)."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, metrics=None) -> None:
         self.args = args
+        self.metrics = metrics  # a hicache.metrics.CacheMetrics, or None
         self.rng = random.Random(args.seed)
         kv = KVConfig(num_layers=4, num_kv_heads=2, head_dim=16, dtype="float16",
                       page_size=args.page_size)
@@ -199,6 +202,8 @@ class StressRun:
             FaultyCopier.wrap(self.cache, args.seed, args.fault_rate, args.max_delay_ms / 1e3),
         )
         self.probe = EvictionProbe(self.cache)
+        if metrics is not None:
+            metrics.track(self.cache, "stress")
         self.live: list[_Request] = []
         self.systems = [self._tokens(self.rng.randrange(2, 6) * self.P) for _ in range(3)]
         self.histories: list[list[int]] = [[] for _ in range(args.conversations)]
@@ -303,6 +308,8 @@ class StressRun:
                 if self.counts["errors"] == 1:
                     traceback.print_exc(file=sys.stderr)
             self._check(full=step % args.verify_every == 0)
+            if self.metrics is not None and step % args.verify_every == 0:
+                self.metrics.update()  # stats() polls: only when metrics were asked for
         return self._quiesce(step)
 
     def _quiesce(self, steps: int) -> dict:
@@ -321,6 +328,8 @@ class StressRun:
         leaked = abs(s["device_pages_used"] - s["device_cached_tokens"] // P) + abs(
             s["host_pages_used"] - s["host_cached_tokens"] // P
         )
+        if self.metrics is not None:
+            self.metrics.untrack("stress")
         cache.close()
         return {
             "requests": self.counts["requests"],
@@ -378,6 +387,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a conversation longer than this starts over")
     parser.add_argument("--verify-every", type=positive_int, default=25,
                         help="verify every readable page of the cache each N steps")
+    add_metrics_port(parser)
 
 
 def longest_request_tokens(args: argparse.Namespace) -> int:
@@ -400,7 +410,12 @@ def check_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_args(args)
-    report = StressRun(args).run()
+    metrics = start_metrics(args, "hicache stress")
+    try:
+        report = StressRun(args, metrics).run()
+    finally:
+        if metrics is not None:
+            metrics.close()
     for line in report.pop("first_problems"):
         print(line, file=sys.stderr)
     if not args.json:

@@ -35,6 +35,7 @@ does not know the tree, the allocators or which pages are in use.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -45,6 +46,8 @@ import numpy as np
 import torch
 
 from hicache.pool import DevicePool, HostPool, PageCopier, as_rows, check_page_ids
+
+_log = logging.getLogger(__name__)
 
 
 class TransferKind(str, Enum):
@@ -683,6 +686,8 @@ class TransferEngine:
         self._drive = self.executor.driver()
         self._count_lock = threading.Lock()  # submissions may come from several threads
         self._num_unreported = 0
+        # Called with each handle poll() reports, on the polling thread (hicache.metrics).
+        self.on_complete: list[Callable[[TransferHandle], None]] = []
 
     @property
     def num_in_flight(self) -> int:
@@ -717,6 +722,12 @@ class TransferEngine:
         done = self.executor.poll()
         with self._count_lock:
             self._num_unreported -= len(done)
+        for handle in done:
+            if handle.error is not None:
+                _log.warning("%s of %d pages failed: %r", handle.kind.value,
+                             handle.host_pages.numel(), handle.error)
+            for observe in self.on_complete:
+                observe(handle)
         return done
 
     def close(self) -> None:

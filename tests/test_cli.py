@@ -192,6 +192,8 @@ def test_json_is_exactly_one_line_on_stdout(small_trace, capsys):
         ["replay", small_trace, "--device-tokens", "256", "--host-tokens", "1024", "--json"],
         ["replay", small_trace, "--device-tokens", "256", "--sweep-host", "0,1024", "--json"],
         ["trace", "stats", small_trace, "--json"],
+        ["demo", "--preset", "tiny", "--sessions", "2", "--turns", "2", "--system-prompts", "1",
+         "--system-tokens", "32", "--first-turn-tokens", "16", "--json"],
     ):
         rc, out, _ = run_cli(argv, capsys)
         assert rc == 0 and len(out.splitlines()) == 1, (argv, out)

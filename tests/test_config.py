@@ -213,3 +213,33 @@ def test_env_none_clears_an_optional_field():
     out = apply_env(DATA, {"HICACHE_HOST_TOKENS": "none"})
     assert out["host_tokens"] is None
     assert not CacheConfig.from_dict(out).has_host_tier
+
+
+def test_a_cuda_device_pool_is_checked_against_free_device_memory(monkeypatch):
+    """Without a GPU here: torch's CUDA queries are stood in for (1 GiB free of cuda:0)."""
+    from hicache import pool
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 30, 2 << 30))
+    fits = (1 << 30) // KV.page_nbytes
+    pool.check_device_pool_memory(KV, fits, "cuda:0")  # exactly the free memory: fine
+    with pytest.raises(ValueError) as exc:
+        pool.check_device_pool_memory(KV, fits + 1, "cuda")
+    assert str(exc.value) == (
+        f"device pool: {fits + 1} pages x {KV.page_nbytes} bytes = "
+        f"{(fits + 1) * KV.page_nbytes} bytes asked for, but only {1 << 30} bytes of free "
+        "memory on cuda; lower device_tokens / device_nbytes"
+    )
+    with pytest.raises(ValueError, match="'cuda:1' asked for, but there are 1 CUDA devices"):
+        pool.check_device_available("cuda:1")
+
+
+def test_a_bookkeeping_only_cache_never_needs_its_device():
+    with HiCache(cfg(device="cuda", host_tokens=128, allocate_kv=False)) as cache:
+        h = cache.match(list(range(8)))
+        assert cache.alloc(h, 8) is not None
+        cache.insert(h, list(range(8)))
+        cache.release(h)
+        assert_no_leaks(cache)

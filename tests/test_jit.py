@@ -161,3 +161,48 @@ def test_the_build_lock_is_released_when_its_holder_is_killed(tmp_path):
     finally:
         if holder.poll() is None:
             holder.kill()
+
+
+def test_native_status_says_where_the_module_came_from(tmp_path, monkeypatch):
+    module = types.ModuleType("fake")
+    (tmp_path / jit.BUILD_INFO_NAME).write_text(json.dumps({**jit.build_info(),
+                                                            "build_seconds": 63.2}))
+    monkeypatch.setattr(jit, "_PACKAGE", tmp_path)
+    cases = [
+        (jit._LoadResult(module, "", 0.0, "prebuilt"), "compiled at install (63.2 s)"),
+        (jit._LoadResult(module, "", 71.04, "jit-build"), "compiled now (71.0 s)"),
+        (jit._LoadResult(module, "", 0.0, "jit-cache"), "loaded from an earlier JIT build"),
+        (jit._LoadResult(None, "ninja not found (pip install ninja)", 0.0),
+         "unavailable, Python fallbacks in use (ninja not found (pip install ninja))"),
+    ]
+    for result, expected in cases:
+        monkeypatch.setattr(jit, "_load", lambda result=result: result)
+        assert jit.native_status() == expected
+
+
+@pytest.mark.slow
+def test_a_wheel_install_ships_the_compiled_module(tmp_path):
+    """pip install . (not editable) puts the module and its build info into the package.
+
+    Without build isolation, so that the build uses this environment's torch
+    instead of downloading one (an isolated build asks for the same version, see
+    buildtools/backend.py). Compiles the extension: minutes.
+    """
+    root = Path(__file__).resolve().parents[1]
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+         "--target", str(target), str(root)],
+        check=True, timeout=1800, cwd=tmp_path,
+    )
+    assert sorted(p.name for p in (target / "hicache").glob("_native*"))[-1] == (
+        jit.BUILD_INFO_NAME)
+    assert list((target / "hicache").glob(f"{jit._MODULE}.*.so"))
+    probe = "import hicache; print(hicache.__file__)\n" + _PROBE
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(target)}, check=True,
+    )
+    where, status = out.stdout.splitlines()[:2]
+    assert where == str(target / "hicache" / "__init__.py"), out.stdout
+    assert status.split()[:2] == ["prebuilt", "0.0"], (out.stdout, out.stderr)

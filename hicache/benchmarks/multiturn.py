@@ -51,7 +51,14 @@ import torch
 
 from hicache import cliargs
 from hicache.benchmarks import standalone_main
-from hicache.cliargs import add_json, nonneg_float, nonneg_int, positive_int
+from hicache.cliargs import (
+    add_json,
+    add_metrics_port,
+    nonneg_float,
+    nonneg_int,
+    positive_int,
+    start_metrics,
+)
 from hicache.engine import Engine, GenerateResult
 from hicache.model import PRESET_NAMES, Model, preset
 from hicache.traces import Request as TraceRequest
@@ -198,6 +205,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where the model and the device pool live: 'cpu' or 'cuda[:N]'")
     parser.add_argument("--seed", type=nonneg_int, default=0, help="workload and model weights")
     add_json(parser)
+    add_metrics_port(parser)
 
 
 # ------------------------------------------------------------------ workload
@@ -280,6 +288,7 @@ def run_configs(
     page_size: int,
     progress: Callable[[str, int, GenerateResult], None] | None = None,
     storage: StorageSetup | None = None,
+    metrics=None,
 ) -> dict[str, ConfigResult]:
     """Replay ``requests`` through each named configuration; check they generate alike.
 
@@ -287,7 +296,8 @@ def run_configs(
     a fresh store (a temporary directory, removed afterwards) unless ``storage.spec``
     names one; then its requests use a namespace of their own, so pages of earlier
     runs (perhaps of other weights: keys cover the KV layout, not the weights) are
-    never hits.
+    never hits. ``metrics`` (a :class:`hicache.metrics.CacheMetrics`) exports each
+    configuration's cache under its name, updated after every request.
     """
     warm = Engine(model, "none", max_request_tokens(requests[:1], page_size), page_size=page_size)
     warm.generate(requests[0].prompt, requests[0].max_new_tokens)
@@ -305,17 +315,26 @@ def run_configs(
         try:
             engine = build_engine(name, model, device_tokens, host_tokens, page_size,
                                   storage, spec)
+            tracked = metrics is not None and engine.cache is not None
+            if tracked:
+                metrics.track(engine.cache, name)
             try:
                 on_result = None
-                if progress is not None:
-                    def on_result(i: int, r: GenerateResult, name: str = name) -> None:
-                        progress(name, i, r)
+                if progress is not None or tracked:
+                    def on_result(i: int, r: GenerateResult, name: str = name,
+                                  tracked: bool = tracked) -> None:
+                        if tracked:
+                            metrics.update(name)
+                        if progress is not None:
+                            progress(name, i, r)
                 lookahead = storage.lookahead if storage is not None else 0
                 results, wall_s = replay(engine, requests, on_result, lookahead=lookahead,
                                          namespace=namespace)
                 engine.check_integrity()
                 out[name] = ConfigResult(name, results, wall_s, engine.stats())
             finally:
+                if tracked:
+                    metrics.untrack(name)
                 engine.close()
         finally:
             if temp_dir is not None:
@@ -469,7 +488,7 @@ def storage_setup(
                         args.lookahead)
 
 
-def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
+def measure(args: argparse.Namespace, log: Callable[[str], None], metrics=None) -> dict:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
@@ -501,7 +520,7 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
             log(f"  {name}: {i} requests done")
 
     runs = run_configs(model, requests, names, device_tokens, host_tokens, args.page_size,
-                       progress, storage)
+                       progress, storage, metrics)
     summaries = {name: summarize(res, requests) for name, res in runs.items()}
     log("")
     for line in format_table(summaries):
@@ -536,7 +555,12 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(line, flush=True)
 
-    result = measure(args, log)
+    metrics = start_metrics(args, "hicache bench multiturn")
+    try:
+        result = measure(args, log, metrics)
+    finally:
+        if metrics is not None:
+            metrics.close()
     print(json.dumps(result))
     return 0
 
