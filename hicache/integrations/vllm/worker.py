@@ -95,7 +95,9 @@ class WorkerHalf:
         storage_backend=None,
         key_salt: str | None = None,
         native: bool | None = None,
+        copier_hook=None,
     ) -> None:
+        """``copier_hook`` (tests): wraps the CPU copier, e.g. to delay or fail copies."""
         self.config = config
         self.layout = BlockLayout(kv_caches, num_blocks, block_size)
         kv = self.layout.host_kv_config()
@@ -113,6 +115,8 @@ class WorkerHalf:
                 )
         else:
             copier = BlockCopier(self.layout, self.host_pool, native=native)
+            if copier_hook is not None:
+                copier = copier_hook(copier)
         self.transfers = TransferEngine(pool, self.host_pool, executor, copier=copier)
         self._layer_index = {name: i for i, name in enumerate(self.layout.layer_names)}
         self.storage = None
@@ -251,13 +255,15 @@ class WorkerHalf:
 
     def _wait_pages(self, host_pages: list[int]) -> None:
         """Let every copy in flight that touches one of ``host_pages`` land first."""
-        if not self._saves:
-            return
         pages = set(host_pages)
-        for rec in list(self._saves):
-            if not rec.pages.isdisjoint(pages):
+        while True:
+            # A landed save becomes a storage write only when polled: look again after.
+            busy = [rec for rec in self._saves if not rec.pages.isdisjoint(pages)]
+            if not busy:
+                return
+            for rec in busy:
                 rec.wait()
-        self._poll()
+            self._poll()
 
     def _read_storage(self, keys: list[str], host_pages: list[int]) -> None:
         from hicache.tiering import StorageJob
