@@ -289,7 +289,10 @@ class HiCacheConnector(KVConnectorBase_V1):
         self._hit_sources.pop(request.request_id, None)
         if self.scheduler_half is None:
             return False, None
-        return self.scheduler_half.request_finished(request.request_id), None
+        delay = self.scheduler_half.request_finished(
+            request.request_id, request.num_computed_tokens, block_ids
+        )
+        return delay, None
 
     def reset_cache(self) -> bool | None:
         if self.scheduler_half is None:

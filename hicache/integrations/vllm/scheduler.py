@@ -98,6 +98,7 @@ class SchedulerHalf:
         self._pins: dict[TreeNode, int] = {}  # host locks taken this step, released by build_plan
         self._loads: list[LoadOp] = []
         self._delayed: list[str] = []
+        self._finish_saves: list[SaveOp] = []  # planned by request_finished, sent next step
         self.counters = SchedulerStats()
 
     # ---------------------------------------------------------------- lookups
@@ -197,8 +198,9 @@ class SchedulerHalf:
     def build_plan(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
         """This step's plan: the loads planned since the last call, and the saves of every
         block this step completes. Releases the step's pins."""
-        plan = StepPlan(loads=self._loads, delayed_req_ids=self._delayed)
-        self._loads, self._delayed = [], []
+        plan = StepPlan(loads=self._loads, saves=self._finish_saves,
+                        delayed_req_ids=self._delayed)
+        self._loads, self._delayed, self._finish_saves = [], [], []
         try:
             for s in scheduled:
                 st = self._reqs.get(s.req_id)
@@ -244,11 +246,26 @@ class SchedulerHalf:
         keys = self._keys(st, full)[cached:full] if self.storage is not None else []
         return SaveOp(req_id, st.block_ids[cached:full], pages.tolist(), keys)
 
-    def request_finished(self, req_id: str) -> bool:
+    def request_finished(
+        self, req_id: str, num_computed_tokens: int | None = None,
+        block_ids: Sequence[int] | None = None,
+    ) -> bool:
         """Forget the request; True when its blocks must wait for its saves (reported by the
-        workers through ``get_finished``)."""
+        workers through ``get_finished``).
+
+        With ``num_computed_tokens`` and ``block_ids`` (vLLM's at finish), the blocks
+        completed in the last steps, whose tokens were not all known when those steps
+        were planned (async scheduling), are saved in the next plan.
+        """
         st = self._reqs.pop(req_id, None)
-        if st is None or not st.saved:
+        if st is None:
+            return False
+        if num_computed_tokens is not None and block_ids is not None:
+            st.block_ids = list(block_ids)
+            save = self._plan_save(req_id, st, num_computed_tokens)
+            if save is not None:
+                self._finish_saves.append(save)  # pinned until that plan is built
+        if not st.saved:
             return False
         self._delayed.append(req_id)
         return True
@@ -256,7 +273,8 @@ class SchedulerHalf:
     def reset(self) -> bool:
         """Drop every cached host page (vLLM's ``reset_prefix_cache(reset_connector=True)``).
 
-        Pages pinned by a step being planned stay; returns False then.
+        Pages pinned by a step being planned (or by a finished request's last save, sent
+        with the next plan) stay; returns False then.
         """
         num = self.tree.host_tokens
         result = self.tree.evict_host(num) if num else None
