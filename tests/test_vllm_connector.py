@@ -110,6 +110,7 @@ class MiniVllm:
         self.delayed: set[str] = set()
         self.last_errors: set[int] = set()
         self.plans: list[StepPlan] = []
+        self.report_bad = True
 
     def add(self, rid: str, tokens: list[int]) -> int:
         """Schedule a new request; returns the tokens hicache will load."""
@@ -155,6 +156,8 @@ class MiniVllm:
             self.delayed.discard(rid)
             self.free += self.reqs.pop(rid)["blocks"]
         self.last_errors = w.load_errors()
+        if self.report_bad:  # vLLM hands the worker metadata to the scheduler
+            self.sched.mark_bad(w.take_bad_pages())
         return plan
 
     def fill(self, tokens, block: int, page: int) -> None:
@@ -415,17 +418,26 @@ def test_failed_load_is_reported_and_its_saves_dropped(make_vllm):
     m.finish("b")
     m.step()
     m.quiesce()
-    # A later request hitting those pages gets a load error, never the garbage
-    assert m.add("c", b) == 16
-    m.step()
-    assert m.last_errors == set(m.reqs["c"]["blocks"][2:4])
+    # The scheduler was told: a later request is promised only the good pages, and its
+    # own computation of the others is saved into the bad pages again
+    assert m.add("c", b) == 8
+    plan = m.step()
+    assert m.loaded_ok("c") and not m.last_errors
+    assert [op.block_ids for op in plan.saves] == [m.reqs["c"]["blocks"][2:4]]
     m.finish("c")
+    m.step()
+    m.quiesce()
+    assert m.add("d", b) == 16
+    m.step()
+    assert m.loaded_ok("d") and not m.last_errors
+    m.finish("d")
     m.step()
     m.quiesce()
 
 
 def test_failed_save_pages_are_never_loaded(make_vllm):
     m = make_vllm()
+    m.report_bad = False  # the worker alone: it must not serve the pages
     m.hook.fail_saves = 1
     a = seq(8) + [5]
     m.add("a", a)
@@ -433,10 +445,38 @@ def test_failed_save_pages_are_never_loaded(make_vllm):
     m.finish("a")
     m.step()
     m.quiesce()
-    assert m.add("b", a) == 8  # the scheduler still thinks they are cached
+    assert m.add("b", a) == 8  # the scheduler was not told: it promises them
     m.step()
     assert m.last_errors == set(m.reqs["b"]["blocks"][:2])
     m.finish("b")
+    m.step()
+    m.quiesce()
+
+
+def test_bad_pages_are_not_promised_and_are_saved_again(make_vllm):
+    m = make_vllm()
+    m.hook.fail_saves = 1
+    a = seq(12) + [5]
+    m.add("a", a)
+    m.step()
+    m.finish("a")
+    m.step()
+    m.quiesce()
+    bad = set(m.plans[0].saves[0].host_pages)
+    assert m.sched._bad == bad
+    assert m.sched.num_matched_tokens("b", a, 0) == 0  # bad from the first page on
+    m.sched.request_finished("b")
+    assert m.add("b", a) == 0
+    plan = m.step()  # b computes the blocks again: saved into the same host pages
+    assert [set(op.host_pages) for op in plan.saves] == [bad]
+    m.finish("b")
+    m.step()
+    m.quiesce()
+    assert not m.sched._bad and not m.worker._bad_pages
+    assert m.add("c", a) == 12
+    m.step()
+    assert m.loaded_ok("c") and not m.last_errors
+    m.finish("c")
     m.step()
     m.quiesce()
 
