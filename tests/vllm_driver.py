@@ -97,17 +97,20 @@ def run(model: str, scenarios: str, connector: bool, storage: str | None) -> dic
     for scenario in scenarios.split(","):
         if scenario == "multiturn":
             history = [list(system) for _ in range(CONVERSATIONS)]
-            outputs, cached, prompt_tokens = [], 0, 0
+            outputs, cached, prompt_tokens, hits, prompts = [], 0, 0, [], []
             for turn in range(TURNS):
                 for c, conv in enumerate(conversations()):
                     history[c] += conv[turn]
+                    prompts.append(list(history[c]))
                     out, hit = generate(llm, history[c])
                     prompt_tokens += len(history[c])
                     history[c] += out
                     outputs.append(out)
                     cached += hit
+                    hits.append(hit)
             result["multiturn"] = {
                 "outputs": outputs, "cached_tokens": cached, "prompt_tokens": prompt_tokens,
+                "cached_per_request": hits, "prompts": prompts,
             }
         elif scenario == "reset":
             prompt = system + conversations()[1][0]
