@@ -151,6 +151,12 @@ class HiCacheConnector(KVConnectorBase_V1):
                 storage_backend=backend, storage_root_key=root_key(None, self._identity),
             )
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # wait_for_layer_load runs inside attention: a full CUDA graph would replay
+        # without it and read blocks a load has not written yet.
+        return True
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a dropped save is a later miss, not lost KV
