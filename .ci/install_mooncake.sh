@@ -29,7 +29,7 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 torch_before=$("$PY" -c 'import torch; print(torch.__version__)')
-"$PY" -m pip install -q -e '.[mooncake]'
+"$PY" -m pip install -q $("$PY" .ci/extra_requirements.py mooncake)
 torch_after=$("$PY" -c 'import torch; print(torch.__version__)')
 if [ "$torch_before" != "$torch_after" ]; then
     echo "install_mooncake: torch changed from $torch_before to $torch_after" >&2

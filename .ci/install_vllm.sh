@@ -15,7 +15,7 @@ if [ ! -x "$PY" ]; then
 fi
 
 torch_before=$("$PY" -c 'import torch; print(torch.__version__)')
-"$PY" -m pip install -q -e '.[vllm]'
+"$PY" -m pip install -q $("$PY" .ci/extra_requirements.py vllm)
 "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 torch_after=$("$PY" -c 'import torch; print(torch.__version__)')
 if [ "$torch_before" != "$torch_after" ]; then
