@@ -32,7 +32,7 @@ from hicache.config import CacheConfig, WritePolicy
 from hicache.handle import LoadError, PrefixHandle  # noqa: F401  (LoadError: re-exported)
 from hicache.lifecycle import NativeLifecycleMixin
 from hicache.thirdtier import ThirdTierMixin
-from hicache.tree import IOStatus, MatchResult, TokenLike, TreeNode, token_key
+from hicache.tree import IOStatus, MatchResult, TokenLike, TreeNode, _check_priority, token_key
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -136,15 +136,41 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
 
     # ------------------------------------------------------------- lifecycle
     def match(
-        self, tokens: TokenLike, namespace: str | None = None, *, load_back: bool = True
+        self,
+        tokens: TokenLike,
+        namespace: str | None = None,
+        *,
+        load_back: bool = True,
+        priority: int | None = None,
     ) -> PrefixHandle:
         """Find and lock the longest cached prefix of ``tokens``.
 
         With ``load_back`` (the default) the host-only part of the match starts
         loading into new device pages at once (see :meth:`load_back`); the model
         then waits per layer with ``h.wait_layer(i)``. Never changes cached data;
-        may split a node at the match boundary.
+        may split a node at the match boundary. ``priority`` (an int) raises the
+        eviction priority of the prefix ``h`` holds (see :meth:`_raise_priority`).
         """
+        if priority is not None:
+            priority = _check_priority(priority)
+        h = self._match(tokens, namespace, load_back)
+        if priority is not None:
+            self._raise_priority(h, priority)
+        return h
+
+    def _raise_priority(self, h: PrefixHandle, priority: int) -> None:
+        """Raise the priority of every node on ``h``'s locked path to at least ``priority``.
+
+        Priorities only grow (a shared prefix keeps its most important user's) and
+        order eviction only under the ``priority`` policy: lowest first, least
+        recently used among equals.
+        """
+        if self._core is not None:  # the lock node is a bare native handle
+            self.tree._impl.raise_priority(h._lock_h, priority)
+        else:
+            self.tree.raise_priority(h._lock_node, priority)
+
+    def _match(self, tokens: TokenLike, namespace: str | None, load_back: bool) -> PrefixHandle:
         if not isinstance(load_back, bool):
             raise TypeError(f"load_back: expected bool, got {type(load_back).__name__}")
         if self._core is not None:  # bookkeeping only: nothing is ever in flight to poll
@@ -298,14 +324,24 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
             h._new_pages.append(pages)
         return pages
 
-    def insert(self, h: PrefixHandle, tokens: TokenLike) -> int:
+    def insert(self, h: PrefixHandle, tokens: TokenLike, *, priority: int | None = None) -> int:
         """Cache the whole pages of ``tokens`` (the prefix plus what the caller computed).
 
         ``tokens`` must start with ``h``'s prefix and fit in ``h.page_table()``.
         Pages another request cached meanwhile are freed (the tree keeps its own).
         Afterwards ``h`` holds the inserted path; the write policy runs. Returns the
-        number of tokens newly cached.
+        number of tokens newly cached. ``priority`` raises the eviction priority of
+        the path ``h`` holds afterwards (see :meth:`_raise_priority`).
         """
+        if priority is not None:
+            self._check_handle(h)
+            priority = _check_priority(priority)
+        num_new = self._insert(h, tokens)
+        if priority is not None:
+            self._raise_priority(h, priority)
+        return num_new
+
+    def _insert(self, h: PrefixHandle, tokens: TokenLike) -> int:
         self._check_handle(h)
         if self._core is not None:  # bookkeeping only: no load is ever in flight
             return self._insert_native(h, tokens)

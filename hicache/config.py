@@ -111,8 +111,15 @@ class WritePolicy(str, Enum):
 
 
 class EvictionPolicy(str, Enum):
+    """Which unlocked leaf leaves a tier first (hicache/policy.py gives each its key)."""
+
     LRU = "lru"  # least recently accessed leaf first
     LFU = "lfu"  # fewest hits first, ties by recency
+    FIFO = "fifo"  # oldest node (created first) first
+    MRU = "mru"  # most recently accessed leaf first
+    FILO = "filo"  # newest node (created last) first
+    PRIORITY = "priority"  # lowest priority (given at match/insert) first, ties by recency
+    SLRU = "slru"  # probationary nodes (fewer than 2 hits) before protected ones, LRU within
 
 
 class PrefetchPolicy(str, Enum):

@@ -43,6 +43,7 @@ from hicache.tree import (
     RadixTree,
     TokenLike,
     _check_count,
+    _check_priority,
     token_key,
 )
 from hicache.treeapi import RadixTreeLike
@@ -156,6 +157,14 @@ class NativeNode:
         return self._tree._impl.last_access(self._h)
 
     @property
+    def created(self) -> int:
+        return self._tree._impl.created(self._h)
+
+    @property
+    def priority(self) -> int:
+        return self._tree._impl.priority(self._h)
+
+    @property
     def num_tokens(self) -> int:
         return self._tree._impl.num_tokens(self._h)
 
@@ -198,6 +207,7 @@ class NativeRadixTree:
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
             raise ValueError(f"page_size: expected a positive int, got {page_size!r}")
         policy = EvictionPolicy(eviction)
+        self.eviction = policy
         self.page_size = page_size
         self._impl = load_native().Tree(page_size, policy.value)
         self._proxies: dict[int, NativeNode] = {}
@@ -422,6 +432,11 @@ class NativeRadixTree:
 
     def host_unlock(self, node: NativeNode) -> None:
         self._impl.host_unlock(self._handle(node, "host_unlock"))
+
+    def raise_priority(self, node: NativeNode, priority: int) -> None:
+        """Raise ``node``'s and its ancestors' priority; see :meth:`RadixTree.raise_priority`."""
+        priority = _check_priority(priority)
+        self._impl.raise_priority(self._handle(node, "raise_priority"), priority)
 
     # ------------------------------------------------------ tier membership
     def set_io_status(self, node: NativeNode, status: IOStatus) -> None:

@@ -34,7 +34,7 @@ import torch
 
 from hicache import kvcheck
 from hicache.cache import HiCache, PrefixHandle
-from hicache.config import CacheConfig, KVConfig
+from hicache.config import CacheConfig, EvictionPolicy, KVConfig
 from hicache.pool import PageCopier
 from hicache.transfer import ManualExecutor, ThreadExecutor
 from hicache.tree import IOStatus, TreeNode
@@ -344,7 +344,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=6, help="requests in flight")
     parser.add_argument("--write-policy", default="write_through",
                         choices=["write_through", "write_through_selective", "write_back"])
-    parser.add_argument("--eviction", default="lfu", choices=["lru", "lfu"],
+    parser.add_argument("--eviction", default="lfu", choices=[p.value for p in EvictionPolicy],
                         help="lfu (default) evicts once-hit nodes first: fresh loads and "
                         "backups, the nodes with IO in flight, are then the first candidates")
     parser.add_argument("--fault-rate", type=float, default=0.02,

@@ -54,8 +54,8 @@ class TreeNode:
 
     __slots__ = (
         "id", "key", "parent", "children", "namespace", "device_indices", "host_indices",
-        "lock_ref", "host_lock_ref", "io_status", "hit_count", "last_access",
-        "_dev_seq", "_host_seq",
+        "lock_ref", "host_lock_ref", "io_status", "hit_count", "last_access", "created",
+        "priority", "_dev_seq", "_host_seq",
     )
 
     def __init__(self, node_id: int, key: bytes, parent: TreeNode | None, namespace: str | None):
@@ -71,6 +71,8 @@ class TreeNode:
         self.io_status = IOStatus.NONE
         self.hit_count = 0  # times a match went through this node
         self.last_access = 0  # tree clock tick of the last match or insert touching it
+        self.created = 0  # tree clock tick of the insert that created it (a split keeps it)
+        self.priority = 0  # largest priority a match or insert gave it (raise_priority)
         self._dev_seq = 0  # seq of this node's newest device-heap entry
         self._host_seq = 0  # seq of this node's newest host-heap entry
 
@@ -127,6 +129,18 @@ def _check_count(name: str, value: object) -> int:
     if value < 0:
         raise ValueError(f"{name}: expected >= 0, got {value}")
     return int(value)
+
+
+_MIN_PRIORITY, _MAX_PRIORITY = -(2**62), 2**62  # inside C++'s int64 with room to negate
+
+
+def _check_priority(priority: object) -> int:
+    """``priority`` as an eviction priority: an int in [-2**62, 2**62] (else the error)."""
+    if isinstance(priority, bool) or not isinstance(priority, _INTEGERS):
+        raise TypeError(f"priority: expected int, got {type(priority).__name__}")
+    if not _MIN_PRIORITY <= priority <= _MAX_PRIORITY:
+        raise ValueError(f"priority: expected an int in [-2**62, 2**62], got {priority}")
+    return int(priority)
 
 
 def _check_namespace(namespace: object) -> None:
@@ -230,7 +244,8 @@ class RadixTree:
         self.device_protected_tokens = 0  # on device, lock_ref > 0
         self.host_evictable_tokens = 0  # on host, host_lock_ref == 0
         self.host_protected_tokens = 0  # on host, host_lock_ref > 0
-        prio = priority_fn(EvictionPolicy(eviction))
+        self.eviction = EvictionPolicy(eviction)
+        prio = priority_fn(self.eviction)
         self._device_heap = CandidateHeap(prio, "_dev_seq")
         self._host_heap = CandidateHeap(prio, "_host_seq")
 
@@ -269,6 +284,7 @@ class RadixTree:
 
     def _new_node(self, key: bytes, parent: TreeNode) -> TreeNode:
         node = TreeNode(self._next_id, key, parent, parent.namespace)
+        node.created = self._clock
         self._next_id += 1
         self.num_nodes += 1
         parent.children[key[: self._page_nbytes]] = node
@@ -388,6 +404,8 @@ class RadixTree:
         prefix.io_status = node.io_status
         prefix.hit_count = node.hit_count
         prefix.last_access = node.last_access
+        prefix.created = node.created
+        prefix.priority = node.priority
         if self.on_split is not None:
             self.on_split(prefix, node)
         return prefix
@@ -531,6 +549,23 @@ class RadixTree:
             self.host_evictable_tokens += node.num_tokens
             self._refresh(node)
 
+    def raise_priority(self, node: TreeNode, priority: int) -> None:
+        """Raise the priority of ``node`` and its ancestors to at least ``priority``.
+
+        A node's priority only grows: a prefix shared by requests of different
+        priorities keeps the highest. It orders eviction only under the
+        ``priority`` policy (lowest first, least recent among equals).
+        """
+        priority = _check_priority(priority)
+        self._check_live(node, "raise_priority")
+        refresh = self.eviction is EvictionPolicy.PRIORITY
+        while node.parent is not None:
+            if node.priority < priority:
+                node.priority = priority
+                if refresh:  # its heap entry's key changed
+                    self._refresh(node)
+            node = node.parent
+
     def _check_live(self, node: TreeNode, op: str) -> None:
         if not isinstance(node, TreeNode):
             raise TypeError(f"{op}: expected a TreeNode, got {type(node).__name__}")
@@ -628,6 +663,8 @@ class RadixTree:
             grandchild.parent = node
         node.hit_count = max(node.hit_count, child.hit_count)
         node.last_access = max(node.last_access, child.last_access)
+        node.created = min(node.created, child.created)
+        node.priority = max(node.priority, child.priority)
         child.parent = None
         child.children = {}
         self.num_nodes -= 1

@@ -21,7 +21,7 @@ from test_tree_differential import FORMS, as_form, snapshot
 
 from hicache import native
 from hicache.cache import HiCache
-from hicache.config import CacheConfig, KVConfig
+from hicache.config import CacheConfig, EvictionPolicy, KVConfig
 
 pytestmark = pytest.mark.skipif(
     not native.native_available(),
@@ -37,6 +37,8 @@ prompts = st.builds(
     st.integers(0, 8),
     st.lists(st.integers(0, 3), min_size=0, max_size=5),
 )
+
+priorities = st.none() | st.integers(0, 3)  # the priority policy's ranks; None: not given
 
 
 def outcome(fn, *args, **kwargs):
@@ -63,7 +65,7 @@ class Lifecycles(RuleBasedStateMachine):
         device_pages=st.integers(2, 10),
         host_pages=st.sampled_from([None, 3, 8, 40]),
         threshold=st.sampled_from([0, 0, 2 * P]),
-        eviction=st.sampled_from(["lru", "lfu"]),
+        eviction=st.sampled_from([p.value for p in EvictionPolicy]),
     )
     def setup(self, policy, device_pages, host_pages, threshold, eviction):
         def config(**kw):
@@ -84,16 +86,17 @@ class Lifecycles(RuleBasedStateMachine):
 
     @precondition(lambda self: len(self.live) < 4)
     @rule(tokens=prompts, ns=st.sampled_from([None, "b"]), load_back=st.booleans(),
-          form=st.sampled_from(FORMS))
-    def match(self, tokens, ns, load_back, form):
-        ha = self.ref.match(as_form(tokens, form), ns, load_back=load_back)
-        hb = self.nat.match(as_form(tokens, form), ns, load_back=load_back)
+          form=st.sampled_from(FORMS), priority=priorities)
+    def match(self, tokens, ns, load_back, form, priority):
+        ha = self.ref.match(as_form(tokens, form), ns, load_back=load_back, priority=priority)
+        hb = self.nat.match(as_form(tokens, form), ns, load_back=load_back, priority=priority)
         assert handle_state(ha) == handle_state(hb)
         self.live.append((ha, hb, tokens))
 
     @rule(tokens=prompts, tail=st.lists(st.integers(0, 3), max_size=4),
-          ns=st.sampled_from([None, "b"]), keep=st.booleans(), form=st.sampled_from(FORMS))
-    def serve(self, tokens, tail, ns, keep, form):
+          ns=st.sampled_from([None, "b"]), keep=st.booleans(), form=st.sampled_from(FORMS),
+          priority=priorities)
+    def serve(self, tokens, tail, ns, keep, form, priority):
         """One whole request: match, allocate, insert the prompt and its output, release."""
         ha = self.ref.match(as_form(tokens, form), ns)
         hb = self.nat.match(as_form(tokens, form), ns)
@@ -103,7 +106,9 @@ class Lifecycles(RuleBasedStateMachine):
         pb = self.nat.alloc(hb, len(seq) - hb.prefix_len)
         assert pages_list(pa) == pages_list(pb)
         if pa is not None:
-            assert self.ref.insert(ha, as_form(seq, form)) == self.nat.insert(hb, as_form(seq, form))
+            assert self.ref.insert(ha, as_form(seq, form), priority=priority) == self.nat.insert(
+                hb, as_form(seq, form), priority=priority
+            )
         assert handle_state(ha) == handle_state(hb)
         if keep and len(self.live) < 4:
             self.live.append((ha, hb, seq))

@@ -80,6 +80,8 @@ def snapshot(tree) -> list[tuple]:
                 n.io_status,
                 n.hit_count,
                 n.last_access,
+                n.created,
+                n.priority,
                 n.on_device,
                 n.on_host,
                 sorted(n.children),
@@ -201,6 +203,12 @@ class PythonVsNative(RuleBasedStateMachine):
         self.both(op, i)
 
     @precondition(lambda self: self.pairs)
+    @rule(i=st.integers(0, 100), priority=st.integers(-2, 3) | st.sampled_from([None, 1.5, 2**63]))
+    def raise_priority(self, i, priority):
+        if self.pick(i)[1] in self.live():
+            self.both("raise_priority", i, priority)
+
+    @precondition(lambda self: self.pairs)
     @rule(i=st.integers(0, 100), status=st.sampled_from(list(IOStatus)))
     def io_status(self, i, status):
         if self.pick(i)[1] in self.live():
@@ -312,7 +320,14 @@ class PythonVsNativeLFU(PythonVsNative):
     eviction = "lfu"
 
 
-@pytest.mark.parametrize("machine", [PythonVsNative, PythonVsNativeLFU], ids=["lru", "lfu"])
+# One machine per further policy: the same rules, each policy's own heap keys.
+POLICY_MACHINES = {"lru": PythonVsNative, "lfu": PythonVsNativeLFU} | {
+    name: type(f"PythonVsNative{name.upper()}", (PythonVsNative,), {"eviction": name})
+    for name in ("fifo", "mru", "filo", "priority", "slru")
+}
+
+
+@pytest.mark.parametrize("machine", list(POLICY_MACHINES.values()), ids=list(POLICY_MACHINES))
 def test_native_matches_python(machine):
     machine.TestCase.settings = settings(
         max_examples=60,

@@ -133,6 +133,8 @@ struct TreeNode {
   IOStatus io_status = IOStatus::None;
   std::int64_t hit_count = 0;      // matches that went through this node
   std::int64_t last_access = 0;    // tree clock tick of the last match or insert touching it
+  std::int64_t created = 0;        // tree clock tick of the insert that created it
+  std::int64_t priority = 0;       // largest priority a match or insert gave it
   std::uint64_t dev_seq = 0;       // seq of this node's newest device-heap entry
   std::uint64_t host_seq = 0;      // seq of this node's newest host-heap entry
   std::uint32_t num_device_children = 0;  // children on the device (device-leaf test in O(1))

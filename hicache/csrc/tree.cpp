@@ -143,6 +143,7 @@ TreeNode* RadixTree::new_child(TreeNode* parent, TokenRun tokens) {
   auto owned = std::make_unique<TreeNode>(id, id, parent, parent->ns);
   TreeNode* node = owned.get();
   node->tokens = std::move(tokens);
+  node->created = clock_;
   by_handle_.emplace(id, node);
   parent->children.emplace(node->first_page(page_size_), std::move(owned));
   link_last(parent, node);
@@ -234,6 +235,8 @@ TreeNode* RadixTree::split(TreeNode* node, std::int64_t num_pages) {
   prefix->io_status = node->io_status;
   prefix->hit_count = node->hit_count;
   prefix->last_access = node->last_access;
+  prefix->created = node->created;
+  prefix->priority = node->priority;
   if (on_split) on_split(prefix, node);
   return prefix;
 }
@@ -386,6 +389,17 @@ void RadixTree::host_unlock(TreeNode* node) {
   }
 }
 
+void RadixTree::raise_priority(TreeNode* node, std::int64_t priority) {
+  OpScope scope(*this);
+  const bool refresh_entries = policy_ == EvictionPolicy::Priority;
+  for (; node->parent != nullptr; node = node->parent) {
+    if (node->priority < priority) {
+      node->priority = priority;
+      if (refresh_entries) refresh(node);  // its heap entry's key changed
+    }
+  }
+}
+
 // ------------------------------------------------------- tier membership
 void RadixTree::set_io_status(TreeNode* node, IOStatus status) {
   if (status != IOStatus::None && (!node->on_device() || !node->on_host())) {
@@ -487,6 +501,8 @@ void RadixTree::merge_host_chain(TreeNode* node) {
   child->num_device_children = 0;
   node->hit_count = std::max(node->hit_count, child->hit_count);
   node->last_access = std::max(node->last_access, child->last_access);
+  node->created = std::min(node->created, child->created);
+  node->priority = std::max(node->priority, child->priority);
   child->parent = nullptr;
   --num_nodes;
   by_handle_.erase(child->handle);
@@ -562,8 +578,19 @@ int RadixTree::host_rank(const TreeNode* node) const {
 }
 
 HeapEntry RadixTree::entry(const TreeNode* node, int rank, std::uint64_t seq) const {
-  if (policy_ == EvictionPolicy::LRU) return {rank, node->last_access, 0, seq, node->handle};
-  return {rank, node->hit_count, node->last_access, seq, node->handle};
+  switch (policy_) {
+    case EvictionPolicy::LRU: return {rank, node->last_access, 0, seq, node->handle};
+    case EvictionPolicy::LFU: return {rank, node->hit_count, node->last_access, seq, node->handle};
+    case EvictionPolicy::FIFO: return {rank, node->created, 0, seq, node->handle};
+    case EvictionPolicy::MRU: return {rank, -node->last_access, 0, seq, node->handle};
+    case EvictionPolicy::FILO: return {rank, -node->created, 0, seq, node->handle};
+    case EvictionPolicy::Priority:
+      return {rank, node->priority, node->last_access, seq, node->handle};
+    case EvictionPolicy::SLRU:
+      return {rank, node->hit_count >= kSlruProtectedHits ? 1 : 0, node->last_access, seq,
+              node->handle};
+  }
+  return {rank, node->last_access, 0, seq, node->handle};
 }
 
 void RadixTree::push_device(TreeNode* node, int rank) {

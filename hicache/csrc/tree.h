@@ -87,6 +87,8 @@ class RadixTree {
   void unlock(TreeNode* node);
   void host_lock(TreeNode* node);
   void host_unlock(TreeNode* node);
+  // Raise node's and its ancestors' priority to at least `priority` (never lowers).
+  void raise_priority(TreeNode* node, std::int64_t priority);
 
   void set_io_status(TreeNode* node, IOStatus status);
   void attach_device(TreeNode* node, const IndexRun& pages);
