@@ -29,6 +29,7 @@ import torch
 
 from hicache.allocator import PageAllocator
 from hicache.config import CacheConfig, WritePolicy
+from hicache.control import ControlMixin, ResetResult  # noqa: F401  (ResetResult: re-exported)
 from hicache.handle import LoadError, PrefixHandle  # noqa: F401  (LoadError: re-exported)
 from hicache.lifecycle import NativeLifecycleMixin
 from hicache.thirdtier import ThirdTierMixin
@@ -68,6 +69,7 @@ class CacheStats:
     storage_write_bytes: int = 0
     storage_write_seconds: float = 0.0
     storage_errors: int = 0  # failed storage jobs (store unreachable, I/O error)
+    pins_refused: int = 0  # pin calls refused: the pin budget (max_pinned_fraction) was spent
 
 
 class _Transfer:
@@ -84,7 +86,7 @@ class _Transfer:
         self.nbytes = nbytes
 
 
-class HiCache(ThirdTierMixin, NativeLifecycleMixin):
+class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
     """Hierarchical (device + host) prefix cache. See the module docstring for the lifecycle."""
 
     def __init__(self, config: CacheConfig) -> None:
@@ -124,6 +126,7 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
         self._node_transfer: dict[TreeNode, _Transfer] = {}  # nodes with IO in flight
         self._num_loading_nodes = 0
         self._live: set[PrefixHandle] = set()
+        self._pins = {}  # (namespace, key) -> pin (hicache/control.py)
         self.storage = None
         self._storage_pins: dict[TreeNode, object] = {}  # host-pinned by a storage write
         self._prefetches: list = []  # storage reads in flight
@@ -313,6 +316,8 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
         if num_tokens < 0:
             raise ValueError(f"num_tokens: expected >= 0, got {num_tokens}")
         num_pages = -(-num_tokens // self.page_size)
+        if self._pins:  # an expired pin's pages are evictable again
+            self._expire_pins(self._now())
         if num_pages > self.device_allocator.num_pages:
             return None  # more than the whole device tier: evicting cannot help
         if self._core is not None:
@@ -674,6 +679,8 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
         s["host_cached_tokens"] = self.tree.host_tokens
         s["transfers_in_flight"] = len(self._inflight)
         s["live_requests"] = len(self._live)
+        s["pins"] = len(self._pins)
+        s["pinned_device_tokens"] = self.pinned_device_tokens()
         return s
 
     def check_integrity(self) -> None:
@@ -697,6 +704,7 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
         for h in self._live:
             for node in self.tree.path_to(h._lock_node):
                 want_locks[node] = want_locks.get(node, 0) + 1
+        self._check_pins(want_locks)
         for rec in self._inflight.values():
             if rec.kind == "load":
                 for node in rec.nodes:

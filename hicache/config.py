@@ -172,6 +172,8 @@ class CacheConfig:
     storage: str | None = None  # third tier: "file:DIR" or "mooncake://HOST:PORT?metadata=URL"
     prefetch_policy: PrefetchPolicy | str = PrefetchPolicy.BEST_EFFORT
     prefetch_timeout_s: float = 0.05
+    # Pins (HiCache.pin) may hold at most this fraction of the device tier's pages.
+    max_pinned_fraction: float = 0.5
     extra: dict = field(default_factory=dict, compare=False)  # backend-specific options
 
     def __post_init__(self) -> None:
@@ -245,6 +247,16 @@ class CacheConfig:
                 "lifecycle='native' runs bookkeeping-only caches over the native tree: "
                 "expected allocate_kv=False, storage=None and tree 'native' or 'auto', got "
                 f"allocate_kv={self.allocate_kv}, storage={self.storage!r}, tree={self.tree!r}"
+            )
+        if isinstance(self.max_pinned_fraction, bool) or not isinstance(
+            self.max_pinned_fraction, int | float
+        ):
+            raise TypeError(
+                f"max_pinned_fraction: expected float, got {type(self.max_pinned_fraction).__name__}"
+            )
+        if not 0 <= self.max_pinned_fraction <= 1:
+            raise ValueError(
+                f"max_pinned_fraction: expected a fraction in [0, 1], got {self.max_pinned_fraction}"
             )
         if not self.prefetch_timeout_s >= 0:
             raise ValueError(f"prefetch_timeout_s: expected >= 0, got {self.prefetch_timeout_s}")

@@ -112,7 +112,7 @@ class ThirdTierMixin:
         c.storage_read_seconds += job.seconds
         if job.error is not None:
             c.storage_errors += 1
-        num_done = 0 if job.error is not None else job.num_done
+        num_done = 0 if job.error is not None or job.stale else job.num_done
         c.storage_read_bytes += num_done * self._page_nbytes
         start = job.start_page
         P, pnb = self.page_size, 4 * self.page_size

@@ -3,10 +3,11 @@
 A bookkeeping-only HiCache (``allocate_kv=False``) runs match / alloc / insert /
 release in C++ (``lifecycle="native"``). Hypothesis drives it and the Python
 lifecycle over the Python tree (the reference) with the same requests, under
-every write policy, with and without a host tier, a load threshold, LRU and
-LFU, several live requests and two namespaces, and demands identical results
-after every step: returned lengths, keys, pages (same ids, same order) and
-errors; the whole tree; both free lists; every counter; and integrity.
+every write policy, with and without a host tier, a load threshold, every
+eviction policy, priorities, pins and resets, several live requests and two
+namespaces, and demands identical results after every step: returned lengths,
+keys, pages (same ids, same order) and errors; the whole tree; both free
+lists; every counter; and integrity.
 """
 
 from __future__ import annotations
@@ -156,6 +157,17 @@ class Lifecycles(RuleBasedStateMachine):
         ha, hb, _ = self.live.pop(i % len(self.live))
         self.ref.release(ha)
         self.nat.release(hb)
+
+    @rule(storage=st.just(False))
+    def reset(self, storage):
+        assert self.ref.reset(storage=storage) == self.nat.reset(storage=storage)
+
+    @rule(tokens=prompts, ns=st.sampled_from([None, "b"]), unpin=st.booleans())
+    def pin(self, tokens, ns, unpin):
+        if unpin:
+            assert self.ref.unpin(tokens, ns) == self.nat.unpin(tokens, ns)
+        else:
+            assert self.ref.pin(tokens, ns) == self.nat.pin(tokens, ns)
 
     @invariant()
     def identical(self):
