@@ -127,6 +127,9 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
         self._num_loading_nodes = 0
         self._live: set[PrefixHandle] = set()
         self._pins = {}  # (namespace, key) -> pin (hicache/control.py)
+        self._event_log = [] if config.kv_events else None  # KV events (hicache/events.py)
+        if config.kv_events:
+            self.tree.enable_events()
         self.storage = None
         self._storage_pins: dict[TreeNode, object] = {}  # host-pinned by a storage write
         self._prefetches: list = []  # storage reads in flight

@@ -174,6 +174,8 @@ class CacheConfig:
     prefetch_timeout_s: float = 0.05
     # Pins (HiCache.pin) may hold at most this fraction of the device tier's pages.
     max_pinned_fraction: float = 0.5
+    # Log KV events (pages entering / leaving each tier) for HiCache.take_events.
+    kv_events: bool = False
     extra: dict = field(default_factory=dict, compare=False)  # backend-specific options
 
     def __post_init__(self) -> None:
@@ -258,6 +260,8 @@ class CacheConfig:
             raise ValueError(
                 f"max_pinned_fraction: expected a fraction in [0, 1], got {self.max_pinned_fraction}"
             )
+        if not isinstance(self.kv_events, bool):
+            raise TypeError(f"kv_events: expected bool, got {type(self.kv_events).__name__}")
         if not self.prefetch_timeout_s >= 0:
             raise ValueError(f"prefetch_timeout_s: expected >= 0, got {self.prefetch_timeout_s}")
 

@@ -1,4 +1,4 @@
-"""Operator controls of a HiCache: reset (drop what nobody holds) and pins.
+"""Operator controls of a HiCache: reset (drop what nobody holds), pins, KV events.
 
 :class:`ControlMixin` holds the methods of :class:`hicache.cache.HiCache` that
 act on the cache as a whole rather than on one request:
@@ -16,6 +16,10 @@ Pins hold device pages only: a pinned prefix stays matchable on the device,
 and its host copies stay evictable (the device copy is the one a hit reads).
 The host tier therefore needs no pin budget of its own.
 
+* :meth:`~ControlMixin.take_events` drains the KV events (hicache/events.py):
+  the trees log device and host events; this mixin adds the storage events
+  (a storage write landed) and a reset's all-cleared events, in order.
+
 It uses the cache's tree, allocators, counters and ``poll``; it knows nothing of
 transfers or the request lifecycle beyond locks.
 """
@@ -26,6 +30,7 @@ import math
 import time
 from typing import TYPE_CHECKING, NamedTuple
 
+from hicache.events import AllBlocksCleared, BlockStored, KVEvent, to_event
 from hicache.tree import TokenLike, _check_namespace, token_key
 
 if TYPE_CHECKING:
@@ -129,7 +134,54 @@ class ControlMixin:
         )
 
     def _note_reset(self, storage_cleared: bool) -> None:
-        """Hook for the event log (hicache/events.py): tiers left empty by a reset."""
+        """Log an all-cleared event for each tier a reset left empty (and storage if cleared)."""
+        if self._event_log is None:
+            return
+        self._drain_tree_events()
+        if self.tree.device_tokens == 0:
+            self._event_log.append(AllBlocksCleared("device"))
+        if self.tree.host_tokens == 0 and self.has_host_tier:
+            self._event_log.append(AllBlocksCleared("host"))
+        if storage_cleared:
+            self._event_log.append(AllBlocksCleared("storage"))
+
+    # -------------------------------------------------------------- KV events
+    def take_events(self) -> list[KVEvent]:
+        """Every KV event since the last call, in order (see hicache/events.py).
+
+        Empty unless ``CacheConfig.kv_events``. Device and host events come from
+        the tree (also when the C++ lifecycle runs the requests); storage events
+        when a write to the third tier lands; ``AllBlocksCleared`` from
+        :meth:`reset`. Storage that drops pages by itself (a capacity cap) does
+        not report it: a router's storage mirror is an upper bound.
+        """
+        if self._event_log is None:
+            return []
+        self._drain_tree_events()
+        events, self._event_log = self._event_log, []
+        return events
+
+    def _drain_tree_events(self) -> None:
+        """Move the tree's log into the cache's, so cache events land after them."""
+        raw = self.tree.take_events()
+        if raw:
+            self._event_log.extend(map(to_event, raw))
+
+    def _log_storage_stored(self, event_pages: list[tuple], num_pages: int) -> None:
+        """Storage events for the first ``num_pages`` pages a landed write covered.
+
+        ``event_pages``: ``(namespace, parent hash, page hashes)`` per node written,
+        in the write's page order.
+        """
+        self._drain_tree_events()
+        for namespace, parent, hashes in event_pages:
+            if num_pages <= 0:
+                break
+            hashes = hashes[:num_pages]
+            num_pages -= len(hashes)
+            self._event_log.append(BlockStored(
+                "storage", tuple(hashes), parent, len(hashes) * self.page_size, namespace
+            ))
 
     # ------------------------------------------------------------------- pins
     def pin(self, tokens: TokenLike, namespace: str | None = None, ttl_s: float | None = None) -> int:

@@ -460,6 +460,19 @@ class NativeRadixTree:
         """Drop the host copy of a node that stays on the device; return its host pages."""
         return self._impl.detach_host(self._handle(node, "detach_host"))
 
+    # ------------------------------------------------------------ KV events
+    def enable_events(self) -> None:
+        """Start logging pages entering or leaving a tier; see :meth:`RadixTree.take_events`."""
+        self._impl.enable_events()
+
+    def take_events(self) -> list[tuple]:
+        """Drain the event log; see :meth:`RadixTree.take_events`."""
+        return [tuple(e) for e in self._impl.take_events()]
+
+    def node_hashes(self, node: NativeNode) -> tuple[int | None, list[int]]:
+        """``(parent_hash, page hashes)`` of ``node``'s pages; see :meth:`RadixTree.node_hashes`."""
+        return tuple(self._impl.node_hashes(self._handle(node, "node_hashes")))
+
     # ------------------------------------------------------------- eviction
     def evict_device(
         self, num_tokens: int, backup: Callable[[NativeNode], bool] | None = None

@@ -158,6 +158,8 @@ class ThirdTierMixin:
             self.tree.host_lock(node)
             self._storage_pins[node] = job
         job.nodes = live
+        if self._event_log is not None:  # hashed now: splits reorder job.nodes meanwhile
+            job.event_pages = [(n.namespace, *self.tree.node_hashes(n)) for n in live]
         self.storage.submit(job)
         self._counters.storage_writes += 1
 
@@ -171,3 +173,5 @@ class ThirdTierMixin:
             c.storage_errors += 1
         else:
             c.storage_write_bytes += job.num_done * self._page_nbytes
+            if self._event_log is not None:
+                self._log_storage_stored(job.event_pages, job.num_done)

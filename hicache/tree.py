@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from hicache.config import EvictionPolicy
+from hicache.events import page_hashes
 from hicache.policy import CandidateHeap, priority_fn
 
 TokenLike = list[int] | tuple[int, ...] | np.ndarray | torch.Tensor
@@ -55,7 +56,7 @@ class TreeNode:
     __slots__ = (
         "id", "key", "parent", "children", "namespace", "device_indices", "host_indices",
         "lock_ref", "host_lock_ref", "io_status", "hit_count", "last_access", "created",
-        "priority", "_dev_seq", "_host_seq",
+        "priority", "_dev_seq", "_host_seq", "_end_hash",
     )
 
     def __init__(self, node_id: int, key: bytes, parent: TreeNode | None, namespace: str | None):
@@ -75,6 +76,7 @@ class TreeNode:
         self.priority = 0  # largest priority a match or insert gave it (raise_priority)
         self._dev_seq = 0  # seq of this node's newest device-heap entry
         self._host_seq = 0  # seq of this node's newest host-heap entry
+        self._end_hash: int | None = None  # chained hash of its last page (events), lazily
 
     @property
     def num_tokens(self) -> int:
@@ -248,6 +250,9 @@ class RadixTree:
         prio = priority_fn(self.eviction)
         self._device_heap = CandidateHeap(prio, "_dev_seq")
         self._host_heap = CandidateHeap(prio, "_host_seq")
+        # KV event log (hicache/events.py), None while off: raw entries
+        # (stored, tier, namespace, parent hash, page hashes, num_tokens).
+        self._events: list[tuple] | None = None
 
     # ----------------------------------------------------------------- basics
     def root(self, namespace: str | None = None) -> TreeNode:
@@ -456,6 +461,8 @@ class RadixTree:
             node.device_indices = device_indices[off // pnb :]
             node.last_access = clock
             self.device_evictable_tokens += node.num_tokens
+            if self._events is not None:
+                self._log(True, "device", node)
         self._refresh(node)  # the only node on the path that can be a candidate
         self._maybe_compact()
         return InsertResult(num_cached >> 2, node)
@@ -491,6 +498,8 @@ class RadixTree:
             node.host_indices = host_indices[off // pnb :]
             node.last_access = self._clock
             self.host_evictable_tokens += node.num_tokens
+            if self._events is not None:
+                self._log(True, "host", node)
         # As in match: only the deepest device node and the last node can be candidates.
         self._refresh(last_device)
         if node is not last_device:
@@ -596,6 +605,8 @@ class RadixTree:
             )
         node.device_indices = device_indices
         self.device_evictable_tokens += node.num_tokens
+        if self._events is not None:
+            self._log(True, "device", node)
         self._refresh(node)
 
     def detach_device(self, node: TreeNode) -> torch.Tensor:
@@ -604,6 +615,8 @@ class RadixTree:
             raise ValueError(f"detach_device: expected an unlocked node on both tiers, got {node}")
         if any(c.device_indices is not None for c in node.children.values()):
             raise ValueError("detach_device: a child is still on the device")
+        if self._events is not None:
+            self._log(False, "device", node)
         pages = node.device_indices
         node.device_indices = None
         node.io_status = IOStatus.NONE
@@ -621,12 +634,16 @@ class RadixTree:
             raise ValueError(f"attach_host: expected {num_pages} pages, got {host_indices.shape[0]}")
         node.host_indices = host_indices
         self.host_evictable_tokens += node.num_tokens
+        if self._events is not None:
+            self._log(True, "host", node)
         self._refresh(node)
 
     def detach_host(self, node: TreeNode) -> torch.Tensor:
         """Drop the host copy of a node that stays on the device; return its host pages."""
         if node.host_indices is None or node.device_indices is None or node.host_lock_ref:
             raise ValueError(f"detach_host: expected a node on both tiers, host-unlocked, got {node}")
+        if self._events is not None:
+            self._log(False, "host", node)
         pages = node.host_indices
         node.host_indices = None
         node.io_status = IOStatus.NONE
@@ -657,6 +674,7 @@ class RadixTree:
         ):
             return
         node.key += child.key
+        node._end_hash = child._end_hash  # node now ends where child ended
         node.host_indices = torch.cat((node.host_indices, child.host_indices))
         node.children = child.children
         for grandchild in node.children.values():
@@ -675,6 +693,65 @@ class RadixTree:
         node.parent = None
         self.num_nodes -= 1
         self._refresh(parent)
+
+    # ------------------------------------------------------------- KV events
+    def enable_events(self) -> None:
+        """Start logging every node's pages entering or leaving a tier (see take_events)."""
+        if self._events is None:
+            self._events = []
+
+    def take_events(self) -> list[tuple]:
+        """Drain the log: ``(stored, tier, namespace, parent_hash, hashes, num_tokens)`` each.
+
+        ``stored`` is True when the pages entered ``tier`` ("device" or "host"),
+        False when they left it; ``hashes`` are their chained page hashes
+        (:func:`hicache.events.page_hashes`), ``parent_hash`` the hash of the page
+        before them (None at the root). Empty while logging is off.
+        """
+        events = self._events
+        if not events:
+            return []
+        self._events = []
+        return events
+
+    def node_hashes(self, node: TreeNode) -> tuple[int | None, list[int]]:
+        """``(parent_hash, page hashes)`` of ``node``'s pages (parent None at the root)."""
+        self._check_live(node, "node_hashes")
+        if node.parent is None:
+            raise ValueError("node_hashes: expected a non-root node, got a root (it holds no pages)")
+        return self._hashes(node)
+
+    def _end_hash_of(self, node: TreeNode) -> int | None:
+        """Chained hash of ``node``'s last page (None for a root); cached on the node.
+
+        A node's end never moves (a split makes a new prefix node; a merge takes the
+        child's end), so the cache needs no invalidation beyond those two.
+        """
+        if node.parent is None:
+            return None
+        if node._end_hash is None:
+            node._end_hash = self._hashes(node)[1][-1]
+        return node._end_hash
+
+    def _hashes(self, node: TreeNode) -> tuple[int | None, list[int]]:
+        chain = []
+        walk = node.parent
+        while walk.parent is not None and walk._end_hash is None:  # iterative: deep paths
+            chain.append(walk)
+            walk = walk.parent
+        prev = walk._end_hash if walk.parent is not None else None
+        for n in reversed(chain):
+            n._end_hash = page_hashes(n.key, self.page_size, prev or 0)[-1]
+            prev = n._end_hash
+        hashes = page_hashes(node.key, self.page_size, prev or 0)
+        node._end_hash = hashes[-1]
+        return prev, hashes
+
+    def _log(self, stored: bool, tier: str, node: TreeNode) -> None:
+        if node.parent is None:  # a root holds no pages
+            return
+        parent, hashes = self._hashes(node)
+        self._events.append((stored, tier, node.namespace, parent, hashes, node.num_tokens))
 
     # --------------------------------------------------------------- eviction
     def _device_rank(self, node: TreeNode) -> int | None:
@@ -762,6 +839,8 @@ class RadixTree:
                 self._split(node, num_pages - need)
                 num_pages = need
             if node.host_indices is not None:
+                if self._events is not None:
+                    self._log(False, "device", node)
                 freed.append(node.device_indices)
                 node.device_indices = None
                 self.device_evictable_tokens -= node.num_tokens
@@ -772,6 +851,8 @@ class RadixTree:
             elif backup is not None and backup(node):
                 num_backup += node.num_tokens
             elif not node.children:
+                if self._events is not None:
+                    self._log(False, "device", node)
                 freed.append(node.device_indices)
                 self.device_evictable_tokens -= node.num_tokens
                 num_freed += node.num_tokens
@@ -808,6 +889,8 @@ class RadixTree:
             if num_pages > need:
                 self._split(node, num_pages - need)
                 num_pages = need
+            if self._events is not None:
+                self._log(False, "host", node)
             freed.append(node.host_indices)
             node.host_indices = None
             self.host_evictable_tokens -= node.num_tokens

@@ -74,7 +74,7 @@ class Lifecycles(RuleBasedStateMachine):
                 KV, device_tokens=device_pages * P,
                 host_tokens=None if host_pages is None else host_pages * P,
                 write_policy=policy, load_threshold_tokens=threshold, eviction=eviction,
-                allocate_kv=False, **kw,
+                allocate_kv=False, kv_events=True, **kw,
             )
 
         self.ref = HiCache(config(tree="python", lifecycle="python"))
@@ -180,6 +180,7 @@ class Lifecycles(RuleBasedStateMachine):
             assert a.num_free_pages == b.num_free_pages, name
             assert a._free[: a.num_free_pages].tolist() == b._free[: b.num_free_pages].tolist()
         assert self.ref.counters == self.nat.counters
+        assert self.ref.take_events() == self.nat.take_events()
         self.ref.check_integrity()
         self.nat.check_integrity()
 

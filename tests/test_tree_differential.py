@@ -2,9 +2,10 @@
 
 Hypothesis drives both trees with the same operation sequences (match, insert,
 insert_host, locks, host locks, IO status, attach/detach on both tiers, evictions
-on both tiers with and without a backup hook, namespaces) and demands identical
-results: match lengths, node ids, returned and evicted page ids in the same
-order, split callbacks, sizes, and the whole tree state after every step. Plus
+on both tiers with and without a backup hook, priorities, namespaces) under every
+eviction policy and demands identical results: match lengths, node ids, returned
+and evicted page ids in the same order, split callbacks, sizes, KV events and page
+hashes, and the whole tree state after every step. Plus
 the native tree's own contracts: proxy identity, stale handles, the fallback.
 """
 
@@ -110,6 +111,8 @@ class PythonVsNative(RuleBasedStateMachine):
         self.splits = {"py": [], "nat": []}
         self.py = RadixTree(P, self.eviction, on_split=self._recorder("py"))
         self.nat = native.NativeRadixTree(P, self.eviction, on_split=self._recorder("nat"))
+        self.py.enable_events()
+        self.nat.enable_events()
         self.pairs: list[tuple] = []  # (python node, native node) seen in results
         self.locked: list[tuple] = []  # pairs locked once per entry
         self.next_device = 0
@@ -207,6 +210,13 @@ class PythonVsNative(RuleBasedStateMachine):
     def raise_priority(self, i, priority):
         if self.pick(i)[1] in self.live():
             self.both("raise_priority", i, priority)
+
+    @precondition(lambda self: self.pairs)
+    @rule(i=st.integers(0, 100))
+    def node_hashes(self, i):
+        if self.pick(i)[1] in self.live():
+            ra, rb = self.both("node_hashes", i)
+            assert ra == rb
 
     @precondition(lambda self: self.pairs)
     @rule(i=st.integers(0, 100), status=st.sampled_from(list(IOStatus)))
@@ -314,6 +324,7 @@ class PythonVsNative(RuleBasedStateMachine):
         assert self.splits["py"] == self.splits["nat"]
         assert sizes(self.py) == sizes(self.nat)
         assert snapshot(self.py) == snapshot(self.nat)
+        assert self.py.take_events() == self.nat.take_events()
 
 
 class PythonVsNativeLFU(PythonVsNative):

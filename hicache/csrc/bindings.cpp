@@ -438,6 +438,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            })
       .def("release_detached", &RadixTree::release_detached)
       .def("num_detached", &RadixTree::num_detached)
+      .def("enable_events", &RadixTree::enable_events)
+      .def("take_events",
+           [](RadixTree& t) {
+             py::list out;
+             for (const auto& e : t.take_events()) {
+               const auto& name = t.namespace_name(e.ns);
+               py::object ns = name ? py::object(py::str(*name)) : py::none();
+               py::object parent = e.parent ? py::object(py::int_(*e.parent)) : py::none();
+               out.append(py::make_tuple(e.stored, e.device ? "device" : "host", ns, parent,
+                                         py::cast(e.hashes), e.num_tokens));
+             }
+             return out;
+           })
+      .def("node_hashes",
+           [](RadixTree& t, NodeHandle h) {
+             TreeNode* node = node_of(t, h, "node_hashes");
+             if (node->parent == nullptr) {
+               throw hicache::ValueError(
+                   "node_hashes: expected a non-root node, got a root (it holds no pages)");
+             }
+             auto [parent, hashes] = t.node_hashes(node);
+             py::object p = parent ? py::object(py::int_(*parent)) : py::none();
+             return py::make_tuple(p, py::cast(hashes));
+           })
       .def("check_integrity", &RadixTree::check_integrity)
       .def("memory_bytes", &RadixTree::memory_bytes)
       // Node accessors (all take a handle; a stale one raises ValueError).

@@ -138,6 +138,8 @@ struct TreeNode {
   std::uint64_t dev_seq = 0;       // seq of this node's newest device-heap entry
   std::uint64_t host_seq = 0;      // seq of this node's newest host-heap entry
   std::uint32_t num_device_children = 0;  // children on the device (device-leaf test in O(1))
+  std::uint64_t end_hash = 0;  // chained hash of its last page (KV events), once computed
+  bool has_end_hash = false;
   bool exported = false;  // its handle reached Python: keep it readable after removal
 
   // Children are owned by the map and keyed by their first page; the sibling

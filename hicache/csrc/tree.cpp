@@ -274,6 +274,7 @@ InsertOut RadixTree::insert(token_span key, const IndexRun& pages, std::uint32_t
     parent->num_device_children += 1;
     node->last_access = clock;
     device_evictable_tokens += node->num_tokens();
+    if (events_on_) log_event(true, true, node);
   }
   refresh(node);  // the only node on the path that can be a candidate
   maybe_compact();
@@ -306,6 +307,7 @@ InsertOut RadixTree::insert_host(token_span key, const IndexRun& pages, std::uin
                              static_cast<std::int64_t>((n - off) / ps));
     node->last_access = clock;
     host_evictable_tokens += node->num_tokens();
+    if (events_on_) log_event(true, false, node);
   }
   // As in match: only the deepest device node and the last node can be candidates.
   refresh(last_device);
@@ -424,6 +426,7 @@ void RadixTree::attach_device(TreeNode* node, const IndexRun& pages) {
   node->device = pages;
   node->parent->num_device_children += 1;
   device_evictable_tokens += node->num_tokens();
+  if (events_on_) log_event(true, true, node);
   refresh(node);
 }
 
@@ -434,6 +437,7 @@ at::Tensor RadixTree::detach_device(TreeNode* node) {
   if (node->num_device_children != 0) {
     throw ValueError("detach_device: a child is still on the device");
   }
+  if (events_on_) log_event(false, true, node);
   at::Tensor pages = node->device.tensor();
   node->device.reset();
   node->parent->num_device_children -= 1;
@@ -455,6 +459,7 @@ void RadixTree::attach_host(TreeNode* node, const IndexRun& pages) {
   }
   node->host = pages;
   host_evictable_tokens += node->num_tokens();
+  if (events_on_) log_event(true, false, node);
   refresh(node);
 }
 
@@ -463,6 +468,7 @@ at::Tensor RadixTree::detach_host(TreeNode* node) {
     throw ValueError("detach_host: expected a node on both tiers, host-unlocked, got " +
                      node->repr());
   }
+  if (events_on_) log_event(false, false, node);
   at::Tensor pages = node->host.tensor();
   node->host.reset();
   node->io_status = IOStatus::None;
@@ -486,6 +492,8 @@ void RadixTree::merge_host_chain(TreeNode* node) {
   auto entry = parent->children.extract(node->first_page(ps));
   internal_check(!entry.empty() && entry.mapped().get() == node, "merge: not a child");
   node->tokens = TokenRun::join(node->tokens, child->tokens);
+  node->end_hash = child->end_hash;  // node now ends where child ended
+  node->has_end_hash = child->has_end_hash;
   node->host = IndexRun::join(node->host, child->host);
   entry.key() = node->first_page(ps);
   parent->children.insert(std::move(entry));
@@ -696,6 +704,7 @@ EvictOut RadixTree::evict_device(std::int64_t num_tokens, const BackupHook* back
       num_pages = need;
     }
     if (node->on_host()) {
+      if (events_on_) log_event(false, true, node);
       freed.push_back(node->device);
       node->device.reset();
       node->parent->num_device_children -= 1;
@@ -707,6 +716,7 @@ EvictOut RadixTree::evict_device(std::int64_t num_tokens, const BackupHook* back
     } else if (backup != nullptr && (*backup)(node)) {
       num_backup += node->num_tokens();
     } else if (node->first_child == nullptr) {
+      if (events_on_) log_event(false, true, node);
       freed.push_back(node->device);
       device_evictable_tokens -= node->num_tokens();
       num_freed += node->num_tokens();
@@ -743,6 +753,7 @@ EvictOut RadixTree::evict_host(std::int64_t num_tokens, bool drop_device_residen
       split(node, num_pages - need);
       num_pages = need;
     }
+    if (events_on_) log_event(false, false, node);
     freed.push_back(node->host);
     node->host.reset();
     host_evictable_tokens -= node->num_tokens();
@@ -756,6 +767,59 @@ EvictOut RadixTree::evict_host(std::int64_t num_tokens, bool drop_device_residen
   }
   at::Tensor pages = freed.empty() ? at::empty({0}, at::kLong) : concat(freed);
   return {pages, num_freed, 0};
+}
+
+// ---------------------------------------------------------------- KV events
+std::vector<std::uint64_t> page_hashes(token_span tokens, std::int64_t page_size,
+                                       std::uint64_t prev) {
+  constexpr std::uint64_t kK = 0x100000001B3ULL;  // FNV-1a's 64-bit prime
+  constexpr std::uint64_t kGolden = 0x9E3779B97F4A7C15ULL;
+  const auto ps = static_cast<std::size_t>(page_size);
+  std::vector<std::uint64_t> out;
+  out.reserve(tokens.size() / ps);
+  for (std::size_t off = 0; off + ps <= tokens.size(); off += ps) {
+    std::uint64_t poly = 0;
+    std::uint64_t power = 1;
+    for (std::size_t i = 0; i < ps; ++i) {
+      power *= kK;
+      poly += (static_cast<std::uint64_t>(tokens[off + i]) + 1) * power;
+    }
+    std::uint64_t z = prev * kGolden + poly + kGolden;  // splitmix64 of prev * golden + poly
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    prev = z ^ (z >> 31);
+    out.push_back(prev);
+  }
+  return out;
+}
+
+std::pair<std::optional<std::uint64_t>, std::vector<std::uint64_t>> RadixTree::node_hashes(
+    TreeNode* node) {
+  // Ancestors without a cached end hash, nearest first (iterative: paths may be deep).
+  std::vector<TreeNode*> chain;
+  TreeNode* walk = node->parent;
+  while (walk->parent != nullptr && !walk->has_end_hash) {
+    chain.push_back(walk);
+    walk = walk->parent;
+  }
+  std::optional<std::uint64_t> prev;
+  if (walk->parent != nullptr) prev = walk->end_hash;
+  for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
+    TreeNode* n = *it;
+    n->end_hash = page_hashes(n->tokens.span(), page_size_, prev.value_or(0)).back();
+    n->has_end_hash = true;
+    prev = n->end_hash;
+  }
+  std::vector<std::uint64_t> hashes = page_hashes(node->tokens.span(), page_size_, prev.value_or(0));
+  node->end_hash = hashes.back();
+  node->has_end_hash = true;
+  return {prev, std::move(hashes)};
+}
+
+void RadixTree::log_event(bool stored, bool device, TreeNode* node) {
+  if (node->parent == nullptr) return;  // a root holds no pages
+  auto [parent, hashes] = node_hashes(node);
+  events_.push_back(RawEvent{stored, device, node->ns, parent, std::move(hashes), node->num_tokens()});
 }
 
 // ----------------------------------------------------------------- queries
