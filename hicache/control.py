@@ -194,7 +194,8 @@ class ControlMixin:
         pin (with the new ``ttl_s`` and whatever is cached by then). ``ttl_s``
         (seconds, > 0) releases the pin by itself; ``None`` keeps it until
         :meth:`unpin` or :meth:`reset`. A host-only part is not loaded: match it
-        first to bring it back, then pin.
+        first to bring it back, then pin. Pinning is a use of the prefix: like a
+        match it counts a hit and refreshes the access time of its nodes.
         """
         deadline = _check_ttl(ttl_s)
         _check_namespace(namespace)
