@@ -75,6 +75,8 @@ def test_exact_event_stream_through_the_tiers(tree, lifecycle):
     """Insert, write-through backup, device eviction, load back, host eviction, reset."""
     cache = HiCache(CacheConfig(KV, device_tokens=8, host_tokens=8, allocate_kv=False,
                                 kv_events=True, tree=tree, lifecycle=lifecycle))
+    # Events need no hand-over: over the native tree the C++ lifecycle stays in charge.
+    assert cache.lifecycle == ("native" if (tree, lifecycle) == ("native", "auto") else "python")
     ha = hashes_of(A)
     hb = hashes_of([9, 9, 9, 9])
     serve(cache, A)
@@ -211,3 +213,15 @@ def test_python_tree_event_hashes_match_the_reference_function():
     (_, _, _, _, first, _), (_, _, _, parent, second, _) = tree.take_events()
     assert first == hashes_of([3, 1, 4, 1, 5, 9])
     assert parent == first[0] and second == hashes_of([3, 1, 4, 2])[1:]
+
+
+@pytest.mark.parametrize("kind", TREE_KINDS)
+def test_node_hashes_bad_input(kind):
+    tree = native.make_tree(kind, P)
+    leaf = tree.insert(A, torch.arange(3)).last_node
+    with pytest.raises(TypeError):
+        tree.node_hashes("node")
+    tree.evict_device(6)
+    with pytest.raises(ValueError):
+        tree.node_hashes(leaf)  # removed: stale
+    tree.check_integrity()

@@ -153,6 +153,14 @@ def test_cache_priority_at_match_and_insert(tree_kind, lifecycle):
     cache.release(h)
     with pytest.raises(TypeError, match="priority"):
         cache.match([40], priority="high")
+    with pytest.raises(ValueError, match="priority"):
+        cache.match([40], priority=2**63)
+    h2 = cache.match([10])
+    with pytest.raises(TypeError, match="priority"):
+        cache.insert(h2, [10], priority=1.0)
+    assert cache.tree.match_prefix([10]).last_node.priority == 3  # nothing changed
+    cache.release(h2)
+    assert cache.stats()["live_requests"] == 0
     with pytest.raises(ValueError, match="released"):
         cache.insert(h, [20], priority=1)  # released handle: refused before anything
     # 4 pages, 3 cached (priorities A 3, B 2, C 1) + 1 free; ask for 3: takes C then B.
