@@ -133,13 +133,9 @@ struct TreeNode {
   IOStatus io_status = IOStatus::None;
   std::int64_t hit_count = 0;      // matches that went through this node
   std::int64_t last_access = 0;    // tree clock tick of the last match or insert touching it
-  std::int64_t created = 0;        // tree clock tick of the insert that created it
-  std::int64_t priority = 0;       // largest priority a match or insert gave it
   std::uint64_t dev_seq = 0;       // seq of this node's newest device-heap entry
   std::uint64_t host_seq = 0;      // seq of this node's newest host-heap entry
   std::uint32_t num_device_children = 0;  // children on the device (device-leaf test in O(1))
-  std::uint64_t end_hash = 0;  // chained hash of its last page (KV events), once computed
-  bool has_end_hash = false;
   bool exported = false;  // its handle reached Python: keep it readable after removal
 
   // Children are owned by the map and keyed by their first page; the sibling
@@ -150,6 +146,11 @@ struct TreeNode {
   TreeNode* last_child = nullptr;
   TreeNode* prev_sibling = nullptr;
   TreeNode* next_sibling = nullptr;
+
+  // Read only by some eviction policies: kept after the fields every match and
+  // eviction touches.
+  std::int64_t created = 0;   // tree clock tick of the insert that created it
+  std::int64_t priority = 0;  // largest priority a match or insert gave it
 
   bool on_device() const { return device.defined(); }
   bool on_host() const { return host.defined(); }

@@ -492,8 +492,6 @@ void RadixTree::merge_host_chain(TreeNode* node) {
   auto entry = parent->children.extract(node->first_page(ps));
   internal_check(!entry.empty() && entry.mapped().get() == node, "merge: not a child");
   node->tokens = TokenRun::join(node->tokens, child->tokens);
-  node->end_hash = child->end_hash;  // node now ends where child ended
-  node->has_end_hash = child->has_end_hash;
   node->host = IndexRun::join(node->host, child->host);
   entry.key() = node->first_page(ps);
   parent->children.insert(std::move(entry));
@@ -795,25 +793,15 @@ std::vector<std::uint64_t> page_hashes(token_span tokens, std::int64_t page_size
 
 std::pair<std::optional<std::uint64_t>, std::vector<std::uint64_t>> RadixTree::node_hashes(
     TreeNode* node) {
-  // Ancestors without a cached end hash, nearest first (iterative: paths may be deep).
-  std::vector<TreeNode*> chain;
-  TreeNode* walk = node->parent;
-  while (walk->parent != nullptr && !walk->has_end_hash) {
-    chain.push_back(walk);
-    walk = walk->parent;
-  }
+  // Hashed from the root each time: events are off by default, and a cached hash
+  // per node would grow every node for them (the Python tree caches; same values).
+  std::vector<const TreeNode*> path;
+  for (const TreeNode* n = node->parent; n->parent != nullptr; n = n->parent) path.push_back(n);
   std::optional<std::uint64_t> prev;
-  if (walk->parent != nullptr) prev = walk->end_hash;
-  for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
-    TreeNode* n = *it;
-    n->end_hash = page_hashes(n->tokens.span(), page_size_, prev.value_or(0)).back();
-    n->has_end_hash = true;
-    prev = n->end_hash;
+  for (auto it = path.rbegin(); it != path.rend(); ++it) {
+    prev = page_hashes((*it)->tokens.span(), page_size_, prev.value_or(0)).back();
   }
-  std::vector<std::uint64_t> hashes = page_hashes(node->tokens.span(), page_size_, prev.value_or(0));
-  node->end_hash = hashes.back();
-  node->has_end_hash = true;
-  return {prev, std::move(hashes)};
+  return {prev, page_hashes(node->tokens.span(), page_size_, prev.value_or(0))};
 }
 
 void RadixTree::log_event(bool stored, bool device, TreeNode* node) {

@@ -126,7 +126,7 @@ class RadixTree {
   // KV events: off until enabled; take_events drains the log in order.
   void enable_events() { events_on_ = true; }
   std::vector<RawEvent> take_events() { return std::exchange(events_, {}); }
-  // (parent hash, page hashes) of a node's pages.
+  // (parent hash, page hashes) of a node's pages (hashed from the root).
   std::pair<std::optional<std::uint64_t>, std::vector<std::uint64_t>> node_hashes(TreeNode* node);
 
   // "" if every invariant holds, else the first violation (Python asserts on it).
