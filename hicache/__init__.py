@@ -3,9 +3,14 @@
 from hicache.allocator import PageAllocator
 from hicache.cache import CacheStats, HiCache, LoadError, PrefixHandle
 from hicache.config import CacheConfig, EvictionPolicy, KVConfig, PrefetchPolicy, WritePolicy
+from hicache.control import ResetResult
+from hicache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from hicache.tree import IOStatus, RadixTree
 
 __all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
     "CacheConfig",
     "CacheStats",
     "EvictionPolicy",
@@ -17,6 +22,7 @@ __all__ = [
     "PrefetchPolicy",
     "PrefixHandle",
     "RadixTree",
+    "ResetResult",
     "WritePolicy",
 ]
 __version__ = "0.1.0"
