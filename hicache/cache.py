@@ -30,10 +30,19 @@ import torch
 
 from hicache.allocator import PageAllocator
 from hicache.config import CacheConfig, WritePolicy
+from hicache.control import ControlMixin, ResetResult  # noqa: F401  (ResetResult: re-exported)
 from hicache.handle import LoadError, PrefixHandle  # noqa: F401  (LoadError: re-exported)
 from hicache.lifecycle import NativeLifecycleMixin
 from hicache.thirdtier import ThirdTierMixin
-from hicache.tree import IOStatus, MatchResult, TokenLike, TreeNode, _check_namespace, token_key
+from hicache.tree import (
+    IOStatus,
+    MatchResult,
+    TokenLike,
+    TreeNode,
+    _check_namespace,
+    _check_priority,
+    token_key,
+)
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -69,6 +78,7 @@ class CacheStats:
     storage_write_bytes: int = 0
     storage_write_seconds: float = 0.0
     storage_errors: int = 0  # failed storage jobs (store unreachable, I/O error)
+    pins_refused: int = 0  # pin calls refused: the pin budget (max_pinned_fraction) was spent
 
 
 class _Transfer:
@@ -85,7 +95,7 @@ class _Transfer:
         self.nbytes = nbytes
 
 
-class HiCache(ThirdTierMixin, NativeLifecycleMixin):
+class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
     """Hierarchical (device + host) prefix cache. See the module docstring for the lifecycle."""
 
     def __init__(self, config: CacheConfig) -> None:
@@ -126,6 +136,10 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
         self._node_transfer: dict[TreeNode, _Transfer] = {}  # nodes with IO in flight
         self._num_loading_nodes = 0
         self._live: set[PrefixHandle] = set()
+        self._pins = {}  # (namespace, key) -> pin (hicache/control.py)
+        self._event_log = [] if config.kv_events else None  # KV events (hicache/events.py)
+        if config.kv_events:
+            self.tree.enable_events()
         self.storage = None
         self._storage_pins: dict[TreeNode, object] = {}  # host-pinned by a storage write
         self._prefetches: list = []  # storage reads in flight
@@ -138,15 +152,41 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
 
     # ------------------------------------------------------------- lifecycle
     def match(
-        self, tokens: TokenLike, namespace: str | None = None, *, load_back: bool = True
+        self,
+        tokens: TokenLike,
+        namespace: str | None = None,
+        *,
+        load_back: bool = True,
+        priority: int | None = None,
     ) -> PrefixHandle:
         """Find and lock the longest cached prefix of ``tokens``.
 
         With ``load_back`` (the default) the host-only part of the match starts
         loading into new device pages at once (see :meth:`load_back`); the model
         then waits per layer with ``h.wait_layer(i)``. Never changes cached data;
-        may split a node at the match boundary.
+        may split a node at the match boundary. ``priority`` (an int) raises the
+        eviction priority of the prefix ``h`` holds (see :meth:`_raise_priority`).
         """
+        if priority is not None:
+            priority = _check_priority(priority)
+        h = self._match(tokens, namespace, load_back)
+        if priority is not None:
+            self._raise_priority(h, priority)
+        return h
+
+    def _raise_priority(self, h: PrefixHandle, priority: int) -> None:
+        """Raise the priority of every node on ``h``'s locked path to at least ``priority``.
+
+        Priorities only grow (a shared prefix keeps its most important user's) and
+        order eviction only under the ``priority`` policy: lowest first, least
+        recently used among equals.
+        """
+        if self._core is not None:  # the lock node is a bare native handle
+            self.tree._impl.raise_priority(h._lock_h, priority)
+        else:
+            self.tree.raise_priority(h._lock_node, priority)
+
+    def _match(self, tokens: TokenLike, namespace: str | None, load_back: bool) -> PrefixHandle:
         if not isinstance(load_back, bool):
             raise TypeError(f"load_back: expected bool, got {type(load_back).__name__}")
         _check_namespace(namespace)  # before storage keys are derived from it
@@ -290,6 +330,8 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
         if num_tokens < 0:
             raise ValueError(f"num_tokens: expected >= 0, got {num_tokens}")
         num_pages = -(-num_tokens // self.page_size)
+        if self._pins:  # an expired pin's pages are evictable again
+            self._expire_pins(self._now())
         if num_pages > self.device_allocator.num_pages:
             return None  # more than the whole device tier: evicting cannot help
         if self._core is not None:
@@ -301,14 +343,24 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
             h._new_pages.append(pages)
         return pages
 
-    def insert(self, h: PrefixHandle, tokens: TokenLike) -> int:
+    def insert(self, h: PrefixHandle, tokens: TokenLike, *, priority: int | None = None) -> int:
         """Cache the whole pages of ``tokens`` (the prefix plus what the caller computed).
 
         ``tokens`` must start with ``h``'s prefix and fit in ``h.page_table()``.
         Pages another request cached meanwhile are freed (the tree keeps its own).
         Afterwards ``h`` holds the inserted path; the write policy runs. Returns the
-        number of tokens newly cached.
+        number of tokens newly cached. ``priority`` raises the eviction priority of
+        the path ``h`` holds afterwards (see :meth:`_raise_priority`).
         """
+        if priority is not None:
+            self._check_handle(h)
+            priority = _check_priority(priority)
+        num_new = self._insert(h, tokens)
+        if priority is not None:
+            self._raise_priority(h, priority)
+        return num_new
+
+    def _insert(self, h: PrefixHandle, tokens: TokenLike) -> int:
         self._check_handle(h)
         if self._core is not None:  # bookkeeping only: no load is ever in flight
             return self._insert_native(h, tokens)
@@ -643,6 +695,8 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
         s["host_cached_tokens"] = self.tree.host_tokens
         s["transfers_in_flight"] = len(self._inflight)
         s["live_requests"] = len(self._live)
+        s["pins"] = len(self._pins)
+        s["pinned_device_tokens"] = self.pinned_device_tokens()
         return s
 
     def check_integrity(self) -> None:
@@ -666,6 +720,7 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
         for h in self._live:
             for node in self.tree.path_to(h._lock_node):
                 want_locks[node] = want_locks.get(node, 0) + 1
+        self._check_pins(want_locks)
         for rec in self._inflight.values():
             if rec.kind == "load":
                 for node in rec.nodes:

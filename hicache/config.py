@@ -117,8 +117,15 @@ class WritePolicy(str, Enum):
 
 
 class EvictionPolicy(str, Enum):
+    """Which unlocked leaf leaves a tier first (hicache/policy.py gives each its key)."""
+
     LRU = "lru"  # least recently accessed leaf first
     LFU = "lfu"  # fewest hits first, ties by recency
+    FIFO = "fifo"  # oldest node (created first) first
+    MRU = "mru"  # most recently accessed leaf first
+    FILO = "filo"  # newest node (created last) first
+    PRIORITY = "priority"  # lowest priority (given at match/insert) first, ties by recency
+    SLRU = "slru"  # probationary nodes (fewer than 2 hits) before protected ones, LRU within
 
 
 class PrefetchPolicy(str, Enum):
@@ -182,6 +189,10 @@ class CacheConfig:
     model_id: str | None = None
     prefetch_policy: PrefetchPolicy | str = PrefetchPolicy.BEST_EFFORT
     prefetch_timeout_s: float = 0.05
+    # Pins (HiCache.pin) may hold at most this fraction of the device tier's pages.
+    max_pinned_fraction: float = 0.5
+    # Log KV events (pages entering / leaving each tier) for HiCache.take_events.
+    kv_events: bool = False
     extra: dict = field(default_factory=dict, compare=False)  # backend-specific options
 
     def __post_init__(self) -> None:
@@ -296,6 +307,18 @@ class CacheConfig:
                 "(hicache.storage.model_identity(name, weights_digest=... or revision=..., "
                 f"dtype=..., tp_rank=...)) with storage={self.storage!r}, got None"
             )
+        if isinstance(self.max_pinned_fraction, bool) or not isinstance(
+            self.max_pinned_fraction, int | float
+        ):
+            raise TypeError(
+                f"max_pinned_fraction: expected float, got {type(self.max_pinned_fraction).__name__}"
+            )
+        if not 0 <= self.max_pinned_fraction <= 1:
+            raise ValueError(
+                f"max_pinned_fraction: expected a fraction in [0, 1], got {self.max_pinned_fraction}"
+            )
+        if not isinstance(self.kv_events, bool):
+            raise TypeError(f"kv_events: expected bool, got {type(self.kv_events).__name__}")
 
     @property
     def page_size(self) -> int:

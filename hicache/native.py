@@ -43,6 +43,7 @@ from hicache.tree import (
     RadixTree,
     TokenLike,
     _check_count,
+    _check_priority,
     token_key,
 )
 from hicache.treeapi import RadixTreeLike
@@ -156,6 +157,14 @@ class NativeNode:
         return self._tree._impl.last_access(self._h)
 
     @property
+    def created(self) -> int:
+        return self._tree._impl.created(self._h)
+
+    @property
+    def priority(self) -> int:
+        return self._tree._impl.priority(self._h)
+
+    @property
     def num_tokens(self) -> int:
         return self._tree._impl.num_tokens(self._h)
 
@@ -198,6 +207,7 @@ class NativeRadixTree:
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
             raise ValueError(f"page_size: expected a positive int, got {page_size!r}")
         policy = EvictionPolicy(eviction)
+        self.eviction = policy
         self.page_size = page_size
         self._impl = load_native().Tree(page_size, policy.value)
         self._proxies: dict[int, NativeNode] = {}
@@ -423,6 +433,11 @@ class NativeRadixTree:
     def host_unlock(self, node: NativeNode) -> None:
         self._impl.host_unlock(self._handle(node, "host_unlock"))
 
+    def raise_priority(self, node: NativeNode, priority: int) -> None:
+        """Raise ``node``'s and its ancestors' priority; see :meth:`RadixTree.raise_priority`."""
+        priority = _check_priority(priority)
+        self._impl.raise_priority(self._handle(node, "raise_priority"), priority)
+
     # ------------------------------------------------------ tier membership
     def set_io_status(self, node: NativeNode, status: IOStatus) -> None:
         if not isinstance(status, IOStatus):
@@ -444,6 +459,19 @@ class NativeRadixTree:
     def detach_host(self, node: NativeNode) -> torch.Tensor:
         """Drop the host copy of a node that stays on the device; return its host pages."""
         return self._impl.detach_host(self._handle(node, "detach_host"))
+
+    # ------------------------------------------------------------ KV events
+    def enable_events(self) -> None:
+        """Start logging pages entering or leaving a tier; see :meth:`RadixTree.take_events`."""
+        self._impl.enable_events()
+
+    def take_events(self) -> list[tuple]:
+        """Drain the event log; see :meth:`RadixTree.take_events`."""
+        return [tuple(e) for e in self._impl.take_events()]
+
+    def node_hashes(self, node: NativeNode) -> tuple[int | None, list[int]]:
+        """``(parent_hash, page hashes)`` of ``node``'s pages; see :meth:`RadixTree.node_hashes`."""
+        return tuple(self._impl.node_hashes(self._handle(node, "node_hashes")))
 
     # ------------------------------------------------------------- eviction
     def evict_device(

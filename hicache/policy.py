@@ -1,4 +1,18 @@
-"""Eviction order: priority keys (LRU, LFU) and a lazy candidate heap.
+"""Eviction order: one key per policy and a lazy candidate heap.
+
+Keys (smaller leaves first; ``csrc/tree.cpp`` ``RadixTree::entry`` computes the same)::
+
+    lru       (last_access,)                 least recently used
+    lfu       (hit_count, last_access)       fewest hits, then least recent
+    fifo      (created,)                     created first
+    mru       (-last_access,)                most recently used
+    filo      (-created,)                    created last
+    priority  (priority, last_access)        lowest priority, then least recent
+    slru      (hit_count >= 2, last_access)  probationary segment before protected, LRU within
+
+``created`` is the tree clock tick of the insert that made a node (a split keeps
+it for both halves); ``priority`` is the largest priority any match or insert
+gave a node (``RadixTree.raise_priority``).
 
 A heap entry is ``(priority, seq, node)``. Entries are never removed eagerly:
 when a node's priority changes, or it stops being a candidate, its old entry
@@ -18,6 +32,9 @@ from typing import Any
 
 from hicache.config import EvictionPolicy
 
+# SLRU: a node hit this many times leaves the probationary segment (SGLang's threshold).
+SLRU_PROTECTED_HITS = 2
+
 
 def priority_fn(policy: EvictionPolicy) -> Callable[[Any], tuple]:
     """Return the key function for a policy: smaller keys are evicted first."""
@@ -25,6 +42,16 @@ def priority_fn(policy: EvictionPolicy) -> Callable[[Any], tuple]:
         return lambda node: (node.last_access,)
     if policy is EvictionPolicy.LFU:
         return lambda node: (node.hit_count, node.last_access)
+    if policy is EvictionPolicy.FIFO:
+        return lambda node: (node.created,)
+    if policy is EvictionPolicy.MRU:
+        return lambda node: (-node.last_access,)
+    if policy is EvictionPolicy.FILO:
+        return lambda node: (-node.created,)
+    if policy is EvictionPolicy.PRIORITY:
+        return lambda node: (node.priority, node.last_access)
+    if policy is EvictionPolicy.SLRU:
+        return lambda node: (int(node.hit_count >= SLRU_PROTECTED_HITS), node.last_access)
     raise ValueError(f"eviction: expected one of {[p.value for p in EvictionPolicy]}, got {policy!r}")
 
 

@@ -48,7 +48,7 @@ from hicache.cliargs import (
     run_guarded,
     start_metrics,
 )
-from hicache.config import CacheConfig, KVConfig
+from hicache.config import CacheConfig, EvictionPolicy, KVConfig
 from hicache.pool import PageCopier
 from hicache.transfer import ManualExecutor, ThreadExecutor
 from hicache.tree import IOStatus, TreeNode
@@ -369,8 +369,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--write-policy", default="write_through",
                         choices=["write_through", "write_through_selective", "write_back"],
                         help="when a device page gets its host copy")
-    parser.add_argument("--eviction", default="lfu", choices=["lru", "lfu"],
-                        help="lfu evicts once-hit nodes first: fresh loads and backups, the "
+    parser.add_argument("--eviction", default="lfu", choices=[p.value for p in EvictionPolicy],
+                        help="lfu (default) evicts once-hit nodes first: fresh loads and backups, the "
                         "nodes with IO in flight, are then the first candidates")
     parser.add_argument("--fault-rate", type=probability, default=0.02,
                         help="probability that one page copy call fails")

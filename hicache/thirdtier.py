@@ -144,7 +144,7 @@ class ThirdTierMixin:
         c.storage_read_seconds += job.seconds
         if job.error is not None:
             c.storage_errors += 1
-        num_done = 0 if job.error is not None else job.num_done
+        num_done = 0 if job.error is not None or job.stale else job.num_done
         c.storage_read_bytes += num_done * self._page_nbytes
         start = job.start_page
         P, pnb = self.page_size, 4 * self.page_size
@@ -190,6 +190,8 @@ class ThirdTierMixin:
             self.tree.host_lock(node)
             self._storage_pins[node] = job
         job.nodes = live
+        if self._event_log is not None:  # hashed now: splits reorder job.nodes meanwhile
+            job.event_pages = [(n.namespace, *self.tree.node_hashes(n)) for n in live]
         self.storage.submit(job)
         self._counters.storage_writes += 1
 
@@ -203,3 +205,5 @@ class ThirdTierMixin:
             c.storage_errors += 1
         else:
             c.storage_write_bytes += job.num_done * self._page_nbytes
+            if self._event_log is not None:
+                self._log_storage_stored(job.event_pages, job.num_done)

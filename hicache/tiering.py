@@ -28,7 +28,7 @@ class StorageJob:
 
     __slots__ = (
         "kind", "keys", "host_pages", "nodes", "num_done", "error", "seconds", "done",
-        "token_key", "namespace", "start_page", "committed",
+        "token_key", "namespace", "start_page", "committed", "stale", "event_pages",
     )
 
     def __init__(self, kind: str, keys: list[str], host_pages: torch.Tensor) -> None:
@@ -45,6 +45,9 @@ class StorageJob:
         self.namespace: str | None = None
         self.start_page = 0  # first fetched page's position in the sequence
         self.committed = False
+        self.stale = False  # read jobs: a reset came meanwhile, throw the pages away
+        # write jobs with KV events on: (namespace, parent hash, page hashes) per node
+        self.event_pages: list[tuple] = []
 
 
 class StorageTier:

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from hicache.config import EvictionPolicy
+from hicache.events import page_hashes
 from hicache.policy import CandidateHeap, priority_fn
 
 TokenLike = list[int] | tuple[int, ...] | np.ndarray | torch.Tensor
@@ -54,8 +55,8 @@ class TreeNode:
 
     __slots__ = (
         "id", "key", "parent", "children", "namespace", "device_indices", "host_indices",
-        "lock_ref", "host_lock_ref", "io_status", "hit_count", "last_access",
-        "_dev_seq", "_host_seq",
+        "lock_ref", "host_lock_ref", "io_status", "hit_count", "last_access", "created",
+        "priority", "_dev_seq", "_host_seq", "_end_hash",
     )
 
     def __init__(self, node_id: int, key: bytes, parent: TreeNode | None, namespace: str | None):
@@ -71,8 +72,11 @@ class TreeNode:
         self.io_status = IOStatus.NONE
         self.hit_count = 0  # times a match went through this node
         self.last_access = 0  # tree clock tick of the last match or insert touching it
+        self.created = 0  # tree clock tick of the insert that created it (a split keeps it)
+        self.priority = 0  # largest priority a match or insert gave it (raise_priority)
         self._dev_seq = 0  # seq of this node's newest device-heap entry
         self._host_seq = 0  # seq of this node's newest host-heap entry
+        self._end_hash: int | None = None  # chained hash of its last page (events), lazily
 
     @property
     def num_tokens(self) -> int:
@@ -127,6 +131,18 @@ def _check_count(name: str, value: object) -> int:
     if value < 0:
         raise ValueError(f"{name}: expected >= 0, got {value}")
     return int(value)
+
+
+_MIN_PRIORITY, _MAX_PRIORITY = -(2**62), 2**62  # inside C++'s int64 with room to negate
+
+
+def _check_priority(priority: object) -> int:
+    """``priority`` as an eviction priority: an int in [-2**62, 2**62] (else the error)."""
+    if isinstance(priority, bool) or not isinstance(priority, _INTEGERS):
+        raise TypeError(f"priority: expected int, got {type(priority).__name__}")
+    if not _MIN_PRIORITY <= priority <= _MAX_PRIORITY:
+        raise ValueError(f"priority: expected an int in [-2**62, 2**62], got {priority}")
+    return int(priority)
 
 
 def _check_namespace(namespace: object) -> None:
@@ -230,9 +246,13 @@ class RadixTree:
         self.device_protected_tokens = 0  # on device, lock_ref > 0
         self.host_evictable_tokens = 0  # on host, host_lock_ref == 0
         self.host_protected_tokens = 0  # on host, host_lock_ref > 0
-        prio = priority_fn(EvictionPolicy(eviction))
+        self.eviction = EvictionPolicy(eviction)
+        prio = priority_fn(self.eviction)
         self._device_heap = CandidateHeap(prio, "_dev_seq")
         self._host_heap = CandidateHeap(prio, "_host_seq")
+        # KV event log (hicache/events.py), None while off: raw entries
+        # (stored, tier, namespace, parent hash, page hashes, num_tokens).
+        self._events: list[tuple] | None = None
 
     # ----------------------------------------------------------------- basics
     def root(self, namespace: str | None = None) -> TreeNode:
@@ -269,6 +289,7 @@ class RadixTree:
 
     def _new_node(self, key: bytes, parent: TreeNode) -> TreeNode:
         node = TreeNode(self._next_id, key, parent, parent.namespace)
+        node.created = self._clock
         self._next_id += 1
         self.num_nodes += 1
         parent.children[key[: self._page_nbytes]] = node
@@ -388,6 +409,8 @@ class RadixTree:
         prefix.io_status = node.io_status
         prefix.hit_count = node.hit_count
         prefix.last_access = node.last_access
+        prefix.created = node.created
+        prefix.priority = node.priority
         if self.on_split is not None:
             self.on_split(prefix, node)
         return prefix
@@ -438,6 +461,8 @@ class RadixTree:
             node.device_indices = device_indices[off // pnb :]
             node.last_access = clock
             self.device_evictable_tokens += node.num_tokens
+            if self._events is not None:
+                self._log(True, "device", node)
         self._refresh(node)  # the only node on the path that can be a candidate
         self._maybe_compact()
         return InsertResult(num_cached >> 2, node)
@@ -473,6 +498,8 @@ class RadixTree:
             node.host_indices = host_indices[off // pnb :]
             node.last_access = self._clock
             self.host_evictable_tokens += node.num_tokens
+            if self._events is not None:
+                self._log(True, "host", node)
         # As in match: only the deepest device node and the last node can be candidates.
         self._refresh(last_device)
         if node is not last_device:
@@ -531,6 +558,23 @@ class RadixTree:
             self.host_evictable_tokens += node.num_tokens
             self._refresh(node)
 
+    def raise_priority(self, node: TreeNode, priority: int) -> None:
+        """Raise the priority of ``node`` and its ancestors to at least ``priority``.
+
+        A node's priority only grows: a prefix shared by requests of different
+        priorities keeps the highest. It orders eviction only under the
+        ``priority`` policy (lowest first, least recent among equals).
+        """
+        priority = _check_priority(priority)
+        self._check_live(node, "raise_priority")
+        refresh = self.eviction is EvictionPolicy.PRIORITY
+        while node.parent is not None:
+            if node.priority < priority:
+                node.priority = priority
+                if refresh:  # its heap entry's key changed
+                    self._refresh(node)
+            node = node.parent
+
     def _check_live(self, node: TreeNode, op: str) -> None:
         if not isinstance(node, TreeNode):
             raise TypeError(f"{op}: expected a TreeNode, got {type(node).__name__}")
@@ -561,6 +605,8 @@ class RadixTree:
             )
         node.device_indices = device_indices
         self.device_evictable_tokens += node.num_tokens
+        if self._events is not None:
+            self._log(True, "device", node)
         self._refresh(node)
 
     def detach_device(self, node: TreeNode) -> torch.Tensor:
@@ -569,6 +615,8 @@ class RadixTree:
             raise ValueError(f"detach_device: expected an unlocked node on both tiers, got {node}")
         if any(c.device_indices is not None for c in node.children.values()):
             raise ValueError("detach_device: a child is still on the device")
+        if self._events is not None:
+            self._log(False, "device", node)
         pages = node.device_indices
         node.device_indices = None
         node.io_status = IOStatus.NONE
@@ -586,12 +634,16 @@ class RadixTree:
             raise ValueError(f"attach_host: expected {num_pages} pages, got {host_indices.shape[0]}")
         node.host_indices = host_indices
         self.host_evictable_tokens += node.num_tokens
+        if self._events is not None:
+            self._log(True, "host", node)
         self._refresh(node)
 
     def detach_host(self, node: TreeNode) -> torch.Tensor:
         """Drop the host copy of a node that stays on the device; return its host pages."""
         if node.host_indices is None or node.device_indices is None or node.host_lock_ref:
             raise ValueError(f"detach_host: expected a node on both tiers, host-unlocked, got {node}")
+        if self._events is not None:
+            self._log(False, "host", node)
         pages = node.host_indices
         node.host_indices = None
         node.io_status = IOStatus.NONE
@@ -622,12 +674,15 @@ class RadixTree:
         ):
             return
         node.key += child.key
+        node._end_hash = child._end_hash  # node now ends where child ended
         node.host_indices = torch.cat((node.host_indices, child.host_indices))
         node.children = child.children
         for grandchild in node.children.values():
             grandchild.parent = node
         node.hit_count = max(node.hit_count, child.hit_count)
         node.last_access = max(node.last_access, child.last_access)
+        node.created = min(node.created, child.created)
+        node.priority = max(node.priority, child.priority)
         child.parent = None
         child.children = {}
         self.num_nodes -= 1
@@ -638,6 +693,65 @@ class RadixTree:
         node.parent = None
         self.num_nodes -= 1
         self._refresh(parent)
+
+    # ------------------------------------------------------------- KV events
+    def enable_events(self) -> None:
+        """Start logging every node's pages entering or leaving a tier (see take_events)."""
+        if self._events is None:
+            self._events = []
+
+    def take_events(self) -> list[tuple]:
+        """Drain the log: ``(stored, tier, namespace, parent_hash, hashes, num_tokens)`` each.
+
+        ``stored`` is True when the pages entered ``tier`` ("device" or "host"),
+        False when they left it; ``hashes`` are their chained page hashes
+        (:func:`hicache.events.page_hashes`), ``parent_hash`` the hash of the page
+        before them (None at the root). Empty while logging is off.
+        """
+        events = self._events
+        if not events:
+            return []
+        self._events = []
+        return events
+
+    def node_hashes(self, node: TreeNode) -> tuple[int | None, list[int]]:
+        """``(parent_hash, page hashes)`` of ``node``'s pages (parent None at the root)."""
+        self._check_live(node, "node_hashes")
+        if node.parent is None:
+            raise ValueError("node_hashes: expected a non-root node, got a root (it holds no pages)")
+        return self._hashes(node)
+
+    def _end_hash_of(self, node: TreeNode) -> int | None:
+        """Chained hash of ``node``'s last page (None for a root); cached on the node.
+
+        A node's end never moves (a split makes a new prefix node; a merge takes the
+        child's end), so the cache needs no invalidation beyond those two.
+        """
+        if node.parent is None:
+            return None
+        if node._end_hash is None:
+            node._end_hash = self._hashes(node)[1][-1]
+        return node._end_hash
+
+    def _hashes(self, node: TreeNode) -> tuple[int | None, list[int]]:
+        chain = []
+        walk = node.parent
+        while walk.parent is not None and walk._end_hash is None:  # iterative: deep paths
+            chain.append(walk)
+            walk = walk.parent
+        prev = walk._end_hash if walk.parent is not None else None
+        for n in reversed(chain):
+            n._end_hash = page_hashes(n.key, self.page_size, prev or 0)[-1]
+            prev = n._end_hash
+        hashes = page_hashes(node.key, self.page_size, prev or 0)
+        node._end_hash = hashes[-1]
+        return prev, hashes
+
+    def _log(self, stored: bool, tier: str, node: TreeNode) -> None:
+        if node.parent is None:  # a root holds no pages
+            return
+        parent, hashes = self._hashes(node)
+        self._events.append((stored, tier, node.namespace, parent, hashes, node.num_tokens))
 
     # --------------------------------------------------------------- eviction
     def _device_rank(self, node: TreeNode) -> int | None:
@@ -725,6 +839,8 @@ class RadixTree:
                 self._split(node, num_pages - need)
                 num_pages = need
             if node.host_indices is not None:
+                if self._events is not None:
+                    self._log(False, "device", node)
                 freed.append(node.device_indices)
                 node.device_indices = None
                 self.device_evictable_tokens -= node.num_tokens
@@ -735,6 +851,8 @@ class RadixTree:
             elif backup is not None and backup(node):
                 num_backup += node.num_tokens
             elif not node.children:
+                if self._events is not None:
+                    self._log(False, "device", node)
                 freed.append(node.device_indices)
                 self.device_evictable_tokens -= node.num_tokens
                 num_freed += node.num_tokens
@@ -771,6 +889,8 @@ class RadixTree:
             if num_pages > need:
                 self._split(node, num_pages - need)
                 num_pages = need
+            if self._events is not None:
+                self._log(False, "host", node)
             freed.append(node.host_indices)
             node.host_indices = None
             self.host_evictable_tokens -= node.num_tokens

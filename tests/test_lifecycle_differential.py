@@ -3,10 +3,11 @@
 A bookkeeping-only HiCache (``allocate_kv=False``) runs match / alloc / insert /
 release in C++ (``lifecycle="native"``). Hypothesis drives it and the Python
 lifecycle over the Python tree (the reference) with the same requests, under
-every write policy, with and without a host tier, a load threshold, LRU and
-LFU, several live requests and two namespaces, and demands identical results
-after every step: returned lengths, keys, pages (same ids, same order) and
-errors; the whole tree; both free lists; every counter; and integrity.
+every write policy, with and without a host tier, a load threshold, every
+eviction policy, priorities, pins and resets, several live requests and two
+namespaces, and demands identical results after every step: returned lengths,
+keys, pages (same ids, same order) and errors; the whole tree; both free
+lists; every counter; and integrity.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from test_tree_differential import FORMS, as_form, snapshot
 
 from hicache import native
 from hicache.cache import HiCache
-from hicache.config import CacheConfig, KVConfig
+from hicache.config import CacheConfig, EvictionPolicy, KVConfig
 
 pytestmark = pytest.mark.skipif(
     not native.native_available(),
@@ -37,6 +38,8 @@ prompts = st.builds(
     st.integers(0, 8),
     st.lists(st.integers(0, 3), min_size=0, max_size=5),
 )
+
+priorities = st.none() | st.integers(0, 3)  # the priority policy's ranks; None: not given
 
 
 def outcome(fn, *args, **kwargs):
@@ -63,7 +66,7 @@ class Lifecycles(RuleBasedStateMachine):
         device_pages=st.integers(2, 10),
         host_pages=st.sampled_from([None, 3, 8, 40]),
         threshold=st.sampled_from([0, 0, 2 * P]),
-        eviction=st.sampled_from(["lru", "lfu"]),
+        eviction=st.sampled_from([p.value for p in EvictionPolicy]),
     )
     def setup(self, policy, device_pages, host_pages, threshold, eviction):
         def config(**kw):
@@ -71,7 +74,7 @@ class Lifecycles(RuleBasedStateMachine):
                 KV, device_tokens=device_pages * P,
                 host_tokens=None if host_pages is None else host_pages * P,
                 write_policy=policy, load_threshold_tokens=threshold, eviction=eviction,
-                allocate_kv=False, **kw,
+                allocate_kv=False, kv_events=True, **kw,
             )
 
         self.ref = HiCache(config(tree="python", lifecycle="python"))
@@ -84,16 +87,17 @@ class Lifecycles(RuleBasedStateMachine):
 
     @precondition(lambda self: len(self.live) < 4)
     @rule(tokens=prompts, ns=st.sampled_from([None, "b"]), load_back=st.booleans(),
-          form=st.sampled_from(FORMS))
-    def match(self, tokens, ns, load_back, form):
-        ha = self.ref.match(as_form(tokens, form), ns, load_back=load_back)
-        hb = self.nat.match(as_form(tokens, form), ns, load_back=load_back)
+          form=st.sampled_from(FORMS), priority=priorities)
+    def match(self, tokens, ns, load_back, form, priority):
+        ha = self.ref.match(as_form(tokens, form), ns, load_back=load_back, priority=priority)
+        hb = self.nat.match(as_form(tokens, form), ns, load_back=load_back, priority=priority)
         assert handle_state(ha) == handle_state(hb)
         self.live.append((ha, hb, tokens))
 
     @rule(tokens=prompts, tail=st.lists(st.integers(0, 3), max_size=4),
-          ns=st.sampled_from([None, "b"]), keep=st.booleans(), form=st.sampled_from(FORMS))
-    def serve(self, tokens, tail, ns, keep, form):
+          ns=st.sampled_from([None, "b"]), keep=st.booleans(), form=st.sampled_from(FORMS),
+          priority=priorities)
+    def serve(self, tokens, tail, ns, keep, form, priority):
         """One whole request: match, allocate, insert the prompt and its output, release."""
         ha = self.ref.match(as_form(tokens, form), ns)
         hb = self.nat.match(as_form(tokens, form), ns)
@@ -103,7 +107,9 @@ class Lifecycles(RuleBasedStateMachine):
         pb = self.nat.alloc(hb, len(seq) - hb.prefix_len)
         assert pages_list(pa) == pages_list(pb)
         if pa is not None:
-            assert self.ref.insert(ha, as_form(seq, form)) == self.nat.insert(hb, as_form(seq, form))
+            assert self.ref.insert(ha, as_form(seq, form), priority=priority) == self.nat.insert(
+                hb, as_form(seq, form), priority=priority
+            )
         assert handle_state(ha) == handle_state(hb)
         if keep and len(self.live) < 4:
             self.live.append((ha, hb, seq))
@@ -152,6 +158,17 @@ class Lifecycles(RuleBasedStateMachine):
         self.ref.release(ha)
         self.nat.release(hb)
 
+    @rule(storage=st.just(False))
+    def reset(self, storage):
+        assert self.ref.reset(storage=storage) == self.nat.reset(storage=storage)
+
+    @rule(tokens=prompts, ns=st.sampled_from([None, "b"]), unpin=st.booleans())
+    def pin(self, tokens, ns, unpin):
+        if unpin:
+            assert self.ref.unpin(tokens, ns) == self.nat.unpin(tokens, ns)
+        else:
+            assert self.ref.pin(tokens, ns) == self.nat.pin(tokens, ns)
+
     @invariant()
     def identical(self):
         if not hasattr(self, "ref"):
@@ -163,6 +180,7 @@ class Lifecycles(RuleBasedStateMachine):
             assert a.num_free_pages == b.num_free_pages, name
             assert a._free[: a.num_free_pages].tolist() == b._free[: b.num_free_pages].tolist()
         assert self.ref.counters == self.nat.counters
+        assert self.ref.take_events() == self.nat.take_events()
         self.ref.check_integrity()
         self.nat.check_integrity()
 

@@ -74,6 +74,16 @@ def test_replay_host_tier_cli(trace, capsys, policy):
         assert out["host_hit_tokens"] > 0
 
 
+@pytest.mark.parametrize("eviction", ["fifo", "mru", "filo", "priority", "slru"])
+def test_replay_accepts_every_eviction_policy(trace, capsys, eviction):
+    for host in ([], ["--host-tokens", "65536"]):
+        argv = ["replay", trace, "--page-size", "16", "--device-tokens", "8192",
+                "--eviction", eviction, *host, "--json"]
+        assert main(argv) == 0
+        out = last_json(capsys)
+        assert out["requests"] == len(load_trace(trace)) and out["evicted_tokens"] > 0
+
+
 def test_sweep_is_monotone_in_host_size(trace, capsys):
     argv = ["replay", trace, "--page-size", "16", "--device-tokens", "4096",
             "--sweep-host", "1024,8192,65536", "--json"]

@@ -2,9 +2,10 @@
 
 Hypothesis drives both trees with the same operation sequences (match, insert,
 insert_host, locks, host locks, IO status, attach/detach on both tiers, evictions
-on both tiers with and without a backup hook, namespaces) and demands identical
-results: match lengths, node ids, returned and evicted page ids in the same
-order, split callbacks, sizes, and the whole tree state after every step. Plus
+on both tiers with and without a backup hook, priorities, namespaces) under every
+eviction policy and demands identical results: match lengths, node ids, returned
+and evicted page ids in the same order, split callbacks, sizes, KV events and page
+hashes, and the whole tree state after every step. Plus
 the native tree's own contracts: proxy identity, stale handles, the fallback.
 """
 
@@ -80,6 +81,8 @@ def snapshot(tree) -> list[tuple]:
                 n.io_status,
                 n.hit_count,
                 n.last_access,
+                n.created,
+                n.priority,
                 n.on_device,
                 n.on_host,
                 sorted(n.children),
@@ -108,6 +111,8 @@ class PythonVsNative(RuleBasedStateMachine):
         self.splits = {"py": [], "nat": []}
         self.py = RadixTree(P, self.eviction, on_split=self._recorder("py"))
         self.nat = native.NativeRadixTree(P, self.eviction, on_split=self._recorder("nat"))
+        self.py.enable_events()
+        self.nat.enable_events()
         self.pairs: list[tuple] = []  # (python node, native node) seen in results
         self.locked: list[tuple] = []  # pairs locked once per entry
         self.next_device = 0
@@ -199,6 +204,19 @@ class PythonVsNative(RuleBasedStateMachine):
     @rule(i=st.integers(0, 100), op=st.sampled_from(["host_lock", "host_unlock"]))
     def host_locks(self, i, op):
         self.both(op, i)
+
+    @precondition(lambda self: self.pairs)
+    @rule(i=st.integers(0, 100), priority=st.integers(-2, 3) | st.sampled_from([None, 1.5, 2**63]))
+    def raise_priority(self, i, priority):
+        if self.pick(i)[1] in self.live():
+            self.both("raise_priority", i, priority)
+
+    @precondition(lambda self: self.pairs)
+    @rule(i=st.integers(0, 100))
+    def node_hashes(self, i):
+        if self.pick(i)[1] in self.live():
+            ra, rb = self.both("node_hashes", i)
+            assert ra == rb
 
     @precondition(lambda self: self.pairs)
     @rule(i=st.integers(0, 100), status=st.sampled_from(list(IOStatus)))
@@ -306,13 +324,21 @@ class PythonVsNative(RuleBasedStateMachine):
         assert self.splits["py"] == self.splits["nat"]
         assert sizes(self.py) == sizes(self.nat)
         assert snapshot(self.py) == snapshot(self.nat)
+        assert self.py.take_events() == self.nat.take_events()
 
 
 class PythonVsNativeLFU(PythonVsNative):
     eviction = "lfu"
 
 
-@pytest.mark.parametrize("machine", [PythonVsNative, PythonVsNativeLFU], ids=["lru", "lfu"])
+# One machine per further policy: the same rules, each policy's own heap keys.
+POLICY_MACHINES = {"lru": PythonVsNative, "lfu": PythonVsNativeLFU} | {
+    name: type(f"PythonVsNative{name.upper()}", (PythonVsNative,), {"eviction": name})
+    for name in ("fifo", "mru", "filo", "priority", "slru")
+}
+
+
+@pytest.mark.parametrize("machine", list(POLICY_MACHINES.values()), ids=list(POLICY_MACHINES))
 def test_native_matches_python(machine):
     machine.TestCase.settings = settings(
         max_examples=60,

@@ -285,12 +285,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::class_<RadixTree>(m, "Tree")
       .def(py::init([](std::int64_t page_size, const std::string& eviction) {
-        if (eviction != "lru" && eviction != "lfu") {
-          throw hicache::ValueError("eviction: expected 'lru' or 'lfu', got '" + eviction + "'");
+        using hicache::EvictionPolicy;
+        static const std::pair<const char*, EvictionPolicy> kPolicies[] = {
+            {"lru", EvictionPolicy::LRU},   {"lfu", EvictionPolicy::LFU},
+            {"fifo", EvictionPolicy::FIFO}, {"mru", EvictionPolicy::MRU},
+            {"filo", EvictionPolicy::FILO}, {"priority", EvictionPolicy::Priority},
+            {"slru", EvictionPolicy::SLRU},
+        };
+        for (const auto& [name, policy] : kPolicies) {
+          if (eviction == name) return std::make_unique<RadixTree>(page_size, policy);
         }
-        return std::make_unique<RadixTree>(page_size, eviction == "lru"
-                                                          ? hicache::EvictionPolicy::LRU
-                                                          : hicache::EvictionPolicy::LFU);
+        throw hicache::ValueError(
+            "eviction: expected one of lru, lfu, fifo, mru, filo, priority, slru, got '" +
+            eviction + "'");
       }))
       .def_readwrite("num_nodes", &RadixTree::num_nodes)
       .def_readwrite("device_evictable_tokens", &RadixTree::device_evictable_tokens)
@@ -353,6 +360,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            [](RadixTree& t, NodeHandle h) { t.host_lock(node_of(t, h, "host_lock")); })
       .def("host_unlock",
            [](RadixTree& t, NodeHandle h) { t.host_unlock(node_of(t, h, "host_unlock")); })
+      .def("raise_priority",
+           [](RadixTree& t, NodeHandle h, std::int64_t priority) {
+             t.raise_priority(node_of(t, h, "raise_priority"), priority);
+           })
       .def("set_io_status",
            [](RadixTree& t, NodeHandle h, int status) {
              if (status < 0 || status > 2) {
@@ -427,6 +438,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            })
       .def("release_detached", &RadixTree::release_detached)
       .def("num_detached", &RadixTree::num_detached)
+      .def("enable_events", &RadixTree::enable_events)
+      .def("take_events",
+           [](RadixTree& t) {
+             py::list out;
+             for (const auto& e : t.take_events()) {
+               const auto& name = t.namespace_name(e.ns);
+               py::object ns = name ? py::object(py::str(*name)) : py::none();
+               py::object parent = e.parent ? py::object(py::int_(*e.parent)) : py::none();
+               out.append(py::make_tuple(e.stored, e.device ? "device" : "host", ns, parent,
+                                         py::cast(e.hashes), e.num_tokens));
+             }
+             return out;
+           })
+      .def("node_hashes",
+           [](RadixTree& t, NodeHandle h) {
+             TreeNode* node = node_of(t, h, "node_hashes");
+             if (node->parent == nullptr) {
+               throw hicache::ValueError(
+                   "node_hashes: expected a non-root node, got a root (it holds no pages)");
+             }
+             auto [parent, hashes] = t.node_hashes(node);
+             py::object p = parent ? py::object(py::int_(*parent)) : py::none();
+             return py::make_tuple(p, py::cast(hashes));
+           })
       .def("check_integrity", &RadixTree::check_integrity)
       .def("memory_bytes", &RadixTree::memory_bytes)
       // Node accessors (all take a handle; a stale one raises ValueError).
@@ -473,6 +508,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("hit_count", [](RadixTree& t, NodeHandle h) { return readable_node(t, h, "hit_count")->hit_count; })
       .def("last_access",
            [](RadixTree& t, NodeHandle h) { return readable_node(t, h, "last_access")->last_access; })
+      .def("created", [](RadixTree& t, NodeHandle h) { return readable_node(t, h, "created")->created; })
+      .def("priority",
+           [](RadixTree& t, NodeHandle h) { return readable_node(t, h, "priority")->priority; })
       .def("repr", [](RadixTree& t, NodeHandle h) { return readable_node(t, h, "repr")->repr(); })
       // Overwrite a lock count without any bookkeeping: for corruption tests only.
       .def("set_lock_ref",

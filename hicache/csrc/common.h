@@ -43,7 +43,11 @@ inline const char* io_status_name(IOStatus s) {
   return "?";
 }
 
-enum class EvictionPolicy : std::uint8_t { LRU, LFU };
+// Values and keys as in hicache/policy.py (RadixTree::entry computes the keys).
+enum class EvictionPolicy : std::uint8_t { LRU, LFU, FIFO, MRU, FILO, Priority, SLRU };
+
+// SLRU: a node hit this many times leaves the probationary segment.
+inline constexpr std::int64_t kSlruProtectedHits = 2;
 
 // A caller's mistake; the binding raises ValueError.
 struct ValueError : std::runtime_error {

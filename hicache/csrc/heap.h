@@ -21,8 +21,8 @@ namespace hicache {
 
 struct HeapEntry {
   std::int64_t rank;  // prefixes the priority (host tier: host-only leaves first)
-  std::int64_t p1;    // LRU: last_access; LFU: hit_count
-  std::int64_t p2;    // LRU: 0; LFU: last_access
+  std::int64_t p1;    // the policy's key (RadixTree::entry), e.g. LRU: last_access
+  std::int64_t p2;    // its tie-break, e.g. LFU: last_access (0 when the key has one part)
   std::uint64_t seq;
   NodeHandle node;
 

@@ -147,6 +147,11 @@ struct TreeNode {
   TreeNode* prev_sibling = nullptr;
   TreeNode* next_sibling = nullptr;
 
+  // Read only by some eviction policies: kept after the fields every match and
+  // eviction touches.
+  std::int64_t created = 0;   // tree clock tick of the insert that created it
+  std::int64_t priority = 0;  // largest priority a match or insert gave it
+
   bool on_device() const { return device.defined(); }
   bool on_host() const { return host.defined(); }
   bool is_root() const { return id == 0; }

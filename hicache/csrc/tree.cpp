@@ -143,6 +143,7 @@ TreeNode* RadixTree::new_child(TreeNode* parent, TokenRun tokens) {
   auto owned = std::make_unique<TreeNode>(id, id, parent, parent->ns);
   TreeNode* node = owned.get();
   node->tokens = std::move(tokens);
+  node->created = clock_;
   by_handle_.emplace(id, node);
   parent->children.emplace(node->first_page(page_size_), std::move(owned));
   link_last(parent, node);
@@ -234,6 +235,8 @@ TreeNode* RadixTree::split(TreeNode* node, std::int64_t num_pages) {
   prefix->io_status = node->io_status;
   prefix->hit_count = node->hit_count;
   prefix->last_access = node->last_access;
+  prefix->created = node->created;
+  prefix->priority = node->priority;
   if (on_split) on_split(prefix, node);
   return prefix;
 }
@@ -271,6 +274,7 @@ InsertOut RadixTree::insert(token_span key, const IndexRun& pages, std::uint32_t
     parent->num_device_children += 1;
     node->last_access = clock;
     device_evictable_tokens += node->num_tokens();
+    if (events_on_) log_event(true, true, node);
   }
   refresh(node);  // the only node on the path that can be a candidate
   maybe_compact();
@@ -303,6 +307,7 @@ InsertOut RadixTree::insert_host(token_span key, const IndexRun& pages, std::uin
                              static_cast<std::int64_t>((n - off) / ps));
     node->last_access = clock;
     host_evictable_tokens += node->num_tokens();
+    if (events_on_) log_event(true, false, node);
   }
   // As in match: only the deepest device node and the last node can be candidates.
   refresh(last_device);
@@ -386,6 +391,17 @@ void RadixTree::host_unlock(TreeNode* node) {
   }
 }
 
+void RadixTree::raise_priority(TreeNode* node, std::int64_t priority) {
+  OpScope scope(*this);
+  const bool refresh_entries = policy_ == EvictionPolicy::Priority;
+  for (; node->parent != nullptr; node = node->parent) {
+    if (node->priority < priority) {
+      node->priority = priority;
+      if (refresh_entries) refresh(node);  // its heap entry's key changed
+    }
+  }
+}
+
 // ------------------------------------------------------- tier membership
 void RadixTree::set_io_status(TreeNode* node, IOStatus status) {
   if (status != IOStatus::None && (!node->on_device() || !node->on_host())) {
@@ -410,6 +426,7 @@ void RadixTree::attach_device(TreeNode* node, const IndexRun& pages) {
   node->device = pages;
   node->parent->num_device_children += 1;
   device_evictable_tokens += node->num_tokens();
+  if (events_on_) log_event(true, true, node);
   refresh(node);
 }
 
@@ -420,6 +437,7 @@ at::Tensor RadixTree::detach_device(TreeNode* node) {
   if (node->num_device_children != 0) {
     throw ValueError("detach_device: a child is still on the device");
   }
+  if (events_on_) log_event(false, true, node);
   at::Tensor pages = node->device.tensor();
   node->device.reset();
   node->parent->num_device_children -= 1;
@@ -441,6 +459,7 @@ void RadixTree::attach_host(TreeNode* node, const IndexRun& pages) {
   }
   node->host = pages;
   host_evictable_tokens += node->num_tokens();
+  if (events_on_) log_event(true, false, node);
   refresh(node);
 }
 
@@ -449,6 +468,7 @@ at::Tensor RadixTree::detach_host(TreeNode* node) {
     throw ValueError("detach_host: expected a node on both tiers, host-unlocked, got " +
                      node->repr());
   }
+  if (events_on_) log_event(false, false, node);
   at::Tensor pages = node->host.tensor();
   node->host.reset();
   node->io_status = IOStatus::None;
@@ -487,6 +507,8 @@ void RadixTree::merge_host_chain(TreeNode* node) {
   child->num_device_children = 0;
   node->hit_count = std::max(node->hit_count, child->hit_count);
   node->last_access = std::max(node->last_access, child->last_access);
+  node->created = std::min(node->created, child->created);
+  node->priority = std::max(node->priority, child->priority);
   child->parent = nullptr;
   --num_nodes;
   by_handle_.erase(child->handle);
@@ -562,8 +584,19 @@ int RadixTree::host_rank(const TreeNode* node) const {
 }
 
 HeapEntry RadixTree::entry(const TreeNode* node, int rank, std::uint64_t seq) const {
-  if (policy_ == EvictionPolicy::LRU) return {rank, node->last_access, 0, seq, node->handle};
-  return {rank, node->hit_count, node->last_access, seq, node->handle};
+  switch (policy_) {
+    case EvictionPolicy::LRU: return {rank, node->last_access, 0, seq, node->handle};
+    case EvictionPolicy::LFU: return {rank, node->hit_count, node->last_access, seq, node->handle};
+    case EvictionPolicy::FIFO: return {rank, node->created, 0, seq, node->handle};
+    case EvictionPolicy::MRU: return {rank, -node->last_access, 0, seq, node->handle};
+    case EvictionPolicy::FILO: return {rank, -node->created, 0, seq, node->handle};
+    case EvictionPolicy::Priority:
+      return {rank, node->priority, node->last_access, seq, node->handle};
+    case EvictionPolicy::SLRU:
+      return {rank, node->hit_count >= kSlruProtectedHits ? 1 : 0, node->last_access, seq,
+              node->handle};
+  }
+  return {rank, node->last_access, 0, seq, node->handle};
 }
 
 void RadixTree::push_device(TreeNode* node, int rank) {
@@ -669,6 +702,7 @@ EvictOut RadixTree::evict_device(std::int64_t num_tokens, const BackupHook* back
       num_pages = need;
     }
     if (node->on_host()) {
+      if (events_on_) log_event(false, true, node);
       freed.push_back(node->device);
       node->device.reset();
       node->parent->num_device_children -= 1;
@@ -680,6 +714,7 @@ EvictOut RadixTree::evict_device(std::int64_t num_tokens, const BackupHook* back
     } else if (backup != nullptr && (*backup)(node)) {
       num_backup += node->num_tokens();
     } else if (node->first_child == nullptr) {
+      if (events_on_) log_event(false, true, node);
       freed.push_back(node->device);
       device_evictable_tokens -= node->num_tokens();
       num_freed += node->num_tokens();
@@ -716,6 +751,7 @@ EvictOut RadixTree::evict_host(std::int64_t num_tokens, bool drop_device_residen
       split(node, num_pages - need);
       num_pages = need;
     }
+    if (events_on_) log_event(false, false, node);
     freed.push_back(node->host);
     node->host.reset();
     host_evictable_tokens -= node->num_tokens();
@@ -729,6 +765,49 @@ EvictOut RadixTree::evict_host(std::int64_t num_tokens, bool drop_device_residen
   }
   at::Tensor pages = freed.empty() ? at::empty({0}, at::kLong) : concat(freed);
   return {pages, num_freed, 0};
+}
+
+// ---------------------------------------------------------------- KV events
+std::vector<std::uint64_t> page_hashes(token_span tokens, std::int64_t page_size,
+                                       std::uint64_t prev) {
+  constexpr std::uint64_t kK = 0x100000001B3ULL;  // FNV-1a's 64-bit prime
+  constexpr std::uint64_t kGolden = 0x9E3779B97F4A7C15ULL;
+  const auto ps = static_cast<std::size_t>(page_size);
+  std::vector<std::uint64_t> out;
+  out.reserve(tokens.size() / ps);
+  for (std::size_t off = 0; off + ps <= tokens.size(); off += ps) {
+    std::uint64_t poly = 0;
+    std::uint64_t power = 1;
+    for (std::size_t i = 0; i < ps; ++i) {
+      power *= kK;
+      poly += (static_cast<std::uint64_t>(tokens[off + i]) + 1) * power;
+    }
+    std::uint64_t z = prev * kGolden + poly + kGolden;  // splitmix64 of prev * golden + poly
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    prev = z ^ (z >> 31);
+    out.push_back(prev);
+  }
+  return out;
+}
+
+std::pair<std::optional<std::uint64_t>, std::vector<std::uint64_t>> RadixTree::node_hashes(
+    TreeNode* node) {
+  // Hashed from the root each time: events are off by default, and a cached hash
+  // per node would grow every node for them (the Python tree caches; same values).
+  std::vector<const TreeNode*> path;
+  for (const TreeNode* n = node->parent; n->parent != nullptr; n = n->parent) path.push_back(n);
+  std::optional<std::uint64_t> prev;
+  for (auto it = path.rbegin(); it != path.rend(); ++it) {
+    prev = page_hashes((*it)->tokens.span(), page_size_, prev.value_or(0)).back();
+  }
+  return {prev, page_hashes(node->tokens.span(), page_size_, prev.value_or(0))};
+}
+
+void RadixTree::log_event(bool stored, bool device, TreeNode* node) {
+  if (node->parent == nullptr) return;  // a root holds no pages
+  auto [parent, hashes] = node_hashes(node);
+  events_.push_back(RawEvent{stored, device, node->ns, parent, std::move(hashes), node->num_tokens()});
 }
 
 // ----------------------------------------------------------------- queries

@@ -20,6 +20,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -45,6 +46,20 @@ struct EvictOut {
   std::int64_t num_evicted_tokens;
   std::int64_t num_backup_tokens;
 };
+
+// One KV event (hicache/events.py): a node's pages entering or leaving a tier.
+struct RawEvent {
+  bool stored;                        // true: entered the tier; false: left it
+  bool device;                        // the tier: device (true) or host (false)
+  std::uint32_t ns;                   // namespace index
+  std::optional<std::uint64_t> parent;  // hash of the page before the first (none at a root)
+  std::vector<std::uint64_t> hashes;  // chained hash of each page
+  std::int64_t num_tokens;
+};
+
+// Chained page hashes of `tokens` (whole pages) after `prev`: hicache/events.py page_hashes.
+std::vector<std::uint64_t> page_hashes(token_span tokens, std::int64_t page_size,
+                                       std::uint64_t prev);
 
 class RadixTree {
  public:
@@ -87,6 +102,8 @@ class RadixTree {
   void unlock(TreeNode* node);
   void host_lock(TreeNode* node);
   void host_unlock(TreeNode* node);
+  // Raise node's and its ancestors' priority to at least `priority` (never lowers).
+  void raise_priority(TreeNode* node, std::int64_t priority);
 
   void set_io_status(TreeNode* node, IOStatus status);
   void attach_device(TreeNode* node, const IndexRun& pages);
@@ -105,6 +122,12 @@ class RadixTree {
   // The host-only nodes of a match (below last_device down to last), root side first.
   std::vector<TreeNode*> host_only_path(TreeNode* last, const TreeNode* last_device) const;
   std::vector<TreeNode*> nodes() const;  // non-root nodes, parents before children
+
+  // KV events: off until enabled; take_events drains the log in order.
+  void enable_events() { events_on_ = true; }
+  std::vector<RawEvent> take_events() { return std::exchange(events_, {}); }
+  // (parent hash, page hashes) of a node's pages (hashed from the root).
+  std::pair<std::optional<std::uint64_t>, std::vector<std::uint64_t>> node_hashes(TreeNode* node);
 
   // "" if every invariant holds, else the first violation (Python asserts on it).
   std::string check_integrity() const;
@@ -146,6 +169,7 @@ class RadixTree {
   void compact();
 
   at::Tensor concat(const std::vector<IndexRun>& runs) const;
+  void log_event(bool stored, bool device, TreeNode* node);
 
   std::int64_t page_size_;
   EvictionPolicy policy_;
@@ -164,6 +188,8 @@ class RadixTree {
   // stay readable (parent None) until the wrapper releases them.
   std::unordered_map<NodeHandle, std::unique_ptr<TreeNode>> detached_;
   at::Tensor empty_roots_indices_;
+  bool events_on_ = false;
+  std::vector<RawEvent> events_;
 };
 
 // Marks an operation in progress; the outermost one frees the graveyard.

@@ -177,6 +177,12 @@ class StorageBackend(ABC):
         self._count(num_deleted_pages=num_deleted)
         return num_deleted
 
+    def clear(self) -> int:
+        """Remove every page this backend holds; return how many were removed."""
+        num_deleted = self._run(self._clear)
+        self._count(num_deleted_pages=num_deleted)
+        return num_deleted
+
     def register_memory(self, buffer: Any) -> None:
         """Announce a long-lived region (the host pool) that get/set buffers live in.
 
@@ -220,6 +226,9 @@ class StorageBackend(ABC):
 
     @abstractmethod
     def _delete(self, keys: list[str]) -> int: ...
+
+    @abstractmethod
+    def _clear(self) -> int: ...
 
     @abstractmethod
     def _close(self) -> None: ...

@@ -178,6 +178,20 @@ class FileStorage(StorageBackend):
             self._tracked_nbytes = max(0, self._tracked_nbytes - num_deleted * self.value_nbytes)
         return num_deleted
 
+    def _clear(self) -> int:
+        num_deleted = 0
+        for _, _, path in self._scan():
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                raise StorageError(f"file storage: unlink {path}: {e}") from e
+            num_deleted += 1
+        with self._lock:
+            self._tracked_nbytes = 0
+        return num_deleted
+
     def _close(self) -> None:
         """Nothing is held open between calls."""
 

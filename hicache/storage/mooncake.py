@@ -353,6 +353,13 @@ class MooncakeStorage(StorageBackend):
                 self._fail(f"batch_remove: code {code}")
         return sum(1 for code in codes if code == 0)
 
+    def _clear(self) -> int:
+        # The store's remove_all: the number of objects removed, or a negative error code.
+        code = self._call("remove_all")
+        if code < 0:
+            self._fail(f"remove_all: code {code}")
+        return code
+
     def _close(self) -> None:
         # With the master gone this takes seconds (measured 1-13 s): the library
         # retries the unmount while holding the GIL. Skipping it does not help: a
