@@ -30,6 +30,8 @@ _BENCHES = [
      "hierarchical (+ small host, + storage tier)"),
     ("tiers", "hicache.benchmarks.tiers", "host tier in replay: hit ratio and req/s against "
      "device-only on one trace"),
+    ("vllm", "hicache.benchmarks.vllm", "vLLM alone vs with the hicache connector (host tier, "
+     "+ storage): TTFT, tokens computed per tier, req/s"),
 ]
 
 
