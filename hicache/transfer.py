@@ -640,7 +640,9 @@ class TransferEngine:
     ``executor``: ``"auto"`` (cuda if the device pool is on CUDA, else thread),
     ``"cuda"``, ``"thread"``, ``"manual"`` or ``"immediate"``. ``native`` chooses the
     CPU copy kernel (see :mod:`hicache.pagecopy`): None tries the native one and falls
-    back to torch gather/scatter.
+    back to torch gather/scatter. ``copier`` replaces the CPU executors' page copier
+    (anything with :class:`~hicache.pool.PageCopier`'s ``load``/``backup``): the vLLM
+    connector copies between vLLM's own KV tensors and a host pool this way.
     """
 
     def __init__(
@@ -650,6 +652,7 @@ class TransferEngine:
         executor: str = "auto",
         *,
         native: bool | None = None,
+        copier: PageCopier | None = None,
     ) -> None:
         if executor == "auto":
             on_cuda = device_pool is not None and device_pool.device.type == "cuda"
@@ -669,7 +672,8 @@ class TransferEngine:
             if executor == "cuda":
                 self.executor = CudaExecutor(device_pool, host_pool)
             elif executor in ("thread", "manual"):
-                copier = PageCopier(device_pool, host_pool, native=native)
+                if copier is None:
+                    copier = PageCopier(device_pool, host_pool, native=native)
                 cls = ThreadExecutor if executor == "thread" else ManualExecutor
                 self.executor = cls(copier)
             else:

@@ -1,0 +1,1 @@
+"""Adapters that plug hicache into inference engines (see :mod:`hicache.integrations.vllm`)."""

@@ -1,0 +1,297 @@
+"""``HiCacheConnector``: vLLM's v1 KV connector API over the two halves.
+
+vLLM builds one connector in the scheduler process (role SCHEDULER) and one in
+every worker (role WORKER). This class only translates vLLM's objects into the
+halves' plain arguments: :class:`~hicache.integrations.vllm.scheduler.SchedulerHalf`
+decides, :class:`~hicache.integrations.vllm.worker.WorkerHalf` copies. Enable
+it with::
+
+    --kv-transfer-config '{"kv_connector": "HiCacheConnector",
+        "kv_connector_module_path": "hicache.integrations.vllm", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"host_gb": 64, "storage": "file:/var/cache/hicache"}}'
+
+Loads are synchronous to the step that needs them (they land layer by layer
+while the model runs); saves are asynchronous, and a finished request's blocks
+are freed once its saves have landed (``request_finished`` returns True, the
+worker reports it in ``get_finished``). See docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from hicache.integrations.vllm.config import ConnectorConfig
+from hicache.integrations.vllm.plan import StepPlan
+from hicache.integrations.vllm.scheduler import ScheduledRequest, SchedulerHalf
+from hicache.integrations.vllm.worker import WorkerHalf
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+@dataclass
+class HiCacheConnectorMetadata(StepPlan, KVConnectorMetadata):
+    """The step plan, as vLLM's connector metadata."""
+
+
+@dataclass
+class HiCacheConnectorStats(KVConnectorStats):
+    """Worker counters of one interval (see :class:`~hicache.integrations.vllm.worker.WorkerStats`)."""
+
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        out: dict[str, int | float] = dict(d)
+        for kind in ("load", "save"):
+            secs = d.get(f"{kind}_seconds", 0.0)
+            out[f"{kind}_gbps"] = d.get(f"{kind}_bytes", 0) / secs / 1e9 if secs else 0.0
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+def storage_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                     config: ConnectorConfig) -> str:
+    """What third-tier keys are salted with: KV layout and model identity.
+
+    Two vLLM instances share stored pages only when this string is equal: same
+    model (path or name, revision), KV dtype and shape, block size, tensor
+    parallel size. ``model_id`` in the extra config replaces the model part.
+    """
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    layers = len(kv_cache_config.kv_cache_groups[0].layer_names)
+    layout = (
+        f"vllm-{type(spec).__name__}-L{layers}-H{getattr(spec, 'num_kv_heads', '?')}"
+        f"-D{getattr(spec, 'head_size', '?')}-{str(getattr(spec, 'dtype', '?')).removeprefix('torch.')}"
+        f"-B{spec.block_size}-bytes{spec.page_size_bytes}"
+    )
+    model = config.model_id
+    if model is None:
+        mc = vllm_config.model_config
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        model = f"{mc.model}@{mc.revision or 'main'}|{mc.dtype}|tp{tp}"
+    return f"{layout}|model={model}"
+
+
+def _page_nbytes(kv_cache_config: KVCacheConfig) -> int:
+    group = kv_cache_config.kv_cache_groups[0]
+    return group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+
+
+class HiCacheConnector(KVConnectorBase_V1):
+    """hicache's host tier and third tier behind vLLM's prefix cache."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.hc_config = ConnectorConfig.from_extra(extra)
+        if len(kv_cache_config.kv_cache_groups) != 1:
+            raise ValueError(
+                "HiCacheConnector: expected one KV cache group (full attention in every "
+                f"layer), got {len(kv_cache_config.kv_cache_groups)}"
+            )
+        self.block_size = vllm_config.cache_config.block_size
+        self.page_nbytes = _page_nbytes(kv_cache_config)
+        self.num_host_pages = self.hc_config.num_host_pages(self.block_size, self.page_nbytes)
+        self._identity = storage_identity(vllm_config, kv_cache_config, self.hc_config)
+        self._requests: dict[str, Request] = {}
+        self._hit_sources: dict[str, tuple[int, int]] = {}
+        self.scheduler_half: SchedulerHalf | None = None
+        self.worker_half: WorkerHalf | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            from hicache.storage import root_key
+
+            backend = self._open_storage() if self.hc_config.storage else None
+            self.scheduler_half = SchedulerHalf(
+                self.hc_config, block_size=self.block_size, num_host_pages=self.num_host_pages,
+                storage_backend=backend, storage_root_key=root_key(None, self._identity),
+            )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped save is a later miss, not lost KV
+
+    def _open_storage(self):
+        from hicache.storage import make_storage
+
+        return make_storage(
+            self.hc_config.storage, page_nbytes=self.page_nbytes, **self.hc_config.storage_options
+        )
+
+    # ============================================================ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        backend = self._open_storage() if self.hc_config.storage else None
+        salt = None
+        tp = self._vllm_config.parallel_config.tensor_parallel_size
+        if tp > 1:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            salt = f"tp{get_tensor_model_parallel_rank()}/{tp}"
+        self.worker_half = WorkerHalf(
+            self.hc_config, kv_caches, num_blocks=self._kv_cache_config.num_blocks,
+            block_size=self.block_size, num_host_pages=self.num_host_pages,
+            storage_backend=backend, key_salt=salt,
+        )
+        if self.worker_half.layout.page_nbytes != self.page_nbytes:
+            raise ValueError(
+                f"HiCacheConnector: registered KV holds {self.worker_half.layout.page_nbytes} "
+                f"bytes per block, the KV cache spec says {self.page_nbytes}"
+            )
+
+    def _plan(self) -> StepPlan | None:
+        meta = self._connector_metadata
+        return meta if isinstance(meta, StepPlan) else None
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if self.worker_half is not None and isinstance(kv_connector_metadata, StepPlan):
+            self.worker_half.begin_step(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        plan = self._plan()
+        if plan is not None and plan.loads and self.worker_half is not None:
+            self.worker_half.start_loads(plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.worker_half is not None:
+            self.worker_half.wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        # Saves are submitted once per step in wait_for_save: one transfer of every
+        # layer's completed blocks moves long runs, and on CUDA it is ordered after
+        # the whole forward by the compute fence. Nothing to do per layer.
+        return
+
+    def wait_for_save(self) -> None:
+        plan = self._plan()
+        if plan is not None and self.worker_half is not None and not plan.is_empty():
+            self.worker_half.end_step(plan)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.worker_half is None:
+            return None, None
+        done = self.worker_half.finished(self._plan())
+        return (done or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_half.load_errors() if self.worker_half is not None else set()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.worker_half is None:
+            return None
+        data = self.worker_half.take_stats()
+        return None if data is None else HiCacheConnectorStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return HiCacheConnectorStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        if self.worker_half is not None:
+            self.worker_half.close()
+            self.worker_half = None
+
+    # ========================================================= scheduler side
+    def on_new_request(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler_half is not None, "scheduler-side call on a worker connector"
+        self._requests[request.request_id] = request
+        num = self.scheduler_half.num_matched_tokens(
+            request.request_id, request.all_token_ids, num_computed_tokens
+        )
+        return num, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        assert self.scheduler_half is not None, "scheduler-side call on a worker connector"
+        half = self.scheduler_half
+        before = (half.counters.host_hit_tokens, half.counters.storage_hit_tokens)
+        half.after_alloc(
+            request.request_id, request.all_token_ids, blocks.get_block_ids()[0],
+            num_external_tokens,
+        )
+        if num_external_tokens:
+            self._hit_sources[request.request_id] = (
+                half.counters.host_hit_tokens - before[0],
+                half.counters.storage_hit_tokens - before[1],
+            )
+
+    def get_external_cache_hit_sources(self, request: Request,
+                                       num_external_tokens: int) -> dict[CacheHitSource, int]:
+        host, disk = self._hit_sources.pop(request.request_id, (num_external_tokens, 0))
+        out = {CacheHitSource.HOST: host, CacheHitSource.DISK: disk}
+        return {k: v for k, v in out.items() if v}
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler_half is not None, "scheduler-side call on a worker connector"
+        scheduled: list[ScheduledRequest] = []
+        num_tokens = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            req = self._requests.get(new.req_id)
+            tokens = req.all_token_ids if req is not None else (new.prompt_token_ids or [])
+            scheduled.append(ScheduledRequest(
+                new.req_id, tokens, list(new.block_ids[0]), True, new.num_computed_tokens,
+                num_tokens.get(new.req_id, 0),
+            ))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            req = self._requests.get(req_id)
+            if req is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            scheduled.append(ScheduledRequest(
+                req_id, req.all_token_ids, list(new_ids[0]) if new_ids is not None else None,
+                req_id in cached.resumed_req_ids, cached.num_computed_tokens[i],
+                num_tokens.get(req_id, 0),
+            ))
+        plan = self.scheduler_half.build_plan(scheduled)
+        return HiCacheConnectorMetadata(
+            loads=plan.loads, saves=plan.saves, new_block_ids=plan.new_block_ids,
+            delayed_req_ids=plan.delayed_req_ids,
+        )
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        self._hit_sources.pop(request.request_id, None)
+        if self.scheduler_half is None:
+            return False, None
+        return self.scheduler_half.request_finished(request.request_id), None
+
+    def reset_cache(self) -> bool | None:
+        if self.scheduler_half is None:
+            return None
+        return self.scheduler_half.reset()

@@ -1,0 +1,50 @@
+"""What the scheduler half tells the workers each step (vLLM's connector metadata).
+
+Plain lists of ints and strings: vLLM pickles it to every worker. A *page* is a
+hicache host page id; a *block* is a vLLM block id; the two lists of an op are
+parallel (``block_ids[j]`` <-> ``host_pages[j]``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LoadOp:
+    """Host pages -> vLLM blocks for one request, before this step's forward."""
+
+    req_id: str
+    block_ids: list[int]
+    host_pages: list[int]
+    # The last len(storage_keys) pages are read from the third tier into their host
+    # pages first (the leading ones are already in host memory).
+    storage_keys: list[str] = field(default_factory=list)
+    # Blocks the scheduler promised but can no longer fill: reported as load errors.
+    failed_block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SaveOp:
+    """vLLM blocks -> host pages for one request, after this step's forward."""
+
+    req_id: str
+    block_ids: list[int]
+    host_pages: list[int]
+    storage_keys: list[str] = field(default_factory=list)  # write-behind to the third tier
+
+
+@dataclass
+class StepPlan:
+    """One step's transfers. Empty (``is_empty``) on most decode steps: workers do nothing."""
+
+    loads: list[LoadOp] = field(default_factory=list)
+    saves: list[SaveOp] = field(default_factory=list)
+    # Blocks (re)allocated to requests this step: a save still reading one must land
+    # before the forward writes it (the block was freed by a preemption).
+    new_block_ids: list[int] = field(default_factory=list)
+    # Requests whose block free waits for their saves (request_finished returned True).
+    delayed_req_ids: list[str] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (self.loads or self.saves or self.delayed_req_ids)

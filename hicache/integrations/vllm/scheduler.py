@@ -1,0 +1,339 @@
+"""The connector's scheduler half: which blocks to load from and save to hicache's tiers.
+
+It runs inside vLLM's scheduler process and holds no KV: hicache's radix tree
+(host-resident pages only) and host page allocator, keyed by request token ids.
+Lookups are answered in-process, without a round trip to the workers. Each
+step it turns what vLLM scheduled into a :class:`~hicache.integrations.vllm.plan.StepPlan`
+of block <-> host page copies that the workers carry out.
+
+One hicache page is one vLLM block. For one request, in tokens::
+
+    |<- vLLM's own prefix hit ->|<--- loaded from hicache --->|<- computed by vLLM ->|
+    |      num_computed         |  host pages | storage pages |                     |
+                                ^ a                           ^ b   (pages)
+
+The tree holds *host* pages only: vLLM owns its blocks and evicts them itself,
+so a device tier here would only shadow vLLM's prefix cache. Every block that a
+step fills completely is saved (write-through) unless the tree already holds
+that page. Nodes the current step loads from or saves to are host-pinned until
+the plan is built, so making room for one request never reuses a page another
+request's copy of this step touches; ordering across steps is the workers' job
+(they finish copies into or out of a host page before the next one that touches
+it). Not thread-safe: vLLM's scheduler loop drives it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from hicache.allocator import PageAllocator
+from hicache.integrations.vllm.config import ConnectorConfig
+from hicache.integrations.vllm.plan import LoadOp, SaveOp, StepPlan
+from hicache.native import make_tree
+from hicache.tree import TreeNode, token_key
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since start-up, in tokens unless the name says otherwise."""
+
+    lookups: int = 0  # get_num_new_matched_tokens calls
+    lookup_tokens: int = 0  # tokens looked up beyond vLLM's own hit
+    host_hit_tokens: int = 0  # tokens planned to load from host memory
+    storage_hit_tokens: int = 0  # tokens planned to read from storage, then load
+    load_failed_tokens: int = 0  # promised tokens that could not be planned (reported failed)
+    saved_tokens: int = 0  # tokens planned to save to host memory
+    save_skipped_tokens: int = 0  # not saved: host tier full of pinned pages
+    host_evicted_tokens: int = 0
+
+
+@dataclass
+class ScheduledRequest:
+    """What one request does this step, from vLLM's scheduler output."""
+
+    req_id: str
+    token_ids: Sequence[int]  # every known token of the request (prompt + outputs so far)
+    new_block_ids: list[int] | None  # blocks added this step (all its blocks if resumed/new)
+    resumed: bool  # True: new_block_ids replace the request's blocks (new or resumed)
+    num_computed_tokens: int  # computed before this step
+    num_scheduled_tokens: int  # computed by this step
+
+
+class _Request:
+    __slots__ = ("token_ids", "block_ids", "num_checked_pages", "saved", "keys", "lookup")
+
+    def __init__(self, token_ids: Sequence[int]) -> None:
+        self.token_ids = token_ids
+        self.block_ids: list[int] = []
+        self.num_checked_pages = 0  # leading pages already saved or found in the tree
+        self.saved = False  # a save was planned: its block free waits for the workers
+        self.keys: list[str] = []  # storage keys of the leading pages (computed lazily)
+        self.lookup: tuple[int, int, int] | None = None  # (num_computed, host, storage pages)
+
+
+class SchedulerHalf:
+    """Bookkeeping for the host tier (and third tier) of one vLLM engine."""
+
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        *,
+        block_size: int,
+        num_host_pages: int,
+        storage_backend=None,
+        storage_root_key: str | None = None,
+    ) -> None:
+        self.config = config
+        self.page_size = block_size
+        self.tree = make_tree(config.tree, block_size, config.eviction)
+        self.tree.on_split = self._on_split
+        self.host_allocator = PageAllocator(num_host_pages, "host pages")
+        self.storage = storage_backend  # only exists() is called here
+        self._root_key = storage_root_key
+        self._reqs: dict[str, _Request] = {}
+        self._pins: dict[TreeNode, int] = {}  # host locks taken this step, released by build_plan
+        self._loads: list[LoadOp] = []
+        self._delayed: list[str] = []
+        self.counters = SchedulerStats()
+
+    # ---------------------------------------------------------------- lookups
+    def num_matched_tokens(self, req_id: str, token_ids: Sequence[int], num_computed: int) -> int:
+        """Tokens after ``num_computed`` that hicache can load (whole pages); no side effect
+        on the tree. At least one token is always left for vLLM to compute."""
+        st = self._reqs.get(req_id)
+        if st is None:
+            st = self._reqs[req_id] = _Request(token_ids)
+        st.token_ids = token_ids
+        st.lookup = None
+        P = self.page_size
+        limit = (len(token_ids) - 1) // P  # pages that may be loaded
+        c = self.counters
+        c.lookups += 1
+        if limit * P <= num_computed:
+            return 0
+        c.lookup_tokens += limit * P - num_computed
+        host = self.tree.probe_key(self._key(token_ids, limit)) // P
+        stored = 0
+        if self.storage is not None and host < limit:
+            from hicache.storage import StorageError
+
+            try:
+                stored = self.storage.exists(self._keys(st, limit)[host:limit])
+            except StorageError:
+                stored = 0  # unreachable store: serve what host memory has
+        num_tokens = (host + stored) * P - num_computed
+        if num_tokens <= 0 or num_tokens < self.config.load_threshold_tokens:
+            return 0
+        st.lookup = (num_computed, host, stored)
+        return num_tokens
+
+    def after_alloc(
+        self, req_id: str, token_ids: Sequence[int], block_ids: Sequence[int], num_external: int
+    ) -> None:
+        """vLLM allocated ``block_ids`` (all of the request's blocks); plan the load of the
+        ``num_external`` tokens promised by :meth:`num_matched_tokens`."""
+        st = self._reqs.get(req_id)
+        if st is None:
+            st = self._reqs[req_id] = _Request(token_ids)
+        st.token_ids = token_ids
+        st.block_ids = list(block_ids)
+        if num_external <= 0:
+            return
+        if st.lookup is None:
+            raise ValueError(
+                f"update_state_after_alloc: {num_external} external tokens for request "
+                f"{req_id!r}, but the last lookup promised none"
+            )
+        P = self.page_size
+        num_computed = st.lookup[0]
+        if num_computed % P or num_external % P:
+            raise ValueError(
+                f"update_state_after_alloc: expected whole blocks of {P} tokens, got "
+                f"num_computed={num_computed}, num_external={num_external}"
+            )
+        a, b = num_computed // P, (num_computed + num_external) // P
+        if len(st.block_ids) < b:
+            raise ValueError(
+                f"update_state_after_alloc: expected at least {b} blocks for request {req_id!r}, "
+                f"got {len(st.block_ids)}"
+            )
+        result = self.tree.match_key(self._key(token_ids, b))
+        nodes = self.tree.host_only_path(result)
+        for node in nodes:
+            self._pin(node)
+        have = result.host_len // P
+        host_pages = torch.cat([n.host_indices for n in nodes]).tolist() if nodes else []
+        op = LoadOp(req_id, st.block_ids[a:b], host_pages[a:have] if have > a else [])
+        c = self.counters
+        if have < a:  # cannot happen while nothing else changes the tree in a step
+            op.failed_block_ids = st.block_ids[a:b]
+            op.block_ids = []
+            c.load_failed_tokens += (b - a) * P
+        elif have < b:
+            fetched = self._alloc_host(b - have) if self.storage is not None else None
+            if fetched is None:
+                op.failed_block_ids = st.block_ids[have:b]
+                op.block_ids = st.block_ids[a:have]
+                c.load_failed_tokens += (b - have) * P
+            else:
+                indices = torch.cat((torch.zeros(have, dtype=torch.int64), fetched))
+                inserted = self.tree.insert_host(np.asarray(token_ids[: b * P]), indices)
+                assert inserted.num_cached_tokens == have * P, (
+                    "the tree changed between match and insert: host pages would be lost"
+                )
+                self._pin(inserted.last_node)
+                op.host_pages += fetched.tolist()
+                op.storage_keys = self._keys(st, b)[have:b]
+                c.storage_hit_tokens += (b - have) * P
+        c.host_hit_tokens += max(0, min(have, b) - a) * P
+        st.num_checked_pages = max(st.num_checked_pages, b)
+        self._loads.append(op)
+
+    # ------------------------------------------------------------------ steps
+    def build_plan(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
+        """This step's plan: the loads planned since the last call, and the saves of every
+        block this step completes. Releases the step's pins."""
+        plan = StepPlan(loads=self._loads, delayed_req_ids=self._delayed)
+        self._loads, self._delayed = [], []
+        try:
+            for s in scheduled:
+                st = self._reqs.get(s.req_id)
+                if st is None:
+                    st = self._reqs[s.req_id] = _Request(s.token_ids)
+                st.token_ids = s.token_ids
+                if s.new_block_ids is not None:
+                    if s.resumed:
+                        st.block_ids = list(s.new_block_ids)
+                    else:
+                        st.block_ids.extend(s.new_block_ids)
+                    plan.new_block_ids.extend(s.new_block_ids)
+                save = self._plan_save(s.req_id, st, s.num_computed_tokens + s.num_scheduled_tokens)
+                if save is not None:
+                    plan.saves.append(save)
+        finally:
+            self._unpin_all()
+        return plan
+
+    def _plan_save(self, req_id: str, st: _Request, num_done: int) -> SaveOp | None:
+        P = self.page_size
+        # Only tokens known now: with async scheduling the last sampled one may not be.
+        full = min(num_done, len(st.token_ids), len(st.block_ids) * P) // P
+        if full <= st.num_checked_pages:
+            return None
+        st.num_checked_pages = full
+        key = self._key(st.token_ids, full)
+        cached = self.tree.probe_key(key) // P
+        if cached >= full:
+            return None
+        pages = self._alloc_host(full - cached)
+        if pages is None:
+            self.counters.save_skipped_tokens += (full - cached) * P
+            return None
+        indices = torch.cat((torch.zeros(cached, dtype=torch.int64), pages))
+        inserted = self.tree.insert_host(np.asarray(st.token_ids[: full * P]), indices)
+        assert inserted.num_cached_tokens == cached * P, (
+            "the tree changed between probe and insert: host pages would be lost"
+        )
+        self._pin(inserted.last_node)
+        st.saved = True
+        self.counters.saved_tokens += (full - cached) * P
+        keys = self._keys(st, full)[cached:full] if self.storage is not None else []
+        return SaveOp(req_id, st.block_ids[cached:full], pages.tolist(), keys)
+
+    def request_finished(self, req_id: str) -> bool:
+        """Forget the request; True when its blocks must wait for its saves (reported by the
+        workers through ``get_finished``)."""
+        st = self._reqs.pop(req_id, None)
+        if st is None or not st.saved:
+            return False
+        self._delayed.append(req_id)
+        return True
+
+    def reset(self) -> bool:
+        """Drop every cached host page (vLLM's ``reset_prefix_cache(reset_connector=True)``).
+
+        Pages pinned by a step being planned stay; returns False then.
+        """
+        num = self.tree.host_tokens
+        result = self.tree.evict_host(num) if num else None
+        if result is not None and result.num_evicted_tokens:
+            self.host_allocator.free(result.device_indices)
+            self.counters.host_evicted_tokens += result.num_evicted_tokens
+        for st in self._reqs.values():
+            st.num_checked_pages = 0
+        return self.tree.host_tokens == 0
+
+    # ------------------------------------------------------------- internals
+    def _key(self, token_ids: Sequence[int], num_pages: int) -> bytes:
+        return token_key(np.asarray(token_ids[: num_pages * self.page_size]), self.page_size)
+
+    def _keys(self, st: _Request, num_pages: int) -> list[str]:
+        """Storage keys of the request's first ``num_pages`` pages (chained, so extended)."""
+        from hicache.storage import extend_keys
+
+        have = len(st.keys)
+        if have < num_pages:
+            P = self.page_size
+            prev = st.keys[-1] if st.keys else self._root_key
+            st.keys.extend(extend_keys(prev, np.asarray(st.token_ids[have * P : num_pages * P]), P))
+        return st.keys[:num_pages]
+
+    def _alloc_host(self, num_pages: int) -> torch.Tensor | None:
+        alloc = self.host_allocator
+        short = num_pages - alloc.num_free_pages
+        if short > self.tree.host_evictable_tokens // self.page_size:
+            return None  # evicting could not make room: keep what is cached
+        if short > 0:
+            result = self.tree.evict_host(short * self.page_size)
+            if result.num_evicted_tokens:
+                alloc.free(result.device_indices)
+                self.counters.host_evicted_tokens += result.num_evicted_tokens
+        return alloc.alloc(num_pages)
+
+    def _pin(self, node: TreeNode) -> None:
+        self.tree.host_lock(node)
+        self._pins[node] = self._pins.get(node, 0) + 1
+
+    def _on_split(self, prefix: TreeNode, suffix: TreeNode) -> None:
+        n = self._pins.get(suffix)
+        if n:
+            self._pins[prefix] = n  # the tree copied the suffix's host_lock_ref to it
+
+    def _unpin_all(self) -> None:
+        for node, n in self._pins.items():
+            for _ in range(n):
+                self.tree.host_unlock(node)
+        self._pins.clear()
+
+    # ------------------------------------------------------------ inspection
+    @property
+    def num_live_requests(self) -> int:
+        return len(self._reqs)
+
+    def stats(self) -> dict:
+        s = asdict(self.counters)
+        s["host_pages_used"] = self.host_allocator.num_used_pages
+        s["host_pages_free"] = self.host_allocator.num_free_pages
+        s["host_cached_tokens"] = self.tree.host_tokens
+        return s
+
+    def check_integrity(self) -> None:
+        """Tree invariants; every host page in use is held by the tree; locks = pins."""
+        self.tree.check_integrity()
+        self.host_allocator.check_integrity()
+        P = self.page_size
+        assert self.tree.device_tokens == 0, "the scheduler's tree must hold host pages only"
+        assert self.host_allocator.num_used_pages == self.tree.host_tokens // P, (
+            f"host pages: {self.host_allocator.num_used_pages} allocated, tree holds "
+            f"{self.tree.host_tokens // P}: pages leaked or lost"
+        )
+        for node in self.tree.nodes():
+            assert node.lock_ref == 0, f"node {node.id}: device lock in a host-only tree"
+            assert node.host_lock_ref == self._pins.get(node, 0), (
+                f"node {node.id}: host_lock_ref {node.host_lock_ref}, pins "
+                f"{self._pins.get(node, 0)}: a pin leaked"
+            )

@@ -1,0 +1,362 @@
+"""The connector's worker half: copies between vLLM's KV tensors and a host pool.
+
+It runs in each vLLM worker process and carries out the scheduler's
+:class:`~hicache.integrations.vllm.plan.StepPlan`: it owns the host pool
+(hicache's :class:`~hicache.pool.HostPool`, pinned on CUDA), hicache's transfer
+engine (thread executor on CPU, CUDA executor on GPU) and, with a third tier, a
+storage backend. It knows host page ids and block ids, not tokens or the tree.
+
+One step, as vLLM calls it::
+
+    handle_preemptions  begin_step   saves still reading a block reallocated now land
+    start_load_kv       start_loads  storage -> host pages (sync), host -> blocks (async)
+    (each layer)        wait_layer   the load of that layer has landed
+    wait_for_save       end_step     load finished; saves of this step submitted (async)
+    get_finished        finished     delayed requests whose saves landed
+                        load_errors  blocks vLLM must recompute
+
+Ordering across steps: a copy into or out of a host page waits for the copies
+still in flight that touch the same page (the scheduler may have evicted and
+reused it meanwhile). A host page whose content is not what the scheduler's
+tree says (a save or a storage read failed, or a save was dropped because the
+request's load failed) is *bad*: a load from it is reported as a load error
+until a later save or read fills it again. A step without transfers does
+nothing but check for finished copies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from hicache.integrations.vllm.config import ConnectorConfig
+from hicache.integrations.vllm.layout import BlockCopier, BlockLayout, BlockPool
+from hicache.integrations.vllm.plan import StepPlan
+from hicache.pool import HostPool
+from hicache.transfer import TransferEngine, TransferHandle
+
+
+@dataclass
+class WorkerStats:
+    """Counters of one worker since the last :meth:`WorkerHalf.take_stats`."""
+
+    load_blocks: int = 0  # blocks loaded into vLLM's KV
+    load_host_blocks: int = 0  # of which found in host memory
+    load_storage_blocks: int = 0  # of which read from the third tier first
+    load_failed_blocks: int = 0  # reported through get_block_ids_with_load_errors
+    load_bytes: int = 0
+    load_seconds: float = 0.0
+    save_blocks: int = 0
+    save_failed_blocks: int = 0
+    save_bytes: int = 0
+    save_seconds: float = 0.0
+    storage_read_bytes: int = 0
+    storage_read_seconds: float = 0.0
+    storage_write_bytes: int = 0
+    storage_write_seconds: float = 0.0
+    storage_errors: int = 0
+
+
+class _Save:
+    """A save in flight (or its storage write-behind) and what it touches."""
+
+    __slots__ = ("handle", "job", "req_ids", "blocks", "pages", "host_pages", "keys")
+
+    def __init__(self, handle, req_ids, block_ids, host_pages, keys) -> None:
+        self.handle: TransferHandle | None = handle
+        self.job = None  # the StorageJob writing the pages once the save landed
+        self.req_ids = req_ids
+        self.blocks = set(block_ids)
+        self.host_pages = host_pages
+        self.pages = set(host_pages)
+        self.keys = keys
+
+    def wait(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+        if self.job is not None:
+            self.job.done.wait()
+
+
+class WorkerHalf:
+    """Host pool, transfer engine and third tier of one vLLM worker."""
+
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        kv_caches: dict[str, torch.Tensor],
+        *,
+        num_blocks: int,
+        block_size: int,
+        num_host_pages: int,
+        storage_backend=None,
+        key_salt: str | None = None,
+        native: bool | None = None,
+    ) -> None:
+        self.config = config
+        self.layout = BlockLayout(kv_caches, num_blocks, block_size)
+        kv = self.layout.host_kv_config()
+        self.host_pool = HostPool(kv, num_host_pages, reserve_nbytes=config.host_reserve_nbytes)
+        pool = BlockPool(self.layout, kv)
+        executor = config.executor
+        if executor == "auto":
+            executor = "cuda" if self.layout.device.type == "cuda" else "thread"
+        copier = None
+        if executor == "cuda":
+            if pool.k_buffers is None:
+                raise ValueError(
+                    "kv caches: the CUDA executor copies the split K/V layout (2, num_blocks, "
+                    f"...); got {self.layout.planes_per_layer} plane(s) per block"
+                )
+        else:
+            copier = BlockCopier(self.layout, self.host_pool, native=native)
+        self.transfers = TransferEngine(pool, self.host_pool, executor, copier=copier)
+        self._layer_index = {name: i for i, name in enumerate(self.layout.layer_names)}
+        self.storage = None
+        if storage_backend is not None:
+            from hicache.tiering import StorageTier
+
+            self.storage = StorageTier(storage_backend, self.host_pool)
+        self._key_salt = key_salt
+        self._load: TransferHandle | None = None
+        self._load_blocks: list[int] = []
+        self._saves: list[_Save] = []  # saves and their storage writes in flight
+        self._bad_pages: set[int] = set()
+        self._errors: set[int] = set()
+        self._delayed: set[str] = set()
+        self.counters = WorkerStats()
+
+    # ------------------------------------------------------------------ steps
+    def begin_step(self, plan: StepPlan) -> None:
+        """Before the forward writes any block: saves reading a reallocated block land."""
+        self._poll()
+        if self._saves and plan.new_block_ids:
+            reused = set(plan.new_block_ids)
+            for rec in list(self._saves):
+                if rec.handle is not None and not rec.blocks.isdisjoint(reused):
+                    rec.handle.wait()
+            self._poll()
+
+    def start_loads(self, plan: StepPlan) -> None:
+        """Read third-tier pages, then start the host -> block copy of every load."""
+        if not plan.loads:
+            return
+        host_ids: list[int] = []
+        block_ids: list[int] = []
+        c = self.counters
+        for op in plan.loads:
+            if op.failed_block_ids:
+                self._fail_blocks(op.failed_block_ids)
+            if len(op.host_pages) != len(op.block_ids) or len(op.storage_keys) > len(
+                op.host_pages
+            ):
+                raise ValueError(
+                    f"load of {op.req_id!r}: expected one host page per block and at most as "
+                    f"many storage keys, got {len(op.block_ids)} blocks, {len(op.host_pages)} "
+                    f"pages, {len(op.storage_keys)} keys"
+                )
+            self._wait_pages(op.host_pages)
+            if op.storage_keys:
+                self._read_storage(op.storage_keys, op.host_pages[-len(op.storage_keys):])
+                c.load_storage_blocks += len(op.storage_keys)
+            c.load_host_blocks += len(op.host_pages) - len(op.storage_keys)
+            for block, page in zip(op.block_ids, op.host_pages, strict=True):
+                if page in self._bad_pages:
+                    self._fail_blocks([block])
+                else:
+                    host_ids.append(page)
+                    block_ids.append(block)
+        if block_ids:
+            self._load = self.transfers.load(_ids(host_ids), _ids(block_ids))
+            self._load_blocks = block_ids
+
+    def wait_layer(self, layer_name: str) -> None:
+        """Block until this step's load of ``layer_name`` landed (no-op without a load)."""
+        if self._load is None:
+            return
+        i = self._layer_index.get(layer_name)
+        if i is not None:
+            self._load.wait_layer(i)  # a failure is seen when the load is applied
+
+    def end_step(self, plan: StepPlan) -> None:
+        """Finish this step's load, then submit this step's saves (they land later)."""
+        failed_reqs: set[str] = set()
+        if self._load is not None:
+            self._load.wait()
+            self._poll()
+        if self._errors:
+            for op in plan.loads:
+                if not self._errors.isdisjoint(op.block_ids) or op.failed_block_ids:
+                    failed_reqs.add(op.req_id)
+        if not plan.saves:
+            return
+        host_ids: list[int] = []
+        block_ids: list[int] = []
+        keys: list[str] = []
+        req_ids: set[str] = set()
+        for op in plan.saves:
+            if op.req_id in failed_reqs:
+                # Computed on top of a failed load: the pages keep whatever they held.
+                self._bad_pages.update(op.host_pages)
+                self.counters.save_failed_blocks += len(op.block_ids)
+                continue
+            host_ids += op.host_pages
+            block_ids += op.block_ids
+            keys += op.storage_keys
+            req_ids.add(op.req_id)
+        if not host_ids:
+            return
+        self._wait_pages(host_ids)
+        handle = self.transfers.backup(_ids(block_ids), _ids(host_ids))
+        self._saves.append(_Save(handle, req_ids, block_ids, host_ids, keys))
+        self._poll()
+
+    def finished(self, plan: StepPlan | None) -> set[str]:
+        """Requests whose block free was delayed and whose saves have all landed.
+
+        Waits for those saves: a delayed request's saves were submitted a step ago,
+        and reporting it now keeps vLLM from stepping again just to free its blocks.
+        """
+        if plan is not None:
+            self._delayed.update(plan.delayed_req_ids)
+        if not self._delayed:
+            return set()
+        for rec in list(self._saves):
+            if rec.handle is not None and not rec.req_ids.isdisjoint(self._delayed):
+                rec.handle.wait()
+        self._poll()
+        done, self._delayed = self._delayed, set()
+        return done
+
+    def load_errors(self) -> set[int]:
+        """Block ids whose load failed since the last call (vLLM recomputes them)."""
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def take_stats(self) -> dict | None:
+        """Counters since the last call, or None when nothing moved."""
+        s = asdict(self.counters)
+        if not any(s.values()):
+            return None
+        self.counters = WorkerStats()
+        return s
+
+    # ------------------------------------------------------------- internals
+    def _fail_blocks(self, block_ids) -> None:
+        self._errors.update(block_ids)
+        self.counters.load_failed_blocks += len(block_ids)
+
+    def _wait_pages(self, host_pages: list[int]) -> None:
+        """Let every copy in flight that touches one of ``host_pages`` land first."""
+        if not self._saves:
+            return
+        pages = set(host_pages)
+        for rec in list(self._saves):
+            if not rec.pages.isdisjoint(pages):
+                rec.wait()
+        self._poll()
+
+    def _read_storage(self, keys: list[str], host_pages: list[int]) -> None:
+        from hicache.tiering import StorageJob
+
+        c = self.counters
+        if self.storage is None:
+            self._bad_pages.update(host_pages)  # nothing can fill them
+            c.storage_errors += 1
+            return
+        job = StorageJob("read", self._salted(keys), _ids(host_pages))
+        self.storage.submit(job)
+        job.done.wait()
+        self._poll()
+        num_done = 0 if job.error is not None else job.num_done
+        if job.error is not None or num_done < len(keys):
+            c.storage_errors += 1
+        c.storage_read_bytes += num_done * self.host_pool.page_nbytes
+        c.storage_read_seconds += job.seconds
+        self._bad_pages.difference_update(host_pages[:num_done])
+        self._bad_pages.update(host_pages[num_done:])
+
+    def _salted(self, keys: list[str]) -> list[str]:
+        """Per-rank keys: with tensor parallelism each rank stores its own shard."""
+        if self._key_salt is None:
+            return keys
+        salt = self._key_salt.encode()
+        return [hashlib.blake2b(salt + k.encode(), digest_size=16).hexdigest() for k in keys]
+
+    def _poll(self) -> None:
+        """Apply finished transfers and storage writes."""
+        c = self.counters
+        for handle in self.transfers.poll():
+            if handle is self._load:
+                self._load = None
+                if handle.error is not None:
+                    self._fail_blocks(self._load_blocks)
+                else:
+                    c.load_blocks += handle.num_pages
+                    c.load_bytes += handle.nbytes
+                    c.load_seconds += handle.seconds or 0.0
+                self._load_blocks = []
+                continue
+            rec = next(r for r in self._saves if r.handle is handle)
+            rec.handle = None
+            if handle.error is not None:
+                c.save_failed_blocks += handle.num_pages
+                self._bad_pages.update(rec.host_pages)
+                self._saves.remove(rec)
+                continue
+            c.save_blocks += handle.num_pages
+            c.save_bytes += handle.nbytes
+            c.save_seconds += handle.seconds or 0.0
+            self._bad_pages.difference_update(rec.host_pages)
+            if self.storage is not None and rec.keys:
+                from hicache.tiering import StorageJob
+
+                rec.job = self.storage.submit(
+                    StorageJob("write", self._salted(rec.keys), _ids(rec.host_pages))
+                )
+            else:
+                self._saves.remove(rec)
+        if self.storage is not None:
+            for job in self.storage.poll():
+                if job.kind != "write":
+                    continue  # reads are waited for where they are submitted
+                rec = next(r for r in self._saves if r.job is job)
+                self._saves.remove(rec)
+                c.storage_write_seconds += job.seconds
+                if job.error is not None:
+                    c.storage_errors += 1
+                else:
+                    c.storage_write_bytes += job.num_done * self.host_pool.page_nbytes
+
+    # ------------------------------------------------------------ inspection
+    @property
+    def num_in_flight(self) -> int:
+        """Saves (and their storage writes) not yet landed; loads never outlive a step."""
+        return len(self._saves) + (self._load is not None)
+
+    def drain(self, timeout_s: float = 60.0) -> None:
+        """Wait until every copy in flight has landed and been applied."""
+        deadline = time.monotonic() + timeout_s
+        while self.num_in_flight:
+            for rec in list(self._saves):
+                rec.wait()
+            if self._load is not None:
+                self._load.wait()
+            self._poll()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.num_in_flight} copies still in flight")
+
+    def close(self) -> None:
+        """Let what is in flight land, then stop the copy threads and the storage tier."""
+        if self.transfers.executor_name != "manual":
+            self.drain()
+        self.transfers.close()
+        if self.storage is not None:
+            self.storage.close()
+
+
+def _ids(ids: list[int]) -> torch.Tensor:
+    return torch.tensor(ids, dtype=torch.int64)
