@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import hicache.benchmarks.vllm as bv
-from hicache.benchmarks.vllm_engine import OrderedSlots, drive
+from hicache.benchmarks.vllm_engine import OrderedSlots, StatsSink, drive
 from hicache.benchmarks.vllm_report import compare, outputs_identical, summarize
 from hicache.cli import main as cli_main
 from hicache.traces import Request, generate
@@ -246,7 +246,7 @@ def _result(ttfts_s, outputs, stats, by_source=None, wall_s=2.0):
             for i, (t, o) in enumerate(zip(ttfts_s, outputs, strict=True))]
     return {"requests": recs, "num_failed": 0, "prompt_token_stats": stats,
             "connector_hits_by_source": by_source or {}, "wall_s": wall_s,
-            "engine_start_s": 30.0, "connector_stats": [], "errors": []}
+            "engine_start_s": 30.0, "connector_stats": {}, "errors": []}
 
 
 def test_summarize_splits_prompt_tokens_by_tier():
@@ -260,6 +260,20 @@ def test_summarize_splits_prompt_tokens_by_tier():
     # a connector that names no tier: its tokens are shown as such, not guessed
     s = summarize(_result([0.1], [[1]], stats, {"external_unspecified": 96}))
     assert (s["host_hit_tokens"], s["unspecified_hit_tokens"]) == (0, 96)
+
+
+def test_connector_stats_are_summed_over_steps():
+    sink = StatsSink()
+    sink.recording = True
+    step = type("S", (), {"connector_prefix_cache_stats": None, "kv_connector_stats": None})
+    for data in ({"load_bytes": 10, "load_seconds": 0.5, "name": "x"},
+                 {"load_bytes": 6, "per_tier": {"host": 2}, "flag": True},
+                 None):
+        s = step()
+        s.kv_connector_stats = data
+        sink.record(s, None)
+    assert sink.connector_stats == {"load_bytes": 16, "load_seconds": 0.5,
+                                    "per_tier": {"host": 2}}
 
 
 def test_outputs_identical_counts_differing_and_missing_requests():

@@ -54,7 +54,7 @@ class StatsSink:
         self.connector_hits_by_source = defaultdict(int)  # CacheHitSource value -> tokens
         self.connector_queries = 0  # tokens the connector was asked about
         self.connector_hits = 0  # tokens it said it had
-        self.connector_stats: list[dict] = []  # kv_connector_stats of each step that had some
+        self.connector_stats: dict = {}  # kv_connector_stats summed over steps (numbers only)
         self.num_preempted = 0
 
     def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
@@ -75,12 +75,20 @@ class StatsSink:
                 for source, n in c.hits_by_source.items():
                     self.connector_hits_by_source[getattr(source, "value", str(source))] += n
             if scheduler_stats.kv_connector_stats:
-                self.connector_stats.append(_jsonable(scheduler_stats.kv_connector_stats))
+                _add_numbers(self.connector_stats, scheduler_stats.kv_connector_stats)
 
 
-def _jsonable(value: Any) -> Any:
-    """Connector stats as JSON (they are dicts of numbers, lists and nested dicts)."""
-    return json.loads(json.dumps(value, default=str))
+def _add_numbers(total: dict, step: dict) -> None:
+    """``total += step`` for the numbers of a (nested) dict; other values are dropped.
+
+    Connectors hand vLLM what happened since their last report (bytes, seconds,
+    blocks), so the run's totals are the sums.
+    """
+    for key, value in step.items():
+        if isinstance(value, dict):
+            _add_numbers(total.setdefault(str(key), {}), value)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            total[str(key)] = total.get(str(key), 0) + value
 
 
 def _stat_logger_factory(sink: StatsSink):
