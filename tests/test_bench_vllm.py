@@ -70,11 +70,11 @@ def test_bad_arguments_exit_2_with_one_line(capsys, everything_installed, argv, 
 
 
 def test_vllm_blocks_below_one_sequence_is_refused(capsys, everything_installed):
-    # The first agentic request: 576 prompt + 4 generated tokens -> 608-token model length,
-    # 19 blocks of 32, and vLLM needs one more than a whole sequence: 20.
+    # The first agentic request: 768 prompt + 4 generated tokens -> 800-token model length,
+    # 25 blocks of 32, and vLLM needs one more than a whole sequence: 26.
     line = _usage_error(capsys, ["--num-requests", "1", "--max-tokens", "4",
-                                 "--vllm-blocks", "19"])
-    assert "--vllm-blocks: expected >= 20 (one 608-token sequence in 32-token blocks), got 19" \
+                                 "--vllm-blocks", "25"])
+    assert "--vllm-blocks: expected >= 26 (one 800-token sequence in 32-token blocks), got 25" \
         in line
 
 
@@ -336,6 +336,8 @@ def test_real_run_json_only_on_stdout(real_run):
     summary = json.loads(lines[0])
     assert "TTFT mean (ms)" in proc.stderr  # the table went to stderr under --json
     assert "AsyncLLM" in proc.stderr  # it says how requests were issued
+    # every config's progress bar reached the caller (not the config's vLLM log)
+    assert proc.stderr.count(f"{NUM_REQUESTS}/{NUM_REQUESTS}") >= len(real_run[0])
     assert set(summary) >= {"model", "configs", "tokens_identical"}
 
 

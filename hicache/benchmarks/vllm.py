@@ -88,8 +88,15 @@ PRESETS: dict[str, ModelShape] = {
 
 # Bench-sized workloads (a 2-core machine computes ~2-3k prompt tokens/s with "small").
 WORKLOADS: dict[str, dict[str, int]] = {
-    # 8 x 512-token system prompts, 40 sessions x 4 turns: 160 requests, 576-960 tokens
-    "agentic": {},
+    # Agent loops whose own context dominates: 2 shared 256-token system prompts, 32
+    # sessions x 6 turns (a 512-token task, then 96-token tool results after 32-token
+    # steps): 192 requests of 768-1,408 tokens, 37,376-token working set. (The trace
+    # generator's default shape, that of the sample trace, is mostly 8 shared system
+    # prompts: there vLLM's own LRU keeps most hits and no tier can cut computed
+    # prompt tokens by more than ~2.3x; pass --trace to measure it.)
+    "agentic": {"num_system_prompts": 2, "system_tokens": 256, "num_sessions": 32,
+                "num_turns": 6, "first_turn_tokens": 512, "turn_tokens": 96,
+                "output_tokens": 32},
     "multiturn": {"num_clients": 16, "min_rounds": 3, "max_rounds": 5, "system_tokens": 256,
                   "user_tokens": 128, "output_tokens": 64},
     "longdoc": {"num_docs": 6, "min_doc_tokens": 1024, "max_doc_tokens": 2048,
@@ -306,21 +313,25 @@ def run_config(name: str, spec: dict, workdir: str, progress_fd: int) -> dict:
     spec_path = os.path.join(workdir, f"{name}.spec.json")
     out_path = os.path.join(workdir, f"{name}.result.json")
     log_path = os.path.join(workdir, f"{name}.log")
-    with open(spec_path, "w") as f:
-        json.dump({**spec, "progress_fd": progress_fd}, f)
     env = dict(os.environ)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # vLLM's CPU backend sizes its KV allocation from this (GiB), before the block cap.
     kv_gib = math.ceil(spec["vllm_blocks"] * spec["block_size"] * spec["kv_nbytes_per_token"]
                        / 2**30)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, kv_gib)))
-    with open(log_path, "w") as log:
-        # cwd=workdir: a bench/vllm.py in the caller's directory must not shadow vLLM.
-        # vLLM logs to stdout and stderr: both go to the log; the progress bar gets its
-        # own descriptor.
-        proc = subprocess.run([sys.executable, "-m", "hicache.benchmarks.vllm_engine",
-                               spec_path, out_path], cwd=workdir, env=env,
-                              stdout=log, stderr=subprocess.STDOUT, pass_fds=(progress_fd,))
+    # vLLM logs to stdout and stderr: both go to the log. The progress bar gets a copy
+    # of the caller's descriptor under another number (1 or 2 would be the log there).
+    bar_fd = os.dup(progress_fd)
+    try:
+        with open(spec_path, "w") as f:
+            json.dump({**spec, "progress_fd": bar_fd}, f)
+        with open(log_path, "w") as log:
+            # cwd=workdir: a bench/vllm.py in the caller's directory must not shadow vLLM.
+            proc = subprocess.run([sys.executable, "-m", "hicache.benchmarks.vllm_engine",
+                                   spec_path, out_path], cwd=workdir, env=env,
+                                  stdout=log, stderr=subprocess.STDOUT, pass_fds=(bar_fd,))
+    finally:
+        os.close(bar_fd)
     if proc.returncode != 0 or not os.path.exists(out_path):
         with open(log_path) as f:
             tail = f.read().splitlines()[-25:]
