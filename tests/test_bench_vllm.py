@@ -19,7 +19,12 @@ import pytest
 
 import hicache.benchmarks.vllm as bv
 from hicache.benchmarks.vllm_engine import OrderedSlots, StatsSink, drive
-from hicache.benchmarks.vllm_report import compare, outputs_identical, summarize
+from hicache.benchmarks.vllm_report import (
+    compare,
+    differing_vs_first,
+    outputs_identical,
+    summarize,
+)
 from hicache.cli import main as cli_main
 from hicache.traces import Request, generate
 
@@ -285,14 +290,29 @@ def test_outputs_identical_counts_differing_and_missing_requests():
     assert outputs_identical({"x": a, "y": c}) == (False, 1)  # request 2 missing in c
 
 
+def test_differing_vs_first_counts_finished_requests_only():
+    a = _result([0.1, 0.1, 0.1], [[1, 2], [3], [4]], {})
+    b = _result([0.1, 0.1], [[1, 2], [9]], {})
+    assert differing_vs_first({"vllm": a, "x": b}) == {"vllm": 0, "x": 1}
+
+
+def test_compare_skips_configs_with_failed_requests():
+    ok = {"ttft_mean_ms": 1.0, "computed_tokens": 1, "req_per_s": 1.0, "decode_step_ms": 1.0,
+          "external_hit_tokens": 1, "failed": 0}
+    assert compare({"vllm": ok, "vllm+host": ok, "vllm+host+storage": {**ok, "failed": 3}}) \
+        == {"vllm+host": {"ttft_mean_speedup": 1.0, "computed_reduction": 1.0,
+                          "req_per_s_ratio": 1.0, "ttft_mean_delta_ms": 0.0,
+                          "decode_step_delta_ms": 0.0}}
+
+
 def test_compare_ratios_against_vllm():
     configs = {
         "vllm": {"ttft_mean_ms": 300.0, "computed_tokens": 900, "req_per_s": 2.0,
-                 "decode_step_ms": 20.0, "external_hit_tokens": 0},
+                 "decode_step_ms": 20.0, "external_hit_tokens": 0, "failed": 0},
         "vllm+host": {"ttft_mean_ms": 100.0, "computed_tokens": 300, "req_per_s": 3.0,
-                      "decode_step_ms": 20.25, "external_hit_tokens": 600},
+                      "decode_step_ms": 20.25, "external_hit_tokens": 600, "failed": 0},
         "vllm+host+storage": {"ttft_mean_ms": 150.0, "computed_tokens": 360, "req_per_s": 2.5,
-                              "decode_step_ms": 20.5, "external_hit_tokens": 540},
+                              "decode_step_ms": 20.5, "external_hit_tokens": 540, "failed": 0},
     }
     c = compare(configs)
     assert c["vllm+host"] == {"ttft_mean_speedup": 3.0, "computed_reduction": 3.0,

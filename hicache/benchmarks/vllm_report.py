@@ -40,6 +40,7 @@ def summarize(result: dict) -> dict:
     return {
         "requests": len(recs),
         "failed": result["num_failed"],
+        "errors": result.get("errors", []),
         "ttft_mean_ms": round(float(ttft_ms.mean()), 2),
         "ttft_p50_ms": round(float(np.percentile(ttft_ms, 50)), 2),
         "ttft_p99_ms": round(float(np.percentile(ttft_ms, 99)), 2),
@@ -71,13 +72,26 @@ def outputs_identical(results: dict[str, dict]) -> tuple[bool, int]:
     return differ == 0, differ
 
 
+def differing_vs_first(results: dict[str, dict]) -> dict[str, int]:
+    """Per configuration: requests finished in it and in the first one with other tokens."""
+    first = {r["id"]: r["output"] for r in next(iter(results.values()))["requests"]}
+    return {name: sum(1 for r in res["requests"] if r["id"] in first
+                      and r["output"] != first[r["id"]])
+            for name, res in results.items()}
+
+
 def compare(configs: dict[str, dict]) -> dict:
-    """Ratios and deltas of the connector configurations against ``vllm``."""
+    """Ratios and deltas of the connector configurations against ``vllm``.
+
+    Only between configurations where every request finished: a ratio over
+    different sets of requests would mean nothing.
+    """
     out: dict = {}
-    base = configs.get("vllm")
-    host = configs.get("vllm+host")
-    storage = configs.get("vllm+host+storage")
-    for name, c in configs.items():
+    complete = {name: c for name, c in configs.items() if c["failed"] == 0}
+    base = complete.get("vllm")
+    host = complete.get("vllm+host")
+    storage = complete.get("vllm+host+storage")
+    for name, c in complete.items():
         if name == "vllm" or base is None:
             continue
         out[name] = {
@@ -126,7 +140,14 @@ def print_table(configs: dict[str, dict], comparisons: dict, identical: tuple[bo
               file=out)
     same, differ = identical
     print(f"generated tokens identical across configs (greedy): "
-          f"{'yes' if same else f'NO, {differ} requests differ'}", file=out)
+          f"{'yes' if same else f'NO, {differ} requests differ or failed'}", file=out)
+    for name, c in configs.items():
+        if c["failed"]:
+            print(f"{name}: {c['failed']} requests FAILED, first error: "
+                  f"{(c['errors'] or ['?'])[0][:300]}; no comparison made with it", file=out)
+        if c["tokens_differ_vs_first"]:
+            print(f"{name}: {c['tokens_differ_vs_first']} finished requests generated other "
+                  f"tokens than {names[0]}", file=out)
     for name, c in comparisons.items():
         if name == "storage_keeps_hits":
             print(f"vllm+host+storage / vllm+host hicache-served tokens: {_fmt(c)} "
@@ -168,6 +189,8 @@ def report(results: dict[str, dict], model: dict, plan: dict, *, out: IO[str],
            plot: str | None, title: str) -> dict:
     """Print the table (and plot); return the JSON summary of the run."""
     configs = {name: summarize(res) for name, res in results.items()}
+    for name, n in differing_vs_first(results).items():
+        configs[name]["tokens_differ_vs_first"] = n
     comparisons = compare(configs)
     identical = outputs_identical(results)
     print_table(configs, comparisons, identical, out)
