@@ -141,6 +141,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.15,
                         help="vLLM's memory fraction (on CPU: of host memory)")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the TTFT CDF (needs matplotlib)")
+    parser.add_argument("--keep", metavar="DIR", help="keep the model, each config's vLLM "
+                        "log, spec and raw result in DIR (default: a temporary dir, removed)")
     parser.add_argument("--json", action="store_true",
                         help="stdout holds only the JSON line (table and progress on stderr)")
 
@@ -351,7 +353,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"hicache bench vllm: {e}", file=sys.stderr)
         return 2
     out = sys.stderr if args.json else sys.stdout
-    workdir = tempfile.mkdtemp(prefix="hicache-bench-vllm-")
+    if args.keep is not None:
+        os.makedirs(args.keep, exist_ok=True)
+    workdir = args.keep or tempfile.mkdtemp(prefix="hicache-bench-vllm-")
     try:
         model_dir = args.model
         if model_dir is None:
@@ -364,6 +368,8 @@ def run(args: argparse.Namespace) -> int:
                 f.write(json.dumps({"id": r.id, "session": r.session,
                                     "prompt": (np.asarray(r.prompt, np.int64) % V).tolist(),
                                     "max_tokens": _max_tokens(r, args.max_tokens)}) + "\n")
+        storage_dir = os.path.join(workdir, "storage")
+        shutil.rmtree(storage_dir, ignore_errors=True)  # a kept DIR's last run must not hit
         concurrency = 0 if args.request_rate is not None else (args.concurrency or 4)
         header = _header(args, shape, plan, requests, concurrency)
         print(header, file=out, flush=True)
@@ -377,15 +383,15 @@ def run(args: argparse.Namespace) -> int:
                     "requests_path": requests_path, "concurrency": concurrency,
                     "request_rate": args.request_rate or 0.0, "vocab_size": V,
                     "kv_nbytes_per_token": shape.kv_nbytes_per_token,
-                    "kv_transfer_config": _connector_config(
-                        name, plan, args, os.path.join(workdir, "storage"))}
+                    "kv_transfer_config": _connector_config(name, plan, args, storage_dir)}
             results[name] = run_config(name, spec, workdir, out.fileno())
         model_info = {"source": args.model or f"random Llama, preset {args.preset or 'small'}",
                       **shape._asdict(), "dtype": args.dtype}
         summary = report(results, model_info, plan._asdict(), out=out, plot=args.plot,
                          title=f"{args.workload or os.path.basename(args.trace or '')}")
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        if args.keep is None:
+            shutil.rmtree(workdir, ignore_errors=True)
     print(json.dumps(summary), flush=True)
     return 0
 
