@@ -23,6 +23,7 @@ from hicache.benchmarks.vllm_report import (
     compare,
     differing_vs_first,
     outputs_identical,
+    report,
     summarize,
 )
 from hicache.cli import main as cli_main
@@ -303,6 +304,20 @@ def test_compare_skips_configs_with_failed_requests():
         == {"vllm+host": {"ttft_mean_speedup": 1.0, "computed_reduction": 1.0,
                           "req_per_s_ratio": 1.0, "ttft_mean_delta_ms": 0.0,
                           "decode_step_delta_ms": 0.0}}
+
+
+def test_report_names_failures_and_mismatches(capsys):
+    stats = {"computed": 200, "local_cache_hit": 0, "external_kv_transfer": 0, "total": 200}
+    a = _result([0.1, 0.2], [[1], [2]], stats)
+    b = _result([0.1], [[7]], stats)
+    b["num_failed"], b["errors"] = 1, ["EngineDeadError('boom')"]
+    summary = report({"vllm": a, "vllm+host": b}, {}, {}, out=sys.stdout, plot=None, title="t")
+    text = capsys.readouterr().out
+    assert "vllm+host: 1 requests FAILED, first error: EngineDeadError('boom')" in text
+    assert "vllm+host: 1 finished requests generated other tokens than vllm" in text
+    assert summary["tokens_identical"] is False and summary["requests_differing"] == 2
+    assert summary["comparisons"] == {}
+    assert summary["configs"]["vllm+host"]["failed"] == 1
 
 
 def test_compare_ratios_against_vllm():
