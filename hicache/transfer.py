@@ -35,16 +35,89 @@ does not know the tree, the allocators or which pages are in use.
 from __future__ import annotations
 
 import collections
+import ctypes
+import functools
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from enum import Enum
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from hicache.pool import DevicePool, HostPool, PageCopier, as_rows, check_page_ids
+
+_CUDA_MEMCPY_HOST_TO_DEVICE = 1  # cudaMemcpyKind
+
+
+class Copy2D(NamedTuple):
+    """One strided copy (``cudaMemcpy2DAsync``): ``height`` rows of ``width`` bytes."""
+
+    dst_offset: int  # bytes from the destination's base
+    src_offset: int  # bytes from the source's base
+    width: int  # bytes per row
+    height: int  # rows
+    dst_pitch: int  # bytes between rows in the destination
+    src_pitch: int  # bytes between rows in the source
+
+
+def layer_load_plan(
+    runs: list[tuple[int, int, int]], num_layers: int, layer_nbytes: int, page_nbytes: int
+) -> list[list[Copy2D]]:
+    """Per layer, the copies that bring that layer of every page into a staging buffer.
+
+    ``runs`` are ``(first host page, pages, offset in the transfer)``; the host pool is
+    page-first, so layer ``l`` of a run is ``pages`` rows of ``layer_nbytes`` bytes
+    (its K and V) at a pitch of ``page_nbytes``. The staging buffer is layer-first,
+    ``(num_layers, n, layer_nbytes)``, so layer ``l`` lands in one contiguous region
+    and can be scattered, and its event recorded, before layer ``l + 1`` is copied.
+    """
+    n = sum(count for _, count, _ in runs)
+    plan = []
+    for layer in range(num_layers):
+        plan.append([
+            Copy2D(
+                dst_offset=(layer * n + offset) * layer_nbytes,
+                src_offset=first * page_nbytes + layer * layer_nbytes,
+                width=layer_nbytes, height=count, dst_pitch=layer_nbytes, src_pitch=page_nbytes,
+            )
+            for first, count, offset in runs
+        ])
+    return plan
+
+
+def host_runs(host_ids: torch.Tensor, chunk_pages: int) -> list[tuple[int, int, int]]:
+    """(first host page, number of pages, offset in the transfer) per run of consecutive
+    host pages; runs also break where a pinned chunk of ``chunk_pages`` pages ends (one
+    copy must not span two registrations)."""
+    ids = host_ids.numpy()
+    if ids.size == 0:
+        return []
+    breaks = np.ones(ids.size, dtype=bool)
+    breaks[1:] = (np.diff(ids) != 1) | (ids[1:] % chunk_pages == 0)
+    starts = np.flatnonzero(breaks)
+    counts = np.diff(np.append(starts, ids.size))
+    return [(int(ids[s]), int(c), int(s)) for s, c in zip(starts, counts, strict=True)]
+
+
+@functools.cache
+def _cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime torch loaded (for ``cudaMemcpy2DAsync``), or None."""
+    version = torch.version.cuda or ""
+    names = [f"libcudart.so.{version.split('.')[0]}"] if version else []
+    for name in [*names, "libcudart.so"]:
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        fn = lib.cudaMemcpy2DAsync
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                       ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        return lib
+    return None
 
 
 class TransferKind(str, Enum):
@@ -510,11 +583,11 @@ class CudaExecutor(Executor):
     page-first staging tensor ``(n, num_layers, 2, row)``, then each run of
     consecutive host pages is one device-to-host copy (runs split where the host
     pool's pinned chunks end, since one copy must not span two registrations).
-    Load: each host run is one host-to-device copy into staging, then per layer the
-    K and V rows are scattered into the device pool and the layer's event recorded.
-    A strided (per layer) copy out of the page-first host layout would make torch
-    build a pageable contiguous temporary on the host, synchronously; whole-page runs
-    keep the copy engine on large blocks and the host free.
+    Load, layer by layer: for each layer, each host run's rows of that layer are one
+    ``cudaMemcpy2DAsync`` into a layer-first staging tensor (torch's own strided copy
+    would build a pageable contiguous temporary on the host, synchronously), then the
+    layer's K and V rows are scattered into the device pool and its event recorded,
+    so ``wait_layer(0)`` passes after 1/num_layers of the copy, not all of it.
     """
 
     def __init__(self, device_pool: DevicePool, host_pool: HostPool) -> None:
@@ -562,33 +635,55 @@ class CudaExecutor(Executor):
         self._in_flight[handle.kind].append(handle)
 
     def _runs(self, host_ids: torch.Tensor) -> list[tuple[int, int, int]]:
-        """(first host page, number of pages, offset in the transfer) per run."""
-        ids = host_ids.numpy()
-        if ids.size == 0:
-            return []
-        breaks = np.ones(ids.size, dtype=bool)
-        breaks[1:] = (np.diff(ids) != 1) | (ids[1:] % self._chunk_pages == 0)
-        starts = np.flatnonzero(breaks)
-        counts = np.diff(np.append(starts, ids.size))
-        return [(int(ids[s]), int(c), int(s)) for s, c in zip(starts, counts, strict=True)]
+        return host_runs(host_ids, self._chunk_pages)
 
     def _submit_load(self, handle, state: _CudaState, compute) -> None:
+        """Land the load layer by layer: copy layer ``l`` of every page, scatter it, record
+        its event, then layer ``l + 1``; the model starts on layer 0 while the rest moves.
+
+        Each layer of a host run is one ``cudaMemcpy2DAsync`` (rows of the layer's bytes at
+        the page pitch, no host-side temporary). Without the runtime's entry point it falls
+        back to whole-page runs copied first (every event then passes at once at the end).
+        """
         stream = self._load_stream
+        cudart = _cudart()
         with torch.cuda.stream(stream):
             # The device pages may have been freed by work still queued on compute.
             stream.wait_stream(compute)
             state.start.record(stream)
             n = handle.num_pages
-            stage = torch.empty((n, *self._host.shape[1:]), dtype=self._host.dtype,
-                                device=self.device)
-            for first, count, offset in self._runs(handle.host_pages):
-                stage[offset : offset + count].copy_(
-                    self._host[first : first + count], non_blocking=True
-                )
+            runs = self._runs(handle.host_pages)
             dev_ids = handle.device_pages.to(self.device, non_blocking=True)
+            if cudart is None:
+                stage = torch.empty((n, *self._host.shape[1:]), dtype=self._host.dtype,
+                                    device=self.device)
+                for first, count, offset in runs:
+                    stage[offset : offset + count].copy_(
+                        self._host[first : first + count], non_blocking=True
+                    )
+                layers = [stage[:, layer] for layer in range(self._num_layers)]
+                plan = None
+            else:
+                # (num_layers, n, 2, row_words): one contiguous region per layer
+                stage = torch.empty((self._num_layers, n, *self._host.shape[2:]),
+                                    dtype=self._host.dtype, device=self.device)
+                layers = list(stage)
+                elem = self._host.element_size()
+                layer_nbytes = self._host[0, 0].numel() * elem
+                page_nbytes = self._host[0].numel() * elem
+                plan = layer_load_plan(runs, self._num_layers, layer_nbytes, page_nbytes)
+            host_base, stage_base = self._host.data_ptr(), stage.data_ptr()
             for layer, (k, v) in enumerate(self._dev):
-                k.index_copy_(0, dev_ids, stage[:, layer, 0])
-                v.index_copy_(0, dev_ids, stage[:, layer, 1])
+                for c in plan[layer] if plan is not None else ():
+                    err = cudart.cudaMemcpy2DAsync(
+                        stage_base + c.dst_offset, c.dst_pitch, host_base + c.src_offset,
+                        c.src_pitch, c.width, c.height, _CUDA_MEMCPY_HOST_TO_DEVICE,
+                        stream.cuda_stream,
+                    )
+                    if err != 0:
+                        raise RuntimeError(f"cudaMemcpy2DAsync failed with error {err}")
+                k.index_copy_(0, dev_ids, layers[layer][:, 0])
+                v.index_copy_(0, dev_ids, layers[layer][:, 1])
                 event = torch.cuda.Event()
                 event.record(stream)
                 state.layer_events.append(event)

@@ -3,6 +3,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -388,3 +389,42 @@ def test_failed_layer_copied_by_a_waiting_caller_is_reported():
         assert handle.wait() and isinstance(handle.error, OSError)
         assert handle.layers_done == 1 and handle.wait_layer(0) and not handle.wait_layer(1)
         assert engine.poll() == [handle]
+
+
+def _apply_copies(dst: np.ndarray, src: np.ndarray, copies) -> None:
+    """What cudaMemcpy2DAsync does, on flat byte arrays."""
+    for c in copies:
+        for row in range(c.height):
+            d = c.dst_offset + row * c.dst_pitch
+            s = c.src_offset + row * c.src_pitch
+            dst[d : d + c.width] = src[s : s + c.width]
+
+
+def test_cuda_load_plan_lands_each_layer_with_its_own_copies():
+    """The CUDA load's copy plan (logic only, on CPU): layer l's copies read only layer l
+    of the host pages and write only layer l's staging region, and together they bring
+    exactly that layer of every page: so the event recorded after them is truthful."""
+    from hicache.transfer import host_runs, layer_load_plan
+
+    num_pages, num_layers, layer_nbytes = 12, 3, 8
+    page_nbytes = num_layers * layer_nbytes
+    rng = np.random.default_rng(0)
+    host = rng.integers(0, 255, (num_pages, num_layers, layer_nbytes), dtype=np.uint8)
+    host_ids = torch.tensor([3, 4, 5, 6, 9, 0, 1, 11], dtype=torch.int64)
+    runs = host_runs(host_ids, chunk_pages=5)  # 3,4 | 5,6 (chunk edge) | 9 | 0,1 | 11
+    assert runs == [(3, 2, 0), (5, 2, 2), (9, 1, 4), (0, 2, 5), (11, 1, 7)]
+    plan = layer_load_plan(runs, num_layers, layer_nbytes, page_nbytes)
+    n = host_ids.numel()
+    stage = np.zeros(num_layers * n * layer_nbytes, dtype=np.uint8)
+    for layer, copies in enumerate(plan):
+        before = stage.copy()
+        _apply_copies(stage, host.reshape(-1), copies)
+        region = slice(layer * n * layer_nbytes, (layer + 1) * n * layer_nbytes)
+        changed = np.flatnonzero(before != stage)
+        assert changed.size == 0 or (changed.min() >= region.start and changed.max() < region.stop)
+        for c in copies:  # reads stay inside layer `layer` of each page
+            for row in range(c.height):
+                off = (c.src_offset + row * c.src_pitch) % page_nbytes
+                assert layer * layer_nbytes <= off and off + c.width <= (layer + 1) * layer_nbytes
+        got = stage[region].reshape(n, layer_nbytes)
+        assert np.array_equal(got, host[host_ids.numpy(), layer])

@@ -4,12 +4,13 @@ Used by tests/test_vllm_connector_e2e.py in a subprocess: vLLM spawns processes,
 so it must run under ``if __name__ == "__main__"``. Usage::
 
     python tests/vllm_driver.py make-model DIR
-    python tests/vllm_driver.py run DIR SCENARIO [--storage file:DIR] [--no-connector]
+    python tests/vllm_driver.py run DIR SCENARIO[,SCENARIO...] [--storage file:DIR] [--no-connector]
 
-Scenarios: ``multiturn`` (conversations whose working set is several times vLLM's
-KV cache, one request at a time), ``reset`` (a prompt, reset_prefix_cache, the same
-prompt again), ``replay`` (the first prompt of ``multiturn``: a second process on the
-same storage). The last stdout line is a JSON object.
+SCENARIO is a comma-separated list run in order on one engine: ``multiturn``
+(conversations whose working set is several times vLLM's KV cache, one request at a
+time), ``reset`` (a prompt, reset_prefix_cache, the same prompt again), ``replay``
+(the first prompt of ``multiturn``: meant for a second process on the same storage).
+The last stdout line is a JSON object with one entry per scenario.
 """
 
 from __future__ import annotations
@@ -88,35 +89,44 @@ def generate(llm, prompt: list[int]) -> tuple[list[int], int]:
     return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)
 
 
-def run(model: str, scenario: str, connector: bool, storage: str | None) -> dict:
+def run(model: str, scenarios: str, connector: bool, storage: str | None) -> dict:
+    """Run the comma-separated ``scenarios`` in order on one engine."""
     llm = make_llm(model, connector, storage)
-    result: dict = {"scenario": scenario, "connector": connector}
+    result: dict = {"connector": connector}
     system = system_prompt()
-    if scenario == "multiturn":
-        history = [list(system) for _ in range(CONVERSATIONS)]
-        outputs, cached, prompt_tokens = [], 0, 0
-        for turn in range(TURNS):
-            for c, conv in enumerate(conversations()):
-                history[c] += conv[turn]
-                out, hit = generate(llm, history[c])
-                prompt_tokens += len(history[c])
-                history[c] += out
-                outputs.append(out)
-                cached += hit
-        result.update(outputs=outputs, cached_tokens=cached, prompt_tokens=prompt_tokens)
-    elif scenario == "reset":
-        prompt = system + conversations()[0][0]
-        first, hit0 = generate(llm, prompt)
-        ok = llm.reset_prefix_cache()
-        second, hit1 = generate(llm, prompt)
-        result.update(first=first, second=second, cached_before=hit0, cached_after=hit1,
-                      reset_ok=bool(ok), prompt_tokens=len(prompt))
-    elif scenario == "replay":
-        prompt = system + conversations()[0][0]
-        out, hit = generate(llm, prompt)
-        result.update(output=out, cached_tokens=hit, prompt_tokens=len(prompt))
-    else:
-        raise SystemExit(f"unknown scenario {scenario!r}")
+    for scenario in scenarios.split(","):
+        if scenario == "multiturn":
+            history = [list(system) for _ in range(CONVERSATIONS)]
+            outputs, cached, prompt_tokens, hits, prompts = [], 0, 0, [], []
+            for turn in range(TURNS):
+                for c, conv in enumerate(conversations()):
+                    history[c] += conv[turn]
+                    prompts.append(list(history[c]))
+                    out, hit = generate(llm, history[c])
+                    prompt_tokens += len(history[c])
+                    history[c] += out
+                    outputs.append(out)
+                    cached += hit
+                    hits.append(hit)
+            result["multiturn"] = {
+                "outputs": outputs, "cached_tokens": cached, "prompt_tokens": prompt_tokens,
+                "cached_per_request": hits, "prompts": prompts,
+            }
+        elif scenario == "reset":
+            prompt = system + conversations()[1][0]
+            first, hit0 = generate(llm, prompt)
+            ok = llm.reset_prefix_cache()
+            second, hit1 = generate(llm, prompt)
+            result["reset"] = {
+                "first": first, "second": second, "cached_before": hit0, "cached_after": hit1,
+                "reset_ok": bool(ok), "prompt_tokens": len(prompt),
+            }
+        elif scenario == "replay":
+            prompt = system + conversations()[0][0]
+            out, hit = generate(llm, prompt)
+            result["replay"] = {"output": out, "cached_tokens": hit, "prompt_tokens": len(prompt)}
+        else:
+            raise SystemExit(f"unknown scenario {scenario!r}")
     return result
 
 

@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -42,12 +43,25 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 
 @dataclass
 class HiCacheConnectorMetadata(StepPlan, KVConnectorMetadata):
     """The step plan, as vLLM's connector metadata."""
+
+
+@dataclass
+class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: host pages that turned bad this step (union over workers)."""
+
+    bad_host_pages: set[int] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, HiCacheWorkerMetadata):
+            self.bad_host_pages |= other.bad_host_pages
+        return self
 
 
 @dataclass
@@ -137,6 +151,12 @@ class HiCacheConnector(KVConnectorBase_V1):
                 storage_backend=backend, storage_root_key=root_key(None, self._identity),
             )
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # wait_for_layer_load runs inside attention: a full CUDA graph would replay
+        # without it and read blocks a load has not written yet.
+        return True
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a dropped save is a later miss, not lost KV
@@ -212,6 +232,12 @@ class HiCacheConnector(KVConnectorBase_V1):
         data = self.worker_half.take_stats()
         return None if data is None else HiCacheConnectorStats(data=data)
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self.worker_half is None:
+            return None
+        bad = self.worker_half.take_bad_pages()
+        return HiCacheWorkerMetadata(bad_host_pages=bad) if bad else None
+
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return HiCacheConnectorStats(data=dict(data or {}))
@@ -220,6 +246,9 @@ class HiCacheConnector(KVConnectorBase_V1):
         if self.worker_half is not None:
             self.worker_half.close()
             self.worker_half = None
+        if self.scheduler_half is not None and self.scheduler_half.storage is not None:
+            self.scheduler_half.storage.close()
+            self.scheduler_half.storage = None
 
     # ========================================================= scheduler side
     def on_new_request(self, request: Request) -> None:
@@ -283,13 +312,21 @@ class HiCacheConnector(KVConnectorBase_V1):
             delayed_req_ids=plan.delayed_req_ids,
         )
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, HiCacheWorkerMetadata) and self.scheduler_half is not None:
+            self.scheduler_half.mark_bad(meta.bad_host_pages)
+
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
         self._hit_sources.pop(request.request_id, None)
         if self.scheduler_half is None:
             return False, None
-        return self.scheduler_half.request_finished(request.request_id), None
+        delay = self.scheduler_half.request_finished(
+            request.request_id, request.num_computed_tokens, block_ids
+        )
+        return delay, None
 
     def reset_cache(self) -> bool | None:
         if self.scheduler_half is None:

@@ -98,6 +98,8 @@ class SchedulerHalf:
         self._pins: dict[TreeNode, int] = {}  # host locks taken this step, released by build_plan
         self._loads: list[LoadOp] = []
         self._delayed: list[str] = []
+        self._finish_saves: list[SaveOp] = []  # planned by request_finished, sent next step
+        self._bad: set[int] = set()  # host pages the workers reported bad, still in the tree
         self.counters = SchedulerStats()
 
     # ---------------------------------------------------------------- lookups
@@ -116,9 +118,13 @@ class SchedulerHalf:
         if limit * P <= num_computed:
             return 0
         c.lookup_tokens += limit * P - num_computed
-        host = self.tree.probe_key(self._key(token_ids, limit)) // P
+        key = self._key(token_ids, limit)
+        host = self.tree.probe_key(key) // P
+        bad = self._first_bad(key, host)
         stored = 0
-        if self.storage is not None and host < limit:
+        if bad < host:
+            host = bad  # promise nothing from a bad page on
+        elif self.storage is not None and host < limit:
             from hicache.storage import StorageError
 
             try:
@@ -197,8 +203,9 @@ class SchedulerHalf:
     def build_plan(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
         """This step's plan: the loads planned since the last call, and the saves of every
         block this step completes. Releases the step's pins."""
-        plan = StepPlan(loads=self._loads, delayed_req_ids=self._delayed)
-        self._loads, self._delayed = [], []
+        plan = StepPlan(loads=self._loads, saves=self._finish_saves,
+                        delayed_req_ids=self._delayed)
+        self._loads, self._delayed, self._finish_saves = [], [], []
         try:
             for s in scheduled:
                 st = self._reqs.get(s.req_id)
@@ -227,28 +234,82 @@ class SchedulerHalf:
         st.num_checked_pages = full
         key = self._key(st.token_ids, full)
         cached = self.tree.probe_key(key) // P
-        if cached >= full:
+        # Bad pages this request computed again: saved again, into the same host pages.
+        repair_from = self._first_bad(key, cached)
+        repair: list[int] = []
+        if repair_from < cached:
+            path = self.tree.probe_path(key)
+            repair = torch.cat([n.host_indices for n in path]).tolist()[repair_from:cached]
+            for node in path:
+                self._pin(node)
+            self._bad.difference_update(repair)
+        if cached >= full and not repair:
             return None
-        pages = self._alloc_host(full - cached)
-        if pages is None:
-            self.counters.save_skipped_tokens += (full - cached) * P
+        new_pages: list[int] = []
+        if cached < full:
+            pages = self._alloc_host(full - cached)
+            if pages is None:
+                self.counters.save_skipped_tokens += (full - cached) * P
+                full = cached
+            else:
+                indices = torch.cat((torch.zeros(cached, dtype=torch.int64), pages))
+                inserted = self.tree.insert_host(np.asarray(st.token_ids[: full * P]), indices)
+                assert inserted.num_cached_tokens == cached * P, (
+                    "the tree changed between probe and insert: host pages would be lost"
+                )
+                self._pin(inserted.last_node)
+                new_pages = pages.tolist()
+        if not repair and not new_pages:
             return None
-        indices = torch.cat((torch.zeros(cached, dtype=torch.int64), pages))
-        inserted = self.tree.insert_host(np.asarray(st.token_ids[: full * P]), indices)
-        assert inserted.num_cached_tokens == cached * P, (
-            "the tree changed between probe and insert: host pages would be lost"
-        )
-        self._pin(inserted.last_node)
+        first = repair_from if repair else cached
         st.saved = True
-        self.counters.saved_tokens += (full - cached) * P
-        keys = self._keys(st, full)[cached:full] if self.storage is not None else []
-        return SaveOp(req_id, st.block_ids[cached:full], pages.tolist(), keys)
+        self.counters.saved_tokens += (full - first) * P
+        keys = self._keys(st, full)[first:full] if self.storage is not None else []
+        return SaveOp(req_id, st.block_ids[first:full], repair + new_pages, keys)
 
-    def request_finished(self, req_id: str) -> bool:
+    def mark_bad(self, host_pages) -> None:
+        """The workers found these host pages bad (a save or storage read failed): lookups
+        stop before them, and the next request computing them saves them again."""
+        self._bad.update(int(p) for p in host_pages)
+        self._bad.intersection_update(self._cached_pages())
+
+    def _cached_pages(self) -> set[int]:
+        return {int(p) for n in self.tree.nodes() if n.host_indices is not None
+                for p in n.host_indices.tolist()}
+
+    def _first_bad(self, key: bytes, num_cached_tokens_pages: int) -> int:
+        """Index of the first bad page among the first ``num_cached_tokens_pages`` cached
+        pages of ``key`` (that count when none is bad)."""
+        n = num_cached_tokens_pages
+        if not self._bad or n == 0:
+            return n
+        path = self.tree.probe_path(key)
+        ids = torch.cat([node.host_indices for node in path]).tolist()[:n]
+        for i, page in enumerate(ids):
+            if page in self._bad:
+                return i
+        return n
+
+    def request_finished(
+        self, req_id: str, num_computed_tokens: int | None = None,
+        block_ids: Sequence[int] | None = None,
+    ) -> bool:
         """Forget the request; True when its blocks must wait for its saves (reported by the
-        workers through ``get_finished``)."""
+        workers through ``get_finished``).
+
+        With ``num_computed_tokens`` and ``block_ids`` (vLLM's at finish), the blocks
+        completed in the last steps, whose tokens were not all known when those steps
+        were planned (async scheduling), are saved in the next plan.
+        """
         st = self._reqs.pop(req_id, None)
-        if st is None or not st.saved:
+        if st is None:
+            return False
+        if num_computed_tokens is not None and block_ids is not None:
+            st.block_ids = list(block_ids)
+            save = self._plan_save(req_id, st, num_computed_tokens)
+            if save is not None:
+                self._finish_saves.append(save)  # pinned until that plan is built
+        if not st.saved:
             return False
         self._delayed.append(req_id)
         return True
@@ -256,11 +317,13 @@ class SchedulerHalf:
     def reset(self) -> bool:
         """Drop every cached host page (vLLM's ``reset_prefix_cache(reset_connector=True)``).
 
-        Pages pinned by a step being planned stay; returns False then.
+        Pages pinned by a step being planned (or by a finished request's last save, sent
+        with the next plan) stay; returns False then.
         """
         num = self.tree.host_tokens
         result = self.tree.evict_host(num) if num else None
         if result is not None and result.num_evicted_tokens:
+            self._bad.difference_update(result.device_indices.tolist())
             self.host_allocator.free(result.device_indices)
             self.counters.host_evicted_tokens += result.num_evicted_tokens
         for st in self._reqs.values():
@@ -290,6 +353,8 @@ class SchedulerHalf:
         if short > 0:
             result = self.tree.evict_host(short * self.page_size)
             if result.num_evicted_tokens:
+                if self._bad:
+                    self._bad.difference_update(result.device_indices.tolist())
                 alloc.free(result.device_indices)
                 self.counters.host_evicted_tokens += result.num_evicted_tokens
         return alloc.alloc(num_pages)

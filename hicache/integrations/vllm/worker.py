@@ -20,7 +20,8 @@ still in flight that touch the same page (the scheduler may have evicted and
 reused it meanwhile). A host page whose content is not what the scheduler's
 tree says (a save or a storage read failed, or a save was dropped because the
 request's load failed) is *bad*: a load from it is reported as a load error
-until a later save or read fills it again. A step without transfers does
+until a later save or read fills it again, and it is reported to the scheduler
+(``take_bad_pages``), which stops promising it and has it saved again. A step without transfers does
 nothing but check for finished copies.
 """
 
@@ -95,7 +96,9 @@ class WorkerHalf:
         storage_backend=None,
         key_salt: str | None = None,
         native: bool | None = None,
+        copier_hook=None,
     ) -> None:
+        """``copier_hook`` (tests): wraps the CPU copier, e.g. to delay or fail copies."""
         self.config = config
         self.layout = BlockLayout(kv_caches, num_blocks, block_size)
         kv = self.layout.host_kv_config()
@@ -113,6 +116,8 @@ class WorkerHalf:
                 )
         else:
             copier = BlockCopier(self.layout, self.host_pool, native=native)
+            if copier_hook is not None:
+                copier = copier_hook(copier)
         self.transfers = TransferEngine(pool, self.host_pool, executor, copier=copier)
         self._layer_index = {name: i for i, name in enumerate(self.layout.layer_names)}
         self.storage = None
@@ -125,6 +130,7 @@ class WorkerHalf:
         self._load_blocks: list[int] = []
         self._saves: list[_Save] = []  # saves and their storage writes in flight
         self._bad_pages: set[int] = set()
+        self._newly_bad: set[int] = set()  # not yet reported to the scheduler
         self._errors: set[int] = set()
         self._delayed: set[str] = set()
         self.counters = WorkerStats()
@@ -200,7 +206,7 @@ class WorkerHalf:
         for op in plan.saves:
             if op.req_id in failed_reqs:
                 # Computed on top of a failed load: the pages keep whatever they held.
-                self._bad_pages.update(op.host_pages)
+                self._mark_bad(op.host_pages)
                 self.counters.save_failed_blocks += len(op.block_ids)
                 continue
             host_ids += op.host_pages
@@ -244,27 +250,43 @@ class WorkerHalf:
         self.counters = WorkerStats()
         return s
 
+    def take_bad_pages(self) -> set[int]:
+        """Host pages that turned bad since the last call: the scheduler stops promising
+        them and has the next request that computes those blocks save them again."""
+        bad, self._newly_bad = self._newly_bad, set()
+        return bad
+
     # ------------------------------------------------------------- internals
+    def _mark_bad(self, pages) -> None:
+        self._bad_pages.update(pages)
+        self._newly_bad.update(pages)
+
+    def _mark_good(self, pages) -> None:
+        self._bad_pages.difference_update(pages)
+        self._newly_bad.difference_update(pages)
+
     def _fail_blocks(self, block_ids) -> None:
         self._errors.update(block_ids)
         self.counters.load_failed_blocks += len(block_ids)
 
     def _wait_pages(self, host_pages: list[int]) -> None:
         """Let every copy in flight that touches one of ``host_pages`` land first."""
-        if not self._saves:
-            return
         pages = set(host_pages)
-        for rec in list(self._saves):
-            if not rec.pages.isdisjoint(pages):
+        while True:
+            # A landed save becomes a storage write only when polled: look again after.
+            busy = [rec for rec in self._saves if not rec.pages.isdisjoint(pages)]
+            if not busy:
+                return
+            for rec in busy:
                 rec.wait()
-        self._poll()
+            self._poll()
 
     def _read_storage(self, keys: list[str], host_pages: list[int]) -> None:
         from hicache.tiering import StorageJob
 
         c = self.counters
         if self.storage is None:
-            self._bad_pages.update(host_pages)  # nothing can fill them
+            self._mark_bad(host_pages)  # nothing can fill them
             c.storage_errors += 1
             return
         job = StorageJob("read", self._salted(keys), _ids(host_pages))
@@ -276,8 +298,8 @@ class WorkerHalf:
             c.storage_errors += 1
         c.storage_read_bytes += num_done * self.host_pool.page_nbytes
         c.storage_read_seconds += job.seconds
-        self._bad_pages.difference_update(host_pages[:num_done])
-        self._bad_pages.update(host_pages[num_done:])
+        self._mark_good(host_pages[:num_done])
+        self._mark_bad(host_pages[num_done:])
 
     def _salted(self, keys: list[str]) -> list[str]:
         """Per-rank keys: with tensor parallelism each rank stores its own shard."""
@@ -304,13 +326,13 @@ class WorkerHalf:
             rec.handle = None
             if handle.error is not None:
                 c.save_failed_blocks += handle.num_pages
-                self._bad_pages.update(rec.host_pages)
+                self._mark_bad(rec.host_pages)
                 self._saves.remove(rec)
                 continue
             c.save_blocks += handle.num_pages
             c.save_bytes += handle.nbytes
             c.save_seconds += handle.seconds or 0.0
-            self._bad_pages.difference_update(rec.host_pages)
+            self._mark_good(rec.host_pages)
             if self.storage is not None and rec.keys:
                 from hicache.tiering import StorageJob
 

@@ -1,0 +1,672 @@
+"""The vLLM connector's halves driven directly, without vLLM: plans, copies, races.
+
+A small stand-in for vLLM (``MiniVllm``) allocates blocks, asks the scheduler
+half for hits, runs the worker half through each step in vLLM's order and
+"computes" a block by filling it with a value that identifies its page (a hash of
+the tokens up to the page's end) and layer. Every loaded block is checked against
+that value: stale or foreign KV cannot pass.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from hicache.integrations.vllm.config import ConnectorConfig
+from hicache.integrations.vllm.layout import BlockCopier, BlockLayout, block_planes
+from hicache.integrations.vllm.plan import StepPlan
+from hicache.integrations.vllm.scheduler import ScheduledRequest, SchedulerHalf
+from hicache.integrations.vllm.worker import WorkerHalf
+from hicache.pool import HostPool
+
+P = 4  # tokens per block (= hicache page)
+L = 2  # layers
+H, D = 2, 4
+
+
+def page_value(tokens, page: int, layer: int) -> float:
+    data = np.asarray(tokens[: (page + 1) * P], dtype=np.int64).tobytes()
+    return float(zlib.crc32(data) % 100_003 + 1 + 200_000 * layer)
+
+
+def make_kv(layout: str, num_blocks: int) -> dict[str, torch.Tensor]:
+    if layout == "fused":  # vLLM's CPU backend: (num_blocks, H, block_size, 2 * D)
+        shape = (num_blocks, H, P, 2 * D)
+    else:  # split K/V: (2, num_blocks, block_size, H, D)
+        shape = (2, num_blocks, P, H, D)
+    return {f"model.layers.{i}.self_attn.attn": torch.zeros(shape) for i in range(L)}
+
+
+def block_of(kv: torch.Tensor, block: int, num_blocks: int) -> list[torch.Tensor]:
+    return [p[block] for p in block_planes(kv, num_blocks)]
+
+
+class Hook:
+    """Wraps the worker's copier: delays saves, fails the next load or save."""
+
+    def __init__(self) -> None:
+        self.save_delay_s = 0.0
+        self.fail_loads = 0
+        self.fail_saves = 0
+        self.saves_done = 0
+        self.inner = None
+
+    def __call__(self, copier):
+        self.inner = copier
+        return self
+
+    @property
+    def num_layers(self) -> int:
+        return self.inner.num_layers
+
+    def load(self, host_ids, block_ids, first, last):
+        if self.fail_loads:
+            self.fail_loads -= 1
+            raise RuntimeError("injected load failure")
+        self.inner.load(host_ids, block_ids, first, last)
+
+    def backup(self, block_ids, host_ids, first, last):
+        time.sleep(self.save_delay_s)
+        if self.fail_saves:
+            self.fail_saves -= 1
+            raise RuntimeError("injected save failure")
+        self.inner.backup(block_ids, host_ids, first, last)
+        if last == self.inner.num_layers:
+            self.saves_done += 1
+
+
+class MiniVllm:
+    """Just enough of vLLM's scheduler and model runner to drive both halves."""
+
+    def __init__(self, *, num_blocks=16, num_host_pages=8, layout="fused", storage=None,
+                 native=None, tree="python", **extra):
+        cfg = ConnectorConfig(tree=tree, storage=storage, **extra)
+        self.num_blocks = num_blocks
+        self.kv = make_kv(layout, num_blocks)
+        self.hook = Hook()
+        fingerprint = "test-layout|model=tiny"
+        root = None
+        s_backend = w_backend = None
+        if storage is not None:
+            from hicache.storage import make_storage, root_key
+
+            nbytes = L * 2 * H * D * P * 4
+            s_backend = make_storage(storage, page_nbytes=nbytes)
+            w_backend = make_storage(storage, page_nbytes=nbytes)
+            root = root_key(None, fingerprint)
+        self.sched = SchedulerHalf(cfg, block_size=P, num_host_pages=num_host_pages,
+                                   storage_backend=s_backend, storage_root_key=root)
+        self.worker = WorkerHalf(cfg, self.kv, num_blocks=num_blocks, block_size=P,
+                                 num_host_pages=num_host_pages, storage_backend=w_backend,
+                                 native=native, copier_hook=self.hook)
+        self.free = list(range(num_blocks))
+        self.reqs: dict[str, dict] = {}
+        self.pending: list[ScheduledRequest] = []
+        self.delayed: set[str] = set()
+        self.last_errors: set[int] = set()
+        self.plans: list[StepPlan] = []
+        self.report_bad = True
+
+    def add(self, rid: str, tokens: list[int]) -> int:
+        """Schedule a new request; returns the tokens hicache will load."""
+        ext = self.sched.num_matched_tokens(rid, tokens, 0)
+        blocks = [self.free.pop(0) for _ in range(-(-len(tokens) // P))]
+        self.sched.after_alloc(rid, tokens, blocks, ext)
+        self.reqs[rid] = {"tokens": tokens, "blocks": blocks, "ext": ext}
+        self.pending.append(ScheduledRequest(rid, tokens, blocks, True, ext, len(tokens) - ext))
+        return ext
+
+    def preempt(self, rid: str) -> None:
+        """vLLM frees a preempted request's blocks at once; they are reused first."""
+        r = self.reqs[rid]
+        self.free = r["blocks"] + self.free
+        r["blocks"] = []
+
+    def finish(self, rid: str, num_computed: int | None = None) -> bool:
+        r = self.reqs[rid]
+        blocks = r["blocks"] if num_computed is not None else None
+        delay = self.sched.request_finished(rid, num_computed, blocks)
+        if delay:
+            self.delayed.add(rid)
+        else:
+            self.free += self.reqs.pop(rid)["blocks"]
+        return delay
+
+    def step(self) -> StepPlan:
+        plan = self.sched.build_plan(self.pending)
+        self.plans.append(plan)
+        scheduled, self.pending = self.pending, []
+        w = self.worker
+        w.begin_step(plan)
+        w.start_loads(plan)
+        for name in self.kv:
+            w.wait_layer(name)
+        for s in scheduled:  # the forward: compute every block not loaded
+            r = self.reqs[s.req_id]
+            for page in range(s.num_computed_tokens // P, len(r["blocks"])):
+                self.fill(r["tokens"], r["blocks"][page], page)
+        w.end_step(plan)
+        for rid in w.finished(plan):
+            assert rid in self.delayed, f"{rid} reported finished but its free was not delayed"
+            self.delayed.discard(rid)
+            self.free += self.reqs.pop(rid)["blocks"]
+        self.last_errors = w.load_errors()
+        if self.report_bad:  # vLLM hands the worker metadata to the scheduler
+            self.sched.mark_bad(w.take_bad_pages())
+        return plan
+
+    def fill(self, tokens, block: int, page: int) -> None:
+        for i, kv in enumerate(self.kv.values()):
+            for plane in block_of(kv, block, self.num_blocks):
+                plane.fill_(page_value(tokens, page, i))
+
+    def loaded_ok(self, rid: str) -> bool:
+        """Every block hicache loaded for ``rid`` holds the KV of its page."""
+        r = self.reqs[rid]
+        for page in range(r["ext"] // P):
+            block = r["blocks"][page]
+            if block in self.last_errors:
+                return False
+            for i, kv in enumerate(self.kv.values()):
+                for plane in block_of(kv, block, self.num_blocks):
+                    if not torch.all(plane == page_value(r["tokens"], page, i)):
+                        return False
+        return True
+
+    def check(self) -> None:
+        self.sched.check_integrity()
+        if not self.sched._finish_saves:
+            assert self.sched._pins == {}, "pins must not outlive a step"
+
+    def quiesce(self) -> None:
+        self.worker.drain()
+        self.check()
+        assert self.worker.num_in_flight == 0
+        assert self.worker.transfers.num_in_flight == 0
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def seq(n: int, start: int = 1) -> list[int]:
+    return list(range(start, start + n))
+
+
+@pytest.fixture
+def make_vllm():
+    made = []
+
+    def factory(**kwargs) -> MiniVllm:
+        m = MiniVllm(**kwargs)
+        made.append(m)
+        return m
+
+    yield factory
+    for m in made:
+        m.close()
+
+
+# ----------------------------------------------------------------- config
+def test_config_rejects_bad_fields_by_name():
+    with pytest.raises(ValueError, match="unknown field.*host_gigabytes"):
+        ConnectorConfig.from_extra({"host_gigabytes": 4})
+    with pytest.raises(ValueError, match="at most one of host_gb or host_tokens"):
+        ConnectorConfig.from_extra({"host_gb": 1, "host_tokens": 64})
+    with pytest.raises(ValueError, match="host_gb: expected > 0, got -1"):
+        ConnectorConfig.from_extra({"host_gb": -1})
+    with pytest.raises(TypeError, match="host_tokens: expected an int"):
+        ConnectorConfig.from_extra({"host_tokens": "64"})
+    with pytest.raises(ValueError, match="storage: expected 'file:DIR'"):
+        ConnectorConfig.from_extra({"storage": "s3://bucket"})
+    with pytest.raises(ValueError, match="write_policy: expected one of \\['write_through'\\]"):
+        ConnectorConfig.from_extra({"write_policy": "write_back"})
+    with pytest.raises(ValueError, match="storage_options: given without storage"):
+        ConnectorConfig.from_extra({"storage_options": {"fsync": True}})
+    with pytest.raises(ValueError, match="executor: expected one of"):
+        ConnectorConfig.from_extra({"executor": "gpu"})
+    with pytest.raises(ValueError, match="holds no whole block"):
+        ConnectorConfig(host_tokens=3).num_host_pages(4, 1024)
+
+
+def test_config_sizes_in_tokens_and_gb():
+    assert ConnectorConfig(host_tokens=100).num_host_pages(32, 1 << 20) == 3
+    assert ConnectorConfig(host_gb=1).num_host_pages(32, 1 << 20) == 1024
+    assert ConnectorConfig().num_host_pages(32, 1 << 30) == 4  # default 4 GiB
+
+
+# ----------------------------------------------------------------- layout
+@pytest.mark.parametrize("layout", ["fused", "split"])
+@pytest.mark.parametrize("native", [False, None])
+def test_block_copier_round_trip(layout, native):
+    kv = make_kv(layout, 8)
+    for t in kv.values():
+        t.copy_(torch.randn(t.shape))
+    lay = BlockLayout(kv, 8, P)
+    assert lay.planes_per_layer == (1 if layout == "fused" else 2)
+    assert lay.page_nbytes == L * 2 * H * D * P * 4
+    pool = HostPool(lay.host_kv_config(), 4, pin_memory=False, reserve_nbytes=0)
+    copier = BlockCopier(lay, pool, native=native)
+    before = {n: t.clone() for n, t in kv.items()}
+    copier.backup(torch.tensor([5, 1]), torch.tensor([2, 0]), 0, L)
+    copier.load(torch.tensor([2, 0]), torch.tensor([6, 7]), 0, 1)  # layer 0 only
+    copier.load(torch.tensor([2, 0]), torch.tensor([6, 7]), 1, 2)
+    for name, t in kv.items():
+        for src, dst in ((5, 6), (1, 7)):
+            for a, b in zip(block_of(before[name], src, 8), block_of(t, dst, 8), strict=True):
+                assert torch.equal(a, b)
+        for other in (0, 2, 3, 4):
+            for a, b in zip(block_of(before[name], other, 8), block_of(t, other, 8), strict=True):
+                assert torch.equal(a, b)
+
+
+def test_block_planes_rejects_unknown_layouts():
+    with pytest.raises(ValueError, match="expected \\(num_blocks=8"):
+        block_planes(torch.zeros(4, 8, 2), 8)
+    with pytest.raises(ValueError, match="contiguous"):
+        block_planes(torch.zeros(8, 4, 4).transpose(1, 2), 8)
+
+
+# ------------------------------------------------------------ scenarios
+def test_saved_blocks_come_back_after_vllm_dropped_them(make_vllm):
+    m = make_vllm()
+    a = seq(14)  # 3 whole blocks + 2 tokens
+    assert m.add("a", a) == 0
+    plan = m.step()
+    assert [len(s.block_ids) for s in plan.saves] == [3]
+    assert m.finish("a") is True  # its blocks wait for the save
+    m.step()  # empty step: the worker reports "a" once the save landed
+    assert "a" not in m.reqs and len(m.free) == 16
+    m.check()
+    assert m.sched.stats()["host_pages_used"] == 3
+    b = a[:12] + seq(6, 100)
+    assert m.add("b", b) == 12  # three blocks from host memory
+    plan = m.step()
+    assert [len(op.block_ids) for op in plan.loads] == [3]
+    assert m.loaded_ok("b") and not m.last_errors
+    # b's fourth block is new: saved; its first three were cached and are not saved again
+    assert [op.block_ids for op in plan.saves] == [[m.reqs["b"]["blocks"][3]]]
+    m.finish("b")
+    m.step()
+    m.quiesce()
+    assert m.sched.stats()["host_pages_used"] == 4
+    assert m.worker.take_stats()["load_blocks"] == 3
+
+
+def test_lookup_leaves_a_token_to_compute_and_is_side_effect_free(make_vllm):
+    m = make_vllm()
+    a = seq(12)
+    m.add("a", a)
+    m.step()
+    m.finish("a")
+    m.step()
+    nodes = {n.id: (n.hit_count, n.last_access) for n in m.sched.tree.nodes()}
+    assert m.sched.num_matched_tokens("x", a, 0) == 8  # 12 tokens: the last block recomputes
+    assert m.sched.num_matched_tokens("x", a + [99], 0) == 12
+    assert m.sched.num_matched_tokens("x", a + [99], 12) == 0  # vLLM has it all
+    assert {n.id: (n.hit_count, n.last_access) for n in m.sched.tree.nodes()} == nodes
+    m.sched.request_finished("x")
+    m.quiesce()
+    assert m.sched.num_live_requests == 0
+
+
+def test_host_eviction_is_lru_and_exact(make_vllm):
+    m = make_vllm(num_host_pages=4)
+    for rid, start in (("a", 1), ("b", 100), ("c", 200)):
+        m.add(rid, seq(8, start) + [7])  # two whole blocks each
+        m.step()
+        m.finish(rid)
+        m.step()
+        m.check()
+    s = m.sched.stats()
+    assert s["host_pages_used"] == 4 and s["host_evicted_tokens"] == 2 * P
+    assert m.sched.num_matched_tokens("q", seq(8, 1) + [7], 0) == 0  # a: evicted first
+    assert m.sched.num_matched_tokens("q", seq(8, 100) + [7], 0) == 8
+    assert m.sched.num_matched_tokens("q", seq(8, 200) + [7], 0) == 8
+    m.sched.request_finished("q")
+    m.quiesce()
+
+
+def test_save_skipped_when_every_host_page_is_pinned_by_this_step(make_vllm):
+    m = make_vllm(num_host_pages=2)
+    m.add("a", seq(8) + [1])
+    m.step()
+    m.finish("a")
+    m.step()
+    # b loads both host pages (pinned this step) and computes two more blocks: no room
+    m.add("b", seq(8) + seq(9, 50))
+    plan = m.step()
+    assert m.loaded_ok("b")
+    assert plan.saves == []
+    assert m.sched.stats()["save_skipped_tokens"] == 2 * P
+    m.finish("b")
+    m.step()
+    m.quiesce()
+
+
+def test_save_in_flight_when_blocks_are_reused_after_preemption(make_vllm):
+    """A preempted request's blocks go to another request at once: the forward that
+    overwrites them must wait for the save still reading them."""
+    m = make_vllm()
+    m.hook.save_delay_s = 0.05  # per layer: the save is still copying at the next step
+    a = seq(12, 1) + [5]
+    m.add("a", a)
+    m.step()
+    assert m.worker.num_in_flight == 1
+    m.preempt("a")
+    b = seq(12, 300) + [5]
+    m.add("b", b)  # takes a's blocks
+    assert m.reqs["b"]["blocks"][:3] == m.plans[0].saves[0].block_ids
+    m.step()
+    m.hook.save_delay_s = 0.0
+    m.quiesce()
+    m.finish("a")  # aborted while preempted
+    m.finish("b")
+    m.add("c", a)  # a's pages, from host memory: a's KV, not b's
+    m.step()
+    assert m.reqs["c"]["ext"] == 12 and m.loaded_ok("c")
+    m.finish("c")
+    m.step()
+    m.quiesce()
+
+
+def test_finished_request_keeps_blocks_until_save_landed(make_vllm):
+    m = make_vllm()
+    m.hook.save_delay_s = 0.05
+    m.add("a", seq(8) + [3])
+    m.step()
+    blocks = list(m.reqs["a"]["blocks"])
+    assert m.finish("a") is True
+    assert not set(blocks) & set(m.free)  # not freed yet
+    saves_before = m.hook.saves_done
+    m.step()  # reports "a": only after its save landed
+    assert m.hook.saves_done == saves_before + 1
+    assert set(blocks) <= set(m.free)
+    m.hook.save_delay_s = 0.0
+    m.quiesce()
+
+
+def test_request_without_saves_frees_at_once(make_vllm):
+    m = make_vllm()
+    m.add("a", [1, 2, 3])  # no whole block
+    m.step()
+    assert m.finish("a") is False
+    assert len(m.free) == 16
+    m.quiesce()
+
+
+def test_failed_load_is_reported_and_its_saves_dropped(make_vllm):
+    m = make_vllm()
+    a = seq(8)
+    m.add("a", a + [9])
+    m.step()
+    m.finish("a")
+    m.step()
+    m.hook.fail_loads = 1
+    b = a + seq(8, 40) + [1]
+    assert m.add("b", b) == 8
+    plan = m.step()
+    loaded = m.reqs["b"]["blocks"][:2]
+    assert m.last_errors == set(loaded)
+    assert not m.loaded_ok("b")
+    # b's new blocks were computed on top of garbage: not saved, their pages marked bad
+    assert len(plan.saves) == 1 and m.worker.counters.save_failed_blocks == 2
+    m.finish("b")
+    m.step()
+    m.quiesce()
+    # The scheduler was told: a later request is promised only the good pages, and its
+    # own computation of the others is saved into the bad pages again
+    assert m.add("c", b) == 8
+    plan = m.step()
+    assert m.loaded_ok("c") and not m.last_errors
+    assert [op.block_ids for op in plan.saves] == [m.reqs["c"]["blocks"][2:4]]
+    m.finish("c")
+    m.step()
+    m.quiesce()
+    assert m.add("d", b) == 16
+    m.step()
+    assert m.loaded_ok("d") and not m.last_errors
+    m.finish("d")
+    m.step()
+    m.quiesce()
+
+
+def test_failed_save_pages_are_never_loaded(make_vllm):
+    m = make_vllm()
+    m.report_bad = False  # the worker alone: it must not serve the pages
+    m.hook.fail_saves = 1
+    a = seq(8) + [5]
+    m.add("a", a)
+    m.step()
+    m.finish("a")
+    m.step()
+    m.quiesce()
+    assert m.add("b", a) == 8  # the scheduler was not told: it promises them
+    m.step()
+    assert m.last_errors == set(m.reqs["b"]["blocks"][:2])
+    m.finish("b")
+    m.step()
+    m.quiesce()
+
+
+def test_bad_pages_are_not_promised_and_are_saved_again(make_vllm):
+    m = make_vllm()
+    m.hook.fail_saves = 1
+    a = seq(12) + [5]
+    m.add("a", a)
+    m.step()
+    m.finish("a")
+    m.step()
+    m.quiesce()
+    bad = set(m.plans[0].saves[0].host_pages)
+    assert m.sched._bad == bad
+    assert m.sched.num_matched_tokens("b", a, 0) == 0  # bad from the first page on
+    m.sched.request_finished("b")
+    assert m.add("b", a) == 0
+    plan = m.step()  # b computes the blocks again: saved into the same host pages
+    assert [set(op.host_pages) for op in plan.saves] == [bad]
+    m.finish("b")
+    m.step()
+    m.quiesce()
+    assert not m.sched._bad and not m.worker._bad_pages
+    assert m.add("c", a) == 12
+    m.step()
+    assert m.loaded_ok("c") and not m.last_errors
+    m.finish("c")
+    m.step()
+    m.quiesce()
+
+
+def test_empty_steps_move_nothing(make_vllm):
+    m = make_vllm()
+    m.add("a", [1, 2])
+    plan = m.step()
+    assert plan.is_empty()
+    for _ in range(3):
+        assert m.step().is_empty()
+    assert m.worker.take_stats() is None
+    m.finish("a")
+    m.quiesce()
+
+
+def test_reset_drops_every_host_page(make_vllm):
+    m = make_vllm()
+    m.add("a", seq(8) + [1])
+    m.step()
+    m.finish("a")
+    m.step()
+    assert m.sched.reset() is True
+    m.quiesce()
+    assert m.sched.stats()["host_pages_used"] == 0
+    assert m.sched.num_matched_tokens("q", seq(8) + [1], 0) == 0
+    m.sched.request_finished("q")
+
+
+@pytest.mark.parametrize("layout", ["fused", "split"])
+def test_third_tier_serves_a_fresh_process(make_vllm, tmp_path, layout):
+    storage = f"file:{tmp_path}"
+    m = make_vllm(storage=storage, layout=layout)
+    a = seq(12) + [4]
+    m.add("a", a)
+    m.step()
+    m.finish("a")
+    m.step()
+    m.quiesce()
+    assert m.worker.counters.storage_write_bytes == 3 * m.worker.host_pool.page_nbytes
+    fresh = make_vllm(storage=storage, layout=layout)  # new host tier, same directory
+    assert fresh.add("b", a) == 12
+    plan = fresh.step()
+    assert [len(op.storage_keys) for op in plan.loads] == [3]
+    assert fresh.loaded_ok("b") and not fresh.last_errors
+    assert fresh.sched.stats()["storage_hit_tokens"] == 12
+    fresh.finish("b")
+    fresh.step()
+    fresh.quiesce()
+
+
+def test_third_tier_read_failure_is_a_load_error(make_vllm, tmp_path):
+    storage = f"file:{tmp_path}"
+    m = make_vllm(storage=storage)
+    a = seq(12) + [4]
+    m.add("a", a)
+    m.step()
+    m.finish("a")
+    m.step()
+    m.quiesce()
+    fresh = make_vllm(storage=storage)
+    assert fresh.add("b", a) == 12
+    files = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+    for f in files:  # every page is corrupted after exists() said yes
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0xFF
+        f.write_bytes(bytes(data))
+    fresh.step()
+    assert fresh.last_errors == set(fresh.reqs["b"]["blocks"][:3])
+    assert fresh.worker.counters.storage_errors == 1
+    fresh.finish("b")
+    fresh.step()
+    fresh.quiesce()
+
+
+def test_many_requests_with_preemptions_keep_both_halves_consistent(make_vllm):
+    rng = np.random.default_rng(0)
+    m = make_vllm(num_blocks=24, num_host_pages=6, tree="auto")
+    prefixes = [seq(8, 1000 * i) for i in range(4)]
+    live: list[str] = []
+    for i in range(40):
+        if live and rng.random() < 0.3:
+            rid = live.pop(int(rng.integers(len(live))))
+            if rng.random() < 0.5:
+                m.preempt(rid)
+                m.finish(rid)
+            else:
+                m.finish(rid)
+        tokens = prefixes[int(rng.integers(4))] + list(rng.integers(1, 999, int(rng.integers(1, 9))))
+        need = -(-len(tokens) // P)
+        if len(m.free) < need:
+            m.step()
+            continue
+        rid = f"r{i}"
+        m.add(rid, [int(t) for t in tokens])
+        live.append(rid)
+        m.step()
+        assert m.loaded_ok(rid)
+        m.check()
+    for rid in live:
+        m.finish(rid)
+    m.step()
+    m.step()
+    m.quiesce()
+    assert not m.delayed and len(m.free) == 24
+    assert m.sched.stats()["host_hit_tokens"] > 0
+
+
+def test_save_waits_for_the_storage_write_reading_its_host_page(make_vllm, tmp_path):
+    """The scheduler may evict a page whose third-tier write is still reading it and give
+    it to the next save: the worker lets the write finish before the save overwrites it."""
+    storage = f"file:{tmp_path}"
+    m = make_vllm(num_host_pages=2, storage=storage)
+    backend = m.worker.storage.backend
+    slow_set = backend.set
+
+    def set_slowly(keys, values):
+        time.sleep(0.2)
+        return slow_set(keys, values)
+
+    backend.set = set_slowly
+    m.hook.save_delay_s = 0.02  # a's save still copying when b's save is planned
+    a = seq(8) + [1]
+    m.add("a", a)
+    m.step()
+    m.finish("a")
+    m.add("b", seq(8, 500) + [1])  # evicts a's two host pages and saves into them
+    m.step()
+    m.finish("b")
+    m.step()
+    m.quiesce()
+    fresh = make_vllm(storage=storage)
+    assert fresh.add("c", a) == 8  # a's pages, from storage: a's KV, not b's
+    fresh.step()
+    assert fresh.loaded_ok("c")
+    fresh.finish("c")
+    fresh.step()
+    fresh.quiesce()
+
+
+def test_scheduler_rejects_a_load_it_never_promised():
+    sched = SchedulerHalf(ConnectorConfig(tree="python"), block_size=P, num_host_pages=4)
+    with pytest.raises(ValueError, match="promised none"):
+        sched.after_alloc("x", seq(9), [0, 1, 2], 4)
+
+
+def test_thread_safety_of_concurrent_saves_is_not_needed():
+    # The worker is driven by one thread (vLLM's model runner); its copies run on
+    # hicache's executor threads. Nothing here may be called from two threads.
+    assert threading.current_thread() is threading.main_thread()
+
+
+def test_load_waits_for_the_save_of_its_host_pages(make_vllm):
+    """A page's save (one executor thread) may still be copying when the next step
+    loads it (another thread): the load must not read it before the save landed."""
+    m = make_vllm()
+    m.hook.save_delay_s = 0.05
+    a = seq(8)
+    m.add("a", a + [1])
+    m.step()
+    assert m.worker.num_in_flight == 1
+    m.finish("a")  # a keeps its blocks until the save landed: b gets other blocks
+    assert m.add("b", a + seq(4, 70)) == 8  # same step: the save is still in flight
+    m.step()
+    assert m.loaded_ok("b") and not m.last_errors
+    m.hook.save_delay_s = 0.0
+    m.finish("b")
+    m.step()
+    m.quiesce()
+
+
+def test_finished_request_saves_blocks_its_last_steps_completed(make_vllm):
+    """With async scheduling the last sampled tokens are unknown when the last steps are
+    planned: the blocks they complete are saved when the request finishes."""
+    m = make_vllm()
+    prompt = seq(6)
+    m.add("a", prompt)
+    m.step()  # 6 tokens: one whole block saved
+    full = prompt + [77, 78, 79]  # three tokens decoded; the planner never saw them
+    m.reqs["a"]["tokens"] = full
+    m.sched._reqs["a"].token_ids = full
+    for page in range(2):
+        m.fill(full, m.reqs["a"]["blocks"][page], page)
+    assert m.finish("a", num_computed=8) is True  # KV of 8 tokens computed: 2 blocks
+    plan = m.step()
+    assert [op.block_ids for op in plan.saves] == [[m.plans[0].saves[0].block_ids[0] + 1]]
+    m.quiesce()
+    assert m.add("b", full + [1]) == 8
+    m.step()
+    assert m.loaded_ok("b")
+    m.finish("b")
+    m.step()
+    m.quiesce()
