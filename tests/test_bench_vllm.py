@@ -23,6 +23,7 @@ from hicache.benchmarks.vllm_report import (
     compare,
     differing_vs_first,
     outputs_identical,
+    plot_ttft_cdf,
     report,
     summarize,
 )
@@ -318,6 +319,16 @@ def test_report_names_failures_and_mismatches(capsys):
     assert summary["tokens_identical"] is False and summary["requests_differing"] == 2
     assert summary["comparisons"] == {}
     assert summary["configs"]["vllm+host"]["failed"] == 1
+
+
+def test_plot_ttft_cdf_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    a = _result([0.1, 0.2, 0.4], [[1], [2], [3]], {})
+    b = _result([0.05], [[1]], {})
+    b["num_failed"] = 2
+    path = tmp_path / "cdf.png"
+    plot_ttft_cdf(str(path), {"vllm": a, "vllm+host": b}, "t")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_compare_ratios_against_vllm():

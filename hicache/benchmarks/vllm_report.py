@@ -173,7 +173,9 @@ def plot_ttft_cdf(path: str, results: dict[str, dict], title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, res in results.items():
         ttft = np.sort([r["ttft_s"] * 1e3 for r in res["requests"]])
-        ax.step(ttft, np.arange(1, len(ttft) + 1) / len(ttft), where="post", label=name)
+        failed = res["num_failed"]
+        label = f"{name} ({failed} requests failed)" if failed else name
+        ax.step(ttft, np.arange(1, len(ttft) + 1) / len(ttft), where="post", label=label)
     ax.set_xscale("log")
     ax.set_xlabel("time to first token (ms)")
     ax.set_ylabel("fraction of requests")
