@@ -50,6 +50,13 @@ if [ "$has_gpu" = 1 ]; then
   bench transfer 90 --device cuda --total-mib 512
   bench recompute 90 --device cuda --preset llama3-8b-layers2 --tokens 1024,2048,4096,8192
   bench multiturn 90 --device cuda
+  # vLLM (CUDA build: pip install vllm) alone vs with the hicache connector; three engine
+  # starts. bfloat16: FlashAttention has no float32 kernels.
+  if $PY -c 'import vllm' 2>/dev/null; then
+    bench vllm 540 --workload agentic --preset medium --dtype bfloat16 --concurrency 8
+  else
+    echo "vLLM not installed: bench vllm skipped"
+  fi
 else
   echo "no CUDA device: GPU benchmarks skipped"
 fi

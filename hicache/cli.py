@@ -40,6 +40,8 @@ _BENCHES = [
      "cache, hierarchy (+ small host tier, + storage tier)"),
     ("tiers", "hicache.benchmarks.tiers", "host tier in replay: hit ratio and requests/s against "
      "device-only on one trace"),
+    ("vllm", "hicache.benchmarks.vllm", "vLLM alone vs with the hicache connector (host tier, "
+     "+ storage): TTFT, tokens computed per tier, req/s"),
 ]
 
 

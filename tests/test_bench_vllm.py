@@ -1,0 +1,426 @@
+"""``hicache bench vllm``: argument checks, the request dispatcher, the report, a real run.
+
+The argument checks, the dispatcher (driven with a fake engine) and the report need
+no vLLM. The real run starts vLLM's CPU engine on a tiny random model once per
+configuration (a minute or two each on a 2-core machine); it skips without vLLM,
+and fails instead when HICACHE_REQUIRE_VLLM=1 (CI installs vLLM).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import hicache.benchmarks.vllm as bv
+from hicache.benchmarks.vllm_engine import OrderedSlots, StatsSink, drive
+from hicache.benchmarks.vllm_report import (
+    compare,
+    differing_vs_first,
+    outputs_identical,
+    plot_ttft_cdf,
+    report,
+    summarize,
+)
+from hicache.cli import main as cli_main
+from hicache.traces import Request, generate
+
+REQUIRE_VLLM = os.environ.get("HICACHE_REQUIRE_VLLM") == "1"
+
+
+# ----------------------------------------------------------------------------- arguments
+
+
+@pytest.fixture
+def everything_installed(monkeypatch):
+    """Validation runs the same whether or not vLLM / the connector / matplotlib exist."""
+    monkeypatch.setattr(bv, "installed", lambda module: True)
+
+
+def _usage_error(capsys, argv: list[str]) -> str:
+    assert cli_main(["bench", "vllm", *argv]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert captured.out == ""
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--trace", "t.jsonl", "--workload", "agentic"], "one of --trace or --workload"),
+    (["--model", "m", "--preset", "tiny"], "one of --model or --preset"),
+    (["--concurrency", "2", "--request-rate", "1"], "one of --concurrency or --request-rate"),
+    (["--concurrency", "0"], "--concurrency: expected an int >= 1, got 0"),
+    (["--num-requests", "0"], "--num-requests: expected an int >= 1, got 0"),
+    (["--vllm-blocks", "-3"], "--vllm-blocks: expected an int >= 1, got -3"),
+    (["--max-tokens", "0"], "--max-tokens: expected an int >= 1, got 0"),
+    (["--request-rate", "-1"], "--request-rate: expected a number > 0, got -1.0"),
+    (["--request-rate", "nan"], "--request-rate: expected a number > 0, got nan"),
+    (["--host-gb", "0"], "--host-gb: expected a number > 0, got 0.0"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization: expected a fraction"),
+    (["--configs", "vllm,sglang"], "--configs: expected distinct names among"),
+    (["--configs", "vllm,vllm"], "--configs: expected distinct names among"),
+    (["--configs", ","], "--configs: expected distinct names among"),
+    (["--storage", "s3://bucket"], "--storage: expected 'file:DIR' or 'mooncake://"),
+    (["--trace", "/nonexistent/t.jsonl"], "--trace: expected a trace file"),
+    (["--model", "/nonexistent"], "--model: expected a model directory with config.json"),
+])
+def test_bad_arguments_exit_2_with_one_line(capsys, everything_installed, argv, expected):
+    line = _usage_error(capsys, argv)
+    assert line.startswith("hicache bench vllm: ")
+    assert expected in line
+
+
+def test_vllm_blocks_below_one_sequence_is_refused(capsys, everything_installed):
+    # The first agentic request: 768 prompt + 4 generated tokens -> 800-token model length,
+    # 25 blocks of 32, and vLLM needs one more than a whole sequence: 26.
+    line = _usage_error(capsys, ["--num-requests", "1", "--max-tokens", "4",
+                                 "--vllm-blocks", "25"])
+    assert "--vllm-blocks: expected >= 26 (one 800-token sequence in 32-token blocks), got 25" \
+        in line
+
+
+def test_bad_trace_content_is_a_usage_error(capsys, everything_installed, tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"id": 0, "session": 0, "prompt": [1, -2], "output": []}\n')
+    assert "--trace: " in _usage_error(capsys, ["--trace", str(path)])
+
+
+@pytest.mark.parametrize("missing, argv, expected", [
+    ("vllm", [], "needs vLLM, which is not installed"),
+    (bv.CONNECTOR_MODULE, [], "need hicache.integrations.vllm"),
+    ("matplotlib", ["--configs", "vllm", "--plot", "x.png"], "--plot needs matplotlib"),
+])
+def test_missing_dependency_fails_before_work(capsys, monkeypatch, missing, argv, expected):
+    monkeypatch.setattr(bv, "installed", lambda module: module != missing)
+    monkeypatch.setattr(bv, "make_random_model",
+                        lambda *a: pytest.fail("work started before the checks"))
+    assert expected in _usage_error(capsys, argv)
+
+
+def test_installed_survives_a_missing_parent_package():
+    assert bv.installed("json")
+    assert not bv.installed("no_such_package_hicache.sub")
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+def _args(**overrides):
+    base = dict(block_size=32, max_tokens=16, vllm_blocks=None)
+    base.update(overrides)
+    return type("Args", (), base)()
+
+
+def test_plan_sizes_are_exact():
+    # Two sessions sharing a 64-token prefix; session 0's second turn extends its first.
+    a = list(range(64)) + list(range(100, 132))  # 96 tokens: 3 blocks
+    b = list(range(64)) + list(range(200, 240))  # 104 tokens: 3 full blocks (+8)
+    a2 = a + list(range(300, 340))  # 136 tokens: 4 full blocks (+8)
+    reqs = [Request(0, 0, a, [1] * 20), Request(1, 1, b, [2] * 5), Request(2, 0, a2, [])]
+    plan = bv.make_plan(_args(), reqs)
+    # distinct page-aligned prompt prefixes: [0:32], [0:64], a[:96], b[:96], a2[:128] = 5 pages
+    assert plan.working_set_tokens == 5 * 32
+    # longest sequence: 136 prompt + 16 generated (no trace output: the cap) = 152 -> 160
+    assert plan.max_model_len == 160
+    assert plan.vllm_blocks == 160 // 32 + 1  # a quarter of the working set is below that
+    # generated: min(20, 16) + 5 + 16 = 37; (160 + 37) -> 224 tokens, + 16 blocks of slack
+    assert plan.host_tokens == 224 + 16 * 32
+    assert plan.small_host_tokens == 2 * 160
+    assert bv.make_plan(_args(vllm_blocks=40), reqs).vllm_blocks == 40
+
+
+def test_default_agentic_working_set_is_4x_vllm_cache():
+    reqs = generate("agentic", seed=0, **bv.WORKLOADS["agentic"])
+    plan = bv.make_plan(_args(), reqs)
+    assert plan.working_set_tokens >= 4 * plan.vllm_blocks * plan.block_size
+    assert plan.host_tokens >= plan.working_set_tokens
+    assert plan.small_host_tokens < plan.working_set_tokens
+
+
+def test_presets_are_llama_shapes():
+    for shape in bv.PRESETS.values():
+        assert shape.hidden_size % shape.num_heads == 0
+        assert shape.num_heads % shape.num_kv_heads == 0
+    small = bv.PRESETS["small"]
+    assert small.kv_nbytes_per_token == 2 * 4 * 512 * 4  # K+V, 4 layers, 512 wide, float32
+
+
+# ----------------------------------------------------------------------------- dispatcher
+
+
+class FakeEngine:
+    """Records what runs concurrently; each request takes ``delay(req)`` seconds."""
+
+    def __init__(self, delay):
+        self.delay = delay
+        self.in_flight: list[int] = []
+        self.max_in_flight = 0
+        self.started: list[int] = []
+        self.finished: list[int] = []
+        self.events: list[tuple[str, int]] = []  # ("start" | "end", id) in time order
+
+    async def submit(self, req: dict) -> dict:
+        self.started.append(req["id"])
+        self.events.append(("start", req["id"]))
+        self.in_flight.append(req["id"])
+        self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
+        await asyncio.sleep(self.delay(req))
+        if req.get("fail"):
+            self.in_flight.remove(req["id"])
+            raise RuntimeError(f"request {req['id']} failed")
+        self.in_flight.remove(req["id"])
+        self.finished.append(req["id"])
+        self.events.append(("end", req["id"]))
+        return {"id": req["id"]}
+
+
+def _reqs(sessions: list[int], **extra) -> list[dict]:
+    return [{"id": i, "session": s, **extra} for i, s in enumerate(sessions)]
+
+
+def test_drive_keeps_sessions_in_order_and_bounds_concurrency():
+    reqs = _reqs([0, 1, 0, 2, 1, 0, 3, 2])
+    eng = FakeEngine(lambda r: 0.01 * (1 + r["id"] % 3))
+    done = []
+    records, errors = asyncio.run(drive(eng.submit, reqs, concurrency=2, request_rate=0,
+                                        seed=0, on_done=lambda: done.append(1)))
+    assert errors == [] and len(done) == 8
+    assert [r["id"] for r in records] == list(range(8))  # trace order, whatever finished first
+    assert eng.max_in_flight == 2
+    for s in range(4):  # a session's turn starts after its previous turn finished
+        ids = [r["id"] for r in reqs if r["session"] == s]
+        for prev, nxt in zip(ids, ids[1:], strict=False):
+            assert eng.events.index(("end", prev)) < eng.events.index(("start", nxt))
+
+
+def test_drive_gives_a_free_slot_to_the_earliest_ready_request():
+    # One slot. Request 0 (session 0) runs; 1 (session 0) waits for it; 2, 3 (new
+    # sessions) are ready at once. A FIFO semaphore would start 2 and 3 before 1; here
+    # the freed slot goes to the lowest trace index that is ready: 1 (once 0 is done).
+    reqs = _reqs([0, 0, 1, 2])
+    eng = FakeEngine(lambda r: 0.01)
+    asyncio.run(drive(eng.submit, reqs, concurrency=1, request_rate=0, seed=0))
+    assert eng.started == [0, 1, 2, 3]
+
+
+def test_drive_open_loop_reports_failures_and_releases_the_session():
+    reqs = _reqs([0, 0, 1])
+    reqs[0]["fail"] = True
+    eng = FakeEngine(lambda r: 0.001)
+    records, errors = asyncio.run(drive(eng.submit, reqs, concurrency=0, request_rate=500.0,
+                                        seed=1))
+    assert [r["id"] for r in records] == [1, 2]
+    assert errors == ["RuntimeError('request 0 failed')"]
+
+
+def test_drive_needs_exactly_one_mode():
+    with pytest.raises(ValueError, match="one of concurrency > 0 or request_rate > 0"):
+        asyncio.run(drive(FakeEngine(lambda r: 0).submit, [], concurrency=2, request_rate=1.0,
+                          seed=0))
+
+
+def test_ordered_slots_count():
+    async def scenario():
+        slots = OrderedSlots(2)
+        await slots.acquire(5)
+        await slots.acquire(3)
+        assert slots.num_free == 0
+        waiter = asyncio.ensure_future(slots.acquire(9))
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        slots.release()  # handed to the waiter, not counted free
+        await asyncio.sleep(0)
+        assert waiter.done() and slots.num_free == 0
+        slots.release()
+        slots.release()
+        assert slots.num_free == 2
+
+    asyncio.run(scenario())
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _result(ttfts_s, outputs, stats, by_source=None, wall_s=2.0):
+    recs = [{"id": i, "session": 0, "prompt_tokens": 100, "cached_tokens": 0, "ttft_s": t,
+             "decode_step_s": 0.02, "output": o, "preemptions": 0}
+            for i, (t, o) in enumerate(zip(ttfts_s, outputs, strict=True))]
+    return {"requests": recs, "num_failed": 0, "prompt_token_stats": stats,
+            "connector_hits_by_source": by_source or {}, "wall_s": wall_s,
+            "engine_start_s": 30.0, "connector_stats": {}, "errors": []}
+
+
+def test_summarize_splits_prompt_tokens_by_tier():
+    stats = {"computed": 40, "local_cache_hit": 64, "external_kv_transfer": 96, "total": 200}
+    s = summarize(_result([0.1, 0.3], [[1], [2]], stats, {"host": 64, "disk": 32}))
+    assert (s["computed_tokens"], s["vllm_hit_tokens"], s["host_hit_tokens"],
+            s["storage_hit_tokens"], s["unspecified_hit_tokens"]) == (40, 64, 64, 32, 0)
+    assert s["prompt_tokens"] == 200 and s["req_per_s"] == 1.0
+    assert s["ttft_mean_ms"] == 200.0 and s["ttft_p50_ms"] == 200.0
+    assert s["decode_step_ms"] == 20.0
+    # a connector that names no tier: its tokens are shown as such, not guessed
+    s = summarize(_result([0.1], [[1]], stats, {"external_unspecified": 96}))
+    assert (s["host_hit_tokens"], s["unspecified_hit_tokens"]) == (0, 96)
+
+
+def test_connector_stats_are_summed_over_steps():
+    sink = StatsSink()
+    sink.recording = True
+    step = type("S", (), {"connector_prefix_cache_stats": None, "kv_connector_stats": None})
+    for data in ({"load_bytes": 10, "load_seconds": 0.5, "name": "x"},
+                 {"load_bytes": 6, "per_tier": {"host": 2}, "flag": True},
+                 None):
+        s = step()
+        s.kv_connector_stats = data
+        sink.record(s, None)
+    assert sink.connector_stats == {"load_bytes": 16, "load_seconds": 0.5,
+                                    "per_tier": {"host": 2}}
+
+
+def test_outputs_identical_counts_differing_and_missing_requests():
+    a = _result([0.1, 0.1, 0.1], [[1, 2], [3], [4]], {})
+    b = _result([0.1, 0.1, 0.1], [[1, 2], [3], [5]], {})
+    c = _result([0.1, 0.1], [[1, 2], [3]], {})
+    assert outputs_identical({"x": a, "y": a}) == (True, 0)
+    assert outputs_identical({"x": a, "y": b}) == (False, 1)
+    assert outputs_identical({"x": a, "y": c}) == (False, 1)  # request 2 missing in c
+
+
+def test_differing_vs_first_counts_finished_requests_only():
+    a = _result([0.1, 0.1, 0.1], [[1, 2], [3], [4]], {})
+    b = _result([0.1, 0.1], [[1, 2], [9]], {})
+    assert differing_vs_first({"vllm": a, "x": b}) == {"vllm": 0, "x": 1}
+
+
+def test_compare_skips_configs_with_failed_requests():
+    ok = {"ttft_mean_ms": 1.0, "computed_tokens": 1, "req_per_s": 1.0, "decode_step_ms": 1.0,
+          "external_hit_tokens": 1, "failed": 0}
+    assert compare({"vllm": ok, "vllm+host": ok, "vllm+host+storage": {**ok, "failed": 3}}) \
+        == {"vllm+host": {"ttft_mean_speedup": 1.0, "computed_reduction": 1.0,
+                          "req_per_s_ratio": 1.0, "ttft_mean_delta_ms": 0.0,
+                          "decode_step_delta_ms": 0.0}}
+
+
+def test_report_names_failures_and_mismatches(capsys):
+    stats = {"computed": 200, "local_cache_hit": 0, "external_kv_transfer": 0, "total": 200}
+    a = _result([0.1, 0.2], [[1], [2]], stats)
+    b = _result([0.1], [[7]], stats)
+    b["num_failed"], b["errors"] = 1, ["EngineDeadError('boom')"]
+    summary = report({"vllm": a, "vllm+host": b}, {}, {}, out=sys.stdout, plot=None, title="t")
+    text = capsys.readouterr().out
+    assert "vllm+host: 1 requests FAILED, first error: EngineDeadError('boom')" in text
+    assert "vllm+host: 1 finished requests generated other tokens than vllm" in text
+    assert summary["tokens_identical"] is False and summary["requests_differing"] == 2
+    assert summary["comparisons"] == {}
+    assert summary["configs"]["vllm+host"]["failed"] == 1
+
+
+def test_plot_ttft_cdf_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    a = _result([0.1, 0.2, 0.4], [[1], [2], [3]], {})
+    b = _result([0.05], [[1]], {})
+    b["num_failed"] = 2
+    path = tmp_path / "cdf.png"
+    plot_ttft_cdf(str(path), {"vllm": a, "vllm+host": b}, "t")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_ratios_against_vllm():
+    configs = {
+        "vllm": {"ttft_mean_ms": 300.0, "computed_tokens": 900, "req_per_s": 2.0,
+                 "decode_step_ms": 20.0, "external_hit_tokens": 0, "failed": 0},
+        "vllm+host": {"ttft_mean_ms": 100.0, "computed_tokens": 300, "req_per_s": 3.0,
+                      "decode_step_ms": 20.25, "external_hit_tokens": 600, "failed": 0},
+        "vllm+host+storage": {"ttft_mean_ms": 150.0, "computed_tokens": 360, "req_per_s": 2.5,
+                              "decode_step_ms": 20.5, "external_hit_tokens": 540, "failed": 0},
+    }
+    c = compare(configs)
+    assert c["vllm+host"] == {"ttft_mean_speedup": 3.0, "computed_reduction": 3.0,
+                              "req_per_s_ratio": 1.5, "ttft_mean_delta_ms": -200.0,
+                              "decode_step_delta_ms": 0.25}
+    assert c["storage_keeps_hits"] == 0.9
+
+
+# ----------------------------------------------------------------------------- real vLLM
+
+
+def _vllm_available() -> bool:
+    return bv.installed("vllm")
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory):
+    if not _vllm_available():
+        if REQUIRE_VLLM:
+            pytest.fail("HICACHE_REQUIRE_VLLM=1 but vLLM is not installed")
+        pytest.skip("vLLM is not installed")
+    configs = ["vllm"]
+    if bv.installed(bv.CONNECTOR_MODULE):
+        configs += ["vllm+host", "vllm+host+storage"]
+    cwd = tmp_path_factory.mktemp("bench")
+    cmd = [sys.executable, "-m", "hicache.cli", "bench", "vllm", "--preset", "tiny",
+           "--num-requests", str(NUM_REQUESTS), "--max-tokens", "4", "--concurrency", "2",
+           "--configs", ",".join(configs), "--json"]
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return configs, proc
+
+
+NUM_REQUESTS = 16
+
+
+def test_real_run_json_only_on_stdout(real_run):
+    _, proc = real_run
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1
+    summary = json.loads(lines[0])
+    assert "TTFT mean (ms)" in proc.stderr  # the table went to stderr under --json
+    assert "AsyncLLM" in proc.stderr  # it says how requests were issued
+    # every config's progress bar reached the caller (not the config's vLLM log)
+    assert proc.stderr.count(f"{NUM_REQUESTS}/{NUM_REQUESTS}") >= len(real_run[0])
+    assert set(summary) >= {"model", "configs", "tokens_identical"}
+
+
+def test_real_run_accounts_every_prompt_token(real_run):
+    configs, proc = real_run
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    reqs = generate("agentic", seed=0, **bv.WORKLOADS["agentic"])[:NUM_REQUESTS]
+    expected_prompt = sum(len(r.prompt) for r in reqs)
+    assert list(summary["configs"]) == configs
+    for name, c in summary["configs"].items():
+        assert c["requests"] == NUM_REQUESTS and c["failed"] == 0, name
+        assert c["prompt_tokens"] == expected_prompt, name
+        assert c["computed_tokens"] + c["vllm_hit_tokens"] + c["external_hit_tokens"] \
+            == expected_prompt, name
+        assert c["vllm_hit_tokens"] % 32 == 0 and c["external_hit_tokens"] % 32 == 0, name
+        assert c["host_hit_tokens"] + c["storage_hit_tokens"] + c["unspecified_hit_tokens"] \
+            == c["external_hit_tokens"], name
+        assert 0 < c["ttft_p50_ms"] <= c["ttft_p99_ms"], name
+        assert c["decode_step_ms"] > 0, name
+    base = summary["configs"]["vllm"]
+    assert base["external_hit_tokens"] == 0
+    # 16 agentic requests replayed on a cache of a quarter of their working set still
+    # share system prompts among concurrent sessions: vLLM alone hits something.
+    assert base["vllm_hit_tokens"] > 0
+    assert summary["tokens_identical"] is True
+
+
+def test_real_run_connector_configs_serve_from_hicache(real_run):
+    configs, proc = real_run
+    if "vllm+host" not in configs:
+        if REQUIRE_VLLM:
+            pytest.fail("HICACHE_REQUIRE_VLLM=1 but the connector module is missing")
+        pytest.skip("hicache.integrations.vllm is not in this tree yet")
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    base, host = summary["configs"]["vllm"], summary["configs"]["vllm+host"]
+    storage = summary["configs"]["vllm+host+storage"]
+    assert host["host_hit_tokens"] > 0
+    assert host["computed_tokens"] < base["computed_tokens"]
+    assert storage["external_hit_tokens"] > 0
+    assert np.isfinite(summary["comparisons"]["storage_keeps_hits"])
