@@ -125,7 +125,7 @@ def test_reset_keeps_a_load_in_flight_and_its_host_copy(tree):
 
 
 def test_reset_clears_storage_only_when_asked(tmp_path):
-    cfg = CacheConfig(KV, device_tokens=16, host_tokens=32, storage=f"file:{tmp_path}",
+    cfg = CacheConfig(KV, device_tokens=16, host_tokens=32, storage=f"file:{tmp_path}", model_id="m",
                       executor="thread", tree="python")
     with HiCache(cfg) as cache:
         h = cache.match(A)
@@ -149,7 +149,7 @@ def test_reset_clears_storage_only_when_asked(tmp_path):
 
 
 def test_reset_discards_storage_reads_in_flight(tmp_path):
-    cfg = CacheConfig(KV, device_tokens=16, host_tokens=32, storage=f"file:{tmp_path}",
+    cfg = CacheConfig(KV, device_tokens=16, host_tokens=32, storage=f"file:{tmp_path}", model_id="m",
                       executor="thread", tree="python")
     with HiCache(cfg) as writer:
         serve(writer, A)
