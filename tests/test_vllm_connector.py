@@ -89,7 +89,7 @@ class MiniVllm:
         self.num_blocks = num_blocks
         self.kv = make_kv(layout, num_blocks)
         self.hook = Hook()
-        fingerprint = "test-layout|model=tiny"
+        fingerprint, model_id = "test-layout", "tiny"
         root = None
         s_backend = w_backend = None
         if storage is not None:
@@ -98,7 +98,7 @@ class MiniVllm:
             nbytes = L * 2 * H * D * P * 4
             s_backend = make_storage(storage, page_nbytes=nbytes)
             w_backend = make_storage(storage, page_nbytes=nbytes)
-            root = root_key(None, fingerprint)
+            root = root_key(None, fingerprint, model_id)
         self.sched = SchedulerHalf(cfg, block_size=P, num_host_pages=num_host_pages,
                                    storage_backend=s_backend, storage_root_key=root)
         self.worker = WorkerHalf(cfg, self.kv, num_blocks=num_blocks, block_size=P,
