@@ -55,6 +55,7 @@ class CacheStats:
     backups: int = 0
     backups_failed: int = 0
     backups_skipped: int = 0  # nodes not backed up: host tier full and nothing evictable
+    backups_retried: int = 0  # failed backups started again (a child's host copy needs them)
     backup_bytes: int = 0
     backup_seconds: float = 0.0
     device_evicted_tokens: int = 0
@@ -73,14 +74,16 @@ class CacheStats:
 class _Transfer:
     """A transfer in flight and the tree nodes / requests that depend on it."""
 
-    __slots__ = ("handle", "kind", "nodes", "requests", "evict_after", "nbytes")
+    __slots__ = ("handle", "kind", "nodes", "requests", "evict", "nbytes")
 
     def __init__(self, handle, kind: str, nodes: list[TreeNode], nbytes: int) -> None:
         self.handle = handle
         self.kind = kind  # "load" | "backup"
         self.nodes = nodes  # grows when a node is split while in flight
         self.requests: list[PrefixHandle] = []  # requests that must wait for this load
-        self.evict_after = False  # write-back: free the device pages once backed up
+        # write-back: the nodes (the evicted leaf, parts split off it) whose device
+        # pages are freed once backed up; None for other backups
+        self.evict: list[TreeNode] | None = None
         self.nbytes = nbytes
 
 
@@ -180,10 +183,20 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
         since what is cached may have changed. Returns the transfer handle, or
         ``None`` when there is nothing to load, the host hit is shorter than
         ``load_threshold_tokens`` or no device pages can be freed (then those
-        tokens count as a miss and the caller computes them).
+        tokens count as a miss and the caller computes them). Raises
+        ``ValueError`` once the handle owns pages (after :meth:`alloc`): those
+        pages already hold the positions a load would add to the prefix.
         """
         self._check_handle(h)
+        if h._new_pages:
+            # The owned pages hold KV for positions from h.prefix_len on: growing the
+            # prefix under them would map loaded positions onto those pages.
+            raise ValueError(
+                f"load_back: the handle owns {h.num_owned_pages} pages allocated for positions "
+                f"from {h.prefix_len} on; call load_back before alloc (or release and match again)"
+            )
         self.poll()
+        self._apply_load_failures(h)
         if h.prefix_len < h.device_len + h.host_len:
             result = self.tree.match_key(h.key[: 4 * (h.device_len + h.host_len)], h.namespace)
             if result.device_len > h.prefix_len:  # loaded or inserted meanwhile: take it
@@ -266,20 +279,29 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
 
         After a failure ``h.prefix_len`` is cut back above the failed part and the
         pages ``h`` had allocated are freed: the caller allocates again and
-        recomputes from ``h.prefix_len``.
+        recomputes from ``h.prefix_len``. A failure is applied to ``h`` only by
+        calls made for ``h`` (this one, ``alloc``, ``load_back``, ``insert``), never
+        by another request's call; until then ``h.wait_layer`` raises
+        :class:`LoadError`. Each failure is reported (False) by one call;
+        ``h.load_error`` keeps the last error until a call reports no failure.
         """
         self._check_handle(h)
         for rec in list(h._loads):
             rec.handle.wait()
         self.poll()
+        self._apply_load_failures(h)
         h._loads = [rec for rec in h._loads if id(rec.handle) in self._inflight]
-        return h.load_error is None
+        failed, h._failure_unreported = h._failure_unreported, False
+        if not failed:
+            h.load_error = None  # e.g. a retried load_back landed
+        return not failed
 
     def alloc(self, h: PrefixHandle, num_tokens: int) -> torch.Tensor | None:
         """Allocate device pages for ``num_tokens`` more tokens of ``h``'s sequence.
 
         The new pages continue ``h.page_table()``. Evicts if needed; returns
-        ``None`` (and allocates nothing) when not enough pages can be freed.
+        ``None`` when not enough pages can be freed, and then has evicted nothing:
+        a refused allocation leaves every cached prefix in place.
         """
         self._check_handle(h)
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
@@ -293,6 +315,7 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
             pages = self._core.alloc(num_pages)
         else:
             self.poll()
+            self._apply_load_failures(h)
             pages = self._alloc_device(num_pages)
         if pages is not None and pages.shape[0]:
             h._new_pages.append(pages)
@@ -310,6 +333,12 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
         if self._core is not None:  # bookkeeping only: no load is ever in flight
             return self._insert_native(h, tokens)
         self.poll()
+        self._apply_load_failures(h)
+        if h._failure_unreported:
+            raise LoadError(
+                f"insert: a load of the prefix failed ({h.load_error}); h.prefix_len was cut "
+                f"back to {h.prefix_len}: call finish_loads(h), alloc and recompute from there"
+            )
         for rec in h._loads:
             if not rec.handle.done():
                 raise ValueError("insert: a prefix load is still in flight; call h.wait() first")
@@ -438,6 +467,8 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
             self._node_transfer[prefix] = rec
             if rec.kind == "load":
                 self._num_loading_nodes += 1
+            elif rec.evict is not None and suffix in rec.evict:
+                rec.evict.append(prefix)
 
     def _finish_load(self, rec: _Transfer) -> None:
         handle = rec.handle
@@ -455,10 +486,11 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
         nodes = sorted(rec.nodes, key=self._depth)
         top = nodes[0]
         for h in rec.requests:
-            if rec in h._loads:
-                h._loads.remove(rec)
+            # Applied by h's own next call (_apply_load_failures): this poll may run
+            # inside another request's call, and h's pages must not change under it.
+            # The record stays in h._loads so that h.wait_layer raises LoadError.
             if not h.released:
-                self._truncate(h, top.parent, handle.error)
+                h._failed_loads.append((rec, top.parent))
         for node in reversed(nodes):
             if node.lock_ref or any(ch.on_device for ch in node.children.values()):
                 # Someone cached KV below it before the failure was seen: load it again.
@@ -475,6 +507,18 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
         )
         num_pages = sum(n.num_tokens for n in nodes) // self.page_size
         self._track(_Transfer(handle, "load", list(nodes), num_pages * self._page_nbytes))
+
+    def _apply_load_failures(self, h: PrefixHandle) -> None:
+        """Cut ``h`` back above the loads of its prefix that failed (a call made for ``h``)."""
+        if not h._failed_loads:
+            return
+        for rec, node in h._failed_loads:
+            if rec in h._loads:
+                h._loads.remove(rec)
+            self._truncate(h, node, rec.handle.error)
+            h.load_error = rec.handle.error
+            h._failure_unreported = True
+        h._failed_loads = []
 
     def _truncate(self, h: PrefixHandle, node: TreeNode, error: BaseException) -> None:
         depth = sum(n.num_tokens for n in self.tree.path_to(node))
@@ -497,19 +541,45 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
             self.tree.set_io_status(node, IOStatus.NONE)
         if handle.error is not None:
             c.backups_failed += 1
-            for node in rec.nodes:
-                self.host_allocator.free(self.tree.detach_host(node))
+            # Deepest first. A node whose child has a host copy keeps its own (the
+            # invariant) and is backed up again; the others lose theirs and stay on
+            # the device (a later backup through the path, or write-back eviction,
+            # tries again).
+            retry = []
+            for node in sorted(rec.nodes, key=self._depth, reverse=True):
+                if any(ch.host_indices is not None for ch in node.children.values()):
+                    retry.append(node)
+                else:
+                    self.host_allocator.free(self.tree.detach_host(node))
+            if retry:
+                self._retry_backup(retry[::-1], rec)
             return
         c.backup_bytes += rec.nbytes
         c.backup_seconds += handle.seconds or 0.0
         if self.storage is not None:
             self._store(rec.nodes)
-        if rec.evict_after:
+        if rec.evict is not None:
             # Deepest first: parts split off in flight become leaves once their child goes.
-            for node in sorted(rec.nodes, key=self._depth, reverse=True):
+            for node in sorted(rec.evict, key=self._depth, reverse=True):
                 if node.lock_ref == 0 and not any(ch.on_device for ch in node.children.values()):
                     c.device_evicted_tokens += node.num_tokens
                     self.device_allocator.free(self.tree.detach_device(node))
+
+    def _retry_backup(self, nodes: list[TreeNode], failed: _Transfer) -> None:
+        """Copy ``nodes`` (root side first) into the host pages they keep, again."""
+        c = self._counters
+        for node in nodes:
+            self.tree.set_io_status(node, IOStatus.BACKING_UP)
+        dev = torch.cat([n.device_indices for n in nodes])
+        host = torch.cat([n.host_indices for n in nodes])
+        fence = None if self.device_pool is None else self.transfers.compute_fence()
+        handle = self.transfers.backup(dev, host, after=fence)
+        rec = _Transfer(handle, "backup", nodes, dev.shape[0] * self._page_nbytes)
+        if failed.evict is not None:
+            rec.evict = [n for n in failed.evict if n in nodes] or None
+        c.backups += 1
+        c.backups_retried += 1
+        self._track(rec)
 
     def _depth(self, node: TreeNode) -> int:
         depth = 0
@@ -528,17 +598,59 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
 
     # ------------------------------------------------------- pages, eviction
     def _alloc_device(self, num_pages: int) -> torch.Tensor | None:
+        """``num_pages`` free device pages, evicting as needed; None having evicted nothing.
+
+        Liveness: with no IO in flight, whenever the free pages plus the tree's
+        unlocked device pages cover the request, it succeeds (every unlocked device
+        page can be evicted: see the invariants in docs/design.md).
+        """
         alloc = self.device_allocator
-        short = num_pages - alloc.num_free_pages
-        if short > 0:
-            self._evict_device(short)
-            short = num_pages - alloc.num_free_pages
-            if short > 0 and self._inflight and self.transfers.executor_name != "manual":
-                # Pages held by backups in flight (write-back, or nodes that cannot be
-                # evicted until their backup lands) come free once those complete.
+        if num_pages <= alloc.num_free_pages:
+            return alloc.alloc(num_pages)
+        waits = self._inflight and self.transfers.executor_name != "manual"
+        if num_pages > alloc.num_free_pages + self._device_takeable_pages():
+            if not waits:
+                return None  # a refused allocation touches nothing
+            # Pages held by backups in flight (write-back, or nodes that cannot be
+            # evicted until their backup lands) come free once those complete.
+            self.wait_all()
+            if num_pages > alloc.num_free_pages + self._device_takeable_pages():
+                return None
+        manual = self.transfers.executor_name == "manual"
+        stalls = 0
+        while num_pages > alloc.num_free_pages and stalls < 3:
+            before = alloc.num_free_pages
+            # Write-back hands device leaves to backups and frees them as those land, so
+            # a chain is freed leaf by leaf: one round per level.
+            self._evict_device(num_pages - before)
+            if num_pages > alloc.num_free_pages and self._inflight and not manual:
+                # Evicted pages come free once their backups land (a failed one is
+                # offered to a backup again by the next round).
                 self.wait_all()
-                self._evict_device(num_pages - alloc.num_free_pages)
+            if alloc.num_free_pages > before:
+                stalls = 0
+            elif manual or self._bookkeeping:
+                break  # nothing lands until the test completes it / nothing is left
+            else:
+                stalls += 1
         return alloc.alloc(num_pages)
+
+    def _device_takeable_pages(self) -> int:
+        """Device pages eviction can free now: unlocked ones, less those IO pins.
+
+        An unlocked node with IO in flight (a backup, a reload) is not taken, nor
+        are its unlocked ancestors (they keep a device child until it lands).
+        """
+        tokens = self.tree.device_evictable_tokens
+        if self._node_transfer:
+            seen: set = set()
+            for node in self._node_transfer:
+                while node.parent is not None and node.lock_ref == 0 and node not in seen:
+                    seen.add(node)
+                    if node.device_indices is not None:
+                        tokens -= node.num_tokens
+                    node = node.parent
+        return tokens // self.page_size
 
     def _evict_device(self, num_pages: int) -> None:
         if num_pages <= 0:
@@ -572,45 +684,61 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
         selective = self.config.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE
         todo = self.tree.path_missing_host(node, self.config.backup_hit_threshold if selective else 0)
         if todo:
-            self._start_backup(todo, evict_after=False)
+            self._start_backup(todo)
 
     def _backup_for_eviction(self, node: TreeNode) -> bool:
-        return self._start_backup([node], evict_after=True)
+        # A host copy needs host copies of every ancestor (docs/design.md): the
+        # ancestors that lack one are backed up with it and stay on the device.
+        return self._start_backup(self.tree.path_missing_host(node), evict=node)
 
-    def _start_backup(self, nodes: list[TreeNode], evict_after: bool) -> bool:
+    def _start_backup(self, nodes: list[TreeNode], evict: TreeNode | None = None) -> bool:
+        """Back up ``nodes`` (one path, root side first); True if ``evict``'s backup started.
+
+        Stops at the first node whose parent has no host copy (the invariant: a
+        host copy implies host copies of every ancestor) or that the
+        host tier cannot take: the rest of the path is skipped. ``evict`` (the last
+        node, write-back) loses its device pages once its backup lands.
+        """
         # A write-back eviction still goes through a (completed) transfer: the
         # eviction loop hands the node over and frees its pages when that is applied.
-        sync = self._bookkeeping and not evict_after
-        started = []
-        for node in nodes:
+        sync = self._bookkeeping
+        started: list[TreeNode] = []
+        for i, node in enumerate(nodes):
+            parent = node.parent
+            if parent.parent is not None and parent.host_indices is None:
+                break  # the parent first: a later backup through this path takes these
             host_pages = self._alloc_host(node.num_tokens // self.page_size)
             if host_pages is None:
-                self._counters.backups_skipped += 1
-                continue
+                self._counters.backups_skipped += len(nodes) - i
+                break
             self.tree.attach_host(node, host_pages)
-            if not sync:
+            if not sync or node is evict:
                 self.tree.set_io_status(node, IOStatus.BACKING_UP)
             started.append(node)
         if not started:
             return False
         self._counters.backups += 1
+        moving = started if not sync else [evict] if started[-1] is evict else []
         if sync:  # bookkeeping only: the host copy is complete as it starts
             self._counters.backup_bytes += (
-                sum(n.num_tokens for n in started) // self.page_size * self._page_nbytes
+                sum(n.num_tokens for n in started if n is not evict) // self.page_size
+                * self._page_nbytes
             )
-            return True
-        if len(started) == 1:
-            dev, host = started[0].device_indices, started[0].host_indices
+        if not moving:
+            return False
+        if len(moving) == 1:
+            dev, host = moving[0].device_indices, moving[0].host_indices
         else:
-            dev = torch.cat([n.device_indices for n in started])
-            host = torch.cat([n.host_indices for n in started])
+            dev = torch.cat([n.device_indices for n in moving])
+            host = torch.cat([n.host_indices for n in moving])
         # Bookkeeping-only replay has no compute to wait for (and no fence to make).
         fence = None if self.device_pool is None else self.transfers.compute_fence()
         handle = self.transfers.backup(dev, host, after=fence)
-        rec = _Transfer(handle, "backup", started, dev.shape[0] * self._page_nbytes)
-        rec.evict_after = evict_after
+        rec = _Transfer(handle, "backup", moving, dev.shape[0] * self._page_nbytes)
+        if evict is not None and started[-1] is evict:
+            rec.evict = [evict]
         self._track(rec)
-        return True
+        return rec.evict is not None
 
     # ------------------------------------------------------- inspection
     def _check_handle(self, h: object) -> None:
@@ -668,6 +796,11 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
         for node in self._storage_pins:
             want_host_locks[node] = want_host_locks.get(node, 0) + 1
         for node in self.tree.nodes():
+            parent = node.parent
+            assert not node.on_host or parent.parent is None or parent.on_host, (
+                f"node {node.id}: a host copy under parent {parent.id} without one (a host "
+                f"copy implies host copies of every ancestor)"
+            )
             assert node.lock_ref == want_locks.get(node, 0), (
                 f"node {node.id}: lock_ref {node.lock_ref}, live requests hold "
                 f"{want_locks.get(node, 0)}: a lock leaked"

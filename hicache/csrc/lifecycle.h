@@ -108,7 +108,7 @@ class Lifecycle {
   void evict_device(std::int64_t num_pages);
   std::optional<at::Tensor> alloc_host(std::int64_t num_pages);
   void backup_path(TreeNode* node);
-  bool start_backup(const std::vector<TreeNode*>& nodes, bool evict_after);
+  bool start_backup(const std::vector<TreeNode*>& nodes, TreeNode* evict);
   void finish_backups();
   void free_device(const at::Tensor& pages);
   void free_host(const at::Tensor& pages);
