@@ -635,6 +635,26 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
                 stalls += 1
         return alloc.alloc(num_pages)
 
+    def _host_takeable_pages(self) -> int:
+        """Host pages eviction could free, less those that IO in flight or a pin holds.
+
+        A host copy being written (a backup in flight) is not taken, nor are the
+        host copies above a node that keeps its own (it is no leaf until that goes).
+        Host copies of inner nodes whose children keep device-only copies are
+        counted although eviction takes only leaves (see docs/design.md).
+        """
+        tokens = self.tree.host_evictable_tokens
+        busy = [*self._node_transfer, *self._storage_pins]
+        if busy:
+            seen: set = set()
+            for node in busy:
+                while node.parent is not None and node not in seen:
+                    seen.add(node)
+                    if node.host_indices is not None and not node.host_lock_ref:
+                        tokens -= node.num_tokens
+                    node = node.parent
+        return tokens // self.page_size
+
     def _device_takeable_pages(self) -> int:
         """Device pages eviction can free now: unlocked ones, less those IO pins.
 
@@ -668,7 +688,7 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
     def _alloc_host(self, num_pages: int) -> torch.Tensor | None:
         alloc = self.host_allocator
         short = num_pages - alloc.num_free_pages
-        if short > self.tree.host_evictable_tokens // self.page_size:
+        if short > 0 and short > self._host_takeable_pages():
             return None  # evicting would not make enough room: keep what is cached
         if short > 0:
             result = self.tree.evict_host(short * self.page_size)

@@ -1,0 +1,291 @@
+"""Regressions for the request lifecycle's KV-correctness and liveness bugs (issues 13, 16).
+
+Each test failed before its fix. Scenarios with KV run on the manual executor and
+verify KV byte for byte; bookkeeping scenarios run on both trees and, over the
+native tree, on both lifecycles.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import TREE_KINDS, assert_no_leaks
+from test_races import (
+    KV,
+    P,
+    complete,
+    host_only,
+    make_cache,
+    pending,
+    seq,
+    serve,
+    verify_prefix,
+)
+
+from hicache import kvcheck
+from hicache.cache import HiCache, LoadError
+from hicache.config import CacheConfig, KVConfig
+from hicache.transfer import TransferKind
+
+# (tree, lifecycle) pairs: the Python reference, the native tree under the Python
+# lifecycle, and the C++ lifecycle.
+LIFECYCLES = [("python", "python")] + (
+    [("native", "python"), ("native", "native")] if "native" in TREE_KINDS else []
+)
+
+
+def bookkeeping(tree: str, lifecycle: str, page_size: int, device_tokens: int,
+                host_tokens: int | None = None, **kw) -> HiCache:
+    if host_tokens is not None:
+        kw["host_tokens"] = host_tokens
+    cfg = CacheConfig(
+        KVConfig(1, 1, 1, "float32", page_size=page_size), device_tokens=device_tokens,
+        allocate_kv=False, tree=tree, lifecycle=lifecycle, **kw,
+    )
+    cache = HiCache(cfg)
+    assert cache.lifecycle == lifecycle
+    return cache
+
+
+def served(cache: HiCache, tokens: list[int]) -> None:
+    h = cache.match(tokens)
+    assert cache.alloc(h, len(tokens) - h.prefix_len) is not None
+    cache.insert(h, tokens)
+    cache.release(h)
+
+
+# ------------------------------------------------------- issue 16 item 1
+def test_load_back_after_alloc_is_refused_and_changes_nothing():
+    cache = make_cache()
+    stem, a = seq(100, 2), seq(300, 2)
+    serve(cache, stem)
+    host_only(cache, stem + a)
+    serve(cache, stem)  # the stem on the device, A host-only below it
+    tokens = stem + a + [7, 7]
+    h = cache.match(tokens, load_back=False)
+    assert (h.prefix_len, h.host_len) == (len(stem), len(a))
+    assert cache.alloc(h, len(tokens) - h.prefix_len) is not None
+    kvcheck.write_kv(cache.device_pool, h.page_table(), tokens, h.prefix_len, len(tokens))
+    table = h.page_table().clone()
+    with pytest.raises(ValueError, match="owns 3 pages"):
+        cache.load_back(h)
+    assert h.prefix_len == len(stem) and pending(cache, TransferKind.LOAD) == []
+    assert h.page_table().equal(table)
+    cache.check_integrity()
+    cache.insert(h, tokens)  # what the caller computed is what gets cached
+    cache.release(h)
+    complete(cache)
+    h = cache.match(tokens)
+    assert h.prefix_len == len(tokens)
+    verify_prefix(cache, h, tokens)
+    cache.release(h)
+    complete(cache)
+    assert_no_leaks(cache)
+
+
+def test_load_back_retried_before_alloc_still_loads():
+    cache = make_cache(device_pages=6)
+    a = seq(100, 3)
+    host_only(cache, a)
+    hog = cache.match(seq(200, 6))
+    assert cache.alloc(hog, 6 * P) is not None
+    h = cache.match(a + [1])
+    assert h.prefix_len == 0  # refused: no room
+    cache.release(hog)
+    assert cache.load_back(h) is not None
+    complete(cache, TransferKind.LOAD)
+    assert cache.finish_loads(h)
+    verify_prefix(cache, h, a)
+    cache.release(h)
+    complete(cache)
+    assert_no_leaks(cache)
+
+
+# ------------------------------------------------------- issue 16 items 3, 11
+def test_a_failed_load_is_applied_only_by_its_own_request():
+    """Two live requests in one step: B's alloc must not hand A's pages to B."""
+    cache = make_cache(device_pages=12)
+    a = seq(100, 3)
+    host_only(cache, a)
+    ta, tb = a + seq(500, 2), seq(700, 2)
+    ha = cache.match(ta)
+    hb = cache.match(tb)
+    assert ha.prefix_len == len(a)
+    pages_a = cache.alloc(ha, len(ta) - ha.prefix_len)
+    (load,) = pending(cache, TransferKind.LOAD)
+    cache.transfers.executor.fail(load, RuntimeError("injected"))
+    table_a = ha.page_table().clone()
+    pages_b = cache.alloc(hb, len(tb))  # polls: A's failure lands inside B's call
+    assert pages_b is not None
+    assert not set(pages_b.tolist()) & set(table_a.tolist()), "B received A's pages"
+    assert ha.prefix_len == len(a) and ha.page_table().equal(table_a)
+    assert ha.num_owned_pages == pages_a.shape[0]
+    with pytest.raises(LoadError):
+        ha.wait_layer(0)  # reported to A until A's own call applies it
+    with pytest.raises(LoadError):
+        ha.wait_layer(0)
+    cache.check_integrity()
+    # B computes and inserts in the same step; its KV is intact.
+    kvcheck.write_kv(cache.device_pool, hb.page_table(), tb, 0, len(tb))
+    cache.insert(hb, tb)
+    assert not cache.finish_loads(ha)
+    assert ha.prefix_len == 0 and ha.num_owned_pages == 0
+    assert isinstance(ha.load_error, RuntimeError)
+    ha.wait_layer(0)  # reported: no longer raises
+    # A recomputes from prefix_len 0 (A's prefix is being loaded again in place).
+    assert cache.alloc(ha, len(ta)) is not None
+    kvcheck.write_kv(cache.device_pool, ha.page_table(), ta, 0, len(ta))
+    complete(cache, TransferKind.LOAD)
+    cache.insert(ha, ta)
+    assert cache.finish_loads(ha) and ha.load_error is None  # cleared once nothing failed
+    verify_prefix(cache, ha, ta)
+    verify_prefix(cache, hb, tb)
+    cache.release(ha)
+    cache.release(hb)
+    complete(cache)
+    assert kvcheck.verify_cache(cache) == []
+    assert_no_leaks(cache)
+
+
+def test_insert_after_an_unreported_failure_raises_load_error():
+    cache = make_cache()
+    a = seq(100, 3)
+    host_only(cache, a)
+    h = cache.match(a + [1, 1])
+    cache.alloc(h, 2)
+    (load,) = pending(cache, TransferKind.LOAD)
+    cache.transfers.executor.fail(load, RuntimeError("injected"))
+    with pytest.raises(LoadError, match="finish_loads"):
+        cache.insert(h, a + [1, 1])
+    assert h.prefix_len == 0 and h.num_owned_pages == 0  # applied by h's own call
+    assert not cache.finish_loads(h)
+    cache.release(h)
+    complete(cache)
+    assert_no_leaks(cache)
+
+
+def test_load_error_is_cleared_after_a_successful_retry():
+    cache = make_cache()
+    a = seq(100, 3)
+    host_only(cache, a)
+    h = cache.match(a, load_back=False)
+    cache.load_back(h)
+    (load,) = pending(cache, TransferKind.LOAD)
+    cache.transfers.executor.fail(load, RuntimeError("injected"))
+    assert not cache.finish_loads(h) and h.load_error is not None
+    complete(cache, TransferKind.LOAD)  # the in-place reload of A lands
+    assert cache.load_back(h) is None  # A is on the device again: taken without a load
+    assert h.prefix_len == len(a)
+    assert cache.finish_loads(h) and h.load_error is None
+    verify_prefix(cache, h, a)
+    cache.release(h)
+    complete(cache)
+    assert_no_leaks(cache)
+
+
+# ------------------------------------------------------- issue 13 item 2
+@pytest.mark.parametrize(("tree", "lifecycle"), LIFECYCLES)
+def test_refused_alloc_evicts_nothing(tree, lifecycle):
+    c = bookkeeping(tree, lifecycle, 16, 160)
+    served(c, [1] * 48)  # 3 cached pages
+    r = c.match([2] * 97)
+    c.alloc(r, 97)
+    c.insert(r, [2] * 97)  # 7 pages held
+    before = c.stats()
+    g = c.match([4] * 64)
+    assert c.alloc(g, 64) is None  # needs 4, only 3 evictable
+    assert c.tree.match_prefix([1] * 48).device_len == 48, "a refused alloc evicted"
+    after = c.stats()
+    for key in ("device_evicted_tokens", "device_pages_used", "device_cached_tokens"):
+        assert after[key] == before[key], key
+    assert c.alloc(g, 48) is not None  # exactly what can be freed: succeeds
+    assert c.tree.match_prefix([1] * 48).device_len == 0
+    c.release(g)
+    c.release(r)
+    assert_no_leaks(c)
+
+
+def test_refused_load_evicts_nothing():
+    cache = make_cache(device_pages=6)
+    a, b = seq(100, 4), seq(300, 2)
+    host_only(cache, a)
+    serve(cache, b)
+    complete(cache)
+    hog = cache.match(seq(500, 3))
+    assert cache.alloc(hog, 3 * P) is not None  # 1 free + B's 2 unlocked: 3 < 4
+    h = cache.match(a)
+    assert h.prefix_len == 0 and cache.stats()["loads_refused_no_space"] == 1
+    assert cache.tree.match_prefix(b).device_len == len(b), "a refused load evicted"
+    cache.release(h)
+    cache.release(hog)
+    complete(cache)
+    assert_no_leaks(cache)
+
+
+# ------------------------------------------------------- issue 13 item 3
+@pytest.mark.parametrize(("tree", "lifecycle"), LIFECYCLES)
+def test_no_unlocked_node_that_eviction_cannot_take(tree, lifecycle):
+    # page 2, device 16 tokens, host 4 tokens: the parent [1]*6 does not fit the host
+    # tier; its child used to be backed up anyway, then pushed off the device.
+    c = bookkeeping(tree, lifecycle, 2, 16, 4)
+    served(c, [1] * 6)
+    served(c, [1] * 6 + [2] * 2)
+    c.wait_all()
+    c.check_integrity()  # a host copy implies host copies of every ancestor
+    s = c.stats()
+    free = s["device_pages_free"]
+    assert free + c.tree.device_evictable_tokens // 2 >= 6
+    h = c.match([7] * 12)
+    assert c.alloc(h, 12) is not None, "alloc refused although the pages can be freed"
+    c.release(h)
+    assert_no_leaks(c)
+
+
+@pytest.mark.parametrize(("tree", "lifecycle"), LIFECYCLES)
+def test_write_back_frees_a_whole_chain_in_one_alloc(tree, lifecycle):
+    # A chain of three nodes, nothing on the host: write-back frees leaf by leaf (a
+    # parent is a leaf once its child's backup landed); one alloc takes all of them.
+    c = bookkeeping(tree, lifecycle, 2, 12, 24, write_policy="write_back")
+    served(c, [1] * 4)
+    served(c, [1] * 8)
+    served(c, [1] * 12)
+    h = c.match([9] * 12)
+    assert c.alloc(h, 12) is not None
+    assert c.stats()["device_evicted_tokens"] == 12
+    c.release(h)
+    assert c.tree.match_prefix([1] * 12).host_len == 12
+    assert_no_leaks(c)
+
+
+def test_storage_read_not_inserted_below_a_node_without_host_copy(tmp_path):
+    # A third-tier read extends a prefix; below a device-only node its host pages
+    # would break the invariant (and leave that node unevictable): they are dropped.
+    cfg = dict(device_tokens=16, host_tokens=32, storage=f"file:{tmp_path}", executor="immediate",
+               host_reserve_nbytes=0)
+    first = HiCache(CacheConfig(KV, **cfg))
+    served(first, seq(100, 4))
+    first.close()
+    cache = HiCache(CacheConfig(KV, write_policy="write_back", **cfg))
+    served(cache, seq(100, 2))  # device-only (write-back)
+    h = cache.match(seq(100, 4))
+    cache.wait_all()
+    cache.check_integrity()
+    cache.release(h)
+    cache.wait_all()
+    assert_no_leaks(cache)
+    cache.close()
+
+
+# ------------------------------------------------------- issue 13 item 4
+def test_backup_that_cannot_fit_evicts_nothing_on_the_host():
+    cache = make_cache(device_pages=12, host_pages=4)
+    a, b = seq(100, 2), seq(300, 3)
+    serve(cache, a)
+    complete(cache)  # A on both tiers: 2 host pages
+    serve(cache, seq(500, 2))  # its backup stays in flight: 2 more host pages
+    s = cache.stats()
+    assert s["host_pages_free"] == 0
+    serve(cache, b)  # 3 pages: A's 2 plus nothing else can be evicted
+    assert cache.tree.match_prefix(a).last_node.on_host, "a backup that could not fit evicted"
+    assert cache.stats()["backups_skipped"] == 1
+    complete(cache)
+    assert_no_leaks(cache)
