@@ -97,6 +97,7 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
         if not isinstance(config, CacheConfig):
             raise TypeError(f"config: expected CacheConfig, got {type(config).__name__}")
         self.config = config
+        self._closed = False
         self.page_size = config.page_size
         self.tree = _make_tree(config)  # split hook: only while IO or a pin is tracked
         self.device_allocator = PageAllocator(config.num_device_pages, "device pages")
@@ -148,6 +149,7 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
         then waits per layer with ``h.wait_layer(i)``. Never changes cached data;
         may split a node at the match boundary.
         """
+        self._check_open()
         if not isinstance(load_back, bool):
             raise TypeError(f"load_back: expected bool, got {type(load_back).__name__}")
         if self._core is not None:  # bookkeeping only: nothing is ever in flight to poll
@@ -399,6 +401,7 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
     # -------------------------------------------------------------- transfers
     def poll(self) -> int:
         """Apply every transfer that finished since the last call; return how many."""
+        self._check_open()
         if not self._inflight and (self.storage is None or not self.storage.num_in_flight):
             return 0  # nothing can have finished
         done = self.transfers.poll()
@@ -426,6 +429,7 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
 
         On the manual executor only what the test completed is applied.
         """
+        self._check_open()
         if timeout is not None:
             if isinstance(timeout, bool) or not isinstance(timeout, int | float):
                 raise TypeError(f"timeout: expected seconds or None, got {type(timeout).__name__}")
@@ -761,7 +765,14 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
         return rec.evict is not None
 
     # ------------------------------------------------------- inspection
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(
+                "HiCache is closed: its transfers and workers are stopped; make a new HiCache"
+            )
+
     def _check_handle(self, h: object) -> None:
+        self._check_open()
         if not isinstance(h, PrefixHandle):
             raise TypeError(f"expected a PrefixHandle, got {type(h).__name__}")
         if h._cache is not self:
@@ -771,6 +782,7 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
 
     def stats(self) -> dict:
         """Counters plus current occupancy; bandwidths in GB/s (1e9 bytes per second)."""
+        self._check_open()
         self.poll()
         c = self.counters  # with the C++ lifecycle: its counts added in
         s = asdict(c)
@@ -838,9 +850,16 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
         )
 
     def close(self) -> None:
-        """Finish transfers in flight, then stop the workers (and the storage tier)."""
+        """Finish transfers in flight, then stop the workers (and the storage tier).
+
+        Idempotent. Afterwards every other public call raises ``ValueError`` before
+        changing anything (``check_integrity`` still reads the final state).
+        """
+        if self._closed:
+            return
         if self.transfers.executor_name != "manual":
             self.wait_all()  # backups that finish now still reach storage
+        self._closed = True
         self.transfers.close()
         if self.storage is not None:
             self.storage.close()

@@ -91,6 +91,7 @@ class NativeLifecycleMixin:
     @property
     def counters(self) -> CacheStats:
         """Counters since construction (exact; see :class:`hicache.cache.CacheStats`)."""
+        self._check_open()
         core = self._core
         if core is not None:
             c = self._counters

@@ -50,6 +50,7 @@ class ThirdTierMixin:
         then uses what has arrived, as ``prefetch_policy`` says. Returns the job, or
         ``None`` when there is no third tier or nothing to fetch.
         """
+        self._check_open()
         self.poll()
         if self.storage is None:
             return None

@@ -175,30 +175,34 @@ def token_key(tokens: TokenLike, page_size: int) -> bytes:
         if tokens.dtype.kind not in "iu":
             raise TypeError(f"tokens: expected integer token ids, got dtype {tokens.dtype}")
         n = len(tokens) // page_size * page_size
-        arr = tokens[:n]
-        if arr.dtype == np.int32:
+        # Every id is checked, the trailing partial page's too (it is not cached, but
+        # a bad id there is the same caller mistake).
+        if tokens.dtype == np.int32:
             # Every int32 id but a negative one is valid: OR them and test the sign bit.
-            if n and np.bitwise_or.reduce(arr) < 0:
-                raise ValueError(f"tokens: expected ids in [0, {_MAX_TOKEN}], got {arr.min()}")
-            return arr.tobytes()
-        if n and (arr.min() < 0 or arr.max() > _MAX_TOKEN):
+            if len(tokens) and np.bitwise_or.reduce(tokens) < 0:
+                raise ValueError(f"tokens: expected ids in [0, {_MAX_TOKEN}], got {tokens.min()}")
+            return tokens[:n].tobytes()
+        if len(tokens) and (tokens.min() < 0 or tokens.max() > _MAX_TOKEN):
             raise ValueError(
-                f"tokens: expected ids in [0, {_MAX_TOKEN}], got range [{arr.min()}, {arr.max()}]"
+                f"tokens: expected ids in [0, {_MAX_TOKEN}], got range "
+                f"[{tokens.min()}, {tokens.max()}]"
             )
-        return arr.astype(np.int32).tobytes()
+        return tokens[:n].astype(np.int32).tobytes()
     if not isinstance(tokens, list | tuple):
         raise TypeError(
             f"tokens: expected list, tuple, numpy array or torch tensor, got {type(tokens).__name__}"
         )
     n = len(tokens) // page_size * page_size
-    try:
-        arr = array.array("i", tokens[:n] if n != len(tokens) else tokens)
+    try:  # every id, the trailing partial page's too
+        arr = array.array("i", tokens)
     except TypeError as exc:
         raise TypeError(f"tokens: expected integer token ids ({exc})") from None
     except OverflowError:
         raise ValueError(f"tokens: expected ids in [0, {_MAX_TOKEN}]") from None
-    if n and min(arr) < 0:
+    if arr and min(arr) < 0:
         raise ValueError(f"tokens: expected ids >= 0, got {min(arr)}")
+    if n != len(arr):
+        del arr[n:]
     return arr.tobytes()
 
 

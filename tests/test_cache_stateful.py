@@ -32,6 +32,7 @@ from hypothesis.stateful import (
 from hicache import kvcheck
 from hicache.cache import HiCache, LoadError
 from hicache.config import CacheConfig, KVConfig
+from hicache.transfer import TransferKind
 
 P = 2
 KV = KVConfig(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float16", page_size=P)
@@ -115,6 +116,15 @@ class CacheMachine(RuleBasedStateMachine):
         h = self.cache.match(tokens, ns, load_back=load_back)
         assert h.prefix_len <= len(tokens) // P * P
         self.live.append(Request(h, tokens, ns))
+
+    @precondition(lambda self: len(self.live) < MAX_LIVE)
+    @rule(tokens=prompts, ns=namespaces)
+    def match_and_compute(self, tokens, ns):
+        """Match without loading back, then allocate and write the rest at once (an
+        engine that recomputes host hits, or whose load was refused)."""
+        req = Request(self.cache.match(tokens, ns, load_back=False), tokens, ns)
+        self.live.append(req)
+        self._compute(req)
 
     @precondition(lambda self: self.cache is not None)
     @rule(tokens=prompts, ns=namespaces)
@@ -275,6 +285,19 @@ class CacheMachine(RuleBasedStateMachine):
         self._alloc(h, num_pages * P)
         self.cache.release(h)
 
+    @precondition(lambda self: self.cache is not None)
+    @rule()
+    def offload(self):
+        """Land every backup in flight, then push all that is unlocked off the device:
+        later matches find host-only continuations (loads, load_back)."""
+        for t in self.executor.pending():
+            if t.kind is TransferKind.BACKUP:
+                assert self.executor.complete(t)
+        self.cache.poll()
+        h = self.cache.match([])
+        self.cache.alloc(h, self.cache.device_allocator.num_pages * P)
+        self.cache.release(h)
+
     # --------------------------------------------------------------- checks
     @invariant()
     def consistent(self):
@@ -334,3 +357,37 @@ def test_cache_machine_long():
     from hypothesis.stateful import run_state_machine_as_test
 
     run_state_machine_as_test(CacheMachine, settings=settings_long)
+
+
+class _Pick:
+    """Stands in for hypothesis' ``data`` in a directed run: draws the given request."""
+
+    def __init__(self, req: Request) -> None:
+        self.req = req
+
+    def draw(self, strategy):
+        return self.req
+
+
+@pytest.mark.parametrize("tree", TREE_KINDS)
+def test_machine_directed_load_back_after_alloc(tree):
+    """The machine's own rules and checks, in the order that exposed issue 16 item 1:
+    a host-only continuation matched without loading, computed, then loaded back.
+    (Before the fix the KV check reported the computed positions as wrong KV.)"""
+    machine = CacheMachine()
+    machine.TREE = tree
+    machine.setup(policy="write_through", device_pages=10, host_pages=24, load_threshold=0)
+    stem = STEMS[0]
+    steps = [
+        lambda: machine.serve(stem, None),
+        machine.offload,
+        lambda: machine.match_and_compute(stem + [1, 1], None),
+        lambda: machine.load_back(_Pick(machine.live[-1])),
+        lambda: [machine.executor.complete(t) for t in machine.executor.pending()],
+        lambda: machine.advance(_Pick(machine.live[-1])),
+        lambda: machine.decode(_Pick(machine.live[-1]), [2, 3, 1]),
+    ]
+    for step in steps:
+        step()
+        machine.consistent()
+    machine.teardown()

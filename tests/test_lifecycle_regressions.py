@@ -289,3 +289,146 @@ def test_backup_that_cannot_fit_evicts_nothing_on_the_host():
     assert cache.stats()["backups_skipped"] == 1
     complete(cache)
     assert_no_leaks(cache)
+
+
+# ------------------------------------------------------- issue 16 item 5
+class FailFirstBackups:
+    """A page copier whose first ``n`` backup calls fail (one layer of a transfer each)."""
+
+    def __init__(self, inner, n: int) -> None:
+        self.inner = inner
+        self.left = n
+
+    def load(self, host_ids, device_ids, first, last):
+        self.inner.load(host_ids, device_ids, first, last)
+
+    def backup(self, device_ids, host_ids, first, last):
+        if self.left:
+            self.left -= 1
+            raise RuntimeError("injected backup fault")
+        self.inner.backup(device_ids, host_ids, first, last)
+
+
+def test_write_back_alloc_succeeds_after_one_failed_backup():
+    from hicache.stress import _executor
+
+    cfg = CacheConfig(KV, device_tokens=10 * P, host_tokens=20 * P, executor="thread",
+                      host_reserve_nbytes=0, write_policy="write_back")
+    with HiCache(cfg) as cache:
+        a = seq(100, 5)
+        h = cache.match(a)
+        assert cache.alloc(h, len(a)) is not None
+        kvcheck.write_kv(cache.device_pool, h.page_table(), a, 0, len(a))
+        cache.insert(h, a)
+        cache.release(h)
+        ex = _executor(cache)
+        ex._copier = FailFirstBackups(ex._copier, 1)
+        h = cache.match(seq(900, 6))  # 5 free: one page of A must go through a backup
+        assert cache.alloc(h, 6 * P) is not None, "alloc refused after one failed backup"
+        s = cache.stats()
+        assert s["backups_failed"] == 1 and s["device_evicted_tokens"] == P
+        cache.release(h)
+        cache.wait_all()
+        assert kvcheck.verify_cache(cache) == []
+        m = cache.tree.match_prefix(a)
+        assert (m.device_len, m.host_len) == (len(a) - P, P)
+        assert_no_leaks(cache)
+
+
+def test_write_back_alloc_refused_while_every_backup_fails():
+    from hicache.stress import _executor
+
+    cfg = CacheConfig(KV, device_tokens=10 * P, host_tokens=20 * P, executor="thread",
+                      host_reserve_nbytes=0, write_policy="write_back")
+    with HiCache(cfg) as cache:
+        a = seq(100, 5)
+        h = cache.match(a)
+        assert cache.alloc(h, len(a)) is not None
+        cache.insert(h, a)
+        cache.release(h)
+        ex = _executor(cache)
+        ex._copier = FailFirstBackups(ex._copier, 10**9)
+        h = cache.match(seq(900, 6))
+        assert cache.alloc(h, 6 * P) is None  # a bounded number of tries, then a refusal
+        assert cache.stats()["backups_failed"] == 3
+        assert cache.tree.match_prefix(a).device_len == len(a)  # nothing lost
+        cache.release(h)
+        cache.wait_all()
+        assert_no_leaks(cache)
+
+
+# ------------------------------------------------------- issue 16 item 8
+def _closed_calls():
+    return [
+        ("match", lambda c, h: c.match([1, 2])),
+        ("alloc", lambda c, h: c.alloc(h, 2)),
+        ("insert", lambda c, h: c.insert(h, [1, 2])),
+        ("load_back", lambda c, h: c.load_back(h)),
+        ("finish_loads", lambda c, h: c.finish_loads(h)),
+        ("release", lambda c, h: c.release(h)),
+        ("poll", lambda c, h: c.poll()),
+        ("wait_all", lambda c, h: c.wait_all()),
+        ("stats", lambda c, h: c.stats()),
+        ("counters", lambda c, h: c.counters),
+        ("prefetch", lambda c, h: c.prefetch([1, 2])),
+    ]
+
+
+@pytest.mark.parametrize(("name", "call"), _closed_calls(), ids=[n for n, _ in _closed_calls()])
+@pytest.mark.parametrize(("tree", "lifecycle"), LIFECYCLES[:1] + LIFECYCLES[2:])
+def test_every_call_after_close_raises_before_changing_anything(name, call, tree, lifecycle):
+    c = bookkeeping(tree, lifecycle, 2, 16, 16)
+    served(c, [1, 2, 3, 4])
+    h = c.match([1, 2, 3, 4, 5])
+    before = c.stats()
+    c.close()
+    c.close()  # idempotent
+    with pytest.raises(ValueError, match="HiCache is closed"):
+        call(c, h)
+    c.check_integrity()  # still readable
+    c._closed = False  # only to read the state back
+    after = c.stats()
+    assert after == before
+    c.release(h)
+    assert_no_leaks(c)
+
+
+def test_a_transfer_after_close_leaves_no_node_in_flight():
+    cache = make_cache()
+    a = seq(100, 3)
+    host_only(cache, a)
+    cache.close()
+    with pytest.raises(ValueError, match="HiCache is closed"):
+        cache.match(a)  # used to start a load, then fail in the closed engine
+    cache.check_integrity()
+    assert all(n.lock_ref == 0 and n.host_lock_ref == 0 for n in cache.tree.nodes())
+
+
+# ------------------------------------------------------- issue 16 item 10
+@pytest.mark.parametrize(("tree", "lifecycle"), LIFECYCLES)
+@pytest.mark.parametrize("bad", [
+    [1, 2, -1], [1, 2, 2**40], [1, 2, "x"], [1, 2, None], [1, 2, 1.5],
+    "np64", "np32", "torch64", "torch32", "np_big",
+])
+def test_token_ids_in_the_trailing_partial_page_are_validated(tree, lifecycle, bad):
+    import numpy as np
+    import torch
+
+    made = {
+        "np64": np.array([1, 2, -1]), "np32": np.array([1, 2, -1], dtype=np.int32),
+        "torch64": torch.tensor([1, 2, -1]), "torch32": torch.tensor([1, 2, -1], dtype=torch.int32),
+        "np_big": np.array([1, 2, 2**40]),
+    }
+    tokens = made.get(bad, bad) if isinstance(bad, str) else bad
+    c = bookkeeping(tree, lifecycle, 2, 16)
+    before = c.stats()
+    with pytest.raises((ValueError, TypeError), match="tokens"):
+        c.match(tokens)
+    h = c.match([1, 2, 3])
+    assert c.alloc(h, 2) is not None
+    with pytest.raises((ValueError, TypeError), match="tokens"):
+        c.insert(h, tokens)
+    assert h.prefix_len == 0 and c.tree.match_prefix([1, 2]).device_len == 0
+    c.release(h)
+    assert c.stats()["device_cached_tokens"] == before["device_cached_tokens"]
+    assert_no_leaks(c)
