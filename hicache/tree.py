@@ -121,6 +121,19 @@ class EvictResult(NamedTuple):
 _INTEGERS = (int, np.integer)
 
 
+def _own(indices: torch.Tensor) -> torch.Tensor:
+    """``indices``, or a copy when it is a view into storage more than twice its size.
+
+    Callers hand the tree slices of larger tensors (a request's whole page table,
+    one allocation split across nodes); keeping such a view would keep the whole
+    storage alive for as long as the node lives. Bounded this way, the index
+    storage the tree holds is at most twice the bytes of the page ids it caches.
+    """
+    if indices.untyped_storage().nbytes() > 2 * indices.nbytes:
+        return indices.clone()
+    return indices
+
+
 def _check_count(name: str, value: object) -> int:
     if type(value) is not int and (isinstance(value, bool) or not isinstance(value, _INTEGERS)):
         raise TypeError(f"{name}: expected int, got {type(value).__name__}")
@@ -382,11 +395,11 @@ class RadixTree:
         node.parent = prefix
         prefix.children[node.key[: self._page_nbytes]] = node
         if node.device_indices is not None:
-            prefix.device_indices = node.device_indices[:num_pages]
-            node.device_indices = node.device_indices[num_pages:]
+            prefix.device_indices = _own(node.device_indices[:num_pages])
+            node.device_indices = _own(node.device_indices[num_pages:])
         if node.host_indices is not None:
-            prefix.host_indices = node.host_indices[:num_pages]
-            node.host_indices = node.host_indices[num_pages:]
+            prefix.host_indices = _own(node.host_indices[:num_pages])
+            node.host_indices = _own(node.host_indices[num_pages:])
         prefix.lock_ref = node.lock_ref
         prefix.host_lock_ref = node.host_lock_ref
         prefix.io_status = node.io_status
@@ -439,7 +452,7 @@ class RadixTree:
             off += len(ck)
         if off < n:
             node = self._new_node(key[off:], node)
-            node.device_indices = device_indices[off // pnb :]
+            node.device_indices = _own(device_indices[off // pnb :])
             node.last_access = clock
             self.device_evictable_tokens += node.num_tokens
         self._refresh(node)  # the only node on the path that can be a candidate
@@ -474,7 +487,7 @@ class RadixTree:
         num_cached = off
         if off < n:
             node = self._new_node(key[off:], node)
-            node.host_indices = host_indices[off // pnb :]
+            node.host_indices = _own(host_indices[off // pnb :])
             node.last_access = self._clock
             self.host_evictable_tokens += node.num_tokens
         # As in match: only the deepest device node and the last node can be candidates.
@@ -563,7 +576,7 @@ class RadixTree:
             raise ValueError(
                 f"attach_device: expected {num_pages} pages, got {device_indices.shape[0]}"
             )
-        node.device_indices = device_indices
+        node.device_indices = _own(device_indices)
         self.device_evictable_tokens += node.num_tokens
         self._refresh(node)
 
@@ -588,7 +601,7 @@ class RadixTree:
         num_pages = len(node.key) // self._page_nbytes
         if host_indices.shape[0] != num_pages:
             raise ValueError(f"attach_host: expected {num_pages} pages, got {host_indices.shape[0]}")
-        node.host_indices = host_indices
+        node.host_indices = _own(host_indices)
         self.host_evictable_tokens += node.num_tokens
         self._refresh(node)
 
