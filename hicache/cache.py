@@ -50,6 +50,7 @@ class CacheStats:
     loads_refused_no_space: int = 0
     loads: int = 0
     loads_failed: int = 0
+    loads_reloaded: int = 0  # failed loads' nodes loaded again in place (a request held them)
     load_bytes: int = 0
     load_seconds: float = 0.0
     backups: int = 0
@@ -329,7 +330,9 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
         ``tokens`` must start with ``h``'s prefix and fit in ``h.page_table()``.
         Pages another request cached meanwhile are freed (the tree keeps its own).
         Afterwards ``h`` holds the inserted path; the write policy runs. Returns the
-        number of tokens newly cached.
+        number of tokens newly cached. Raises :class:`LoadError` (having cut ``h``
+        back) when a load of ``h``'s prefix failed and ``finish_loads`` has not
+        reported it yet.
         """
         self._check_handle(h)
         if self._core is not None:  # bookkeeping only: no load is ever in flight
@@ -510,6 +513,7 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
             torch.cat([n.host_indices for n in nodes]), torch.cat([n.device_indices for n in nodes])
         )
         num_pages = sum(n.num_tokens for n in nodes) // self.page_size
+        self._counters.loads_reloaded += 1
         self._track(_Transfer(handle, "load", list(nodes), num_pages * self._page_nbytes))
 
     def _apply_load_failures(self, h: PrefixHandle) -> None:
