@@ -7,6 +7,7 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <unordered_set>
 
 namespace hicache {
 
@@ -141,7 +142,19 @@ void Lifecycle::finish_backups() {
 std::optional<at::Tensor> Lifecycle::alloc_host(std::int64_t num_pages) {
   const std::int64_t ps = tree_.page_size();
   const std::int64_t missing = num_pages - host_.num_free();
-  if (missing > tree_.host_evictable_tokens / ps) return std::nullopt;
+  // HiCache._host_takeable_pages: a host copy being written (a write-back backup
+  // pending in this eviction) is not taken, nor are the host copies above it.
+  std::int64_t takeable = tree_.host_evictable_tokens;
+  if (missing > 0 && !pending_.empty()) {
+    std::unordered_set<const TreeNode*> seen;
+    for (const PendingBackup& rec : pending_) {
+      for (const TreeNode* n = rec.node; n->parent != nullptr && seen.insert(n).second;
+           n = n->parent) {
+        if (n->on_host() && n->host_lock_ref == 0) takeable -= n->num_tokens();
+      }
+    }
+  }
+  if (missing > takeable / ps) return std::nullopt;
   if (missing > 0) {
     const EvictOut r = tree_.evict_host(missing * ps, true);
     if (r.num_evicted_tokens != 0) {
