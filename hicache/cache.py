@@ -785,9 +785,12 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
             raise ValueError("handle was already released")
 
     def stats(self) -> dict:
-        """Counters plus current occupancy; bandwidths in GB/s (1e9 bytes per second)."""
-        self._check_open()
-        self.poll()
+        """Counters plus current occupancy; bandwidths in GB/s (1e9 bytes per second).
+
+        After :meth:`close` it still reports the final state (nothing is polled).
+        """
+        if not self._closed:
+            self.poll()
         c = self.counters  # with the C++ lifecycle: its counts added in
         s = asdict(c)
         s["hit_tokens"] = c.device_hit_tokens + c.host_hit_tokens
@@ -857,7 +860,8 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin):
         """Finish transfers in flight, then stop the workers (and the storage tier).
 
         Idempotent. Afterwards every other public call raises ``ValueError`` before
-        changing anything (``check_integrity`` still reads the final state).
+        changing anything; ``stats()``, ``counters`` and ``check_integrity()`` still
+        read the final state (the counters of what finished while closing included).
         """
         if self._closed:
             return
