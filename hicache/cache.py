@@ -16,9 +16,12 @@ Request lifecycle (one :class:`PrefixHandle` per request)::
 What it guarantees: nothing whose IO is in flight is freed, evicted or reused;
 host pages being loaded are pinned (``host_lock_ref``); a write-back eviction
 frees device pages only after the host copy is complete; running out of pages
-is a normal return. Completed transfers are applied only by :meth:`poll`, which
-every public call runs first: worker threads never touch the cache's state.
-The cache is not thread-safe; one engine loop drives it.
+is a normal return, and a refused allocation evicts nothing; a request's failed
+load is applied only by calls made for that request. Completed transfers are
+applied only by :meth:`poll`, which every public call runs first: worker threads
+never touch the cache's state. Invariants: ``check_integrity`` and
+docs/design.md (a host copy implies host copies of every ancestor).
+The cache is not thread-safe; one engine loop drives it (docs/design.md).
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ class Lifecycle {
   MatchedPrefix match(token_span key, std::uint32_t ns, std::int64_t num_tokens, bool load_back);
 
   // HiCache._alloc_device: num_pages device pages, evicting as needed; nullopt
-  // (and nothing allocated) when not enough can be freed.
+  // (and nothing allocated or evicted) when not enough can be freed.
   std::optional<at::Tensor> alloc_device(std::int64_t num_pages);
 
   // HiCache.insert: cache `key` (whole pages) over the caller's pages. `lock`
