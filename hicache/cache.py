@@ -16,9 +16,12 @@ Request lifecycle (one :class:`PrefixHandle` per request)::
 What it guarantees: nothing whose IO is in flight is freed, evicted or reused;
 host pages being loaded are pinned (``host_lock_ref``); a write-back eviction
 frees device pages only after the host copy is complete; running out of pages
-is a normal return. Completed transfers are applied only by :meth:`poll`, which
-every public call runs first: worker threads never touch the cache's state.
-The cache is not thread-safe; one engine loop drives it.
+is a normal return, and a refused allocation evicts nothing; a request's failed
+load is applied only by calls made for that request. Completed transfers are
+applied only by :meth:`poll`, which every public call runs first: worker threads
+never touch the cache's state. Invariants: ``check_integrity`` and
+docs/design.md (a host copy implies host copies of every ancestor).
+The cache is not thread-safe; one engine loop drives it (docs/design.md).
 """
 
 from __future__ import annotations
@@ -60,11 +63,13 @@ class CacheStats:
     loads_refused_no_space: int = 0
     loads: int = 0
     loads_failed: int = 0
+    loads_reloaded: int = 0  # failed loads' nodes loaded again in place (a request held them)
     load_bytes: int = 0
     load_seconds: float = 0.0
     backups: int = 0
     backups_failed: int = 0
     backups_skipped: int = 0  # nodes not backed up: host tier full and nothing evictable
+    backups_retried: int = 0  # failed backups started again (a child's host copy needs them)
     backup_bytes: int = 0
     backup_seconds: float = 0.0
     device_evicted_tokens: int = 0
@@ -84,14 +89,16 @@ class CacheStats:
 class _Transfer:
     """A transfer in flight and the tree nodes / requests that depend on it."""
 
-    __slots__ = ("handle", "kind", "nodes", "requests", "evict_after", "nbytes")
+    __slots__ = ("handle", "kind", "nodes", "requests", "evict", "nbytes")
 
     def __init__(self, handle, kind: str, nodes: list[TreeNode], nbytes: int) -> None:
         self.handle = handle
         self.kind = kind  # "load" | "backup"
         self.nodes = nodes  # grows when a node is split while in flight
         self.requests: list[PrefixHandle] = []  # requests that must wait for this load
-        self.evict_after = False  # write-back: free the device pages once backed up
+        # write-back: the nodes (the evicted leaf, parts split off it) whose device
+        # pages are freed once backed up; None for other backups
+        self.evict: list[TreeNode] | None = None
         self.nbytes = nbytes
 
 
@@ -106,6 +113,7 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
             raise TypeError(f"config: expected CacheConfig, got {type(config).__name__}")
         check_cache_memory(config)  # before any pool or page allocator is built
         self.config = config
+        self._closed = False
         self.page_size = config.page_size
         self.tree = _make_tree(config)  # split hook: only while IO or a pin is tracked
         self.device_allocator = PageAllocator(config.num_device_pages, "device pages")
@@ -167,6 +175,7 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
         may split a node at the match boundary. ``priority`` (an int) raises the
         eviction priority of the prefix ``h`` holds (see :meth:`_raise_priority`).
         """
+        self._check_open()
         if priority is not None:
             priority = _check_priority(priority)
         h = self._match(tokens, namespace, load_back)
@@ -223,10 +232,20 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
         since what is cached may have changed. Returns the transfer handle, or
         ``None`` when there is nothing to load, the host hit is shorter than
         ``load_threshold_tokens`` or no device pages can be freed (then those
-        tokens count as a miss and the caller computes them).
+        tokens count as a miss and the caller computes them). Raises
+        ``ValueError`` once the handle owns pages (after :meth:`alloc`): those
+        pages already hold the positions a load would add to the prefix.
         """
         self._check_handle(h)
+        if h._new_pages:
+            # The owned pages hold KV for positions from h.prefix_len on: growing the
+            # prefix under them would map loaded positions onto those pages.
+            raise ValueError(
+                f"load_back: the handle owns {h.num_owned_pages} pages allocated for positions "
+                f"from {h.prefix_len} on; call load_back before alloc (or release and match again)"
+            )
         self.poll()
+        self._apply_load_failures(h)
         if h.prefix_len < h.device_len + h.host_len:
             result = self.tree.match_key(h.key[: 4 * (h.device_len + h.host_len)], h.namespace)
             if result.device_len > h.prefix_len:  # loaded or inserted meanwhile: take it
@@ -309,20 +328,29 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
 
         After a failure ``h.prefix_len`` is cut back above the failed part and the
         pages ``h`` had allocated are freed: the caller allocates again and
-        recomputes from ``h.prefix_len``.
+        recomputes from ``h.prefix_len``. A failure is applied to ``h`` only by
+        calls made for ``h`` (this one, ``alloc``, ``load_back``, ``insert``), never
+        by another request's call; until then ``h.wait_layer`` raises
+        :class:`LoadError`. Each failure is reported (False) by one call;
+        ``h.load_error`` keeps the last error until a call reports no failure.
         """
         self._check_handle(h)
         for rec in list(h._loads):
             rec.handle.wait()
         self.poll()
+        self._apply_load_failures(h)
         h._loads = [rec for rec in h._loads if id(rec.handle) in self._inflight]
-        return h.load_error is None
+        failed, h._failure_unreported = h._failure_unreported, False
+        if not failed:
+            h.load_error = None  # e.g. a retried load_back landed
+        return not failed
 
     def alloc(self, h: PrefixHandle, num_tokens: int) -> torch.Tensor | None:
         """Allocate device pages for ``num_tokens`` more tokens of ``h``'s sequence.
 
         The new pages continue ``h.page_table()``. Evicts if needed; returns
-        ``None`` (and allocates nothing) when not enough pages can be freed.
+        ``None`` when not enough pages can be freed, and then has evicted nothing:
+        a refused allocation leaves every cached prefix in place.
         """
         self._check_handle(h)
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
@@ -338,6 +366,7 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
             pages = self._core.alloc(num_pages)
         else:
             self.poll()
+            self._apply_load_failures(h)
             pages = self._alloc_device(num_pages)
         if pages is not None and pages.shape[0]:
             h._new_pages.append(pages)
@@ -350,7 +379,9 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
         Pages another request cached meanwhile are freed (the tree keeps its own).
         Afterwards ``h`` holds the inserted path; the write policy runs. Returns the
         number of tokens newly cached. ``priority`` raises the eviction priority of
-        the path ``h`` holds afterwards (see :meth:`_raise_priority`).
+        the path ``h`` holds afterwards (see :meth:`_raise_priority`). Raises :class:`LoadError` (having cut ``h``
+        back) when a load of ``h``'s prefix failed and ``finish_loads`` has not
+        reported it yet.
         """
         if priority is not None:
             self._check_handle(h)
@@ -365,6 +396,12 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
         if self._core is not None:  # bookkeeping only: no load is ever in flight
             return self._insert_native(h, tokens)
         self.poll()
+        self._apply_load_failures(h)
+        if h._failure_unreported:
+            raise LoadError(
+                f"insert: a load of the prefix failed ({h.load_error}); h.prefix_len was cut "
+                f"back to {h.prefix_len}: call finish_loads(h), alloc and recompute from there"
+            )
         for rec in h._loads:
             if not rec.handle.done():
                 raise ValueError("insert: a prefix load is still in flight; call h.wait() first")
@@ -425,6 +462,7 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
     # -------------------------------------------------------------- transfers
     def poll(self) -> int:
         """Apply every transfer that finished since the last call; return how many."""
+        self._check_open()
         if not self._inflight and (self.storage is None or not self.storage.num_in_flight):
             return 0  # nothing can have finished
         done = self.transfers.poll()
@@ -452,6 +490,7 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
 
         On the manual executor only what the test completed is applied.
         """
+        self._check_open()
         if timeout is not None:
             if isinstance(timeout, bool) or not isinstance(timeout, int | float):
                 raise TypeError(f"timeout: expected seconds or None, got {type(timeout).__name__}")
@@ -495,6 +534,8 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
             self._node_transfer[prefix] = rec
             if rec.kind == "load":
                 self._num_loading_nodes += 1
+            elif rec.evict is not None and suffix in rec.evict:
+                rec.evict.append(prefix)
 
     def _finish_load(self, rec: _Transfer) -> None:
         handle = rec.handle
@@ -512,10 +553,11 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
         nodes = sorted(rec.nodes, key=self._depth)
         top = nodes[0]
         for h in rec.requests:
-            if rec in h._loads:
-                h._loads.remove(rec)
+            # Applied by h's own next call (_apply_load_failures): this poll may run
+            # inside another request's call, and h's pages must not change under it.
+            # The record stays in h._loads so that h.wait_layer raises LoadError.
             if not h.released:
-                self._truncate(h, top.parent, handle.error)
+                h._failed_loads.append((rec, top.parent))
         for node in reversed(nodes):
             if node.lock_ref or any(ch.on_device for ch in node.children.values()):
                 # Someone cached KV below it before the failure was seen: load it again.
@@ -531,7 +573,20 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
             torch.cat([n.host_indices for n in nodes]), torch.cat([n.device_indices for n in nodes])
         )
         num_pages = sum(n.num_tokens for n in nodes) // self.page_size
+        self._counters.loads_reloaded += 1
         self._track(_Transfer(handle, "load", list(nodes), num_pages * self._page_nbytes))
+
+    def _apply_load_failures(self, h: PrefixHandle) -> None:
+        """Cut ``h`` back above the loads of its prefix that failed (a call made for ``h``)."""
+        if not h._failed_loads:
+            return
+        for rec, node in h._failed_loads:
+            if rec in h._loads:
+                h._loads.remove(rec)
+            self._truncate(h, node, rec.handle.error)
+            h.load_error = rec.handle.error
+            h._failure_unreported = True
+        h._failed_loads = []
 
     def _truncate(self, h: PrefixHandle, node: TreeNode, error: BaseException) -> None:
         depth = sum(n.num_tokens for n in self.tree.path_to(node))
@@ -554,19 +609,45 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
             self.tree.set_io_status(node, IOStatus.NONE)
         if handle.error is not None:
             c.backups_failed += 1
-            for node in rec.nodes:
-                self.host_allocator.free(self.tree.detach_host(node))
+            # Deepest first. A node whose child has a host copy keeps its own (the
+            # invariant) and is backed up again; the others lose theirs and stay on
+            # the device (a later backup through the path, or write-back eviction,
+            # tries again).
+            retry = []
+            for node in sorted(rec.nodes, key=self._depth, reverse=True):
+                if any(ch.host_indices is not None for ch in node.children.values()):
+                    retry.append(node)
+                else:
+                    self.host_allocator.free(self.tree.detach_host(node))
+            if retry:
+                self._retry_backup(retry[::-1], rec)
             return
         c.backup_bytes += rec.nbytes
         c.backup_seconds += handle.seconds or 0.0
         if self.storage is not None:
             self._store(rec.nodes)
-        if rec.evict_after:
+        if rec.evict is not None:
             # Deepest first: parts split off in flight become leaves once their child goes.
-            for node in sorted(rec.nodes, key=self._depth, reverse=True):
+            for node in sorted(rec.evict, key=self._depth, reverse=True):
                 if node.lock_ref == 0 and not any(ch.on_device for ch in node.children.values()):
                     c.device_evicted_tokens += node.num_tokens
                     self.device_allocator.free(self.tree.detach_device(node))
+
+    def _retry_backup(self, nodes: list[TreeNode], failed: _Transfer) -> None:
+        """Copy ``nodes`` (root side first) into the host pages they keep, again."""
+        c = self._counters
+        for node in nodes:
+            self.tree.set_io_status(node, IOStatus.BACKING_UP)
+        dev = torch.cat([n.device_indices for n in nodes])
+        host = torch.cat([n.host_indices for n in nodes])
+        fence = None if self.device_pool is None else self.transfers.compute_fence()
+        handle = self.transfers.backup(dev, host, after=fence)
+        rec = _Transfer(handle, "backup", nodes, dev.shape[0] * self._page_nbytes)
+        if failed.evict is not None:
+            rec.evict = [n for n in failed.evict if n in nodes] or None
+        c.backups += 1
+        c.backups_retried += 1
+        self._track(rec)
 
     def _depth(self, node: TreeNode) -> int:
         depth = 0
@@ -585,17 +666,79 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
 
     # ------------------------------------------------------- pages, eviction
     def _alloc_device(self, num_pages: int) -> torch.Tensor | None:
+        """``num_pages`` free device pages, evicting as needed; None having evicted nothing.
+
+        Liveness: with no IO in flight, whenever the free pages plus the tree's
+        unlocked device pages cover the request, it succeeds (every unlocked device
+        page can be evicted: see the invariants in docs/design.md).
+        """
         alloc = self.device_allocator
-        short = num_pages - alloc.num_free_pages
-        if short > 0:
-            self._evict_device(short)
-            short = num_pages - alloc.num_free_pages
-            if short > 0 and self._inflight and self.transfers.executor_name != "manual":
-                # Pages held by backups in flight (write-back, or nodes that cannot be
-                # evicted until their backup lands) come free once those complete.
+        if num_pages <= alloc.num_free_pages:
+            return alloc.alloc(num_pages)
+        waits = self._inflight and self.transfers.executor_name != "manual"
+        if num_pages > alloc.num_free_pages + self._device_takeable_pages():
+            if not waits:
+                return None  # a refused allocation touches nothing
+            # Pages held by backups in flight (write-back, or nodes that cannot be
+            # evicted until their backup lands) come free once those complete.
+            self.wait_all()
+            if num_pages > alloc.num_free_pages + self._device_takeable_pages():
+                return None
+        manual = self.transfers.executor_name == "manual"
+        stalls = 0
+        while num_pages > alloc.num_free_pages and stalls < 3:
+            before = alloc.num_free_pages
+            # Write-back hands device leaves to backups and frees them as those land, so
+            # a chain is freed leaf by leaf: one round per level.
+            self._evict_device(num_pages - before)
+            if num_pages > alloc.num_free_pages and self._inflight and not manual:
+                # Evicted pages come free once their backups land (a failed one is
+                # offered to a backup again by the next round).
                 self.wait_all()
-                self._evict_device(num_pages - alloc.num_free_pages)
+            if alloc.num_free_pages > before:
+                stalls = 0
+            elif manual or self._bookkeeping:
+                break  # nothing lands until the test completes it / nothing is left
+            else:
+                stalls += 1
         return alloc.alloc(num_pages)
+
+    def _host_takeable_pages(self) -> int:
+        """Host pages eviction could free, less those that IO in flight or a pin holds.
+
+        A host copy being written (a backup in flight) is not taken, nor are the
+        host copies above a node that keeps its own (it is no leaf until that goes).
+        Host copies of inner nodes whose children keep device-only copies are
+        counted although eviction takes only leaves (see docs/design.md).
+        """
+        tokens = self.tree.host_evictable_tokens
+        busy = [*self._node_transfer, *self._storage_pins]
+        if busy:
+            seen: set = set()
+            for node in busy:
+                while node.parent is not None and node not in seen:
+                    seen.add(node)
+                    if node.host_indices is not None and not node.host_lock_ref:
+                        tokens -= node.num_tokens
+                    node = node.parent
+        return tokens // self.page_size
+
+    def _device_takeable_pages(self) -> int:
+        """Device pages eviction can free now: unlocked ones, less those IO pins.
+
+        An unlocked node with IO in flight (a backup, a reload) is not taken, nor
+        are its unlocked ancestors (they keep a device child until it lands).
+        """
+        tokens = self.tree.device_evictable_tokens
+        if self._node_transfer:
+            seen: set = set()
+            for node in self._node_transfer:
+                while node.parent is not None and node.lock_ref == 0 and node not in seen:
+                    seen.add(node)
+                    if node.device_indices is not None:
+                        tokens -= node.num_tokens
+                    node = node.parent
+        return tokens // self.page_size
 
     def _evict_device(self, num_pages: int) -> None:
         if num_pages <= 0:
@@ -613,7 +756,7 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
     def _alloc_host(self, num_pages: int) -> torch.Tensor | None:
         alloc = self.host_allocator
         short = num_pages - alloc.num_free_pages
-        if short > self.tree.host_evictable_tokens // self.page_size:
+        if short > 0 and short > self._host_takeable_pages():
             return None  # evicting would not make enough room: keep what is cached
         if short > 0:
             result = self.tree.evict_host(short * self.page_size)
@@ -629,48 +772,71 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
         selective = self.config.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE
         todo = self.tree.path_missing_host(node, self.config.backup_hit_threshold if selective else 0)
         if todo:
-            self._start_backup(todo, evict_after=False)
+            self._start_backup(todo)
 
     def _backup_for_eviction(self, node: TreeNode) -> bool:
-        return self._start_backup([node], evict_after=True)
+        # A host copy needs host copies of every ancestor (docs/design.md): the
+        # ancestors that lack one are backed up with it and stay on the device.
+        return self._start_backup(self.tree.path_missing_host(node), evict=node)
 
-    def _start_backup(self, nodes: list[TreeNode], evict_after: bool) -> bool:
+    def _start_backup(self, nodes: list[TreeNode], evict: TreeNode | None = None) -> bool:
+        """Back up ``nodes`` (one path, root side first); True if ``evict``'s backup started.
+
+        Stops at the first node whose parent has no host copy (the invariant: a
+        host copy implies host copies of every ancestor) or that the
+        host tier cannot take: the rest of the path is skipped. ``evict`` (the last
+        node, write-back) loses its device pages once its backup lands.
+        """
         # A write-back eviction still goes through a (completed) transfer: the
         # eviction loop hands the node over and frees its pages when that is applied.
-        sync = self._bookkeeping and not evict_after
-        started = []
-        for node in nodes:
+        sync = self._bookkeeping
+        started: list[TreeNode] = []
+        for i, node in enumerate(nodes):
+            parent = node.parent
+            if parent.parent is not None and parent.host_indices is None:
+                break  # the parent first: a later backup through this path takes these
             host_pages = self._alloc_host(node.num_tokens // self.page_size)
             if host_pages is None:
-                self._counters.backups_skipped += 1
-                continue
+                self._counters.backups_skipped += len(nodes) - i
+                break
             self.tree.attach_host(node, host_pages)
-            if not sync:
+            if not sync or node is evict:
                 self.tree.set_io_status(node, IOStatus.BACKING_UP)
             started.append(node)
         if not started:
             return False
         self._counters.backups += 1
+        moving = started if not sync else [evict] if started[-1] is evict else []
         if sync:  # bookkeeping only: the host copy is complete as it starts
             self._counters.backup_bytes += (
-                sum(n.num_tokens for n in started) // self.page_size * self._page_nbytes
+                sum(n.num_tokens for n in started if n is not evict) // self.page_size
+                * self._page_nbytes
             )
-            return True
-        if len(started) == 1:
-            dev, host = started[0].device_indices, started[0].host_indices
+        if not moving:
+            return False
+        if len(moving) == 1:
+            dev, host = moving[0].device_indices, moving[0].host_indices
         else:
-            dev = torch.cat([n.device_indices for n in started])
-            host = torch.cat([n.host_indices for n in started])
+            dev = torch.cat([n.device_indices for n in moving])
+            host = torch.cat([n.host_indices for n in moving])
         # Bookkeeping-only replay has no compute to wait for (and no fence to make).
         fence = None if self.device_pool is None else self.transfers.compute_fence()
         handle = self.transfers.backup(dev, host, after=fence)
-        rec = _Transfer(handle, "backup", started, dev.shape[0] * self._page_nbytes)
-        rec.evict_after = evict_after
+        rec = _Transfer(handle, "backup", moving, dev.shape[0] * self._page_nbytes)
+        if evict is not None and started[-1] is evict:
+            rec.evict = [evict]
         self._track(rec)
-        return True
+        return rec.evict is not None
 
     # ------------------------------------------------------- inspection
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(
+                "HiCache is closed: its transfers and workers are stopped; make a new HiCache"
+            )
+
     def _check_handle(self, h: object) -> None:
+        self._check_open()
         if not isinstance(h, PrefixHandle):
             raise TypeError(f"expected a PrefixHandle, got {type(h).__name__}")
         if h._cache is not self:
@@ -679,8 +845,12 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
             raise ValueError("handle was already released")
 
     def stats(self) -> dict:
-        """Counters plus current occupancy; bandwidths in GB/s (1e9 bytes per second)."""
-        self.poll()
+        """Counters plus current occupancy; bandwidths in GB/s (1e9 bytes per second).
+
+        After :meth:`close` it still reports the final state (nothing is polled).
+        """
+        if not self._closed:
+            self.poll()
         c = self.counters  # with the C++ lifecycle: its counts added in
         s = asdict(c)
         s["hit_tokens"] = c.device_hit_tokens + c.host_hit_tokens
@@ -728,6 +898,11 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
         for node in self._storage_pins:
             want_host_locks[node] = want_host_locks.get(node, 0) + 1
         for node in self.tree.nodes():
+            parent = node.parent
+            assert not node.on_host or parent.parent is None or parent.on_host, (
+                f"node {node.id}: a host copy under parent {parent.id} without one (a host "
+                f"copy implies host copies of every ancestor)"
+            )
             assert node.lock_ref == want_locks.get(node, 0), (
                 f"node {node.id}: lock_ref {node.lock_ref}, live requests hold "
                 f"{want_locks.get(node, 0)}: a lock leaked"
@@ -745,9 +920,17 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
         )
 
     def close(self) -> None:
-        """Finish transfers in flight, then stop the workers (and the storage tier)."""
+        """Finish transfers in flight, then stop the workers (and the storage tier).
+
+        Idempotent. Afterwards every other public call raises ``ValueError`` before
+        changing anything; ``stats()``, ``counters`` and ``check_integrity()`` still
+        read the final state (the counters of what finished while closing included).
+        """
+        if self._closed:
+            return
         if self.transfers.executor_name != "manual":
             self.wait_all()  # backups that finish now still reach storage
+        self._closed = True
         self.transfers.close()
         if self.storage is not None:
             self.storage.close()

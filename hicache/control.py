@@ -95,6 +95,7 @@ class ControlMixin:
         wait. Never raises for what it cannot drop; storage errors propagate as
         :class:`hicache.storage.base.StorageError`.
         """
+        self._check_open()
         if not isinstance(storage, bool):
             raise TypeError(f"storage: expected bool, got {type(storage).__name__}")
         clear_storage = storage and self.storage is not None
@@ -155,6 +156,7 @@ class ControlMixin:
         :meth:`reset`. Storage that drops pages by itself (a capacity cap) does
         not report it: a router's storage mirror is an upper bound.
         """
+        self._check_open()
         if self._event_log is None:
             return []
         self._drain_tree_events()
@@ -197,6 +199,7 @@ class ControlMixin:
         first to bring it back, then pin. Pinning is a use of the prefix: like a
         match it counts a hit and refreshes the access time of its nodes.
         """
+        self._check_open()
         deadline = _check_ttl(ttl_s)
         _check_namespace(namespace)
         key = token_key(tokens, self.page_size)
@@ -227,6 +230,7 @@ class ControlMixin:
 
     def unpin(self, tokens: TokenLike, namespace: str | None = None) -> bool:
         """Release the pin made with the same ``tokens`` and ``namespace``; False if none."""
+        self._check_open()
         _check_namespace(namespace)
         key = token_key(tokens, self.page_size)
         self._expire_pins(self._now())

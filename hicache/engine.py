@@ -305,8 +305,8 @@ class Engine:
             while True:
                 prefix_len = h.prefix_len
                 self._alloc(h, seq_len)
-                # A failed load cuts h.prefix_len back (and frees h's pages) whenever
-                # the cache applies it: in any call that polls, or in finish_loads.
+                # A failed load cuts h.prefix_len back (and frees h's pages) when a
+                # call made for h applies it: this alloc, or finish_loads.
                 if h.prefix_len < prefix_len:
                     num_failures += 1
                     continue

@@ -43,6 +43,9 @@ class PrefixHandle:
         self._prefix_pages: torch.Tensor | None = None  # lazily gathered from the tree
         self._new_pages: list[torch.Tensor] = []  # allocated by alloc, owned until inserted
         self._loads: list[_Transfer] = []
+        # Failed loads not yet applied to this handle (applied by its own calls).
+        self._failed_loads: list[tuple[_Transfer, TreeNode]] = []
+        self._failure_unreported = False  # applied, not yet reported by finish_loads
         self.released = False
 
     @property

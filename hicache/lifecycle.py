@@ -91,7 +91,7 @@ class NativeLifecycleMixin:
     @property
     def counters(self) -> CacheStats:
         """Counters since construction (exact; see :class:`hicache.cache.CacheStats`)."""
-        core = self._core
+        core = self._core  # read-only: also after close()
         if core is not None:
             c = self._counters
             for name, value in zip(self._core_counter_names, core.take_counters(), strict=True):

@@ -57,6 +57,7 @@ class ThirdTierMixin:
         brings the last of the pages, or ``None`` when there is no third tier or
         nothing to fetch.
         """
+        self._check_open()
         key = token_key(tokens, self.page_size)  # bad input is refused with or without storage
         _check_namespace(namespace)
         self.poll()
@@ -149,9 +150,12 @@ class ThirdTierMixin:
         start = job.start_page
         P, pnb = self.page_size, 4 * self.page_size
         taken = 0
-        # The fetched pages extend a prefix; only useful while that prefix is cached.
-        if num_done and self.tree.probe_key(job.token_key[: start * pnb], job.namespace) == (
-            start * P
+        # The fetched pages extend a prefix; only useful while that prefix is cached,
+        # and (a host copy implies host copies of every ancestor: docs/design.md)
+        # only below a host copy.
+        prefix_key = job.token_key[: start * pnb]
+        if num_done and self.tree.probe_key(prefix_key, job.namespace) == start * P and (
+            start == 0 or self.tree.probe_path(prefix_key, job.namespace)[-1].on_host
         ):
             # Entries before ``start`` are placeholders: those pages are cached, so the
             # tree takes none of them.

@@ -125,6 +125,19 @@ class EvictResult(NamedTuple):
 _INTEGERS = (int, np.integer)
 
 
+def _own(indices: torch.Tensor) -> torch.Tensor:
+    """``indices``, or a copy when it is a view into storage more than twice its size.
+
+    Callers hand the tree slices of larger tensors (a request's whole page table,
+    one allocation split across nodes); keeping such a view would keep the whole
+    storage alive for as long as the node lives. Bounded this way, the index
+    storage the tree holds is at most twice the bytes of the page ids it caches.
+    """
+    if indices.untyped_storage().nbytes() > 2 * indices.nbytes:
+        return indices.clone()
+    return indices
+
+
 def _check_count(name: str, value: object) -> int:
     if type(value) is not int and (isinstance(value, bool) or not isinstance(value, _INTEGERS)):
         raise TypeError(f"{name}: expected int, got {type(value).__name__}")
@@ -191,30 +204,34 @@ def token_key(tokens: TokenLike, page_size: int) -> bytes:
         if tokens.dtype.kind not in "iu":
             raise TypeError(f"tokens: expected integer token ids, got dtype {tokens.dtype}")
         n = len(tokens) // page_size * page_size
-        arr = tokens[:n]
-        if arr.dtype == np.int32:
+        # Every id is checked, the trailing partial page's too (it is not cached, but
+        # a bad id there is the same caller mistake).
+        if tokens.dtype == np.int32:
             # Every int32 id but a negative one is valid: OR them and test the sign bit.
-            if n and np.bitwise_or.reduce(arr) < 0:
-                raise ValueError(f"tokens: expected ids in [0, {_MAX_TOKEN}], got {arr.min()}")
-            return arr.tobytes()
-        if n and (arr.min() < 0 or arr.max() > _MAX_TOKEN):
+            if len(tokens) and np.bitwise_or.reduce(tokens) < 0:
+                raise ValueError(f"tokens: expected ids in [0, {_MAX_TOKEN}], got {tokens.min()}")
+            return tokens[:n].tobytes()
+        if len(tokens) and (tokens.min() < 0 or tokens.max() > _MAX_TOKEN):
             raise ValueError(
-                f"tokens: expected ids in [0, {_MAX_TOKEN}], got range [{arr.min()}, {arr.max()}]"
+                f"tokens: expected ids in [0, {_MAX_TOKEN}], got range "
+                f"[{tokens.min()}, {tokens.max()}]"
             )
-        return arr.astype(np.int32).tobytes()
+        return tokens[:n].astype(np.int32).tobytes()
     if not isinstance(tokens, list | tuple):
         raise TypeError(
             f"tokens: expected list, tuple, numpy array or torch tensor, got {type(tokens).__name__}"
         )
     n = len(tokens) // page_size * page_size
-    try:
-        arr = array.array("i", tokens[:n] if n != len(tokens) else tokens)
+    try:  # every id, the trailing partial page's too
+        arr = array.array("i", tokens)
     except TypeError as exc:
         raise TypeError(f"tokens: expected integer token ids ({exc})") from None
     except OverflowError:
         raise ValueError(f"tokens: expected ids in [0, {_MAX_TOKEN}]") from None
-    if n and min(arr) < 0:
+    if arr and min(arr) < 0:
         raise ValueError(f"tokens: expected ids >= 0, got {min(arr)}")
+    if n != len(arr):
+        del arr[n:]
     return arr.tobytes()
 
 
@@ -399,11 +416,11 @@ class RadixTree:
         node.parent = prefix
         prefix.children[node.key[: self._page_nbytes]] = node
         if node.device_indices is not None:
-            prefix.device_indices = node.device_indices[:num_pages]
-            node.device_indices = node.device_indices[num_pages:]
+            prefix.device_indices = _own(node.device_indices[:num_pages])
+            node.device_indices = _own(node.device_indices[num_pages:])
         if node.host_indices is not None:
-            prefix.host_indices = node.host_indices[:num_pages]
-            node.host_indices = node.host_indices[num_pages:]
+            prefix.host_indices = _own(node.host_indices[:num_pages])
+            node.host_indices = _own(node.host_indices[num_pages:])
         prefix.lock_ref = node.lock_ref
         prefix.host_lock_ref = node.host_lock_ref
         prefix.io_status = node.io_status
@@ -458,7 +475,7 @@ class RadixTree:
             off += len(ck)
         if off < n:
             node = self._new_node(key[off:], node)
-            node.device_indices = device_indices[off // pnb :]
+            node.device_indices = _own(device_indices[off // pnb :])
             node.last_access = clock
             self.device_evictable_tokens += node.num_tokens
             if self._events is not None:
@@ -495,7 +512,7 @@ class RadixTree:
         num_cached = off
         if off < n:
             node = self._new_node(key[off:], node)
-            node.host_indices = host_indices[off // pnb :]
+            node.host_indices = _own(host_indices[off // pnb :])
             node.last_access = self._clock
             self.host_evictable_tokens += node.num_tokens
             if self._events is not None:
@@ -603,7 +620,7 @@ class RadixTree:
             raise ValueError(
                 f"attach_device: expected {num_pages} pages, got {device_indices.shape[0]}"
             )
-        node.device_indices = device_indices
+        node.device_indices = _own(device_indices)
         self.device_evictable_tokens += node.num_tokens
         if self._events is not None:
             self._log(True, "device", node)
@@ -632,7 +649,7 @@ class RadixTree:
         num_pages = len(node.key) // self._page_nbytes
         if host_indices.shape[0] != num_pages:
             raise ValueError(f"attach_host: expected {num_pages} pages, got {host_indices.shape[0]}")
-        node.host_indices = host_indices
+        node.host_indices = _own(host_indices)
         self.host_evictable_tokens += node.num_tokens
         if self._events is not None:
             self._log(True, "host", node)

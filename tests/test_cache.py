@@ -152,7 +152,7 @@ def test_write_back_frees_device_pages_only_after_backup_completes():
     assert cache.stats()["backups"] == 1
     assert cache.device_allocator.num_free_pages == 1
     (backup,) = cache.transfers.executor.pending()
-    assert backup.num_pages == 2
+    assert backup.num_pages == 3  # and A's head, which keeps its device pages (invariant)
     cache.transfers.executor.complete(backup)
     cache.poll()
     assert cache.device_allocator.num_free_pages == 3
@@ -162,6 +162,7 @@ def test_write_back_frees_device_pages_only_after_backup_completes():
     cache.release(h)
     h = cache.match(A)
     assert (h.device_len, h.host_len) == (2, 4)
+    assert cache.tree.match_prefix(A[:2]).last_node.on_host
     settle(cache)
     read_prefix(cache, h, A)
     cache.release(h)

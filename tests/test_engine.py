@@ -121,7 +121,10 @@ def test_failed_load_is_recomputed(model, reference, fail_layer):
     assert_same_outputs(results, reference)
     assert stats["loads_failed"] > 0
     assert sum(r.num_load_failures for r in results) > 0
-    assert stats["loads"] > stats["loads_failed"], "no load succeeded: nothing reloaded"
+    # the prefixes of failed loads are loaded again in place (a request still held them)
+    assert stats["loads"] + stats["loads_reloaded"] > stats["loads_failed"], (
+        "no load succeeded: nothing reloaded"
+    )
 
 
 def test_backups_overlap_the_next_request(model):

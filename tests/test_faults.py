@@ -30,6 +30,12 @@ from hicache.transfer import TransferKind
 from hicache.tree import IOStatus
 
 
+def kvcheck_key(tokens: list[int]) -> bytes:
+    from hicache.tree import token_key
+
+    return token_key(tokens, P)
+
+
 def device_snapshot(cache: HiCache) -> set[tuple]:
     """(namespace, tokens) of every path whose KV sits on the device and is readable."""
     out = set()
@@ -63,20 +69,24 @@ def test_failed_load_cuts_the_request_back_and_it_recomputes(layers_landed):
     assert not cache.finish_loads(h)
     assert h.prefix_len == len(stem), "prefix not cut back above the failed load"
     assert isinstance(h.load_error, RuntimeError)
-    node = cache.tree.match_prefix(stem + a).last_node
-    assert not node.on_device and node.on_host and node.host_lock_ref == 0
-    assert node.io_status is IOStatus.NONE
+    node = cache.tree.probe_path(kvcheck_key(stem + a))[-1]
+    # h still held A when the failure landed (it is applied only by h's own call):
+    # A's device pages are loaded again in place, nobody else received them.
+    assert node.on_device and node.on_host and node.host_lock_ref == 1
+    assert node.io_status is IOStatus.LOADING and node.lock_ref == 0
     cache.check_integrity()
     assert_still_on_device(cache, kept)
     # The caller recomputes from h.prefix_len.
     tokens = stem + a + [7]
     assert cache.alloc(h, len(tokens) - h.prefix_len) is not None
     kvcheck.write_kv(cache.device_pool, h.page_table(), tokens, h.prefix_len, len(tokens))
-    cache.insert(h, tokens)
+    cache.insert(h, tokens)  # A is cached (being reloaded): h waits on that load
+    complete(cache, TransferKind.LOAD)
+    assert cache.finish_loads(h) and h.load_error is None
     verify_prefix(cache, h, tokens)
     cache.release(h)
     s = cache.stats()
-    assert (s["loads"], s["loads_failed"]) == (2, 1)  # the stem, then A
+    assert (s["loads"], s["loads_failed"]) == (2, 1)  # the stem, then A (the reload not counted)
     settle(cache)
     assert cache.tree.match_prefix(stem + a).device_len == len(stem + a)
 
@@ -93,7 +103,7 @@ def test_failed_load_frees_the_pages_the_request_had_allocated():
     cache.transfers.executor.fail(load, RuntimeError("injected"))
     assert not cache.finish_loads(h)
     assert h.num_owned_pages == 0, "pages computed on top of a failed load were kept"
-    assert cache.stats()["device_pages_used"] == used - 2 - 3
+    assert cache.stats()["device_pages_used"] == used - 2  # A's 3 pages are being reloaded
     cache.release(h)
     settle(cache)
 
@@ -196,11 +206,16 @@ def test_poll_after_failures_applies_each_once():
     ex = cache.transfers.executor
     for t in pending(cache):
         ex.fail(t, RuntimeError("injected"))
-    assert cache.stats()["transfers_in_flight"] == 0  # stats() polls
+    # stats() polls: both failures applied; A is reloaded (h still held it then)
+    assert cache.stats()["transfers_in_flight"] == 1
     assert cache.poll() == 0
     s = cache.stats()
     assert (s["loads_failed"], s["backups_failed"]) == (1, 1)
+    # h's own call applies its failure, once
+    assert h.prefix_len == 3 * P and h.load_error is None
+    assert not cache.finish_loads(h)
     assert h.prefix_len == 0 and h.load_error is not None
+    assert cache.finish_loads(h) and h.load_error is None  # reported once
     cache.release(h)
     settle(cache)
 
@@ -221,6 +236,7 @@ def test_every_transfer_failing_loses_nothing_cached_on_device():
     cache.poll()
     assert_still_on_device(cache, kept)
     for h in handles:
+        cache.finish_loads(h)  # each request's failure is applied by its own call
         assert h.load_error is not None or h.prefix_len == h.device_len
         cache.release(h)
     settle(cache)
@@ -246,7 +262,8 @@ def test_failed_loads_on_the_thread_executor_recover():
         cache.release(h)
         cache.wait_all()
         cache.check_integrity()
-        assert cache.stats()["loads_failed"] == 1
+        # h held A when its load failed: A was loaded again in place, and failed again
+        assert cache.stats()["loads_failed"] == 2
         copier.fault_rate = 0.0
         h = cache.match(a)
         assert cache.finish_loads(h)

@@ -53,6 +53,18 @@ def pages_list(pages) -> list[int] | None:
     return None if pages is None else pages.tolist()
 
 
+def expect_alloc(cache: HiCache, num_tokens: int) -> bool:
+    """Liveness, exact both ways: alloc succeeds iff free + unlocked device pages cover it.
+
+    Nothing is ever in flight here, so every unlocked device page can be evicted
+    (a host copy implies host copies of every ancestor: no unlocked node is stuck).
+    """
+    need = -(-num_tokens // P)
+    if need > cache.device_allocator.num_pages:
+        return False
+    return need <= cache.device_allocator.num_free_pages + cache.tree.device_evictable_tokens // P
+
+
 def handle_state(h) -> tuple:
     return (h.device_len, h.host_len, h.prefix_len, h.key, h.num_owned_pages, h._lock_node.id,
             [p.tolist() for p in h._new_pages])
@@ -103,9 +115,12 @@ class Lifecycles(RuleBasedStateMachine):
         hb = self.nat.match(as_form(tokens, form), ns)
         assert handle_state(ha) == handle_state(hb)
         seq = tokens + tail
+        want = expect_alloc(self.ref, len(seq) - ha.prefix_len)
+        assert want == expect_alloc(self.nat, len(seq) - hb.prefix_len)
         pa = self.ref.alloc(ha, len(seq) - ha.prefix_len)
         pb = self.nat.alloc(hb, len(seq) - hb.prefix_len)
         assert pages_list(pa) == pages_list(pb)
+        assert (pa is not None) == want, "alloc disagrees with free + evictable pages"
         if pa is not None:
             assert self.ref.insert(ha, as_form(seq, form), priority=priority) == self.nat.insert(
                 hb, as_form(seq, form), priority=priority
@@ -121,10 +136,15 @@ class Lifecycles(RuleBasedStateMachine):
     @rule(i=st.integers(0, 3), extra=st.integers(0, 3 * P))
     def alloc(self, i, extra):
         ha, hb, tokens = self.pick(i)
+        want = expect_alloc(self.ref, extra)
+        before = self.ref.stats()
         ra, rb = outcome(self.ref.alloc, ha, extra), outcome(self.nat.alloc, hb, extra)
         assert ra[0] == rb[0]
         if ra[0] == "ok":
             assert pages_list(ra[1]) == pages_list(rb[1])
+            assert (ra[1] is not None) == want, "alloc disagrees with free + evictable pages"
+            if ra[1] is None:  # a refused allocation touches nothing
+                assert self.ref.stats() == before
         assert handle_state(ha) == handle_state(hb)
 
     @precondition(lambda self: self.live)

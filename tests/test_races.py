@@ -302,8 +302,12 @@ def test_failed_shared_load_cuts_back_every_waiting_request():
     for h in (h1, h2):
         cache.release(h)
     settle(cache)
-    serve(cache, a)  # the host copy survived: loaded again, correctly
-    assert cache.stats()["loads"] == 2
+    # The requests still held A when the failure landed: it was loaded again in place
+    # from its intact host copy (a reload, not a request's load), correctly.
+    hits = cache.stats()["device_hit_tokens"]
+    serve(cache, a)
+    s = cache.stats()
+    assert s["loads"] == 1 and s["device_hit_tokens"] - hits == len(a)
 
 
 def test_split_while_a_load_is_in_flight():
@@ -338,7 +342,9 @@ def test_split_while_a_load_fails():
     cache.release(h1)
     cache.release(h2)
     settle(cache)
-    assert cache.tree.host_tokens == len(a) and cache.tree.device_tokens == 0
+    # Both requests held A when the failure landed: both parts were loaded again in place.
+    assert cache.tree.host_tokens == len(a) and cache.tree.device_tokens == len(a)
+    assert kvcheck.verify_cache(cache) == []
 
 
 def test_split_while_a_backup_is_in_flight():
@@ -497,9 +503,11 @@ def test_write_back_eviction_never_evicts_more_than_asked():
     h = cache.match([])
     assert cache.alloc(h, 2 * P) is None  # manual executor: backups pending
     (backup,) = pending(cache, TransferKind.BACKUP)
-    assert backup.num_pages == 2, "backed up more pages than the eviction asked for"
+    # The leaf's 2-page tail is evicted; the 1-page part split off above it is backed
+    # up with it (a host copy implies host copies of every ancestor) and stays.
+    assert backup.num_pages == 3
     complete(cache, TransferKind.BACKUP)
-    assert cache.stats()["device_pages_free"] == 2
+    assert cache.stats()["device_pages_free"] == 2, "evicted more than the eviction asked for"
     assert cache.alloc(h, 2 * P) is not None
     cache.release(h)
     settle(cache)

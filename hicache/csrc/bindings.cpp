@@ -49,13 +49,16 @@ void check_ids(const token_t* data, std::size_t n) {
   }
 }
 
+// Checks all `count` ids (the trailing partial page's too: a bad id there is the
+// same caller mistake) and keeps the first n (whole pages).
 template <typename T>
-void narrow_ids(const char* base, std::ptrdiff_t stride_bytes, std::size_t n, Key& key) {
-  key.scratch.resize(n);
+void narrow_ids(const char* base, std::ptrdiff_t stride_bytes, std::size_t count, std::size_t n,
+                Key& key) {
+  key.scratch.resize(count);
   bool ok = true;
   T lo = 0;
   T hi = 0;
-  for (std::size_t i = 0; i < n; ++i) {
+  for (std::size_t i = 0; i < count; ++i) {
     T v;
     std::memcpy(&v, base + static_cast<std::ptrdiff_t>(i) * stride_bytes, sizeof(T));
     ok &= v >= 0 && static_cast<std::int64_t>(v) <= kMaxToken;
@@ -63,6 +66,7 @@ void narrow_ids(const char* base, std::ptrdiff_t stride_bytes, std::size_t n, Ke
     hi = i == 0 ? v : std::max(hi, v);
     key.scratch[i] = static_cast<token_t>(v);
   }
+  key.scratch.resize(n);
   if (!ok) {
     throw hicache::ValueError("tokens: expected ids in [0, " + std::to_string(kMaxToken) +
                               "], got range [" + std::to_string(lo) + ", " + std::to_string(hi) +
@@ -92,17 +96,18 @@ void read_key(py::handle obj, std::int64_t page_size, Key& key) {
                                 std::to_string(t.dim()) + " dimensions");
     }
     if (!t.is_cpu()) t = t.cpu();
+    const auto count = static_cast<std::size_t>(t.size(0));
     const std::size_t n = whole(t.size(0));
     const auto stride = t.stride(0) * static_cast<std::int64_t>(t.element_size());
     const char* base = static_cast<const char*>(t.const_data_ptr());
-    if (dtype == at::kInt && (t.stride(0) == 1 || n <= 1)) {
+    if (dtype == at::kInt && (t.stride(0) == 1 || count <= 1)) {
+      check_ids(reinterpret_cast<const token_t*>(base), count);
       key.span = {reinterpret_cast<const token_t*>(base), n};
-      check_ids(key.span.data(), n);
       key.holder = std::move(t);
     } else if (dtype == at::kInt) {
-      narrow_ids<std::int32_t>(base, stride, n, key);
+      narrow_ids<std::int32_t>(base, stride, count, n, key);
     } else {
-      narrow_ids<std::int64_t>(base, stride, n, key);
+      narrow_ids<std::int64_t>(base, stride, count, n, key);
     }
     return;
   }
@@ -132,21 +137,22 @@ void read_key(py::handle obj, std::int64_t page_size, Key& key) {
     }
     const char fmt = info.format.empty() ? '?' : info.format.back();
     const bool is_int = fmt == 'i' || fmt == 'l' || fmt == 'q';
+    const auto count = static_cast<std::size_t>(info.shape[0]);
     const std::size_t n = whole(info.shape[0]);
     const char* base = static_cast<const char*>(info.ptr);
     if (is_int && info.itemsize == 4) {
       const bool direct = info.strides[0] == 4 &&
                           reinterpret_cast<std::uintptr_t>(base) % alignof(token_t) == 0;
       if (direct) {
+        check_ids(reinterpret_cast<const token_t*>(base), count);
         key.span = {reinterpret_cast<const token_t*>(base), n};
-        check_ids(key.span.data(), n);
       } else {
-        narrow_ids<std::int32_t>(base, info.strides[0], n, key);
+        narrow_ids<std::int32_t>(base, info.strides[0], count, n, key);
       }
       return;
     }
     if (is_int && info.itemsize == 8) {
-      narrow_ids<std::int64_t>(base, info.strides[0], n, key);
+      narrow_ids<std::int64_t>(base, info.strides[0], count, n, key);
       return;
     }
     throw hicache::TypeError("tokens: expected int32 or int64 token ids, got buffer format '" +

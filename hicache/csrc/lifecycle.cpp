@@ -7,6 +7,7 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <unordered_set>
 
 namespace hicache {
 
@@ -71,12 +72,24 @@ void Lifecycle::start_load(MatchedPrefix& m, TreeNode* last) {
   c_.load_bytes += num_pages * config_.page_nbytes;
 }
 
-// HiCache._alloc_device (nothing is ever in flight here: no wait_all).
+// HiCache._alloc_device (nothing is ever in flight here: no wait_all). Every
+// unlocked device page can be evicted, so the check up front is exact: a
+// refused allocation evicts nothing, an accepted one succeeds.
 std::optional<at::Tensor> Lifecycle::alloc_device(std::int64_t num_pages) {
   if (num_pages < 0) throw ValueError("num_pages: expected >= 0, got " + std::to_string(num_pages));
   OpScope scope(tree_);
-  const std::int64_t missing = num_pages - device_.num_free();
-  if (missing > 0) evict_device(missing);
+  if (num_pages > device_.num_free()) {
+    if (num_pages > device_.num_free() + tree_.device_evictable_tokens / tree_.page_size()) {
+      return std::nullopt;
+    }
+    // Write-back frees a chain leaf by leaf (a parent is a leaf once its child's
+    // backup landed): one round per level, until a round frees nothing.
+    while (num_pages > device_.num_free()) {
+      const std::int64_t before = device_.num_free();
+      evict_device(num_pages - before);
+      if (device_.num_free() == before) break;
+    }
+  }
   if (num_pages > device_.num_free()) return std::nullopt;
   at::Tensor pages = at::empty({num_pages}, at::kLong);
   device_.alloc(num_pages, pages.data_ptr<page_id_t>());
@@ -87,7 +100,11 @@ std::optional<at::Tensor> Lifecycle::alloc_device(std::int64_t num_pages) {
 void Lifecycle::evict_device(std::int64_t num_pages) {
   if (num_pages <= 0) return;
   const bool write_back = config_.write_policy == WritePolicy::WriteBack && config_.has_host_tier;
-  const RadixTree::BackupHook hook = [this](TreeNode* node) { return start_backup({node}, true); };
+  // The ancestors lacking a host copy are backed up with the node (a host copy
+  // implies host copies of every ancestor) and stay on the device.
+  const RadixTree::BackupHook hook = [this](TreeNode* node) {
+    return start_backup(tree_.path_missing_host(node, 0), node);
+  };
   // Whatever happens, no record outlives this call (its nodes could be freed later).
   struct Clear {
     std::vector<PendingBackup>& pending;
@@ -125,7 +142,19 @@ void Lifecycle::finish_backups() {
 std::optional<at::Tensor> Lifecycle::alloc_host(std::int64_t num_pages) {
   const std::int64_t ps = tree_.page_size();
   const std::int64_t missing = num_pages - host_.num_free();
-  if (missing > tree_.host_evictable_tokens / ps) return std::nullopt;
+  // HiCache._host_takeable_pages: a host copy being written (a write-back backup
+  // pending in this eviction) is not taken, nor are the host copies above it.
+  std::int64_t takeable = tree_.host_evictable_tokens;
+  if (missing > 0 && !pending_.empty()) {
+    std::unordered_set<const TreeNode*> seen;
+    for (const PendingBackup& rec : pending_) {
+      for (const TreeNode* n = rec.node; n->parent != nullptr && seen.insert(n).second;
+           n = n->parent) {
+        if (n->on_host() && n->host_lock_ref == 0) takeable -= n->num_tokens();
+      }
+    }
+  }
+  if (missing > takeable / ps) return std::nullopt;
   if (missing > 0) {
     const EvictOut r = tree_.evict_host(missing * ps, true);
     if (r.num_evicted_tokens != 0) {
@@ -145,34 +174,43 @@ void Lifecycle::backup_path(TreeNode* node) {
   const std::int64_t threshold =
       config_.write_policy == WritePolicy::WriteThroughSelective ? config_.backup_hit_threshold : 0;
   const std::vector<TreeNode*> todo = tree_.path_missing_host(node, threshold);
-  if (!todo.empty()) start_backup(todo, false);
+  if (!todo.empty()) start_backup(todo, nullptr);
 }
 
-// HiCache._start_backup: write-through backups complete as they start; a
-// write-back one (evict_after) is applied when the eviction returns.
-bool Lifecycle::start_backup(const std::vector<TreeNode*>& nodes, bool evict_after) {
+// HiCache._start_backup: `nodes` is one path, root side first. Stops at the
+// first node whose parent has no host copy, or that the host tier
+// cannot take. Write-through backups complete as they start; the backup of
+// `evict` (write-back) is applied when the eviction returns. True if the
+// backup of `evict` started.
+bool Lifecycle::start_backup(const std::vector<TreeNode*>& nodes, TreeNode* evict) {
   const std::int64_t ps = tree_.page_size();
   std::vector<TreeNode*> started;
-  std::int64_t num_pages = 0;
-  for (TreeNode* n : nodes) {
+  std::int64_t sync_pages = 0;
+  std::int64_t evict_pages = 0;
+  for (std::size_t i = 0; i < nodes.size(); ++i) {
+    TreeNode* n = nodes[i];
+    const TreeNode* parent = n->parent;
+    if (parent->parent != nullptr && !parent->on_host()) break;
     const std::int64_t k = n->num_tokens() / ps;
     const std::optional<at::Tensor> pages = alloc_host(k);
     if (!pages) {
-      c_.backups_skipped += 1;
-      continue;
+      c_.backups_skipped += static_cast<std::int64_t>(nodes.size() - i);
+      break;
     }
     tree_.attach_host(n, IndexRun{*pages, 0, k});
-    if (evict_after) tree_.set_io_status(n, IOStatus::BackingUp);
+    if (n == evict) {
+      tree_.set_io_status(n, IOStatus::BackingUp);
+      evict_pages = k;
+    } else {
+      sync_pages += k;
+    }
     started.push_back(n);
-    num_pages += k;
   }
   if (started.empty()) return false;
   c_.backups += 1;
-  if (!evict_after) {
-    c_.backup_bytes += num_pages * config_.page_nbytes;
-  } else {
-    pending_.push_back({started.front(), num_pages * config_.page_nbytes});  // one node
-  }
+  c_.backup_bytes += sync_pages * config_.page_nbytes;
+  if (evict == nullptr || started.back() != evict) return false;
+  pending_.push_back({evict, evict_pages * config_.page_nbytes});
   return true;
 }
 

@@ -68,7 +68,7 @@ class Lifecycle {
   MatchedPrefix match(token_span key, std::uint32_t ns, std::int64_t num_tokens, bool load_back);
 
   // HiCache._alloc_device: num_pages device pages, evicting as needed; nullopt
-  // (and nothing allocated) when not enough can be freed.
+  // (and nothing allocated or evicted) when not enough can be freed.
   std::optional<at::Tensor> alloc_device(std::int64_t num_pages);
 
   // HiCache.insert: cache `key` (whole pages) over the caller's pages. `lock`
@@ -108,7 +108,7 @@ class Lifecycle {
   void evict_device(std::int64_t num_pages);
   std::optional<at::Tensor> alloc_host(std::int64_t num_pages);
   void backup_path(TreeNode* node);
-  bool start_backup(const std::vector<TreeNode*>& nodes, bool evict_after);
+  bool start_backup(const std::vector<TreeNode*>& nodes, TreeNode* evict);
   void finish_backups();
   void free_device(const at::Tensor& pages);
   void free_host(const at::Tensor& pages);

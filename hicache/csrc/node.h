@@ -88,6 +88,18 @@ struct IndexRun {
     return IndexRun{base, offset + start, n};
   }
 
+  // This window, or a copy of it when its tensor's storage is more than twice
+  // its size: the tree keeps windows for as long as a node lives, and a window
+  // into a request's whole page table would keep all of it alive. So the index
+  // storage the tree holds is at most twice the bytes of the page ids it caches.
+  IndexRun owned() const {
+    const auto bytes = static_cast<std::size_t>(num_pages) * sizeof(page_id_t);
+    if (!defined() || base.storage().nbytes() <= 2 * bytes) return *this;
+    at::Tensor copy = at::empty({num_pages}, at::kLong);
+    std::copy(data(), data() + num_pages, static_cast<page_id_t*>(copy.data_ptr()));
+    return IndexRun{std::move(copy), 0, num_pages};
+  }
+
   // A view of the window (no copy); the whole base when the window covers it.
   at::Tensor tensor() const {
     if (offset == 0 && num_pages == base.size(0)) return base;

@@ -222,13 +222,13 @@ TreeNode* RadixTree::split(TreeNode* node, std::int64_t num_pages) {
   by_handle_.emplace(id, prefix);
   ++num_nodes;
   if (node->on_device()) {
-    prefix->device = node->device.slice(0, num_pages);
-    node->device = node->device.slice(num_pages, node_pages - num_pages);
+    prefix->device = node->device.slice(0, num_pages).owned();
+    node->device = node->device.slice(num_pages, node_pages - num_pages).owned();
     prefix->num_device_children = 1;
   }
   if (node->on_host()) {
-    prefix->host = node->host.slice(0, num_pages);
-    node->host = node->host.slice(num_pages, node_pages - num_pages);
+    prefix->host = node->host.slice(0, num_pages).owned();
+    node->host = node->host.slice(num_pages, node_pages - num_pages).owned();
   }
   prefix->lock_ref = node->lock_ref;
   prefix->host_lock_ref = node->host_lock_ref;
@@ -269,8 +269,10 @@ InsertOut RadixTree::insert(token_span key, const IndexRun& pages, std::uint32_t
   if (off < n) {
     TreeNode* parent = node;
     node = new_child(parent, TokenRun::copy_of(key.subspan(off)));
-    node->device = pages.slice(static_cast<std::int64_t>(off / ps),
-                               static_cast<std::int64_t>((n - off) / ps));
+    node->device = pages
+                       .slice(static_cast<std::int64_t>(off / ps),
+                              static_cast<std::int64_t>((n - off) / ps))
+                       .owned();
     parent->num_device_children += 1;
     node->last_access = clock;
     device_evictable_tokens += node->num_tokens();
@@ -303,8 +305,10 @@ InsertOut RadixTree::insert_host(token_span key, const IndexRun& pages, std::uin
   const auto num_cached = static_cast<std::int64_t>(off);
   if (off < n) {
     node = new_child(node, TokenRun::copy_of(key.subspan(off)));
-    node->host = pages.slice(static_cast<std::int64_t>(off / ps),
-                             static_cast<std::int64_t>((n - off) / ps));
+    node->host = pages
+                     .slice(static_cast<std::int64_t>(off / ps),
+                            static_cast<std::int64_t>((n - off) / ps))
+                     .owned();
     node->last_access = clock;
     host_evictable_tokens += node->num_tokens();
     if (events_on_) log_event(true, false, node);
@@ -423,7 +427,7 @@ void RadixTree::attach_device(TreeNode* node, const IndexRun& pages) {
     throw ValueError("attach_device: expected " + std::to_string(num_pages) + " pages, got " +
                      std::to_string(pages.num_pages));
   }
-  node->device = pages;
+  node->device = pages.owned();
   node->parent->num_device_children += 1;
   device_evictable_tokens += node->num_tokens();
   if (events_on_) log_event(true, true, node);
@@ -457,7 +461,7 @@ void RadixTree::attach_host(TreeNode* node, const IndexRun& pages) {
     throw ValueError("attach_host: expected " + std::to_string(num_pages) + " pages, got " +
                      std::to_string(pages.num_pages));
   }
-  node->host = pages;
+  node->host = pages.owned();
   host_evictable_tokens += node->num_tokens();
   if (events_on_) log_event(true, false, node);
   refresh(node);
