@@ -125,8 +125,8 @@ def test_reset_keeps_a_load_in_flight_and_its_host_copy(tree):
 
 
 def test_reset_clears_storage_only_when_asked(tmp_path):
-    cfg = CacheConfig(KV, device_tokens=16, host_tokens=32, storage=f"file:{tmp_path}", model_id="m",
-                      executor="thread", tree="python")
+    cfg = CacheConfig(KV, device_tokens=16, host_tokens=32, storage=f"file:{tmp_path}",
+                      model_id="m", executor="thread", tree="python")
     with HiCache(cfg) as cache:
         h = cache.match(A)
         cache.alloc(h, 6)
@@ -149,8 +149,8 @@ def test_reset_clears_storage_only_when_asked(tmp_path):
 
 
 def test_reset_discards_storage_reads_in_flight(tmp_path):
-    cfg = CacheConfig(KV, device_tokens=16, host_tokens=32, storage=f"file:{tmp_path}", model_id="m",
-                      executor="thread", tree="python")
+    cfg = CacheConfig(KV, device_tokens=16, host_tokens=32, storage=f"file:{tmp_path}",
+                      model_id="m", executor="thread", tree="python")
     with HiCache(cfg) as writer:
         serve(writer, A)
         writer.wait_all()

@@ -129,8 +129,8 @@ def test_events_off_by_default_and_bad_flag():
 
 
 def test_storage_events(tmp_path):
-    cfg = CacheConfig(KV, device_tokens=16, host_tokens=32, storage=f"file:{tmp_path}", model_id="m",
-                      kv_events=True, tree="python")
+    cfg = CacheConfig(KV, device_tokens=16, host_tokens=32, storage=f"file:{tmp_path}",
+                      model_id="m", kv_events=True, tree="python")
     with HiCache(cfg) as cache:
         serve(cache, A)
         cache.wait_all()

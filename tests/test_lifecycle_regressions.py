@@ -259,8 +259,8 @@ def test_write_back_frees_a_whole_chain_in_one_alloc(tree, lifecycle):
 def test_storage_read_not_inserted_below_a_node_without_host_copy(tmp_path):
     # A third-tier read extends a prefix; below a device-only node its host pages
     # would break the invariant (and leave that node unevictable): they are dropped.
-    cfg = dict(device_tokens=16, host_tokens=32, storage=f"file:{tmp_path}", executor="immediate",
-               host_reserve_nbytes=0)
+    cfg = dict(device_tokens=16, host_tokens=32, storage=f"file:{tmp_path}", model_id="m",
+               executor="immediate", host_reserve_nbytes=0)
     first = HiCache(CacheConfig(KV, **cfg))
     served(first, seq(100, 4))
     first.close()
