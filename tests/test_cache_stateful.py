@@ -242,7 +242,13 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.poll()
         if not req.is_written():
             return  # cut back by a failure applied just now
-        self.cache.insert(h, req.tokens)
+        try:
+            self.cache.insert(h, req.tokens)
+        except LoadError:
+            # a failure an earlier call of this request applied, not yet reported:
+            # the engine calls finish_loads, then recomputes from prefix_len
+            assert not self.cache.finish_loads(h) and h.load_error is not None
+            return
         req.inserted = True
         req.mark_written()
 
