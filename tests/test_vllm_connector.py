@@ -89,7 +89,7 @@ class MiniVllm:
         self.num_blocks = num_blocks
         self.kv = make_kv(layout, num_blocks)
         self.hook = Hook()
-        fingerprint = "test-layout|model=tiny"
+        fingerprint = "test-layout"
         root = None
         s_backend = w_backend = None
         if storage is not None:
@@ -98,7 +98,7 @@ class MiniVllm:
             nbytes = L * 2 * H * D * P * 4
             s_backend = make_storage(storage, page_nbytes=nbytes)
             w_backend = make_storage(storage, page_nbytes=nbytes)
-            root = root_key(None, fingerprint)
+            root = root_key(None, fingerprint, "tiny")
         self.sched = SchedulerHalf(cfg, block_size=P, num_host_pages=num_host_pages,
                                    storage_backend=s_backend, storage_root_key=root)
         self.worker = WorkerHalf(cfg, self.kv, num_blocks=num_blocks, block_size=P,
@@ -112,13 +112,18 @@ class MiniVllm:
         self.plans: list[StepPlan] = []
         self.report_bad = True
 
-    def add(self, rid: str, tokens: list[int]) -> int:
-        """Schedule a new request; returns the tokens hicache will load."""
-        ext = self.sched.num_matched_tokens(rid, tokens, 0)
+    def add(self, rid: str, tokens: list[int], own: int = 0) -> int:
+        """Schedule a new request; returns the tokens hicache will load.
+
+        ``own``: tokens vLLM's own prefix cache serves (whole blocks, filled here)."""
+        ext = self.sched.num_matched_tokens(rid, tokens, own)
         blocks = [self.free.pop(0) for _ in range(-(-len(tokens) // P))]
+        for page in range(own // P):
+            self.fill(tokens, blocks[page], page)
         self.sched.after_alloc(rid, tokens, blocks, ext)
-        self.reqs[rid] = {"tokens": tokens, "blocks": blocks, "ext": ext}
-        self.pending.append(ScheduledRequest(rid, tokens, blocks, True, ext, len(tokens) - ext))
+        self.reqs[rid] = {"tokens": tokens, "blocks": blocks, "ext": ext, "own": own}
+        self.pending.append(
+            ScheduledRequest(rid, tokens, blocks, True, own + ext, len(tokens) - own - ext))
         return ext
 
     def preempt(self, rid: str) -> None:
@@ -168,7 +173,7 @@ class MiniVllm:
     def loaded_ok(self, rid: str) -> bool:
         """Every block hicache loaded for ``rid`` holds the KV of its page."""
         r = self.reqs[rid]
-        for page in range(r["ext"] // P):
+        for page in range(r["own"] // P, (r["own"] + r["ext"]) // P):
             block = r["blocks"][page]
             if block in self.last_errors:
                 return False
@@ -344,6 +349,65 @@ def test_save_skipped_when_every_host_page_is_pinned_by_this_step(make_vllm):
     assert plan.saves == []
     assert m.sched.stats()["save_skipped_tokens"] == 2 * P
     m.finish("b")
+    m.step()
+    m.quiesce()
+
+
+@pytest.mark.parametrize("tree", ["python", "auto"])
+def test_save_never_evicts_the_prefix_it_extends(make_vllm, tree):
+    """A request served by vLLM's own cache (no hicache load pins its prefix) computes
+    blocks past the host tier's copy of that prefix while the host tier is full: making
+    room must not evict the prefix the save extends (its host pages would be lost:
+    the bench's crash with a small host tier), so the save is skipped instead."""
+    m = make_vllm(num_host_pages=2, tree=tree)
+    a = seq(8) + [1]
+    m.add("a", a)
+    m.step()
+    m.finish("a")
+    m.step()
+    assert m.sched.stats()["host_pages_used"] == 2
+    b = seq(8) + seq(8, 50) + [3]
+    assert m.add("b", b, own=8) == 0  # vLLM's own cache serves the two blocks hicache has
+    plan = m.step()
+    assert plan.saves == []
+    s = m.sched.stats()
+    assert s["save_skipped_tokens"] == 2 * P and s["host_evicted_tokens"] == 0
+    assert s["host_cached_tokens"] == 2 * P  # a's pages stay, with their KV
+    m.check()
+    assert m.sched.num_matched_tokens("q", a, 0) == 8
+    m.sched.request_finished("q")
+    m.finish("b")
+    m.step()
+    m.quiesce()
+
+
+@pytest.mark.parametrize("tree", ["python", "auto"])
+def test_save_evicts_other_pages_but_not_its_prefix(make_vllm, tree):
+    """With room to make elsewhere, the save extending a cached prefix evicts another
+    request's pages, keeps its prefix, and the whole request loads back intact."""
+    m = make_vllm(num_host_pages=4, tree=tree)
+    a, c = seq(8) + [1], seq(8, 300) + [2]
+    for rid, toks in (("a", a), ("c", c)):
+        m.add(rid, toks)
+        m.step()
+        m.finish(rid)
+        m.step()
+    # a's prefix is now the least recently used: an unpinned save would evict it first
+    b = seq(8) + seq(8, 50) + [3]
+    assert m.add("b", b, own=8) == 0
+    plan = m.step()
+    assert [len(s.host_pages) for s in plan.saves] == [2]
+    s = m.sched.stats()
+    assert s["host_evicted_tokens"] == 2 * P and s["save_skipped_tokens"] == 0
+    m.finish("b")
+    m.step()
+    m.quiesce()
+    assert m.sched.num_matched_tokens("q", c, 0) == 0  # c's pages made the room
+    m.sched.request_finished("q")
+    assert m.add("b2", b) == 16
+    m.step()
+    assert m.loaded_ok("b2")
+    m.finish("b2")
     m.step()
     m.quiesce()
 
