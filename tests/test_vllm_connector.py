@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from hicache.integrations.vllm import layout as layout_module
 from hicache.integrations.vllm.config import ConnectorConfig
 from hicache.integrations.vllm.layout import BlockCopier, BlockLayout, block_planes
 from hicache.integrations.vllm.plan import StepPlan
@@ -267,6 +268,39 @@ def test_block_copier_round_trip(layout, native):
         for other in (0, 2, 3, 4):
             for a, b in zip(block_of(before[name], other, 8), block_of(t, other, 8), strict=True):
                 assert torch.equal(a, b)
+
+
+def test_worker_copies_on_one_native_thread(make_vllm, monkeypatch):
+    """The worker's copies never fan out to more threads than the copy thread itself:
+    vLLM's compute threads own the cores (and the copy thread shares one of them)."""
+    m = make_vllm()
+    copier = m.hook.inner
+    if copier.lib is None:
+        pytest.skip("native row copier unavailable")
+    assert copier.max_threads == 1
+    calls = []
+
+    class Recording:
+        def __init__(self, lib):
+            self.lib = lib
+
+        def hc_copy_rows(self, *args):
+            calls.append(args[9])  # num_threads
+            return self.lib.hc_copy_rows(*args)
+
+    copier.lib = Recording(copier.lib)
+    monkeypatch.setattr(layout_module, "_NATIVE_THREAD_MIN_NBYTES", 0)  # every copy "large"
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ids = torch.arange(4)
+        copier.backup(ids, ids, 0, L)
+        copier.load(ids, ids, 0, L)
+    finally:
+        torch.set_num_threads(before)
+    assert calls and set(calls) == {1}
+    with pytest.raises(ValueError, match="max_threads"):
+        BlockCopier(copier._layout, m.worker.host_pool, max_threads=0)
 
 
 def test_block_planes_rejects_unknown_layouts():
