@@ -416,6 +416,34 @@ def test_save_never_evicts_the_prefix_it_extends(make_vllm, tree):
 
 
 @pytest.mark.parametrize("tree", ["python", "auto"])
+def test_save_diverging_inside_a_pinned_node_splits_it_cleanly(make_vllm, tree):
+    """The pinned prefix node is split by the save's insert: the pin follows both halves
+    and is released with the step (check_integrity compares locks with pins)."""
+    m = make_vllm(num_host_pages=5, tree=tree)
+    a = seq(8) + [1]
+    m.add("a", a)
+    m.step()
+    m.finish("a")
+    m.step()
+    b = seq(4) + seq(12, 50) + [3]  # shares a's first block only
+    assert m.add("b", b, own=4) == 0
+    plan = m.step()
+    assert [len(s.host_pages) for s in plan.saves] == [3]
+    m.check()
+    assert m.sched.stats()["host_pages_used"] == 5
+    m.finish("b")
+    m.step()
+    m.quiesce()
+    assert m.add("b2", b) == 16 and m.add("a2", a) == 8
+    m.step()
+    assert m.loaded_ok("b2") and m.loaded_ok("a2")
+    for rid in ("a2", "b2"):
+        m.finish(rid)
+    m.step()
+    m.quiesce()
+
+
+@pytest.mark.parametrize("tree", ["python", "auto"])
 def test_save_evicts_other_pages_but_not_its_prefix(make_vllm, tree):
     """With room to make elsewhere, the save extending a cached prefix evicts another
     request's pages, keeps its prefix, and the whole request loads back intact."""
