@@ -654,6 +654,38 @@ def test_third_tier_serves_a_fresh_process(make_vllm, tmp_path, layout):
     fresh.quiesce()
 
 
+@pytest.mark.parametrize("tree", ["python", "auto"])
+def test_third_tier_hit_is_promised_only_with_host_room(make_vllm, tmp_path, tree):
+    """Storage pages are promised only when host pages can be found to read them into:
+    with every host page pinned by this step's other load, the hit is not promised (a
+    broken promise is a load error, which vLLM's default policy turns into a failed
+    request); once the pins are released it is promised and served."""
+    m = make_vllm(num_host_pages=2, storage=f"file:{tmp_path}", tree=tree)
+    a, c = seq(8) + [1], seq(8, 300) + [2]
+    for rid, toks in (("a", a), ("c", c)):
+        m.add(rid, toks)
+        m.step()
+        m.finish(rid)
+        m.step()
+        m.quiesce()
+    # host: c's two pages; a only in storage
+    assert m.add("x", c) == 8  # pins both host pages for this step
+    assert m.add("y", a) == 0  # no host page left to read a's pages into
+    m.step()
+    assert m.loaded_ok("x") and not m.last_errors
+    assert m.sched.stats()["load_failed_tokens"] == 0
+    for rid in ("x", "y"):
+        m.finish(rid)
+    m.step()
+    m.quiesce()
+    assert m.add("z", a) == 8  # now c's pages can make room
+    m.step()
+    assert m.loaded_ok("z") and not m.last_errors
+    m.finish("z")
+    m.step()
+    m.quiesce()
+
+
 def test_third_tier_read_failure_is_a_load_error(make_vllm, tmp_path):
     storage = f"file:{tmp_path}"
     m = make_vllm(storage=storage)

@@ -134,6 +134,10 @@ class SchedulerHalf:
                 stored = self.storage.exists(self._keys(st, limit)[host:limit])
             except StorageError:
                 stored = 0  # unreachable store: serve what host memory has
+            # Promise only what host pages can be found for now: update_state_after_alloc
+            # comes right after this lookup, and a promise it cannot keep is a load error
+            # (vLLM's default load-failure policy fails the request).
+            stored = min(stored, self._room_for_fetch(key, host))
         num_tokens = (host + stored) * P - num_computed
         if num_tokens <= 0 or num_tokens < self.config.load_threshold_tokens:
             return 0
@@ -367,6 +371,21 @@ class SchedulerHalf:
         inserted = self.tree.insert_host(np.asarray(token_ids[: end * P]), indices)
         self._pin(inserted.last_node)
         return True
+
+    def _room_for_fetch(self, key: bytes, host: int) -> int:
+        """Host pages :meth:`_alloc_host` can provide once :meth:`after_alloc` pinned the
+        first ``host`` cached pages of ``key`` (no longer evictable then)."""
+        P = self.page_size
+        own, left = 0, host
+        for node in self.tree.probe_path(key):
+            if left <= 0:
+                break
+            n = min(node.num_tokens // P, left)
+            if node.host_lock_ref == 0:
+                own += n
+            left -= n
+        evictable = self.tree.host_evictable_tokens // P - own
+        return max(0, self.host_allocator.num_free_pages + evictable)
 
     def _alloc_host(self, num_pages: int) -> torch.Tensor | None:
         alloc = self.host_allocator
