@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from hicache.integrations.vllm import layout as layout_module
 from hicache.integrations.vllm.config import ConnectorConfig
 from hicache.integrations.vllm.layout import BlockCopier, BlockLayout, block_planes
 from hicache.integrations.vllm.plan import StepPlan
@@ -112,13 +113,18 @@ class MiniVllm:
         self.plans: list[StepPlan] = []
         self.report_bad = True
 
-    def add(self, rid: str, tokens: list[int]) -> int:
-        """Schedule a new request; returns the tokens hicache will load."""
-        ext = self.sched.num_matched_tokens(rid, tokens, 0)
+    def add(self, rid: str, tokens: list[int], own: int = 0) -> int:
+        """Schedule a new request; returns the tokens hicache will load.
+
+        ``own``: tokens vLLM's own prefix cache serves (whole blocks, filled here)."""
+        ext = self.sched.num_matched_tokens(rid, tokens, own)
         blocks = [self.free.pop(0) for _ in range(-(-len(tokens) // P))]
+        for page in range(own // P):
+            self.fill(tokens, blocks[page], page)
         self.sched.after_alloc(rid, tokens, blocks, ext)
-        self.reqs[rid] = {"tokens": tokens, "blocks": blocks, "ext": ext}
-        self.pending.append(ScheduledRequest(rid, tokens, blocks, True, ext, len(tokens) - ext))
+        self.reqs[rid] = {"tokens": tokens, "blocks": blocks, "ext": ext, "own": own}
+        self.pending.append(
+            ScheduledRequest(rid, tokens, blocks, True, own + ext, len(tokens) - own - ext))
         return ext
 
     def preempt(self, rid: str) -> None:
@@ -168,7 +174,7 @@ class MiniVllm:
     def loaded_ok(self, rid: str) -> bool:
         """Every block hicache loaded for ``rid`` holds the KV of its page."""
         r = self.reqs[rid]
-        for page in range(r["ext"] // P):
+        for page in range(r["own"] // P, (r["own"] + r["ext"]) // P):
             block = r["blocks"][page]
             if block in self.last_errors:
                 return False
@@ -264,6 +270,39 @@ def test_block_copier_round_trip(layout, native):
                 assert torch.equal(a, b)
 
 
+def test_worker_copies_on_one_native_thread(make_vllm, monkeypatch):
+    """The worker's copies never fan out to more threads than the copy thread itself:
+    vLLM's compute threads own the cores (and the copy thread shares one of them)."""
+    m = make_vllm()
+    copier = m.hook.inner
+    if copier.lib is None:
+        pytest.skip("native row copier unavailable")
+    assert copier.max_threads == 1
+    calls = []
+
+    class Recording:
+        def __init__(self, lib):
+            self.lib = lib
+
+        def hc_copy_rows(self, *args):
+            calls.append(args[9])  # num_threads
+            return self.lib.hc_copy_rows(*args)
+
+    copier.lib = Recording(copier.lib)
+    monkeypatch.setattr(layout_module, "_NATIVE_THREAD_MIN_NBYTES", 0)  # every copy "large"
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ids = torch.arange(4)
+        copier.backup(ids, ids, 0, L)
+        copier.load(ids, ids, 0, L)
+    finally:
+        torch.set_num_threads(before)
+    assert calls and set(calls) == {1}
+    with pytest.raises(ValueError, match="max_threads"):
+        BlockCopier(copier._layout, m.worker.host_pool, max_threads=0)
+
+
 def test_block_planes_rejects_unknown_layouts():
     with pytest.raises(ValueError, match="expected \\(num_blocks=8"):
         block_planes(torch.zeros(4, 8, 2), 8)
@@ -344,6 +383,93 @@ def test_save_skipped_when_every_host_page_is_pinned_by_this_step(make_vllm):
     assert plan.saves == []
     assert m.sched.stats()["save_skipped_tokens"] == 2 * P
     m.finish("b")
+    m.step()
+    m.quiesce()
+
+
+@pytest.mark.parametrize("tree", ["python", "auto"])
+def test_save_never_evicts_the_prefix_it_extends(make_vllm, tree):
+    """A request served by vLLM's own cache (no hicache load pins its prefix) computes
+    blocks past the host tier's copy of that prefix while the host tier is full: making
+    room must not evict the prefix the save extends (its host pages would be lost:
+    the bench's crash with a small host tier), so the save is skipped instead."""
+    m = make_vllm(num_host_pages=2, tree=tree)
+    a = seq(8) + [1]
+    m.add("a", a)
+    m.step()
+    m.finish("a")
+    m.step()
+    assert m.sched.stats()["host_pages_used"] == 2
+    b = seq(8) + seq(8, 50) + [3]
+    assert m.add("b", b, own=8) == 0  # vLLM's own cache serves the two blocks hicache has
+    plan = m.step()
+    assert plan.saves == []
+    s = m.sched.stats()
+    assert s["save_skipped_tokens"] == 2 * P and s["host_evicted_tokens"] == 0
+    assert s["host_cached_tokens"] == 2 * P  # a's pages stay, with their KV
+    m.check()
+    assert m.sched.num_matched_tokens("q", a, 0) == 8
+    m.sched.request_finished("q")
+    m.finish("b")
+    m.step()
+    m.quiesce()
+
+
+@pytest.mark.parametrize("tree", ["python", "auto"])
+def test_save_diverging_inside_a_pinned_node_splits_it_cleanly(make_vllm, tree):
+    """The pinned prefix node is split by the save's insert: the pin follows both halves
+    and is released with the step (check_integrity compares locks with pins)."""
+    m = make_vllm(num_host_pages=5, tree=tree)
+    a = seq(8) + [1]
+    m.add("a", a)
+    m.step()
+    m.finish("a")
+    m.step()
+    b = seq(4) + seq(12, 50) + [3]  # shares a's first block only
+    assert m.add("b", b, own=4) == 0
+    plan = m.step()
+    assert [len(s.host_pages) for s in plan.saves] == [3]
+    m.check()
+    assert m.sched.stats()["host_pages_used"] == 5
+    m.finish("b")
+    m.step()
+    m.quiesce()
+    assert m.add("b2", b) == 16 and m.add("a2", a) == 8
+    m.step()
+    assert m.loaded_ok("b2") and m.loaded_ok("a2")
+    for rid in ("a2", "b2"):
+        m.finish(rid)
+    m.step()
+    m.quiesce()
+
+
+@pytest.mark.parametrize("tree", ["python", "auto"])
+def test_save_evicts_other_pages_but_not_its_prefix(make_vllm, tree):
+    """With room to make elsewhere, the save extending a cached prefix evicts another
+    request's pages, keeps its prefix, and the whole request loads back intact."""
+    m = make_vllm(num_host_pages=4, tree=tree)
+    a, c = seq(8) + [1], seq(8, 300) + [2]
+    for rid, toks in (("a", a), ("c", c)):
+        m.add(rid, toks)
+        m.step()
+        m.finish(rid)
+        m.step()
+    # a's prefix is now the least recently used: an unpinned save would evict it first
+    b = seq(8) + seq(8, 50) + [3]
+    assert m.add("b", b, own=8) == 0
+    plan = m.step()
+    assert [len(s.host_pages) for s in plan.saves] == [2]
+    s = m.sched.stats()
+    assert s["host_evicted_tokens"] == 2 * P and s["save_skipped_tokens"] == 0
+    m.finish("b")
+    m.step()
+    m.quiesce()
+    assert m.sched.num_matched_tokens("q", c, 0) == 0  # c's pages made the room
+    m.sched.request_finished("q")
+    assert m.add("b2", b) == 16
+    m.step()
+    assert m.loaded_ok("b2")
+    m.finish("b2")
     m.step()
     m.quiesce()
 
@@ -526,6 +652,38 @@ def test_third_tier_serves_a_fresh_process(make_vllm, tmp_path, layout):
     fresh.finish("b")
     fresh.step()
     fresh.quiesce()
+
+
+@pytest.mark.parametrize("tree", ["python", "auto"])
+def test_third_tier_hit_is_promised_only_with_host_room(make_vllm, tmp_path, tree):
+    """Storage pages are promised only when host pages can be found to read them into:
+    with every host page pinned by this step's other load, the hit is not promised (a
+    broken promise is a load error, which vLLM's default policy turns into a failed
+    request); once the pins are released it is promised and served."""
+    m = make_vllm(num_host_pages=2, storage=f"file:{tmp_path}", tree=tree)
+    a, c = seq(8) + [1], seq(8, 300) + [2]
+    for rid, toks in (("a", a), ("c", c)):
+        m.add(rid, toks)
+        m.step()
+        m.finish(rid)
+        m.step()
+        m.quiesce()
+    # host: c's two pages; a only in storage
+    assert m.add("x", c) == 8  # pins both host pages for this step
+    assert m.add("y", a) == 0  # no host page left to read a's pages into
+    m.step()
+    assert m.loaded_ok("x") and not m.last_errors
+    assert m.sched.stats()["load_failed_tokens"] == 0
+    for rid in ("x", "y"):
+        m.finish(rid)
+    m.step()
+    m.quiesce()
+    assert m.add("z", a) == 8  # now c's pages can make room
+    m.step()
+    assert m.loaded_ok("z") and not m.last_errors
+    m.finish("z")
+    m.step()
+    m.quiesce()
 
 
 def test_third_tier_read_failure_is_a_load_error(make_vllm, tmp_path):

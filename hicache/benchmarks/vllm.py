@@ -307,7 +307,10 @@ def _connector_config(name: str, plan: Plan, args: argparse.Namespace,
         extra["host_tokens"] = plan.small_host_tokens
         extra["storage"] = args.storage or f"file:{storage_dir}"
     return {"kv_connector": "HiCacheConnector", "kv_connector_module_path": CONNECTOR_MODULE,
-            "kv_role": "kv_both", "kv_connector_extra_config": extra}
+            "kv_role": "kv_both", "kv_connector_extra_config": extra,
+            # vLLM's default policy fails a request whose load failed; hicache's contract
+            # is that vLLM recomputes those blocks.
+            "kv_load_failure_policy": "recompute"}
 
 
 def run_config(name: str, spec: dict, workdir: str, progress_fd: int) -> dict:

@@ -140,7 +140,14 @@ class BlockCopier:
     through torch ``index_select`` / ``index_copy_``.
     """
 
-    def __init__(self, layout: BlockLayout, host_pool: HostPool, native: bool | None = None):
+    def __init__(self, layout: BlockLayout, host_pool: HostPool, native: bool | None = None,
+                 max_threads: int | None = None):
+        """``max_threads``: most threads one native copy fans out to (default: torch's
+        intra-op thread count)."""
+        if max_threads is not None and (isinstance(max_threads, bool)
+                                        or not isinstance(max_threads, int) or max_threads < 1):
+            raise ValueError(f"max_threads: expected an int >= 1 or None, got {max_threads!r}")
+        self.max_threads = max_threads
         if layout.device.type != "cpu":
             raise ValueError(f"kv caches: expected device 'cpu', got {layout.device}")
         if host_pool.page_nbytes != layout.page_nbytes:
@@ -202,6 +209,8 @@ class BlockCopier:
             host = ctypes.addressof(self._host_ptrs) + offset
             total = num_rows * num_planes * lay.row_nbytes
             threads = torch.get_num_threads() if total >= _NATIVE_THREAD_MIN_NBYTES else 1
+            if self.max_threads is not None:
+                threads = min(threads, self.max_threads)
             if to_blocks:
                 args = (dev, host, self._block_stride, lay.page_nbytes, block_ids, host_ids)
             else:

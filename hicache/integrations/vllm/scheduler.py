@@ -24,6 +24,7 @@ it). Not thread-safe: vLLM's scheduler loop drives it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -35,6 +36,8 @@ from hicache.integrations.vllm.config import ConnectorConfig
 from hicache.integrations.vllm.plan import LoadOp, SaveOp, StepPlan
 from hicache.native import make_tree
 from hicache.tree import TreeNode, token_key
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -131,6 +134,10 @@ class SchedulerHalf:
                 stored = self.storage.exists(self._keys(st, limit)[host:limit])
             except StorageError:
                 stored = 0  # unreachable store: serve what host memory has
+            # Promise only what host pages can be found for now: update_state_after_alloc
+            # comes right after this lookup, and a promise it cannot keep is a load error
+            # (vLLM's default load-failure policy fails the request).
+            stored = min(stored, self._room_for_fetch(key, host))
         num_tokens = (host + stored) * P - num_computed
         if num_tokens <= 0 or num_tokens < self.config.load_threshold_tokens:
             return 0
@@ -181,17 +188,13 @@ class SchedulerHalf:
             c.load_failed_tokens += (b - a) * P
         elif have < b:
             fetched = self._alloc_host(b - have) if self.storage is not None else None
+            if fetched is not None and not self._insert_extension(token_ids, have, fetched):
+                fetched = None
             if fetched is None:
                 op.failed_block_ids = st.block_ids[have:b]
                 op.block_ids = st.block_ids[a:have]
                 c.load_failed_tokens += (b - have) * P
             else:
-                indices = torch.cat((torch.zeros(have, dtype=torch.int64), fetched))
-                inserted = self.tree.insert_host(np.asarray(token_ids[: b * P]), indices)
-                assert inserted.num_cached_tokens == have * P, (
-                    "the tree changed between match and insert: host pages would be lost"
-                )
-                self._pin(inserted.last_node)
                 op.host_pages += fetched.tolist()
                 op.storage_keys = self._keys(st, b)[have:b]
                 c.storage_hit_tokens += (b - have) * P
@@ -237,6 +240,7 @@ class SchedulerHalf:
         # Bad pages this request computed again: saved again, into the same host pages.
         repair_from = self._first_bad(key, cached)
         repair: list[int] = []
+        path: list[TreeNode] = []
         if repair_from < cached:
             path = self.tree.probe_path(key)
             repair = torch.cat([n.host_indices for n in path]).tolist()[repair_from:cached]
@@ -247,17 +251,19 @@ class SchedulerHalf:
             return None
         new_pages: list[int] = []
         if cached < full:
+            if cached and not path:
+                # The new pages extend the cached prefix: pin it, or making room for them
+                # could evict it (nothing else pins it when vLLM's own cache served the
+                # request) and the insert would then adopt placeholder pages for it.
+                # Pinning the deepest node protects its ancestors (eviction takes leaves).
+                self._pin(self.tree.probe_path(key)[-1])
             pages = self._alloc_host(full - cached)
+            if pages is not None and not self._insert_extension(st.token_ids, cached, pages):
+                pages = None
             if pages is None:
                 self.counters.save_skipped_tokens += (full - cached) * P
                 full = cached
             else:
-                indices = torch.cat((torch.zeros(cached, dtype=torch.int64), pages))
-                inserted = self.tree.insert_host(np.asarray(st.token_ids[: full * P]), indices)
-                assert inserted.num_cached_tokens == cached * P, (
-                    "the tree changed between probe and insert: host pages would be lost"
-                )
-                self._pin(inserted.last_node)
                 new_pages = pages.tolist()
         if not repair and not new_pages:
             return None
@@ -344,6 +350,42 @@ class SchedulerHalf:
             prev = st.keys[-1] if st.keys else self._root_key
             st.keys.extend(extend_keys(prev, np.asarray(st.token_ids[have * P : num_pages * P]), P))
         return st.keys[:num_pages]
+
+    def _insert_extension(self, token_ids: Sequence[int], cached: int, pages: torch.Tensor) -> bool:
+        """Cache ``pages`` as the host pages after the first ``cached`` pages of
+        ``token_ids``, which the tree holds, and pin the new leaf; True if done.
+
+        The caller pinned the cached prefix before allocating ``pages``, so it is still
+        there; should the tree disagree anyway, ``pages`` are freed and False is
+        returned (the caller skips the save or fails the load, which vLLM recomputes)
+        rather than letting the insert adopt placeholder pages or leak ``pages``.
+        """
+        P = self.page_size
+        end = cached + len(pages)
+        if self.tree.probe_key(self._key(token_ids, end)) // P != cached:
+            _log.warning("hicache: the host tree changed under a plan; %d pages not cached",
+                         len(pages))
+            self.host_allocator.free(pages)
+            return False
+        indices = torch.cat((torch.zeros(cached, dtype=torch.int64), pages))
+        inserted = self.tree.insert_host(np.asarray(token_ids[: end * P]), indices)
+        self._pin(inserted.last_node)
+        return True
+
+    def _room_for_fetch(self, key: bytes, host: int) -> int:
+        """Host pages :meth:`_alloc_host` can provide once :meth:`after_alloc` pinned the
+        first ``host`` cached pages of ``key`` (no longer evictable then)."""
+        P = self.page_size
+        own, left = 0, host
+        for node in self.tree.probe_path(key):
+            if left <= 0:
+                break
+            n = min(node.num_tokens // P, left)
+            if node.host_lock_ref == 0:
+                own += n
+            left -= n
+        evictable = self.tree.host_evictable_tokens // P - own
+        return max(0, self.host_allocator.num_free_pages + evictable)
 
     def _alloc_host(self, num_pages: int) -> torch.Tensor | None:
         alloc = self.host_allocator

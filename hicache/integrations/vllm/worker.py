@@ -115,7 +115,12 @@ class WorkerHalf:
                     f"...); got {self.layout.planes_per_layer} plane(s) per block"
                 )
         else:
-            copier = BlockCopier(self.layout, self.host_pool, native=native)
+            # One thread per copy: vLLM's CPU worker binds one compute thread to each core
+            # and the copy threads inherit the main thread's single-core affinity, so a
+            # copy fanned out to more threads never runs in parallel; its extra threads
+            # only preempt the compute thread of that core (the others then wait for it
+            # at the next barrier of the forward).
+            copier = BlockCopier(self.layout, self.host_pool, native=native, max_threads=1)
             if copier_hook is not None:
                 copier = copier_hook(copier)
         self.transfers = TransferEngine(pool, self.host_pool, executor, copier=copier)
