@@ -124,6 +124,7 @@ def test_events_off_by_default_and_bad_flag():
     cache = HiCache(CacheConfig(KV, device_tokens=8, allocate_kv=False))
     serve(cache, A)
     assert cache.take_events() == [] and cache._event_log is None
+    cache.check_integrity()
     with pytest.raises(TypeError, match="kv_events"):
         CacheConfig(KV, device_tokens=8, kv_events=1)
 
