@@ -38,8 +38,9 @@ except ImportError as exc:  # the optional extra is not installed
         "(or pip install prometheus_client)"
     ) from exc
 
+from hicache.cache import HiCache
+
 if TYPE_CHECKING:
-    from hicache.cache import HiCache
     from hicache.transfer import TransferHandle
 
 _log = logging.getLogger(__name__)
@@ -116,6 +117,8 @@ class CacheMetrics:
     # ------------------------------------------------------------- owner side
     def track(self, cache: HiCache, name: str = "default") -> None:
         """Export ``cache`` under ``cache=name`` (call from the thread that owns it)."""
+        if not isinstance(cache, HiCache):
+            raise TypeError(f"cache: expected HiCache, got {type(cache).__name__}")
         if not isinstance(name, str) or not name:
             raise ValueError(f"name: expected a non-empty str, got {name!r}")
         with self._lock:
@@ -135,6 +138,8 @@ class CacheMetrics:
     def update(self, name: str | None = None) -> None:
         """Snapshot ``stats()`` of one tracked cache (or all): call from the owner's thread."""
         with self._lock:
+            if name is not None and name not in self._caches:
+                raise ValueError(f"name: expected a tracked cache {sorted(self._caches)}, got {name!r}")
             names = list(self._caches) if name is None else [name]
             caches = [(n, self._caches[n]) for n in names]
         for n, cache in caches:
@@ -185,6 +190,8 @@ class CacheMetrics:
     def serve(self, port: int, addr: str = "127.0.0.1") -> int:
         """Start the HTTP exporter (``/metrics``) on a daemon thread; returns the bound port
         (``port=0`` picks a free one)."""
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"port: expected an int in [0, 65535], got {port!r}")
         if self._server is not None:
             raise RuntimeError("the exporter is already serving")
         server, _thread = start_http_server(port, addr=addr, registry=self.registry)

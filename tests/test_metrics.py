@@ -100,6 +100,15 @@ def test_track_refuses_a_second_cache_under_one_name():
         metrics.track(cache, "c")
         with pytest.raises(ValueError, match="a cache named 'c' is tracked already"):
             metrics.track(cache, "c")
+        with pytest.raises(ValueError, match="name: expected a non-empty str"):
+            metrics.track(cache, "")
+        with pytest.raises(TypeError, match="cache: expected HiCache, got dict"):
+            metrics.track({}, "d")
+        with pytest.raises(ValueError, match="name: expected a tracked cache"):
+            metrics.update("nope")
+        for bad in (-1, 65536, "80", True):
+            with pytest.raises(ValueError, match="port: expected an int"):
+                metrics.serve(bad)
         assert_no_leaks(cache)
 
 
