@@ -457,6 +457,33 @@ _STAGING_NBYTES = 4 << 20
 STREAMING_MIN_NBYTES = 8 << 20
 
 
+def copy_rows(
+    lib: ctypes.CDLL, dst_ptrs, src_ptrs, first_plane: int, num_planes: int,
+    dst_stride: int, src_stride: int, row_nbytes: int,
+    dst_ids: torch.Tensor, src_ids: torch.Tensor, *,
+    max_threads: int | None = None, streaming: bool = False,
+) -> None:
+    """One native copy: row ``dst_ids[i]`` of planes ``first_plane ..`` (``num_planes`` of
+    them, pointer arrays ``dst_ptrs`` / ``src_ptrs``) from row ``src_ids[i]``.
+
+    ``dst_ids``/``src_ids`` are contiguous int64 CPU tensors of equal length. Copies
+    under ``_NATIVE_THREAD_MIN_NBYTES`` stay on one thread (thread wake-ups cost more
+    than they save); larger ones fan out to torch's intra-op threads, at most
+    ``max_threads``.
+    """
+    num_rows = dst_ids.numel()
+    total = num_rows * num_planes * row_nbytes
+    num_threads = torch.get_num_threads() if total >= _NATIVE_THREAD_MIN_NBYTES else 1
+    if max_threads is not None:
+        num_threads = min(num_threads, max_threads)
+    offset = first_plane * ctypes.sizeof(ctypes.c_void_p)
+    lib.hc_copy_rows(
+        num_planes, ctypes.addressof(dst_ptrs) + offset, ctypes.addressof(src_ptrs) + offset,
+        dst_stride, src_stride, row_nbytes, dst_ids.data_ptr(), src_ids.data_ptr(),
+        num_rows, num_threads, int(streaming),
+    )
+
+
 @functools.cache
 def load_native_copier() -> ctypes.CDLL | None:
     """Compile (once per machine, cached on disk) and load the row copier; None if no C compiler.
@@ -611,13 +638,8 @@ class PageCopier:
             return
         dst_ids = dst_ids.contiguous()
         src_ids = src_ids.contiguous()
-        num_planes = 2 * (last - first)
-        total = num_rows * num_planes * self.row_nbytes
-        num_threads = torch.get_num_threads() if total >= _NATIVE_THREAD_MIN_NBYTES else 1
-        streaming = num_rows * self.page_nbytes >= self.streaming_min_nbytes
-        offset = 2 * first * ctypes.sizeof(ctypes.c_void_p)
-        self.lib.hc_copy_rows(
-            num_planes, ctypes.addressof(dst_ptrs) + offset, ctypes.addressof(src_ptrs) + offset,
-            dst_stride, src_stride, self.row_nbytes, dst_ids.data_ptr(), src_ids.data_ptr(),
-            num_rows, num_threads, int(streaming),
+        copy_rows(
+            self.lib, dst_ptrs, src_ptrs, 2 * first, 2 * (last - first), dst_stride, src_stride,
+            self.row_nbytes, dst_ids, src_ids,
+            streaming=num_rows * self.page_nbytes >= self.streaming_min_nbytes,
         )

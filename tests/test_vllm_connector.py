@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from hicache.integrations.vllm import layout as layout_module
+from hicache import pool as pool_module
 from hicache.integrations.vllm.config import ConnectorConfig
 from hicache.integrations.vllm.layout import BlockCopier, BlockLayout, block_planes
 from hicache.integrations.vllm.plan import StepPlan
@@ -289,7 +289,7 @@ def test_worker_copies_on_one_native_thread(make_vllm, monkeypatch):
             return self.lib.hc_copy_rows(*args)
 
     copier.lib = Recording(copier.lib)
-    monkeypatch.setattr(layout_module, "_NATIVE_THREAD_MIN_NBYTES", 0)  # every copy "large"
+    monkeypatch.setattr(pool_module, "_NATIVE_THREAD_MIN_NBYTES", 0)  # every copy "large"
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

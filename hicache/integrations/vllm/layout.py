@@ -29,9 +29,7 @@ import ctypes
 import torch
 
 from hicache.config import KVConfig
-from hicache.pool import HostPool, load_native_copier
-
-_NATIVE_THREAD_MIN_NBYTES = 1 << 20
+from hicache.pool import HostPool, copy_rows, load_native_copier
 
 
 def block_planes(kv: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
@@ -203,22 +201,17 @@ class BlockCopier:
         host_ids = host_ids.contiguous()
         lay = self._layout
         if self.lib is not None:
-            num_planes = (last - first) * lay.planes_per_layer
-            offset = first * lay.planes_per_layer * ctypes.sizeof(ctypes.c_void_p)
-            dev = ctypes.addressof(self._dev_ptrs) + offset
-            host = ctypes.addressof(self._host_ptrs) + offset
-            total = num_rows * num_planes * lay.row_nbytes
-            threads = torch.get_num_threads() if total >= _NATIVE_THREAD_MIN_NBYTES else 1
-            if self.max_threads is not None:
-                threads = min(threads, self.max_threads)
             if to_blocks:
-                args = (dev, host, self._block_stride, lay.page_nbytes, block_ids, host_ids)
+                args = (self._dev_ptrs, self._host_ptrs, self._block_stride, lay.page_nbytes,
+                        block_ids, host_ids)
             else:
-                args = (host, dev, lay.page_nbytes, self._block_stride, host_ids, block_ids)
+                args = (self._host_ptrs, self._dev_ptrs, lay.page_nbytes, self._block_stride,
+                        host_ids, block_ids)
             dst, src, dst_stride, src_stride, dst_ids, src_ids = args
-            self.lib.hc_copy_rows(
-                num_planes, dst, src, dst_stride, src_stride, lay.row_nbytes,
-                dst_ids.data_ptr(), src_ids.data_ptr(), num_rows, threads, 0,
+            copy_rows(
+                self.lib, dst, src, first * lay.planes_per_layer,
+                (last - first) * lay.planes_per_layer, dst_stride, src_stride, lay.row_nbytes,
+                dst_ids, src_ids, max_threads=self.max_threads,
             )
             return
         for li in range(first, last):
