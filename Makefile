@@ -11,7 +11,7 @@ install: $(STAMP)
 # Torch first, pinned: with no GPU, `pip install torch==2.13.0` takes the local CPU
 # build instead of a multi-GB CUDA one. The project's own range then installs nothing more.
 # The C++ sources too: a change to them recompiles the installed module here, once.
-$(STAMP): pyproject.toml setup.py buildtools/backend.py $(wildcard hicache/csrc/*)
+$(STAMP): pyproject.toml setup.py buildtools/backend.py $(wildcard hicache/native/csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
 		$(PY) -m pip install -q torch; \
@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml setup.py buildtools/backend.py $(wildcard hicache/csrc/
 	$(PY) -m pip install -q 'setuptools>=77' ninja
 	@echo 'installing hicache and compiling its native extension (about a minute)'
 	$(PY) -m pip install -q --no-build-isolation -e '.[dev]'
-	$(PY) -c "from hicache import jit; print('native extension:', jit.native_status())"
+	$(PY) -c "from hicache.native import build; print('native extension:', build.native_status())"
 	touch $(STAMP)
 
 demo: install
@@ -38,4 +38,4 @@ lint: install
 	$(VENV)/bin/ruff check hicache tests bench
 
 clean:
-	rm -rf $(VENV) build .pytest_cache hicache/_native*.so hicache/_native_build.json
+	rm -rf $(VENV) build .pytest_cache hicache/native/_native*.so hicache/native/_native_build.json

@@ -1,9 +1,9 @@
-"""Install-time build of the C++ extension (``hicache._native``); metadata is in pyproject.toml.
+"""Install-time build of the C++ extension (``hicache.native._native``); metadata is in pyproject.toml.
 
-``make install`` and ``pip install .`` compile ``hicache/csrc`` here, once, so
+``make install`` and ``pip install .`` compile ``hicache/native/csrc`` here, once, so
 that no process has to compile at run time. Next to the module goes
 ``_native_build.json``: the digest of the sources' contents and the torch
-version it was built from. ``hicache/jit.py`` loads the module only while both
+version it was built from. ``hicache/native/build.py`` loads the module only while both
 still match and otherwise falls back to a JIT build (a checkout whose
 ``csrc/`` changed after install). The extension is optional: without torch at
 build time or without a compiler the install still succeeds, with a message,
@@ -21,12 +21,12 @@ from pathlib import Path
 from setuptools import setup
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ["hicache/csrc/tree.cpp", "hicache/csrc/lifecycle.cpp", "hicache/csrc/bindings.cpp"]
+SOURCES = ["hicache/native/csrc/tree.cpp", "hicache/native/csrc/lifecycle.cpp", "hicache/native/csrc/bindings.cpp"]
 
 
 def _jit_module():
-    """hicache/jit.py loaded on its own (the package's __init__ imports more than torch)."""
-    spec = importlib.util.spec_from_file_location("_hicache_jit", HERE / "hicache" / "jit.py")
+    """hicache/native/build.py loaded on its own (the package's __init__ imports more than torch)."""
+    spec = importlib.util.spec_from_file_location("_hicache_jit", HERE / "hicache" / "native" / "build.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -51,7 +51,7 @@ def _native_build():
             super().build_extension(ext)
             seconds = time.perf_counter() - start
             out = Path(self.get_ext_fullpath(ext.name))
-            info = _jit_module().build_info(HERE / "hicache" / "csrc")
+            info = _jit_module().build_info(HERE / "hicache" / "native" / "csrc")
             info["build_seconds"] = round(seconds, 1)  # reported, not compared
             (out.parent / "_native_build.json").write_text(json.dumps(info) + "\n")
             sys.stderr.write(f"hicache: native extension built in {seconds:.1f} s\n")
@@ -68,7 +68,7 @@ def _native_build():
                     self.copy_file(str(info), str(Path(inplace_file).parent / info.name))
 
     ext = CppExtension(
-        "hicache._native",
+        "hicache.native._native",
         SOURCES,
         extra_compile_args=["-O3", "-std=c++20"],
         # A failed compile (no compiler, an old one) warns and installs the rest:

@@ -3,7 +3,7 @@
 #   bench/gpu_suite.sh OUTDIR
 # Without a GPU the CUDA tests skip and the benchmarks are not run; the script exits 0.
 # Add a benchmark: one `bench NAME TIMEOUT_S ARGS...` line below, NAME a module of
-# hicache.benchmarks (its last stdout line,
+# hicache.cli.benchmarks (its last stdout line,
 # one JSON object, is written to OUTDIR/NAME.json).
 set -uo pipefail
 OUT=${1:?usage: bench/gpu_suite.sh OUTDIR}
@@ -26,7 +26,7 @@ if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then status=1; fi
 bench() {  # bench NAME TIMEOUT_S ARGS...
   local name=$1 limit=$2; shift 2
   echo "== bench $name"
-  if timeout "$limit" $PY -m "hicache.benchmarks.$name" "$@" > "$OUT/$name.txt" 2>&1; then
+  if timeout "$limit" $PY -m "hicache.cli.benchmarks.$name" "$@" > "$OUT/$name.txt" 2>&1; then
     tail -n 1 "$OUT/$name.txt" > "$OUT/$name.json"
     cat "$OUT/$name.txt"
   else

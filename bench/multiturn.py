@@ -1,10 +1,10 @@
-"""Multi-turn benchmark; same as `hicache bench multiturn` (see hicache/benchmarks)."""
+"""Multi-turn benchmark; same as `hicache bench multiturn` (see hicache/cli/benchmarks)."""
 
 from __future__ import annotations
 
 import sys
 
-from hicache.benchmarks.multiturn import main
+from hicache.cli.benchmarks.multiturn import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -31,8 +31,8 @@ from pathlib import Path
 # Runs inside each checkout's process: K interleaved repeats of both configurations.
 _CHILD = r"""
 import json, sys, time
-from hicache.native import make_tree
-from hicache.replay import _prepare, replay_device, replay_hierarchical
+from hicache.tree.native import make_tree
+from hicache.sim.replay import _prepare, replay_device, replay_hierarchical
 
 trace, P, device, host, K = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 requests = _prepare(trace, P)

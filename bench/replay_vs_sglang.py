@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import sglang_baseline  # noqa: E402
 
-from hicache.native import make_tree  # noqa: E402
-from hicache.replay import _prepare, replay_device  # noqa: E402
+from hicache.sim.replay import _prepare, replay_device  # noqa: E402
+from hicache.tree.native import make_tree  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,8 +42,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from hicache.replay import frozen_gc
-from hicache.traces import load_trace_arrays
+from hicache.sim.replay import frozen_gc
+from hicache.sim.traces import load_trace_arrays
 
 SGLANG_VERSION = "0.5.23"
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -221,7 +221,7 @@ def replay(sgl: Sglang, requests: list[Prepared], page_size: int, device_tokens:
            eviction: str = "lru") -> Result:
     """One timed replay through a fresh cache (docs/workloads.md semantics, device tier).
 
-    Under :func:`hicache.replay.frozen_gc`, as hicache's own replays run.
+    Under :func:`hicache.sim.replay.frozen_gc`, as hicache's own replays run.
     """
     with frozen_gc():
         return _replay(sgl, requests, page_size, device_tokens, eviction)

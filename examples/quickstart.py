@@ -10,7 +10,7 @@ checked against a model run that uses no cache at all.
     python examples/quickstart.py --device cuda    # the device tier on a GPU
 
 The model is hicache's seeded random-weight reference decoder
-(:mod:`hicache.model`); an engine would call its own model the same way.
+(:mod:`hicache.sim.model`); an engine would call its own model the same way.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import argparse
 import torch
 
 from hicache import CacheConfig, HiCache
-from hicache.model import Model, preset
+from hicache.sim.model import Model, preset
 
 
 # --8<-- [start:generate]

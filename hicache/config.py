@@ -117,7 +117,7 @@ class WritePolicy(str, Enum):
 
 
 class EvictionPolicy(str, Enum):
-    """Which unlocked leaf leaves a tier first (hicache/policy.py gives each its key)."""
+    """Which unlocked leaf leaves a tier first (hicache/tree/policies.py gives each its key)."""
 
     LRU = "lru"  # least recently accessed leaf first
     LFU = "lfu"  # fewest hits first, ties by recency

@@ -1,6 +1,6 @@
 """Logging: the ``hicache`` logger hierarchy and the ``HICACHE_LOG_LEVEL`` switch.
 
-Every module logs to ``logging.getLogger(__name__)`` (``hicache.jit``,
+Every module logs to ``logging.getLogger(__name__)`` (``hicache.native.build``,
 ``hicache.transfer``, ...), under the ``hicache`` logger. A library does not
 decide where its records go: ``hicache`` carries a ``NullHandler``, so nothing is
 printed unless the application configures logging, or ``HICACHE_LOG_LEVEL``

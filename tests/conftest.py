@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from hicache.tree import RadixTree
+from hicache.tree.native import native_available
 
-TREE_KINDS = ["python"] + (["native"] if __import__("hicache.native").native.native_available() else [])
+TREE_KINDS = ["python"] + (["native"] if native_available() else [])
 
 
 @pytest.fixture(params=TREE_KINDS)
@@ -15,7 +16,7 @@ def make_tree(request):
     def factory(page_size: int = 2, eviction: str = "lru", **kwargs):
         if request.param == "python":
             return RadixTree(page_size, eviction, **kwargs)
-        from hicache.native import NativeRadixTree
+        from hicache.tree.native import NativeRadixTree
 
         return NativeRadixTree(page_size, eviction, **kwargs)
 
@@ -35,7 +36,7 @@ def one_torch_thread():
 @pytest.fixture(scope="module")
 def model():
     """The tiny reference model, seeded (weights drawn once per module)."""
-    from hicache.model import Model, preset
+    from hicache.sim.model import Model, preset
 
     return Model(preset("tiny"), seed=0)
 

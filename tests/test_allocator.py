@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 
-from hicache import jit
-from hicache.allocator import PageAllocator
+from hicache.memory import PageAllocator
+from hicache.native import build as jit
 
 BACKENDS = ["numpy"] + (["native"] if jit.native_available() else [])
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 from test_races import KV, P, host_only, make_cache, seq, serve
 
-from hicache import kvcheck
 from hicache.cache import HiCache
 from hicache.config import CacheConfig
+from hicache.sim import kvcheck
 
 FOREIGN = make_cache()  # another cache: its handles are foreign to the one under test
 

@@ -17,9 +17,10 @@ import sys
 import numpy as np
 import pytest
 
-import hicache.benchmarks.vllm as bv
-from hicache.benchmarks.vllm_engine import OrderedSlots, StatsSink, drive
-from hicache.benchmarks.vllm_report import (
+import hicache.cli.benchmarks.vllm as bv
+from hicache.cli import app as cli_main
+from hicache.cli.benchmarks.vllm_engine import OrderedSlots, StatsSink, drive
+from hicache.cli.benchmarks.vllm_report import (
     compare,
     differing_vs_first,
     outputs_identical,
@@ -27,8 +28,7 @@ from hicache.benchmarks.vllm_report import (
     report,
     summarize,
 )
-from hicache.cli import main as cli_main
-from hicache.traces import Request, generate
+from hicache.sim.traces import Request, generate
 
 REQUIRE_VLLM = os.environ.get("HICACHE_REQUIRE_VLLM") == "1"
 
@@ -43,7 +43,7 @@ def everything_installed(monkeypatch):
 
 
 def _usage_error(capsys, argv: list[str]) -> str:
-    assert cli_main(["bench", "vllm", *argv]) == 2
+    assert cli_main.main(["bench", "vllm", *argv]) == 2
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1, captured.err

@@ -29,9 +29,9 @@ from hypothesis.stateful import (
     rule,
 )
 
-from hicache import kvcheck
 from hicache.cache import HiCache, LoadError
 from hicache.config import CacheConfig, KVConfig
+from hicache.sim import kvcheck
 from hicache.transfer import TransferKind
 
 P = 2

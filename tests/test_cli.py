@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hicache import cli
-from hicache.replay import _prepare, replay_hicache_device_only
-from hicache.traces import _KIND_HELP
+from hicache.cli import app as cli
+from hicache.sim.replay import _prepare, replay_hicache_device_only
+from hicache.sim.traces import _KIND_HELP
 
 ROOT = Path(__file__).resolve().parents[1]
 

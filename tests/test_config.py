@@ -12,7 +12,7 @@ import torch
 from conftest import assert_no_leaks
 
 from hicache import CacheConfig, HiCache, KVConfig
-from hicache import cache as cache_module
+from hicache.cache import facade as cache_module
 from hicache.configfile import apply_env
 
 KV = KVConfig(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_size=4)
@@ -217,7 +217,7 @@ def test_env_none_clears_an_optional_field():
 
 def test_a_cuda_device_pool_is_checked_against_free_device_memory(monkeypatch):
     """Without a GPU here: torch's CUDA queries are stood in for (1 GiB free of cuda:0)."""
-    from hicache import pool
+    from hicache.memory import pool
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

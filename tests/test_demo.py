@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from hicache import cli
-from hicache.benchmarks import multiturn
+from hicache.cli import app as cli
+from hicache.cli.benchmarks import multiturn
 
 TINY_WORKLOAD = ["--preset", "tiny", "--sessions", "3", "--turns", "3", "--system-prompts", "2",
                  "--system-tokens", "96", "--first-turn-tokens", "48"]
@@ -92,7 +92,7 @@ def test_bench_multiturn_json(capsys):
 
 
 def test_bench_multiturn_trace_file(tmp_path, capsys):
-    from hicache.traces import generate, write_trace
+    from hicache.sim.traces import generate, write_trace
 
     path = tmp_path / "t.jsonl"
     write_trace(generate("agentic", seed=1, num_system_prompts=1, system_tokens=64,

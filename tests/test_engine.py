@@ -17,8 +17,8 @@ import random
 import pytest
 import torch
 
-from hicache.engine import Engine, GenerateResult
-from hicache.model import Model
+from hicache.sim.engine import Engine, GenerateResult
+from hicache.sim.model import Model
 
 ATOL = RTOL = 1e-4
 PAGE_SIZE = 16

@@ -8,11 +8,10 @@ import pytest
 import torch
 from conftest import TREE_KINDS, assert_no_leaks
 
-from hicache import native
 from hicache.cache import HiCache
 from hicache.config import CacheConfig, KVConfig
 from hicache.events import AllBlocksCleared, BlockRemoved, BlockStored, Mirror, page_hashes
-from hicache.tree import RadixTree, token_key
+from hicache.tree import RadixTree, native, token_key
 
 P = 2
 KV = KVConfig(num_layers=1, num_kv_heads=1, head_dim=2, dtype="float32", page_size=P)

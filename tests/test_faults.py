@@ -22,10 +22,10 @@ from test_races import (
     verify_prefix,
 )
 
-from hicache import kvcheck
 from hicache.cache import HiCache
 from hicache.config import CacheConfig
-from hicache.stress import FaultyCopier, install_copier
+from hicache.sim import kvcheck
+from hicache.sim.stress import FaultyCopier, install_copier
 from hicache.transfer import TransferKind
 from hicache.tree import IOStatus
 

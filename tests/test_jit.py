@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache import jit
+from hicache.native import build as jit
 
 VENV_BIN = os.path.dirname(sys.executable)
 SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -25,7 +25,7 @@ PATH_ORDERS = {
     "system-first": f"{SYSTEM_PATH}:{VENV_BIN}",
 }
 _PROBE = (
-    "from hicache import jit\n"
+    "from hicache.native import build as jit\n"
     "print(jit.native_origin(), jit.native_build_seconds(), jit.native_unavailable_reason())\n"
 )
 
@@ -143,7 +143,7 @@ def test_the_build_lock_is_released_when_its_holder_is_killed(tmp_path):
         [sys.executable, "-c",
          "import sys, time\n"
          "from pathlib import Path\n"
-         "from hicache.jit import _build_lock\n"
+         "from hicache.native.build import _build_lock\n"
          "with _build_lock(Path(sys.argv[1])):\n"
          "    print('held', flush=True)\n"
          "    time.sleep(120)\n",

@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from test_tree_differential import FORMS, as_form, snapshot
 
-from hicache import native
 from hicache.cache import HiCache
 from hicache.config import CacheConfig, EvictionPolicy, KVConfig
+from hicache.tree import native
 
 pytestmark = pytest.mark.skipif(
     not native.native_available(),

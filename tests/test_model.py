@@ -14,15 +14,15 @@ import json
 import pytest
 import torch
 
-from hicache.costmodel import (
+from hicache.memory import DevicePool, HostPool
+from hicache.sim.costmodel import (
     FULL_MODELS,
     estimate_recompute_vs_reload,
     kv_bytes_per_token,
     prefill_flops,
     prefill_flops_per_token,
 )
-from hicache.model import PRESET_NAMES, Model, ModelConfig, preset
-from hicache.pool import DevicePool, HostPool
+from hicache.sim.model import PRESET_NAMES, Model, ModelConfig, preset
 from hicache.transfer import TransferEngine
 
 ATOL = 1e-4
@@ -287,7 +287,7 @@ def test_costmodel_matches_known_llama3_numbers() -> None:
 
 
 def test_recompute_bench_prints_table_then_json(capsys: pytest.CaptureFixture[str]) -> None:
-    from hicache.benchmarks.recompute import main
+    from hicache.cli.benchmarks.recompute import main
 
     argv = ["--preset", "tiny", "--tokens", "16,64", "--repeats", "1", "--reload-repeats", "2"]
     assert main(argv) == 0

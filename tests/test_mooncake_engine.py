@@ -24,8 +24,8 @@ from test_storage_engine import (
     shared_prompts,
 )
 
-from hicache.engine import Engine
-from hicache.model import Model, preset
+from hicache.sim.engine import Engine
+from hicache.sim.model import Model, preset
 
 try:
     import mooncake.store  # noqa: F401

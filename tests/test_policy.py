@@ -21,10 +21,9 @@ import pytest
 import torch
 from conftest import assert_no_leaks
 
-from hicache import native
 from hicache.cache import HiCache
 from hicache.config import CacheConfig, EvictionPolicy, KVConfig
-from hicache.tree import RadixTree
+from hicache.tree import RadixTree, native
 
 KINDS = ["python"] + (["native"] if native.native_available() else [])
 

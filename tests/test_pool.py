@@ -5,8 +5,9 @@ import collections
 import pytest
 import torch
 
+from hicache.checks import check_page_ids
 from hicache.config import KVConfig
-from hicache.pool import DevicePool, HostPool, PageCopier, check_page_ids, load_native_copier
+from hicache.memory import DevicePool, HostPool, PageCopier, load_native_copier
 
 NATIVE_MODES = [
     pytest.param(True, marks=pytest.mark.skipif(load_native_copier() is None, reason="no C compiler")),
@@ -114,7 +115,7 @@ def test_host_pool_page_bytes_round_trip():
 
 
 def test_host_pool_refuses_more_than_available(monkeypatch):
-    import hicache.pool as pool_module
+    import hicache.memory.pool as pool_module
 
     fake = collections.namedtuple("vmem", "available")(10 << 30)
     monkeypatch.setattr(pool_module.psutil, "virtual_memory", lambda: fake)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 from conftest import assert_no_leaks
 
-from hicache import kvcheck
 from hicache.cache import HiCache, LoadError
 from hicache.config import CacheConfig, KVConfig
+from hicache.sim import kvcheck
 from hicache.transfer import ManualFence, TransferKind
 
 P = 2  # tokens per page

@@ -10,8 +10,8 @@ import pytest
 from conftest import TREE_KINDS
 
 from hicache.cli import main
-from hicache.replay import _prepare, frozen_gc, replay_device, replay_hierarchical
-from hicache.traces import load_trace, trace_stats
+from hicache.sim.replay import _prepare, frozen_gc, replay_device, replay_hierarchical
+from hicache.sim.traces import load_trace, trace_stats
 
 # The shared sample trace lies beside the checkout (in CI too); else a generated one.
 SAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sample_trace.jsonl"
@@ -129,7 +129,7 @@ def test_frozen_gc_freezes_only_while_inside_and_keeps_an_earlier_freeze():
 @pytest.mark.parametrize("host_fraction", [1.0, 0.3])
 def test_native_and_python_lifecycles_replay_identically(trace, policy, host_fraction):
     """The C++ lifecycle (the default over the native tree) replays the trace as Python does."""
-    from hicache import native
+    from hicache.tree import native
 
     if not native.native_available():
         pytest.skip(f"native extension unavailable: {native.native_unavailable_reason()}")

@@ -18,11 +18,11 @@ import time
 import pytest
 from test_cache import KV, assert_quiescent, read_prefix, serve
 
-from hicache.benchmarks import multiturn
 from hicache.cache import HiCache
+from hicache.cli.benchmarks import multiturn
 from hicache.config import CacheConfig
-from hicache.engine import Engine
-from hicache.model import Model, preset
+from hicache.sim.engine import Engine
+from hicache.sim.model import Model, preset
 
 PAGE_SIZE = 16
 MAX_NEW_TOKENS = 6
@@ -32,8 +32,8 @@ WORKER_SCRIPT = r"""
 import json, sys, time
 import torch
 torch.set_num_threads(1)
-from hicache.engine import Engine
-from hicache.model import Model, preset
+from hicache.sim.engine import Engine
+from hicache.sim.model import Model, preset
 
 args = json.loads(sys.argv[1])
 model = Model(preset("tiny"), seed=args["seed"])

@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from hicache import traces
-from hicache.traces import Request, generate, load_trace, load_trace_arrays, trace_stats
+from hicache.sim import traces
+from hicache.sim.traces import Request, generate, load_trace, load_trace_arrays, trace_stats
 
 SMALL = {
     "agentic": {"num_system_prompts": 2, "system_tokens": 40, "num_sessions": 5, "num_turns": 3,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hicache.config import KVConfig
-from hicache.pool import DevicePool, HostPool, PageCopier
+from hicache.memory import DevicePool, HostPool, PageCopier
 from hicache.transfer import ManualFence, TransferEngine, TransferKind
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hicache.config import KVConfig
-from hicache.pool import DevicePool, HostPool
+from hicache.memory import DevicePool, HostPool
 from hicache.transfer import TransferEngine
 
 pytestmark = [

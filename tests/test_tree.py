@@ -358,7 +358,7 @@ def test_bad_tokens_raise_and_leave_tree_unchanged(make_tree, tokens, exc):
         (pages(1), ValueError),  # wrong length
         (torch.tensor([1, 2], dtype=torch.int32), TypeError),
         ([1, 2], TypeError),
-        (torch.tensor([[1, 2]]), TypeError),
+        (torch.tensor([[1, 2]]), ValueError),  # a shape mistake (hicache.checks)
     ],
 )
 def test_bad_indices_raise_and_leave_tree_unchanged(make_tree, indices, exc):

@@ -22,9 +22,9 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from hicache import jit, native
-from hicache.tree import IOStatus, RadixTree, token_key
-from hicache.treeapi import RadixTreeLike
+from hicache.native import build as jit
+from hicache.tree import IOStatus, RadixTree, native, token_key
+from hicache.tree.protocol import RadixTreeLike
 
 pytestmark = pytest.mark.skipif(
     not native.native_available(),

@@ -22,7 +22,7 @@ seqs = st.lists(st.integers(0, 2), min_size=0, max_size=10)
 def make(kind: str):
     if kind == "python":
         return RadixTree(P)
-    from hicache.native import NativeRadixTree
+    from hicache.tree.native import NativeRadixTree
 
     return NativeRadixTree(P)
 

@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-from hicache import pool as pool_module
 from hicache.integrations.vllm.config import ConnectorConfig
 from hicache.integrations.vllm.layout import BlockCopier, BlockLayout, block_planes
 from hicache.integrations.vllm.plan import StepPlan
 from hicache.integrations.vllm.scheduler import ScheduledRequest, SchedulerHalf
 from hicache.integrations.vllm.worker import WorkerHalf
-from hicache.pool import HostPool
+from hicache.memory import HostPool
+from hicache.memory import pool as pool_module
 
 P = 4  # tokens per block (= hicache page)
 L = 2  # layers

@@ -8,7 +8,7 @@ bytes at a fixed stride from block to block)::
     split K/V (5-D, CUDA NHD):  (2, num_blocks, block_size, H, D)   -> 2 planes: K, V
     fused K/V (5-D):            (num_blocks, 2, block_size, H, D)   -> 1 plane per layer
 
-A host page (hicache's :class:`~hicache.pool.HostPool`, page-first) holds one
+A host page (hicache's :class:`~hicache.memory.HostPool`, page-first) holds one
 block's planes of every layer back to back, layer by layer::
 
     host page:  | layer 0: plane 0 | plane 1 | layer 1: plane 0 | ... |
@@ -17,7 +17,7 @@ so a host page is one contiguous block of memory (what a third tier stores),
 whatever the layout. The byte order inside a plane is vLLM's: pages are only
 meaningful to a vLLM of the same layout (it is part of the storage identity).
 
-:class:`BlockCopier` has the interface of :class:`hicache.pool.PageCopier`
+:class:`BlockCopier` has the interface of :class:`hicache.memory.PageCopier`
 (``load`` / ``backup`` of a layer range), so hicache's thread and manual
 executors run it unchanged. This module knows tensors and ids, not requests.
 """
@@ -29,7 +29,7 @@ import ctypes
 import torch
 
 from hicache.config import KVConfig
-from hicache.pool import HostPool, copy_rows, load_native_copier
+from hicache.memory import HostPool, copy_rows, load_native_copier
 
 
 def block_planes(kv: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
@@ -131,7 +131,7 @@ class BlockPool:
 class BlockCopier:
     """Copies blocks between vLLM's KV tensors (in host memory) and a host pool.
 
-    Same interface and threading contract as :class:`hicache.pool.PageCopier`:
+    Same interface and threading contract as :class:`hicache.memory.PageCopier`:
     ``load(host_ids, block_ids, first, last)`` and ``backup(block_ids, host_ids,
     first, last)`` move layers ``first .. last-1``. Rows move once through the
     native row copier when it builds (one ctypes call per layer range), else

@@ -31,11 +31,11 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from hicache.allocator import PageAllocator
 from hicache.integrations.vllm.config import ConnectorConfig
 from hicache.integrations.vllm.plan import LoadOp, SaveOp, StepPlan
-from hicache.native import make_tree
+from hicache.memory import PageAllocator
 from hicache.tree import TreeNode, token_key
+from hicache.tree.native import make_tree
 
 _log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 It runs in each vLLM worker process and carries out the scheduler's
 :class:`~hicache.integrations.vllm.plan.StepPlan`: it owns the host pool
-(hicache's :class:`~hicache.pool.HostPool`, pinned on CUDA), hicache's transfer
+(hicache's :class:`~hicache.memory.HostPool`, pinned on CUDA), hicache's transfer
 engine (thread executor on CPU, CUDA executor on GPU) and, with a third tier, a
 storage backend. It knows host page ids and block ids, not tokens or the tree.
 
@@ -36,7 +36,7 @@ import torch
 from hicache.integrations.vllm.config import ConnectorConfig
 from hicache.integrations.vllm.layout import BlockCopier, BlockLayout, BlockPool
 from hicache.integrations.vllm.plan import StepPlan
-from hicache.pool import HostPool
+from hicache.memory import HostPool
 from hicache.transfer import TransferEngine, TransferHandle
 
 
@@ -127,7 +127,7 @@ class WorkerHalf:
         self._layer_index = {name: i for i, name in enumerate(self.layout.layer_names)}
         self.storage = None
         if storage_backend is not None:
-            from hicache.tiering import StorageTier
+            from hicache.storage.worker import StorageTier
 
             self.storage = StorageTier(storage_backend, self.host_pool)
         self._key_salt = key_salt
@@ -287,7 +287,7 @@ class WorkerHalf:
             self._poll()
 
     def _read_storage(self, keys: list[str], host_pages: list[int]) -> None:
-        from hicache.tiering import StorageJob
+        from hicache.storage.worker import StorageJob
 
         c = self.counters
         if self.storage is None:
@@ -339,7 +339,7 @@ class WorkerHalf:
             c.save_seconds += handle.seconds or 0.0
             self._mark_good(rec.host_pages)
             if self.storage is not None and rec.keys:
-                from hicache.tiering import StorageJob
+                from hicache.storage.worker import StorageJob
 
                 rec.job = self.storage.submit(
                     StorageJob("write", self._salted(rec.keys), _ids(rec.host_pages))

@@ -1,0 +1,97 @@
+"""PrefixHandle: one request's view of a :class:`hicache.HiCache` (see its lifecycle).
+
+A handle holds the request's locked prefix (the node ending it), the pages it
+owns until they are inserted, and the loads it waits on. HiCache creates and
+updates handles; callers read them and wait on them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from hicache.cache.facade import HiCache, _Transfer
+    from hicache.tree import TreeNode
+
+
+class LoadError(RuntimeError):
+    """A load this request depends on failed: its tokens past ``prefix_len`` must be recomputed."""
+
+
+class PrefixHandle:
+    """One request's view of the cache: its locked prefix and the pages it owns.
+
+    Valid until :meth:`HiCache.release`. ``prefix_pages`` are valid device pages
+    only while the handle is held, and only after :meth:`wait` (or per layer,
+    :meth:`wait_layer`) returns when a load is involved.
+    """
+
+    def __init__(
+        self, cache: HiCache, key: bytes, namespace: str | None, device_len: int, host_len: int,
+        lock_node: TreeNode,
+    ) -> None:
+        self._cache = cache
+        self.namespace = namespace
+        self.key = key  # int32 bytes of the matched prompt's whole pages
+        self.device_len = device_len  # matched on the device at match time
+        self.host_len = host_len  # matched only in host memory at match time
+        self.prefix_len = device_len  # tokens whose KV is (or is being loaded) on device
+        self.load_error: BaseException | None = None
+        self._lock_node = lock_node  # locked; ends the prefix (a native handle: see lifecycle.py)
+        self._prefix_pages: torch.Tensor | None = None  # lazily gathered from the tree
+        self._new_pages: list[torch.Tensor] = []  # allocated by alloc, owned until inserted
+        self._loads: list[_Transfer] = []
+        # Failed loads not yet applied to this handle (applied by its own calls).
+        self._failed_loads: list[tuple[_Transfer, TreeNode]] = []
+        self._failure_unreported = False  # applied, not yet reported by finish_loads
+        self.released = False
+
+    @property
+    def prefix_pages(self) -> torch.Tensor:
+        if self.released:  # the tree may have evicted and reused them since
+            raise ValueError("handle was already released: its pages are no longer valid")
+        if self._prefix_pages is None:
+            self._prefix_pages = self._cache.tree.device_indices_of(self._lock_node)
+        return self._prefix_pages
+
+    @property
+    def num_owned_pages(self) -> int:
+        return sum(p.shape[0] for p in self._new_pages)
+
+    def page_table(self) -> torch.Tensor:
+        """Device pages of the whole sequence so far: the prefix, then the allocated pages."""
+        new = self._new_pages
+        if self._prefix_pages is None and len(new) == 1 and not self.released:
+            return self._cache.tree.device_indices_of(self._lock_node, new[0])  # one gather
+        parts = [self.prefix_pages, *new]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def wait_layer(self, layer: int) -> None:
+        """Block until layer ``layer`` of every load this request depends on has landed."""
+        num_layers = self._cache.config.kv.num_layers
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise TypeError(f"layer: expected int, got {type(layer).__name__}")
+        if not 0 <= layer < num_layers:
+            raise ValueError(f"layer: expected 0 <= layer < {num_layers}, got {layer}")
+        for rec in self._loads:
+            landed = rec.handle.wait_layer(layer)
+            if rec.handle.error is not None:
+                raise LoadError(f"prefix load failed: {rec.handle.error}") from rec.handle.error
+            if not landed:  # only the manual executor returns before the layer lands
+                raise LoadError(f"layer {layer} of a prefix load has not landed yet")
+
+    def wait(self) -> None:
+        """Block until every load this request depends on is complete; raise LoadError if one failed."""
+        for rec in self._loads:
+            rec.handle.wait()
+            if rec.handle.error is not None:
+                raise LoadError(f"prefix load failed: {rec.handle.error}") from rec.handle.error
+
+    def __repr__(self) -> str:
+        return (
+            f"PrefixHandle(prefix_len={self.prefix_len}, device_len={self.device_len}, "
+            f"host_len={self.host_len}, owned_pages={self.num_owned_pages}, "
+            f"released={self.released})"
+        )

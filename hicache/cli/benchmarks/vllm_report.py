@@ -1,0 +1,203 @@
+"""The report of ``hicache bench vllm``: per-configuration figures, comparisons, plot, JSON.
+
+Input: one result per configuration as :mod:`hicache.cli.benchmarks.vllm_engine` writes
+it (per-request records plus the engine's stat-logger sums). Prompt tokens are split
+by who served them, from vLLM's own accounting:
+
+    prompt tokens = computed + vLLM prefix cache + external (the connector)
+    external      = hicache host + storage (+ unspecified)
+
+The external split comes from the connector's hits per tier
+(``get_external_cache_hit_sources``: ``host``, ``disk``); tokens a connector reports
+without a tier are shown as ``unspecified`` rather than guessed.
+"""
+
+from __future__ import annotations
+
+from typing import IO
+
+import numpy as np
+
+# Targets of issue 18, checked by the comparisons below (what they apply to is stated).
+TTFT_SPEEDUP_TARGET = 2.0  # vllm / vllm+host mean TTFT, working set >= 4x vLLM's cache
+COMPUTED_REDUCTION_TARGET = 3.0  # vllm / vllm+host prompt tokens computed
+STORAGE_KEEP_TARGET = 0.9  # vllm+host+storage / vllm+host hicache-served tokens
+NOREUSE_RPS_TARGET = 0.95  # vllm+host / vllm req/s when nothing can hit
+FITS_TTFT_DELTA_MS = 2.0  # vllm+host - vllm mean TTFT when vLLM's cache serves everything
+FITS_DECODE_DELTA_MS = 0.5  # vllm+host - vllm decode step
+
+
+def summarize(result: dict) -> dict:
+    """One configuration's figures (times in ms, tokens as counts)."""
+    recs = result["requests"]
+    ttft_ms = np.array([r["ttft_s"] for r in recs]) * 1e3
+    steps = [r["decode_step_s"] for r in recs if r["decode_step_s"] is not None]
+    p = result["prompt_token_stats"]
+    by_source = result["connector_hits_by_source"]
+    host = by_source.get("host", 0)
+    storage = by_source.get("disk", 0)
+    external = p.get("external_kv_transfer", 0)
+    return {
+        "requests": len(recs),
+        "failed": result["num_failed"],
+        "errors": result.get("errors", []),
+        "ttft_mean_ms": round(float(ttft_ms.mean()), 2),
+        "ttft_p50_ms": round(float(np.percentile(ttft_ms, 50)), 2),
+        "ttft_p99_ms": round(float(np.percentile(ttft_ms, 99)), 2),
+        "prompt_tokens": int(sum(r["prompt_tokens"] for r in recs)),
+        "computed_tokens": int(p.get("computed", 0)),
+        "vllm_hit_tokens": int(p.get("local_cache_hit", 0)),
+        "external_hit_tokens": int(external),
+        "host_hit_tokens": int(host),
+        "storage_hit_tokens": int(storage),
+        "unspecified_hit_tokens": int(external - host - storage),
+        "req_per_s": round(len(recs) / result["wall_s"], 3),
+        "wall_s": round(result["wall_s"], 2),
+        "decode_step_ms": round(float(np.mean(steps)) * 1e3, 3) if steps else None,
+        "preemptions": int(sum(r["preemptions"] for r in recs)),
+        "engine_start_s": round(result["engine_start_s"], 1),
+        "connector_stats": result["connector_stats"] or None,  # the connector's totals
+    }
+
+
+def outputs_identical(results: dict[str, dict]) -> tuple[bool, int]:
+    """Whether every request generated the same tokens in every configuration.
+
+    Returns ``(identical, number of requests whose tokens differ somewhere)``; a
+    request missing from a configuration (failed) counts as differing.
+    """
+    per_config = [{r["id"]: r["output"] for r in res["requests"]} for res in results.values()]
+    ids = set().union(*per_config)
+    differ = sum(1 for i in ids if len({tuple(c.get(i, (-1,))) for c in per_config}) != 1)
+    return differ == 0, differ
+
+
+def differing_vs_first(results: dict[str, dict]) -> dict[str, int]:
+    """Per configuration: requests finished in it and in the first one with other tokens."""
+    first = {r["id"]: r["output"] for r in next(iter(results.values()))["requests"]}
+    return {name: sum(1 for r in res["requests"] if r["id"] in first
+                      and r["output"] != first[r["id"]])
+            for name, res in results.items()}
+
+
+def compare(configs: dict[str, dict]) -> dict:
+    """Ratios and deltas of the connector configurations against ``vllm``.
+
+    Only between configurations where every request finished: a ratio over
+    different sets of requests would mean nothing.
+    """
+    out: dict = {}
+    complete = {name: c for name, c in configs.items() if c["failed"] == 0}
+    base = complete.get("vllm")
+    host = complete.get("vllm+host")
+    storage = complete.get("vllm+host+storage")
+    for name, c in complete.items():
+        if name == "vllm" or base is None:
+            continue
+        out[name] = {
+            "ttft_mean_speedup": _ratio(base["ttft_mean_ms"], c["ttft_mean_ms"]),
+            "computed_reduction": _ratio(base["computed_tokens"], c["computed_tokens"]),
+            "req_per_s_ratio": _ratio(c["req_per_s"], base["req_per_s"]),
+            "ttft_mean_delta_ms": round(c["ttft_mean_ms"] - base["ttft_mean_ms"], 2),
+            "decode_step_delta_ms": (round(c["decode_step_ms"] - base["decode_step_ms"], 3)
+                                     if c["decode_step_ms"] is not None
+                                     and base["decode_step_ms"] is not None else None),
+        }
+    if host is not None and storage is not None:
+        out["storage_keeps_hits"] = _ratio(storage["external_hit_tokens"],
+                                           host["external_hit_tokens"])
+    return out
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b else None
+
+
+def _fmt(v: object) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.1f}" if abs(v) >= 100 else f"{v:.2f}"
+    return f"{v:,}" if isinstance(v, int) else str(v)
+
+
+def print_table(configs: dict[str, dict], comparisons: dict, identical: tuple[bool, int],
+                out: IO[str]) -> None:
+    names = list(configs)
+    rows = [
+        ("TTFT mean (ms)", "ttft_mean_ms"), ("TTFT p50 (ms)", "ttft_p50_ms"),
+        ("TTFT p99 (ms)", "ttft_p99_ms"), ("prompt tokens", "prompt_tokens"),
+        ("  computed", "computed_tokens"), ("  vLLM prefix cache", "vllm_hit_tokens"),
+        ("  hicache host", "host_hit_tokens"), ("  storage", "storage_hit_tokens"),
+        ("  connector, tier unknown", "unspecified_hit_tokens"), ("requests/s", "req_per_s"),
+        ("decode step (ms)", "decode_step_ms"), ("preemptions", "preemptions"),
+        ("failed requests", "failed"), ("engine start (s)", "engine_start_s"),
+    ]
+    width = max(20, *(len(n) + 2 for n in names))
+    print(f"\n{'':<26}" + "".join(f"{n:>{width}}" for n in names), file=out)
+    for label, key in rows:
+        print(f"{label:<26}" + "".join(f"{_fmt(configs[n][key]):>{width}}" for n in names),
+              file=out)
+    same, differ = identical
+    print(f"generated tokens identical across configs (greedy): "
+          f"{'yes' if same else f'NO, {differ} requests differ or failed'}", file=out)
+    for name, c in configs.items():
+        if c["failed"]:
+            print(f"{name}: {c['failed']} requests FAILED, first error: "
+                  f"{(c['errors'] or ['?'])[0][:300]}; no comparison made with it", file=out)
+        if c["tokens_differ_vs_first"]:
+            print(f"{name}: {c['tokens_differ_vs_first']} finished requests generated other "
+                  f"tokens than {names[0]}", file=out)
+    for name, c in comparisons.items():
+        if name == "storage_keeps_hits":
+            print(f"vllm+host+storage / vllm+host hicache-served tokens: {_fmt(c)} "
+                  f"(target >= {STORAGE_KEEP_TARGET}, working set >= 4x vLLM's cache)", file=out)
+            continue
+        print(f"{name} vs vllm: mean TTFT {_fmt(c['ttft_mean_speedup'])}x lower "
+              f"(target >= {TTFT_SPEEDUP_TARGET} when the working set is >= 4x vLLM's cache), "
+              f"computed tokens {_fmt(c['computed_reduction'])}x fewer "
+              f"(target >= {COMPUTED_REDUCTION_TARGET})", file=out)
+        print(f"{'':<{len(name)}}          req/s x{_fmt(c['req_per_s_ratio'])} "
+              f"(target >= {NOREUSE_RPS_TARGET} on noreuse); TTFT "
+              f"{c['ttft_mean_delta_ms']:+.2f} ms, decode step "
+              f"{_fmt(c['decode_step_delta_ms'])} ms (targets <= +{FITS_TTFT_DELTA_MS} and "
+              f"<= +{FITS_DECODE_DELTA_MS} when vLLM's cache holds the working set)", file=out)
+
+
+def plot_ttft_cdf(path: str, results: dict[str, dict], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, res in results.items():
+        ttft = np.sort([r["ttft_s"] * 1e3 for r in res["requests"]])
+        failed = res["num_failed"]
+        label = f"{name} ({failed} requests failed)" if failed else name
+        ax.step(ttft, np.arange(1, len(ttft) + 1) / len(ttft), where="post", label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (ms)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def report(results: dict[str, dict], model: dict, plan: dict, *, out: IO[str],
+           plot: str | None, title: str) -> dict:
+    """Print the table (and plot); return the JSON summary of the run."""
+    configs = {name: summarize(res) for name, res in results.items()}
+    for name, n in differing_vs_first(results).items():
+        configs[name]["tokens_differ_vs_first"] = n
+    comparisons = compare(configs)
+    identical = outputs_identical(results)
+    print_table(configs, comparisons, identical, out)
+    if plot:
+        plot_ttft_cdf(plot, results, f"hicache bench vllm: {title}")
+        print(f"TTFT CDF written to {plot}", file=out)
+    return {"model": model, "plan": plan, "configs": configs, "comparisons": comparisons,
+            "tokens_identical": identical[0], "requests_differing": identical[1]}

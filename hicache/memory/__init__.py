@@ -1,0 +1,26 @@
+"""Page ids and the memory behind them: the page allocator, device and host KV pools, the copier.
+
+Nothing here knows prefixes or trees: a pool maps page ids to KV rows.
+"""
+
+from hicache.memory.allocator import PageAllocator
+from hicache.memory.pool import (
+    DevicePool,
+    HostPool,
+    PageCopier,
+    as_rows,
+    check_cache_memory,
+    copy_rows,
+    load_native_copier,
+)
+
+__all__ = [
+    "DevicePool",
+    "HostPool",
+    "PageAllocator",
+    "PageCopier",
+    "as_rows",
+    "check_cache_memory",
+    "copy_rows",
+    "load_native_copier",
+]

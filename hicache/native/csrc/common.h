@@ -1,0 +1,80 @@
+// Common types of the native radix tree: token and page ids, node handles, the
+// IO status and eviction-policy enums, the error types the binding maps to
+// Python's ValueError / TypeError, and the first-page key children are found by.
+//
+// Knows nothing of Python or of tensors.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+
+namespace hicache {
+
+using token_t = std::int32_t;     // one token id, in [0, 2**31)
+using page_id_t = std::int64_t;   // one device or host page id
+using token_span = std::span<const token_t>;
+
+// Integer handle of a node across the binding (never a raw pointer): the node id
+// (>= 1) for non-root nodes, -(k + 1) for the root of the k-th namespace, and
+// kNoNode for "no node" (the parent of a root). Ids are never reused, so a
+// handle of a freed node stays invalid forever.
+using NodeHandle = std::int64_t;
+inline constexpr NodeHandle kNoNode = 0;
+
+// Values match hicache.tree.IOStatus.
+enum class IOStatus : std::uint8_t {
+  None = 0,
+  Loading = 1,    // host to device copy in flight
+  BackingUp = 2,  // device to host copy in flight
+};
+
+inline const char* io_status_name(IOStatus s) {
+  switch (s) {
+    case IOStatus::None: return "NONE";
+    case IOStatus::Loading: return "LOADING";
+    case IOStatus::BackingUp: return "BACKING_UP";
+  }
+  return "?";
+}
+
+// Values and keys as in hicache/tree/policies.py (RadixTree::entry computes the keys).
+enum class EvictionPolicy : std::uint8_t { LRU, LFU, FIFO, MRU, FILO, Priority, SLRU };
+
+// SLRU: a node hit this many times leaves the probationary segment.
+inline constexpr std::int64_t kSlruProtectedHits = 2;
+
+// A caller's mistake; the binding raises ValueError.
+struct ValueError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// A caller passed the wrong kind of object; the binding raises TypeError.
+struct TypeError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// The first page of a child's run: the key its parent finds it by. The pointer
+// is into the child's own token storage, which outlives the map entry.
+struct PageKey {
+  const token_t* data;
+  std::size_t len;  // tokens (the page size)
+
+  bool operator==(const PageKey& other) const {
+    return len == other.len && std::equal(data, data + len, other.data);
+  }
+};
+
+struct PageKeyHash {
+  std::size_t operator()(const PageKey& k) const noexcept {
+    return std::hash<std::string_view>{}(
+        std::string_view(reinterpret_cast<const char*>(k.data), k.len * sizeof(token_t)));
+  }
+};
+
+}  // namespace hicache

@@ -1,0 +1,206 @@
+// The native radix tree: the same contract as hicache/tree/python.py (read its module
+// docstring), operation for operation, so that matches, evictions and their
+// page order come out identical. Heap entries are pushed at exactly the points
+// where the Python tree calls _refresh, and ties are broken by the same seqs.
+//
+// Nodes removed by an operation are parked in a graveyard until the outermost
+// operation returns: a Python hook (backup, on_split) running in the middle of
+// an eviction may call back into the tree, and the node pointers the outer
+// loop holds must stay valid. Removed nodes whose handles reached Python are
+// detached instead: readable (like a removed Python node) until released.
+//
+// Knows nothing of Python: callbacks are std::function, errors are the
+// ValueError / TypeError types of common.h.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "common.h"
+#include "heap.h"
+#include "node.h"
+
+namespace hicache {
+
+struct MatchOut {
+  std::int64_t device_len;  // leading tokens whose KV is on the device
+  std::int64_t host_len;    // tokens after those whose KV is only in host memory
+  TreeNode* last_device;    // deepest matched node on the device (a root if none)
+  TreeNode* last;           // deepest matched node
+};
+
+struct InsertOut {
+  std::int64_t num_cached_tokens;  // leading tokens already on the device
+  TreeNode* last;                  // node ending at the inserted length
+};
+
+struct EvictOut {
+  at::Tensor pages;  // (num_pages,) int64: pages given up, in eviction order
+  std::int64_t num_evicted_tokens;
+  std::int64_t num_backup_tokens;
+};
+
+// One KV event (hicache/events.py): a node's pages entering or leaving a tier.
+struct RawEvent {
+  bool stored;                        // true: entered the tier; false: left it
+  bool device;                        // the tier: device (true) or host (false)
+  std::uint32_t ns;                   // namespace index
+  std::optional<std::uint64_t> parent;  // hash of the page before the first (none at a root)
+  std::vector<std::uint64_t> hashes;  // chained hash of each page
+  std::int64_t num_tokens;
+};
+
+// Chained page hashes of `tokens` (whole pages) after `prev`: hicache/events.py page_hashes.
+std::vector<std::uint64_t> page_hashes(token_span tokens, std::int64_t page_size,
+                                       std::uint64_t prev);
+
+class RadixTree {
+ public:
+  using SplitHook = std::function<void(TreeNode* prefix, TreeNode* suffix)>;
+  using BackupHook = std::function<bool(TreeNode*)>;
+
+  RadixTree(std::int64_t page_size, EvictionPolicy policy);
+  RadixTree(const RadixTree&) = delete;
+  RadixTree& operator=(const RadixTree&) = delete;
+
+  std::int64_t page_size() const { return page_size_; }
+
+  // Namespaces: index of a namespace (nullopt = the default one), its root
+  // created on first use; roots keep creation order, like the Python dict.
+  std::uint32_t namespace_index(const std::optional<std::string>& ns);
+  std::optional<std::uint32_t> find_namespace(const std::optional<std::string>& ns) const;
+  TreeNode* root(std::uint32_t ns) { return roots_[ns].get(); }
+  const std::optional<std::string>& namespace_name(std::uint32_t ns) const { return ns_names_[ns]; }
+
+  // The live node of a handle, or nullptr if it was removed (or never existed).
+  TreeNode* find(NodeHandle handle) const;
+  // A live node, or a removed one still readable from Python (detached), or nullptr.
+  TreeNode* find_any(NodeHandle handle) const;
+  // Free every detached node except those in `keep` (Python still holds their proxies).
+  void release_detached(const std::vector<NodeHandle>& keep);
+  std::size_t num_detached() const { return detached_.size(); }
+
+  MatchOut match(token_span key, std::uint32_t ns);
+  InsertOut insert(token_span key, const IndexRun& pages, std::uint32_t ns);
+  // Pages that arrive only in host memory (a third tier): the uncached rest
+  // becomes one host-only leaf; num_cached_tokens counts both tiers.
+  InsertOut insert_host(token_span key, const IndexRun& pages, std::uint32_t ns);
+  // Tokens of key cached in any tier: no split, no hit, no access time changed.
+  // With `path`, also the nodes holding them, root side first (the last may
+  // hold more than the key).
+  std::int64_t probe(token_span key, std::optional<std::uint32_t> ns,
+                     std::vector<TreeNode*>* path = nullptr) const;
+
+  void lock(TreeNode* node);
+  void unlock(TreeNode* node);
+  void host_lock(TreeNode* node);
+  void host_unlock(TreeNode* node);
+  // Raise node's and its ancestors' priority to at least `priority` (never lowers).
+  void raise_priority(TreeNode* node, std::int64_t priority);
+
+  void set_io_status(TreeNode* node, IOStatus status);
+  void attach_device(TreeNode* node, const IndexRun& pages);
+  at::Tensor detach_device(TreeNode* node);
+  void attach_host(TreeNode* node, const IndexRun& pages);
+  at::Tensor detach_host(TreeNode* node);
+
+  EvictOut evict_device(std::int64_t num_tokens, const BackupHook* backup);
+  EvictOut evict_host(std::int64_t num_tokens, bool drop_device_resident);
+
+  // The path's device pages, then `extra` (if any): one request's page table.
+  at::Tensor device_indices_of(TreeNode* node, const IndexRun* extra = nullptr) const;
+  // Nodes on node's path (root side first) a backup would copy: on the device,
+  // no host copy, no IO in flight, at least min_hit_count hits.
+  std::vector<TreeNode*> path_missing_host(TreeNode* node, std::int64_t min_hit_count) const;
+  // The host-only nodes of a match (below last_device down to last), root side first.
+  std::vector<TreeNode*> host_only_path(TreeNode* last, const TreeNode* last_device) const;
+  std::vector<TreeNode*> nodes() const;  // non-root nodes, parents before children
+
+  // KV events: off until enabled; take_events drains the log in order.
+  void enable_events() { events_on_ = true; }
+  std::vector<RawEvent> take_events() { return std::exchange(events_, {}); }
+  // (parent hash, page hashes) of a node's pages (hashed from the root).
+  std::pair<std::optional<std::uint64_t>, std::vector<std::uint64_t>> node_hashes(TreeNode* node);
+
+  // "" if every invariant holds, else the first violation (Python asserts on it).
+  std::string check_integrity() const;
+  // Bytes the tree holds: nodes, maps, heaps, token storage and index storage
+  // (every storage counted once, however many nodes share it).
+  std::size_t memory_bytes() const;
+
+  // Counters (plain fields so that corruption tests can overwrite them).
+  std::int64_t num_nodes = 0;
+  std::int64_t device_evictable_tokens = 0;  // on device, lock_ref == 0
+  std::int64_t device_protected_tokens = 0;  // on device, lock_ref > 0
+  std::int64_t host_evictable_tokens = 0;    // on host, host_lock_ref == 0
+  std::int64_t host_protected_tokens = 0;    // on host, host_lock_ref > 0
+
+  SplitHook on_split;
+
+ private:
+  friend struct OpScope;
+
+  TreeNode* new_child(TreeNode* parent, TokenRun tokens);
+  TreeNode* split(TreeNode* node, std::int64_t num_pages);
+  void remove(TreeNode* node);
+  void retire(std::unique_ptr<TreeNode> node);
+  void rehome_tokens(TreeNode* node);  // copy a node's tokens into storage of their own size
+  // Absorb node's only child when both are idle and host-only (hicache/tree/python.py
+  // _merge_host_chain): a reload of an evicted conversation chain is one node.
+  void merge_host_chain(TreeNode* node);
+  std::int64_t common_pages(token_span child, token_span rest) const;
+
+  int device_rank(const TreeNode* node) const;
+  int host_rank(const TreeNode* node) const;
+  HeapEntry entry(const TreeNode* node, int rank, std::uint64_t seq) const;
+  void push_device(TreeNode* node, int rank);
+  void push_host(TreeNode* node, int rank);
+  TreeNode* pop_device();
+  TreeNode* pop_host();
+  void refresh(TreeNode* node);
+  void maybe_compact();
+  void compact();
+
+  at::Tensor concat(const std::vector<IndexRun>& runs) const;
+  void log_event(bool stored, bool device, TreeNode* node);
+
+  std::int64_t page_size_;
+  EvictionPolicy policy_;
+  std::vector<std::unique_ptr<TreeNode>> roots_;
+  std::vector<std::optional<std::string>> ns_names_;
+  std::optional<std::uint32_t> default_ns_;
+  std::unordered_map<std::string, std::uint32_t> ns_index_;
+  std::unordered_map<NodeHandle, TreeNode*> by_handle_;  // live non-root nodes
+  std::int64_t next_id_ = 1;
+  std::int64_t clock_ = 0;
+  CandidateHeap device_heap_;
+  CandidateHeap host_heap_;
+  int depth_ = 0;  // operations in progress (re-entrant through hooks)
+  std::vector<std::unique_ptr<TreeNode>> graveyard_;
+  // Removed nodes whose handles reached Python: like a removed Python TreeNode, they
+  // stay readable (parent None) until the wrapper releases them.
+  std::unordered_map<NodeHandle, std::unique_ptr<TreeNode>> detached_;
+  at::Tensor empty_roots_indices_;
+  bool events_on_ = false;
+  std::vector<RawEvent> events_;
+};
+
+// Marks an operation in progress; the outermost one frees the graveyard.
+struct OpScope {
+  explicit OpScope(RadixTree& t) : tree(t) { ++tree.depth_; }
+  ~OpScope() {
+    if (--tree.depth_ == 0) tree.graveyard_.clear();
+  }
+  OpScope(const OpScope&) = delete;
+  OpScope& operator=(const OpScope&) = delete;
+  RadixTree& tree;
+};
+
+}  // namespace hicache

@@ -1,0 +1,4 @@
+"""The harness around the library: a reference model and engine, traces, replay, stress, checks.
+
+Nothing in the library imports from here.
+"""

@@ -1,0 +1,105 @@
+"""The third tier's data movement: host pages to and from a storage backend, in the background.
+
+Two worker threads (one writes, one reads, so a prefetch never queues behind a
+burst of backups) run jobs against a :class:`~hicache.storage.StorageBackend`.
+A job reads or writes whole host-pool pages in place (the host pool is
+page-first, so a page is one contiguous block). Finished jobs are handed back
+only through :meth:`StorageTier.poll`; workers never touch the cache's state.
+
+What it knows: keys, host page ids, the host pool's memory. What it does not:
+the tree, locks, allocation — the cache pins and frees around each job.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+
+import torch
+
+from hicache.memory import HostPool
+from hicache.storage import StorageBackend
+
+
+class StorageJob:
+    """One batch of pages moving between host memory and storage."""
+
+    __slots__ = (
+        "kind", "keys", "host_pages", "nodes", "num_done", "error", "seconds", "done",
+        "token_key", "namespace", "start_page", "committed", "stale", "event_pages",
+    )
+
+    def __init__(self, kind: str, keys: list[str], host_pages: torch.Tensor) -> None:
+        self.kind = kind  # "write" (host -> storage) | "read" (storage -> host)
+        self.keys = keys
+        self.host_pages = host_pages  # one host page id per key; kept alive until done
+        self.nodes: list = []  # write: host-pinned tree nodes whose pages are read
+        self.num_done = 0  # leading pages written / read and verified
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self.done = threading.Event()
+        # read jobs: where the pages go in the tree once they arrived
+        self.token_key = b""  # int32 bytes of the tokens up to the last fetched page
+        self.namespace: str | None = None
+        self.start_page = 0  # first fetched page's position in the sequence
+        self.committed = False
+        self.stale = False  # read jobs: a reset came meanwhile, throw the pages away
+        # write jobs with KV events on: (namespace, parent hash, page hashes) per node
+        self.event_pages: list[tuple] = []
+
+
+class StorageTier:
+    """Background reads and writes of host pages to one backend."""
+
+    def __init__(self, backend: StorageBackend, host_pool: HostPool) -> None:
+        self.backend = backend
+        self.host_pool = host_pool
+        backend.register_memory(host_pool.buffer)
+        self._finished: deque[StorageJob] = deque()
+        self._queues = {"write": queue.SimpleQueue(), "read": queue.SimpleQueue()}
+        self._threads = [
+            threading.Thread(target=self._work, args=(kind,), name=f"hicache-storage-{kind}",
+                             daemon=True)
+            for kind in self._queues
+        ]
+        for t in self._threads:
+            t.start()
+        self.num_in_flight = 0
+
+    def submit(self, job: StorageJob) -> StorageJob:
+        self.num_in_flight += 1
+        self._queues[job.kind].put(job)
+        return job
+
+    def poll(self) -> list[StorageJob]:
+        """Jobs finished since the last poll, each once, in completion order."""
+        out = []
+        while self._finished:
+            out.append(self._finished.popleft())
+        self.num_in_flight -= len(out)
+        return out
+
+    def close(self) -> None:
+        for q in self._queues.values():
+            q.put(None)
+        for t in self._threads:
+            t.join(timeout=10)
+        self.backend.close()
+
+    def _work(self, kind: str) -> None:
+        q = self._queues[kind]
+        while (job := q.get()) is not None:
+            start = time.perf_counter()
+            try:
+                views = [self.host_pool.page(int(p)) for p in job.host_pages]
+                if job.kind == "write":
+                    job.num_done = self.backend.set(job.keys, views)
+                else:
+                    job.num_done = self.backend.get_into(job.keys, views)
+            except Exception as exc:  # noqa: BLE001 - any failure finishes the job as failed
+                job.error = exc
+            job.seconds = time.perf_counter() - start
+            self._finished.append(job)
+            job.done.set()

@@ -1,0 +1,563 @@
+"""The native (C++20) radix tree: proxy nodes, the tree wrapper, and the tree factory.
+
+:class:`NativeRadixTree` behaves exactly like :class:`hicache.tree.RadixTree`
+(same methods, results, eviction order, page order and errors); the Python
+tree stays the reference and the fallback. :mod:`hicache.native.build` builds and loads
+the C++ sources.
+
+Nodes cross the binding as integer handles; :class:`NativeNode` proxies wrap
+them. One handle always maps to the same proxy object (callers compare nodes
+with ``is`` and key dicts by them). A node removed from the tree stays readable
+through its proxy (``parent`` is ``None``), as a removed Python node does, but
+tree operations on it raise ``ValueError`` (stale).
+
+What this module does not know: what the tree is used for, KV tensors, pages'
+owners.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import torch
+
+from hicache.checks import check_int, check_priority
+from hicache.config import EvictionPolicy
+from hicache.native import build as jit
+from hicache.native.build import (  # noqa: F401  (re-exported: the tree's build status)
+    NativeBuildError,
+    load_native,
+    native_available,
+    native_build_seconds,
+    native_unavailable_reason,
+)
+from hicache.tree.protocol import RadixTreeLike
+from hicache.tree.python import (
+    EvictResult,
+    InsertResult,
+    IOStatus,
+    MatchResult,
+    RadixTree,
+    TokenLike,
+    token_key,
+)
+
+_FAST_TOKEN_DTYPES = frozenset({torch.int32, torch.int64, np.dtype(np.int32), np.dtype(np.int64)})
+_MAX_COUNT = 2**62  # larger eviction requests mean "everything"; keeps C++ int64 math safe
+
+
+def _readable_in_place(tokens: object) -> bool:
+    """True for int32/int64 tensors and numpy arrays: the binding reads them as they are.
+
+    Exact type checks (``isinstance`` against ``torch.Tensor`` goes through its
+    metaclass); subclasses and other dtypes take the general path through
+    :func:`hicache.tree.token_key`.
+    """
+    tp = type(tokens)
+    return (tp is np.ndarray or tp is torch.Tensor) and tokens.dtype in _FAST_TOKEN_DTYPES
+
+
+def _probe_key_bytes(key: bytes, namespace: object) -> bytes:
+    """A probe's key as the binding reads it. A non-str namespace names no root (the
+    binding finds nothing), but an unhashable one raises TypeError, as the Python
+    tree's dict lookup does."""
+    if namespace is not None and not isinstance(namespace, str):
+        hash(namespace)
+    return bytes(key) if isinstance(key, bytearray | memoryview) else key
+
+
+@functools.cache
+def _warn_fallback(reason: str) -> None:
+    warnings.warn(
+        f"hicache: native radix tree unavailable ({reason}); using the Python tree",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+class NativeNode:
+    """Read-only view of one native node, with the attributes of :class:`hicache.tree.TreeNode`.
+
+    Every attribute reads the node in C++. A node removed from the tree
+    (evicted, merged into its parent) keeps its last state and ``parent`` None,
+    like a removed Python node, while this proxy is referenced.
+    ``lock_ref`` and ``host_lock_ref`` can be overwritten only to test
+    :meth:`NativeRadixTree.check_integrity`.
+    """
+
+    __slots__ = ("_tree", "_h", "__weakref__")
+
+    def __init__(self, tree: NativeRadixTree, handle: int) -> None:
+        self._tree = tree
+        self._h = handle
+
+    @property
+    def id(self) -> int:
+        return self._tree._impl.node_id(self._h)
+
+    @property
+    def parent(self) -> NativeNode | None:
+        h = self._tree._impl.parent(self._h)
+        return None if h == 0 else self._tree._node(h)
+
+    @property
+    def children(self) -> dict[bytes, NativeNode]:
+        """Children keyed by the int32 bytes of their first page, in insertion order."""
+        node = self._tree._node
+        return {k: node(h) for k, h in self._tree._impl.children(self._h)}
+
+    @property
+    def namespace(self) -> str | None:
+        return self._tree._impl.namespace(self._h)
+
+    @property
+    def key(self) -> bytes:
+        return self._tree._impl.key(self._h)
+
+    @property
+    def device_indices(self) -> torch.Tensor | None:
+        return self._tree._impl.device_indices(self._h)
+
+    @property
+    def host_indices(self) -> torch.Tensor | None:
+        return self._tree._impl.host_indices(self._h)
+
+    @property
+    def lock_ref(self) -> int:
+        return self._tree._impl.lock_ref(self._h)
+
+    @lock_ref.setter
+    def lock_ref(self, value: int) -> None:
+        self._tree._impl.set_lock_ref(self._h, value)
+
+    @property
+    def host_lock_ref(self) -> int:
+        return self._tree._impl.host_lock_ref(self._h)
+
+    @host_lock_ref.setter
+    def host_lock_ref(self, value: int) -> None:
+        self._tree._impl.set_host_lock_ref(self._h, value)
+
+    @property
+    def io_status(self) -> IOStatus:
+        return IOStatus(self._tree._impl.io_status(self._h))
+
+    @property
+    def hit_count(self) -> int:
+        return self._tree._impl.hit_count(self._h)
+
+    @property
+    def last_access(self) -> int:
+        return self._tree._impl.last_access(self._h)
+
+    @property
+    def created(self) -> int:
+        return self._tree._impl.created(self._h)
+
+    @property
+    def priority(self) -> int:
+        return self._tree._impl.priority(self._h)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._tree._impl.num_tokens(self._h)
+
+    @property
+    def on_device(self) -> bool:
+        return self._tree._impl.on_device(self._h)
+
+    @property
+    def on_host(self) -> bool:
+        return self._tree._impl.on_host(self._h)
+
+    def num_pages(self, page_size: int) -> int:
+        return self._tree._impl.num_tokens(self._h) // page_size
+
+    def tokens(self) -> np.ndarray:
+        return np.frombuffer(self.key, dtype=np.int32)
+
+    def __repr__(self) -> str:
+        try:
+            return self._tree._impl.repr(self._h)
+        except ValueError:
+            return f"NativeNode(handle={self._h}, freed)"
+
+
+class NativeRadixTree:
+    """The radix tree of :mod:`hicache.tree`, implemented in C++ (see the module docstring).
+
+    Same constructor, methods, results and errors as :class:`hicache.tree.RadixTree`.
+    Token ids are read without copies from int32 tensors and int32 numpy
+    arrays (int64 ones are narrowed once in C++); lists and tuples are converted
+    once by :func:`hicache.tree.token_key`.
+    """
+
+    def __init__(
+        self,
+        page_size: int,
+        eviction: EvictionPolicy | str = EvictionPolicy.LRU,
+        on_split: Callable[[NativeNode, NativeNode], None] | None = None,
+    ) -> None:
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+            raise ValueError(f"page_size: expected a positive int, got {page_size!r}")
+        policy = EvictionPolicy(eviction)
+        self.eviction = policy
+        self.page_size = page_size
+        self._impl = load_native().Tree(page_size, policy.value)
+        self._proxies: dict[int, NativeNode] = {}
+        self._prune_at = 256  # prune proxies of removed nodes when the cache grows past this
+        self._on_split: Callable[[NativeNode, NativeNode], None] | None = None
+        self.on_split = on_split
+
+    # ------------------------------------------------------------- handles
+    @property
+    def on_split(self) -> Callable[[NativeNode, NativeNode], None] | None:
+        """Called as ``on_split(prefix, suffix)`` on every split; ``suffix`` is the original node."""
+        return self._on_split
+
+    @on_split.setter
+    def on_split(self, fn: Callable[[NativeNode, NativeNode], None] | None) -> None:
+        self._on_split = fn
+        if fn is None:
+            self._impl.set_on_split(None)
+            return
+        # A weak reference: the C++ object holding this relay must not keep the tree alive.
+        ref = weakref.ref(self)
+
+        def relay(prefix: int, suffix: int) -> None:
+            tree = ref()
+            if tree is not None and tree._on_split is not None:
+                tree._on_split(tree._node(prefix), tree._node(suffix))
+
+        self._impl.set_on_split(relay)
+
+    def _node(self, handle: int) -> NativeNode:
+        proxy = self._proxies.get(handle)
+        if proxy is None:
+            proxy = self._proxies[handle] = NativeNode(self, handle)
+            if len(self._proxies) > self._prune_at:
+                self._prune_proxies()
+        return proxy
+
+    def _adopt(self, handle: int) -> NativeNode:
+        """The proxy of a handle the binding returned without a proxy (the native lifecycle's).
+
+        Such a node is freed as soon as it leaves the tree; once it has a proxy it
+        stays readable after removal, as every proxied node does. Raises
+        ``ValueError`` when the node already left the tree.
+        """
+        proxy = self._proxies.get(handle)
+        if proxy is None:
+            self._impl.export(handle)
+            proxy = self._node(handle)
+        return proxy
+
+    def _prune_proxies(self) -> None:
+        """Forget proxies of removed nodes that nobody else holds, and free those nodes.
+
+        A removed node stays readable while its proxy is referenced (as a removed
+        Python node does); ``sys.getrefcount(proxies[h]) == 2`` means only this
+        cache (and the call's own argument) refers to the proxy.
+        """
+        proxies = self._proxies
+        live = set(self._impl.live(list(proxies)))
+        kept = {
+            h: proxies[h] for h in list(proxies) if h in live or sys.getrefcount(proxies[h]) > 2
+        }
+        self._proxies = kept
+        self._impl.release_detached([h for h in kept if h not in live])
+        # Amortized O(1) per proxy; removed nodes (and their token storage) wait for
+        # at most half as many new proxies as there are kept ones.
+        self._prune_at = len(kept) + max(256, len(kept) // 2)
+
+    def _handle(self, node: object, op: str) -> int:
+        if type(node) is NativeNode:
+            if node._tree is self:
+                return node._h
+            raise ValueError(f"{op}: node {node._h} belongs to another tree")
+        raise TypeError(f"{op}: expected a NativeNode, got {type(node).__name__}")
+
+    def _tokens(self, tokens: TokenLike) -> object:
+        """``tokens`` as the binding reads them: int32/int64 arrays as they are, else key bytes."""
+        if _readable_in_place(tokens):
+            return tokens
+        return token_key(tokens, self.page_size)
+
+    # -------------------------------------------------------------- basics
+    def root(self, namespace: str | None = None) -> NativeNode:
+        """The root of a namespace (created on first use). Roots hold no tokens."""
+        return self._node(self._impl.root(namespace))
+
+    @property
+    def num_nodes(self) -> int:
+        return self._impl.num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, value: int) -> None:
+        self._impl.num_nodes = value
+
+    @property
+    def device_evictable_tokens(self) -> int:
+        return self._impl.device_evictable_tokens
+
+    @device_evictable_tokens.setter
+    def device_evictable_tokens(self, value: int) -> None:
+        self._impl.device_evictable_tokens = value
+
+    @property
+    def device_protected_tokens(self) -> int:
+        return self._impl.device_protected_tokens
+
+    @device_protected_tokens.setter
+    def device_protected_tokens(self, value: int) -> None:
+        self._impl.device_protected_tokens = value
+
+    @property
+    def host_evictable_tokens(self) -> int:
+        return self._impl.host_evictable_tokens
+
+    @host_evictable_tokens.setter
+    def host_evictable_tokens(self, value: int) -> None:
+        self._impl.host_evictable_tokens = value
+
+    @property
+    def host_protected_tokens(self) -> int:
+        return self._impl.host_protected_tokens
+
+    @host_protected_tokens.setter
+    def host_protected_tokens(self, value: int) -> None:
+        self._impl.host_protected_tokens = value
+
+    @property
+    def device_tokens(self) -> int:
+        impl = self._impl
+        return impl.device_evictable_tokens + impl.device_protected_tokens
+
+    @property
+    def host_tokens(self) -> int:
+        impl = self._impl
+        return impl.host_evictable_tokens + impl.host_protected_tokens
+
+    def nodes(self) -> Iterator[NativeNode]:
+        """All non-root nodes, parents before children (a snapshot taken at the call)."""
+        node = self._node
+        return iter([node(h) for h in self._impl.nodes()])
+
+    # --------------------------------------------------------- match/insert
+    def match_prefix(self, tokens: TokenLike, namespace: str | None = None) -> MatchResult:
+        """Longest cached prefix of ``tokens`` (whole pages); see :meth:`RadixTree.match_prefix`."""
+        if not _readable_in_place(tokens):
+            tokens = token_key(tokens, self.page_size)
+        device_len, host_len, last_device, last = self._impl.match(tokens, namespace)
+        proxies = self._proxies
+        return MatchResult(
+            device_len,
+            host_len,
+            proxies.get(last_device) or self._node(last_device),
+            proxies.get(last) or self._node(last),
+        )
+
+    def match_key(self, key: bytes, namespace: str | None = None) -> MatchResult:
+        """:meth:`match_prefix` for a key already made by :func:`hicache.tree.token_key`."""
+        if isinstance(key, bytearray | memoryview):
+            key = bytes(key)
+        device_len, host_len, last_device, last = self._impl.match(key, namespace)
+        node = self._node
+        return MatchResult(device_len, host_len, node(last_device), node(last))
+
+    def insert(
+        self, tokens: TokenLike, device_indices: torch.Tensor, namespace: str | None = None
+    ) -> InsertResult:
+        """Cache ``tokens`` whose KV sits in ``device_indices``; see :meth:`RadixTree.insert`.
+
+        The tree keeps a view of ``device_indices`` (no copy), as the Python tree does.
+        """
+        if not _readable_in_place(tokens):
+            tokens = token_key(tokens, self.page_size)
+        num_cached, last = self._impl.insert(tokens, device_indices, namespace)
+        return InsertResult(num_cached, self._proxies.get(last) or self._node(last))
+
+    def insert_key(
+        self, key: bytes, device_indices: torch.Tensor, namespace: str | None = None
+    ) -> InsertResult:
+        """:meth:`insert` for a key already made by :func:`hicache.tree.token_key`."""
+        if isinstance(key, bytearray | memoryview):
+            key = bytes(key)
+        num_cached, last = self._impl.insert(key, device_indices, namespace)
+        return InsertResult(num_cached, self._node(last))
+
+    def insert_host(
+        self, tokens: TokenLike, host_indices: torch.Tensor, namespace: str | None = None
+    ) -> InsertResult:
+        """Cache ``tokens`` whose KV sits only in host pages; see :meth:`RadixTree.insert_host`."""
+        num_cached, last = self._impl.insert_host(self._tokens(tokens), host_indices, namespace)
+        return InsertResult(num_cached, self._node(last))
+
+    def probe_key(self, key: bytes, namespace: str | None = None) -> int:
+        """Tokens of ``key`` cached in any tier; read-only (no split, no hit, no access)."""
+        return self._impl.probe(_probe_key_bytes(key, namespace), namespace)
+
+    def probe_path(self, key: bytes, namespace: str | None = None) -> list[NativeNode]:
+        """The nodes holding the cached prefix of ``key``; see :meth:`RadixTree.probe_path`."""
+        key = _probe_key_bytes(key, namespace)
+        proxy = self._node
+        return [proxy(h) for h in self._impl.probe_path(key, namespace)]
+
+    # ---------------------------------------------------------------- locks
+    def lock(self, node: NativeNode) -> None:
+        """Protect ``node`` and its ancestors from device eviction (one reference each)."""
+        self._impl.lock(
+            node._h
+            if type(node) is NativeNode and node._tree is self
+            else self._handle(node, "lock")
+        )
+
+    def unlock(self, node: NativeNode) -> None:
+        """Drop one reference taken by :meth:`lock` on ``node``'s path."""
+        self._impl.unlock(
+            node._h
+            if type(node) is NativeNode and node._tree is self
+            else self._handle(node, "unlock")
+        )
+
+    def host_lock(self, node: NativeNode) -> None:
+        """Protect the host copy of ``node`` (a load or a third-tier write reads it)."""
+        self._impl.host_lock(self._handle(node, "host_lock"))
+
+    def host_unlock(self, node: NativeNode) -> None:
+        self._impl.host_unlock(self._handle(node, "host_unlock"))
+
+    def raise_priority(self, node: NativeNode, priority: int) -> None:
+        """Raise ``node``'s and its ancestors' priority; see :meth:`RadixTree.raise_priority`."""
+        priority = check_priority(priority)
+        self._impl.raise_priority(self._handle(node, "raise_priority"), priority)
+
+    # ------------------------------------------------------ tier membership
+    def set_io_status(self, node: NativeNode, status: IOStatus) -> None:
+        if not isinstance(status, IOStatus):
+            raise TypeError(f"set_io_status: expected an IOStatus, got {type(status).__name__}")
+        self._impl.set_io_status(self._handle(node, "set_io_status"), status.value)
+
+    def attach_device(self, node: NativeNode, device_indices: torch.Tensor) -> None:
+        """Give a host-only node device pages (a load target, or adopted on insert)."""
+        self._impl.attach_device(self._handle(node, "attach_device"), device_indices)
+
+    def detach_device(self, node: NativeNode) -> torch.Tensor:
+        """Drop the device copy of an unlocked node that has a host copy; return its pages."""
+        return self._impl.detach_device(self._handle(node, "detach_device"))
+
+    def attach_host(self, node: NativeNode, host_indices: torch.Tensor) -> None:
+        """Record the host copy of a device node (a backup target)."""
+        self._impl.attach_host(self._handle(node, "attach_host"), host_indices)
+
+    def detach_host(self, node: NativeNode) -> torch.Tensor:
+        """Drop the host copy of a node that stays on the device; return its host pages."""
+        return self._impl.detach_host(self._handle(node, "detach_host"))
+
+    # ------------------------------------------------------------ KV events
+    def enable_events(self) -> None:
+        """Start logging pages entering or leaving a tier; see :meth:`RadixTree.take_events`."""
+        self._impl.enable_events()
+
+    def take_events(self) -> list[tuple]:
+        """Drain the event log; see :meth:`RadixTree.take_events`."""
+        return [tuple(e) for e in self._impl.take_events()]
+
+    def node_hashes(self, node: NativeNode) -> tuple[int | None, list[int]]:
+        """``(parent_hash, page hashes)`` of ``node``'s pages; see :meth:`RadixTree.node_hashes`."""
+        return tuple(self._impl.node_hashes(self._handle(node, "node_hashes")))
+
+    # ------------------------------------------------------------- eviction
+    def evict_device(
+        self, num_tokens: int, backup: Callable[[NativeNode], bool] | None = None
+    ) -> EvictResult:
+        """Give up device pages of at least ``num_tokens`` tokens; see :meth:`RadixTree.evict_device`."""
+        num = min(check_int("num_tokens", num_tokens), _MAX_COUNT)
+        if backup is None:
+            return EvictResult(*self._impl.evict_device(num, None))
+        node = self._node
+        return EvictResult(*self._impl.evict_device(num, lambda h: backup(node(h))))
+
+    def evict_host(self, num_tokens: int, drop_device_resident: bool = True) -> EvictResult:
+        """Give up host pages of at least ``num_tokens`` tokens; see :meth:`RadixTree.evict_host`."""
+        num = min(check_int("num_tokens", num_tokens), _MAX_COUNT)
+        return EvictResult(*self._impl.evict_host(num, bool(drop_device_resident)))
+
+    # -------------------------------------------------------------- queries
+    def device_indices_of(
+        self, node: NativeNode, extra: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Device page ids of the path from the root to ``node``, then ``extra``.
+
+        The binding checks ``extra`` as :meth:`RadixTree.device_indices_of` does.
+        """
+        return self._impl.device_indices_of(
+            node._h
+            if type(node) is NativeNode and node._tree is self
+            else self._handle(node, "device_indices_of"),
+            extra,
+        )
+
+    def path_missing_host(self, node: NativeNode, min_hit_count: int = 0) -> list[NativeNode]:
+        """Nodes on ``node``'s path a backup would copy; see :meth:`RadixTree.path_missing_host`."""
+        min_hit_count = min(check_int("min_hit_count", min_hit_count), _MAX_COUNT)
+        proxy = self._node
+        handles = self._impl.path_missing_host(self._handle(node, "path_missing_host"), min_hit_count)
+        return [proxy(h) for h in handles]
+
+    def host_only_path(self, result: MatchResult) -> list[NativeNode]:
+        """The host-only nodes of a match, root side first."""
+        last = self._handle(result.last_node, "host_only_path")
+        last_device = self._handle(result.last_device_node, "host_only_path")
+        node = self._node
+        return [node(h) for h in self._impl.host_only_path(last, last_device)]
+
+    def path_to(self, node: NativeNode) -> list[NativeNode]:
+        """Non-root nodes from the root down to ``node``."""
+        proxy = self._node
+        return [proxy(h) for h in self._impl.path_to(self._handle(node, "path_to"))]
+
+    def memory_bytes(self) -> int:
+        """Bytes held by the C++ tree: nodes, maps, heaps, token and index storage.
+
+        Each storage is counted once however many nodes share it. Proxy objects
+        (Python) are not included.
+        """
+        return self._impl.memory_bytes()
+
+    # ------------------------------------------------------------ integrity
+    def check_integrity(self) -> None:
+        """Verify every invariant; raise ``AssertionError`` naming the first violation."""
+        problem = self._impl.check_integrity()
+        if problem:
+            raise AssertionError(problem)
+
+
+def make_tree(
+    kind: str,
+    page_size: int,
+    eviction: EvictionPolicy | str = EvictionPolicy.LRU,
+    on_split: Callable | None = None,
+) -> RadixTreeLike:
+    """A radix tree of ``kind``: ``"python"``, ``"native"`` or ``"auto"``.
+
+    ``"auto"`` is native when it builds here, else the Python tree with one
+    ``RuntimeWarning`` per process naming the reason. ``"native"`` raises
+    :class:`NativeBuildError` instead of falling back.
+    """
+    if kind == "python":
+        return RadixTree(page_size, eviction, on_split=on_split)
+    if kind == "native":
+        return NativeRadixTree(page_size, eviction, on_split=on_split)
+    if kind == "auto":
+        result = jit._load()
+        if result.module is None:
+            _warn_fallback(result.reason)
+            return RadixTree(page_size, eviction, on_split=on_split)
+        return NativeRadixTree(page_size, eviction, on_split=on_split)
+    raise ValueError(f"kind: expected 'python', 'native' or 'auto', got {kind!r}")

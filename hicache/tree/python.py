@@ -1,0 +1,1006 @@
+"""Radix tree over page-aligned token ids, with device and host page indices per node.
+
+What it knows: token runs, which device pages and host pages hold each run's
+KV, locks, IO status, access order. What it does not know: KV tensors, streams,
+allocators. It moves index tensors around and tells the caller which pages it
+gave up; the caller (``HiCache``) frees them and runs the transfers.
+
+Layout of one root-to-leaf path (device part first, then host-only part)::
+
+    root ── A ── B ── C ── D
+           |<-- on device -->|<- host only ->|
+    match:  device_len = |A|+|B|,  host_len = |C|+|D|
+
+Conventions:
+
+* Keys are whole pages: a partial last page is never cached. Tokens are kept
+  as the bytes of an int32 array, so an edge compare is one ``startswith``.
+* ``device_indices`` / ``host_indices`` hold one page id per page (int64 CPU
+  tensors), or ``None`` when the node has no copy in that tier.
+* Invariants (checked by :meth:`RadixTree.check_integrity`): device-resident
+  nodes form a connected subtree from the root; every non-root node has a copy
+  somewhere; a locked node is on the device and its parent is locked at least
+  as often; a node with IO in flight has both copies; size counters equal the
+  sums over nodes; no page id is held twice in a tier.
+* Namespaces (tenant, LoRA, cache salt) get separate roots: they never share nodes.
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Callable, Iterator
+from enum import Enum
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from hicache.checks import (
+    check_int,
+    check_namespace,
+    check_page_count,
+    check_page_tensor,
+    check_priority,
+)
+from hicache.config import EvictionPolicy
+from hicache.events import page_hashes
+from hicache.tree.policies import CandidateHeap, priority_fn
+
+TokenLike = list[int] | tuple[int, ...] | np.ndarray | torch.Tensor
+_MAX_TOKEN = 2**31 - 1
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class IOStatus(Enum):
+    NONE = 0
+    LOADING = 1  # host to device copy in flight
+    BACKING_UP = 2  # device to host copy in flight
+
+
+class TreeNode:
+    """One edge of the radix tree: a run of whole pages and where their KV lives."""
+
+    __slots__ = (
+        "id", "key", "parent", "children", "namespace", "device_indices", "host_indices",
+        "lock_ref", "host_lock_ref", "io_status", "hit_count", "last_access", "created",
+        "priority", "_dev_seq", "_host_seq", "_end_hash",
+    )
+
+    def __init__(self, node_id: int, key: bytes, parent: TreeNode | None, namespace: str | None):
+        self.id = node_id
+        self.key = key  # token ids as int32 bytes, a whole number of pages
+        self.parent = parent
+        self.children: dict[bytes, TreeNode] = {}  # keyed by the first page of the child's run
+        self.namespace = namespace
+        self.device_indices: torch.Tensor | None = None  # one device page id per page
+        self.host_indices: torch.Tensor | None = None  # one host page id per page
+        self.lock_ref = 0  # running requests using the device pages of this node
+        self.host_lock_ref = 0  # loads / third-tier writes reading the host pages
+        self.io_status = IOStatus.NONE
+        self.hit_count = 0  # times a match went through this node
+        self.last_access = 0  # tree clock tick of the last match or insert touching it
+        self.created = 0  # tree clock tick of the insert that created it (a split keeps it)
+        self.priority = 0  # largest priority a match or insert gave it (raise_priority)
+        self._dev_seq = 0  # seq of this node's newest device-heap entry
+        self._host_seq = 0  # seq of this node's newest host-heap entry
+        self._end_hash: int | None = None  # chained hash of its last page (events), lazily
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.key) >> 2
+
+    def num_pages(self, page_size: int) -> int:
+        return (len(self.key) >> 2) // page_size
+
+    @property
+    def on_device(self) -> bool:
+        return self.device_indices is not None
+
+    @property
+    def on_host(self) -> bool:
+        return self.host_indices is not None
+
+    def tokens(self) -> np.ndarray:
+        return np.frombuffer(self.key, dtype=np.int32)
+
+    def __repr__(self) -> str:
+        return (
+            f"TreeNode(id={self.id}, tokens={self.num_tokens}, device={self.on_device}, "
+            f"host={self.on_host}, lock={self.lock_ref}, host_lock={self.host_lock_ref}, "
+            f"io={self.io_status.name})"
+        )
+
+
+class MatchResult(NamedTuple):
+    device_len: int  # leading tokens whose KV is on the device
+    host_len: int  # tokens after those whose KV is only in host memory
+    last_device_node: TreeNode  # deepest matched node on the device (a root if none)
+    last_node: TreeNode  # deepest matched node (ends exactly at device_len + host_len)
+
+
+class InsertResult(NamedTuple):
+    num_cached_tokens: int  # leading tokens already on the device: their given pages were not taken
+    last_node: TreeNode  # node ending at the inserted length
+
+
+class EvictResult(NamedTuple):
+    device_indices: torch.Tensor  # pages given up by the tree; the caller frees them
+    num_evicted_tokens: int  # tokens whose device pages were given up now
+    num_backup_tokens: int  # tokens handed to the backup hook instead (freed when it completes)
+
+
+
+
+def _own(indices: torch.Tensor) -> torch.Tensor:
+    """``indices``, or a copy when it is a view into storage more than twice its size.
+
+    Callers hand the tree slices of larger tensors (a request's whole page table,
+    one allocation split across nodes); keeping such a view would keep the whole
+    storage alive for as long as the node lives. Bounded this way, the index
+    storage the tree holds is at most twice the bytes of the page ids it caches.
+    """
+    if indices.untyped_storage().nbytes() > 2 * indices.nbytes:
+        return indices.clone()
+    return indices
+
+
+def token_key(tokens: TokenLike, page_size: int) -> bytes:
+    """The tree key of ``tokens``: int32 bytes of their whole pages (partial page dropped).
+
+    Accepts a list/tuple of ints, an integer numpy array or an integer torch tensor.
+    Raises ``TypeError`` for non-integer tokens and ``ValueError`` for ids outside
+    ``[0, 2**31)``.
+    """
+    if isinstance(tokens, torch.Tensor):
+        if tokens.device.type == "meta":
+            raise ValueError("tokens: expected a tensor with data (CPU or CUDA), got device meta")
+        if tokens.dtype not in (torch.int32, torch.int64, torch.int16, torch.uint8):
+            raise TypeError(f"tokens: expected an integer tensor, got dtype {tokens.dtype}")
+        tokens = tokens.detach().cpu().numpy()
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1:
+            raise ValueError(f"tokens: expected a 1-D sequence, got shape {tokens.shape}")
+        if tokens.dtype.kind not in "iu":
+            raise TypeError(f"tokens: expected integer token ids, got dtype {tokens.dtype}")
+        n = len(tokens) // page_size * page_size
+        # Every id is checked, the trailing partial page's too (it is not cached, but
+        # a bad id there is the same caller mistake).
+        if tokens.dtype == np.int32:
+            # Every int32 id but a negative one is valid: OR them and test the sign bit.
+            if len(tokens) and np.bitwise_or.reduce(tokens) < 0:
+                raise ValueError(f"tokens: expected ids in [0, {_MAX_TOKEN}], got {tokens.min()}")
+            return tokens[:n].tobytes()
+        if len(tokens) and (tokens.min() < 0 or tokens.max() > _MAX_TOKEN):
+            raise ValueError(
+                f"tokens: expected ids in [0, {_MAX_TOKEN}], got range "
+                f"[{tokens.min()}, {tokens.max()}]"
+            )
+        return tokens[:n].astype(np.int32).tobytes()
+    if not isinstance(tokens, list | tuple):
+        raise TypeError(
+            f"tokens: expected list, tuple, numpy array or torch tensor, got {type(tokens).__name__}"
+        )
+    n = len(tokens) // page_size * page_size
+    try:  # every id, the trailing partial page's too
+        arr = array.array("i", tokens)
+    except TypeError as exc:
+        raise TypeError(f"tokens: expected integer token ids ({exc})") from None
+    except OverflowError:
+        raise ValueError(f"tokens: expected ids in [0, {_MAX_TOKEN}]") from None
+    if arr and min(arr) < 0:
+        raise ValueError(f"tokens: expected ids >= 0, got {min(arr)}")
+    if n != len(arr):
+        del arr[n:]
+    return arr.tobytes()
+
+
+class RadixTree:
+    """Radix tree with device and host indices per node (see the module docstring).
+
+    ``on_split(prefix, suffix)`` is called whenever a node is split: ``suffix``
+    is the original node object (it keeps children, heap entries and identity),
+    ``prefix`` the new parent holding the first part. Owners that track nodes
+    with IO in flight use it to track the new node too.
+    """
+
+    def __init__(
+        self,
+        page_size: int,
+        eviction: EvictionPolicy | str = EvictionPolicy.LRU,
+        on_split: Callable[[TreeNode, TreeNode], None] | None = None,
+    ) -> None:
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+            raise ValueError(f"page_size: expected a positive int, got {page_size!r}")
+        self.page_size = page_size
+        self._page_nbytes = 4 * page_size  # bytes of one page of the key
+        self.on_split = on_split
+        self._roots: dict[str | None, TreeNode] = {}
+        self._next_id = 1
+        self._clock = 0
+        self.num_nodes = 0  # non-root nodes
+        self.device_evictable_tokens = 0  # on device, lock_ref == 0
+        self.device_protected_tokens = 0  # on device, lock_ref > 0
+        self.host_evictable_tokens = 0  # on host, host_lock_ref == 0
+        self.host_protected_tokens = 0  # on host, host_lock_ref > 0
+        self.eviction = EvictionPolicy(eviction)
+        prio = priority_fn(self.eviction)
+        self._device_heap = CandidateHeap(prio, "_dev_seq")
+        self._host_heap = CandidateHeap(prio, "_host_seq")
+        # KV event log (hicache/events.py), None while off: raw entries
+        # (stored, tier, namespace, parent hash, page hashes, num_tokens).
+        self._events: list[tuple] | None = None
+
+    # ----------------------------------------------------------------- basics
+    def root(self, namespace: str | None = None) -> TreeNode:
+        """The root of a namespace (created on first use). Roots hold no tokens."""
+        try:
+            root = self._roots.get(namespace)
+        except TypeError:  # unhashable: say what a namespace must be
+            check_namespace(namespace)
+            raise
+        if root is None:
+            check_namespace(namespace)
+            root = TreeNode(0, b"", None, namespace)
+            root.device_indices = _EMPTY
+            root.host_indices = _EMPTY
+            root.lock_ref = 1  # roots are never evicted
+            self._roots[namespace] = root
+        return root
+
+    @property
+    def device_tokens(self) -> int:
+        return self.device_evictable_tokens + self.device_protected_tokens
+
+    @property
+    def host_tokens(self) -> int:
+        return self.host_evictable_tokens + self.host_protected_tokens
+
+    def nodes(self) -> Iterator[TreeNode]:
+        """All non-root nodes, parents before children."""
+        stack = [c for r in self._roots.values() for c in r.children.values()]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def _new_node(self, key: bytes, parent: TreeNode) -> TreeNode:
+        node = TreeNode(self._next_id, key, parent, parent.namespace)
+        node.created = self._clock
+        self._next_id += 1
+        self.num_nodes += 1
+        parent.children[key[: self._page_nbytes]] = node
+        return node
+
+    # ------------------------------------------------------------ match/split
+    def match_prefix(self, tokens: TokenLike, namespace: str | None = None) -> MatchResult:
+        """Longest cached prefix of ``tokens`` (whole pages only).
+
+        Splits a node when the match ends inside it (index slicing, no KV copy),
+        so ``last_node`` ends exactly at the matched length. Counts a hit and
+        refreshes the access time of every matched node. Takes no locks.
+        """
+        return self.match_key(token_key(tokens, self.page_size), namespace)
+
+    def match_key(self, key: bytes, namespace: str | None = None) -> MatchResult:
+        """:meth:`match_prefix` for a key already made by :func:`token_key`."""
+        node = self.root(namespace)
+        self._clock += 1
+        clock = self._clock
+        off, n = 0, len(key)
+        device_len = host_len = 0
+        last_device = node
+        while off < n:
+            child = self._descend(node, key, off)
+            if child is None:
+                break
+            node = child
+            ck = node.key
+            off += len(ck)
+            node.hit_count += 1
+            node.last_access = clock
+            if node.device_indices is not None:
+                device_len += len(ck)
+                last_device = node
+            else:
+                host_len += len(ck)
+        # Only these two can be candidates: every other matched node has a
+        # device child on the path, and children (so it is no host leaf).
+        self._refresh(last_device)
+        if node is not last_device:
+            self._refresh(node)
+        return MatchResult(device_len >> 2, host_len >> 2, last_device, node)
+
+    def _descend(self, node: TreeNode, key: bytes, off: int) -> TreeNode | None:
+        """The child of ``node`` that ``key[off:]`` enters, split to end inside the key."""
+        child = node.children.get(key[off : off + self._page_nbytes])
+        if child is not None and not key.startswith(child.key, off):
+            child = self._split(child, self._common_pages(child.key, key, off))
+        return child
+
+    def probe_key(self, key: bytes, namespace: str | None = None) -> int:
+        """Tokens of ``key`` cached in any tier, like :meth:`match_key` but read-only.
+
+        No split, no hit counted, no access time changed.
+        """
+        return self._probe(key, namespace, None)
+
+    def probe_path(self, key: bytes, namespace: str | None = None) -> list[TreeNode]:
+        """The nodes holding the cached prefix of ``key`` (:meth:`probe_key`), root side first.
+
+        Read-only like :meth:`probe_key`; the last node may hold more than ``key``.
+        """
+        nodes: list[TreeNode] = []
+        self._probe(key, namespace, nodes)
+        return nodes
+
+    def _probe(self, key: bytes, namespace: str | None, path: list[TreeNode] | None) -> int:
+        node = self._roots.get(namespace)
+        pnb = self._page_nbytes
+        off, n = 0, len(key)
+        while node is not None and off < n:
+            child = node.children.get(key[off : off + pnb])
+            if child is None:
+                break
+            if path is not None:
+                path.append(child)
+            ck = child.key
+            if not key.startswith(ck, off):
+                return (off + self._common_pages(ck, key, off) * pnb) >> 2
+            off += len(ck)
+            node = child
+        return off >> 2
+
+    def _common_pages(self, ck: bytes, key: bytes, off: int) -> int:
+        """Whole pages shared by ``ck`` and ``key[off:]``; at least one, fewer than all of ck."""
+        pnb = self._page_nbytes
+        lo, hi = 1, min(len(ck), len(key) - off) // pnb
+        while lo < hi:  # largest m with ck[:m pages] == key[off: off + m pages]
+            mid = (lo + hi + 1) // 2
+            if key.startswith(ck[: mid * pnb], off):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _split(self, node: TreeNode, num_pages: int) -> TreeNode:
+        """Split ``node`` after ``num_pages`` pages; return the new prefix node (its parent)."""
+        assert 0 < num_pages < len(node.key) // self._page_nbytes, "split point outside the node"
+        cut = num_pages * self._page_nbytes
+        parent = node.parent
+        prefix = TreeNode(self._next_id, node.key[:cut], parent, node.namespace)
+        self._next_id += 1
+        self.num_nodes += 1
+        parent.children[node.key[: self._page_nbytes]] = prefix
+        node.key = node.key[cut:]
+        node.parent = prefix
+        prefix.children[node.key[: self._page_nbytes]] = node
+        if node.device_indices is not None:
+            prefix.device_indices = _own(node.device_indices[:num_pages])
+            node.device_indices = _own(node.device_indices[num_pages:])
+        if node.host_indices is not None:
+            prefix.host_indices = _own(node.host_indices[:num_pages])
+            node.host_indices = _own(node.host_indices[num_pages:])
+        prefix.lock_ref = node.lock_ref
+        prefix.host_lock_ref = node.host_lock_ref
+        prefix.io_status = node.io_status
+        prefix.hit_count = node.hit_count
+        prefix.last_access = node.last_access
+        prefix.created = node.created
+        prefix.priority = node.priority
+        if self.on_split is not None:
+            self.on_split(prefix, node)
+        return prefix
+
+    # ----------------------------------------------------------------- insert
+    def insert(
+        self, tokens: TokenLike, device_indices: torch.Tensor, namespace: str | None = None
+    ) -> InsertResult:
+        """Cache ``tokens`` (whole pages) whose KV sits in ``device_indices`` (one id per page).
+
+        Pages of the first ``num_cached_tokens`` tokens were already on the device
+        and are not taken: the caller frees the ones it allocated itself. Host-only
+        nodes on the path adopt the given pages (they are on the device again).
+        """
+        return self.insert_key(token_key(tokens, self.page_size), device_indices, namespace)
+
+    def insert_key(
+        self, key: bytes, device_indices: torch.Tensor, namespace: str | None = None
+    ) -> InsertResult:
+        """:meth:`insert` for a key already made by :func:`token_key`."""
+        check_page_count("device_indices", device_indices, len(key) // self._page_nbytes)
+        return self._insert_key(key, device_indices, namespace)
+
+    def _insert_key(
+        self, key: bytes, device_indices: torch.Tensor, namespace: str | None
+    ) -> InsertResult:
+        node = self.root(namespace)
+        self._clock += 1
+        clock = self._clock
+        pnb = self._page_nbytes
+        off, n = 0, len(key)
+        num_cached = 0
+        while off < n:
+            child = self._descend(node, key, off)
+            if child is None:
+                break
+            node = child
+            ck = node.key
+            node.last_access = clock
+            if node.device_indices is None:  # host-only: adopt the caller's pages
+                p = off // pnb
+                self.attach_device(node, device_indices[p : p + len(ck) // pnb])
+            elif num_cached == off:
+                num_cached += len(ck)
+            off += len(ck)
+        if off < n:
+            node = self._new_node(key[off:], node)
+            node.device_indices = _own(device_indices[off // pnb :])
+            node.last_access = clock
+            self.device_evictable_tokens += node.num_tokens
+            if self._events is not None:
+                self._log(True, "device", node)
+        self._refresh(node)  # the only node on the path that can be a candidate
+        self._maybe_compact()
+        return InsertResult(num_cached >> 2, node)
+
+    def insert_host(
+        self, tokens: TokenLike, host_indices: torch.Tensor, namespace: str | None = None
+    ) -> InsertResult:
+        """Cache ``tokens`` whose KV sits only in host pages (e.g. fetched from a third tier).
+
+        Pages of the first ``num_cached_tokens`` tokens were already cached (in either
+        tier) and are not taken: the caller frees them. The rest become a host-only leaf.
+        """
+        key = token_key(tokens, self.page_size)
+        num_pages = len(key) // self._page_nbytes
+        check_page_count("host_indices", host_indices, num_pages)
+        node = last_device = self.root(namespace)
+        self._clock += 1
+        pnb = self._page_nbytes
+        off, n = 0, len(key)
+        while off < n:
+            child = self._descend(node, key, off)
+            if child is None:
+                break
+            node = child
+            ck = node.key
+            node.last_access = self._clock
+            if node.device_indices is not None:
+                last_device = node
+            off += len(ck)
+        num_cached = off
+        if off < n:
+            node = self._new_node(key[off:], node)
+            node.host_indices = _own(host_indices[off // pnb :])
+            node.last_access = self._clock
+            self.host_evictable_tokens += node.num_tokens
+            if self._events is not None:
+                self._log(True, "host", node)
+        # As in match: only the deepest device node and the last node can be candidates.
+        self._refresh(last_device)
+        if node is not last_device:
+            self._refresh(node)
+        self._maybe_compact()
+        return InsertResult(num_cached >> 2, node)
+
+    # ------------------------------------------------------------------ locks
+    def lock(self, node: TreeNode) -> None:
+        """Protect ``node`` and its ancestors from device eviction (one reference each)."""
+        if node.device_indices is None:
+            raise ValueError(f"lock: expected a device-resident node, got {node}")
+        self._check_live(node, "lock")
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                self.device_evictable_tokens -= node.num_tokens
+                self.device_protected_tokens += node.num_tokens
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        """Drop one reference taken by :meth:`lock` on ``node``'s path."""
+        self._check_live(node, "unlock")
+        walk = node
+        while walk.parent is not None:
+            if walk.lock_ref <= 0:
+                raise ValueError(f"unlock: node {walk.id} on the path is not locked")
+            walk = walk.parent
+        deepest = node
+        while node.parent is not None:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                num = len(node.key) >> 2
+                self.device_protected_tokens -= num
+                self.device_evictable_tokens += num
+            node = node.parent
+        # Ancestors have a device child on the path: only the deepest can be a candidate.
+        self._refresh(deepest)
+
+    def host_lock(self, node: TreeNode) -> None:
+        """Protect the host copy of ``node`` (a load or a third-tier write reads it)."""
+        if node.host_indices is None or node.parent is None:
+            raise ValueError(f"host_lock: expected a non-root node with a host copy, got {node}")
+        self._check_live(node, "host_lock")
+        if node.host_lock_ref == 0:
+            self.host_evictable_tokens -= node.num_tokens
+            self.host_protected_tokens += node.num_tokens
+        node.host_lock_ref += 1
+
+    def host_unlock(self, node: TreeNode) -> None:
+        if node.host_lock_ref <= 0:
+            raise ValueError(f"host_unlock: node {node.id} is not host-locked")
+        node.host_lock_ref -= 1
+        if node.host_lock_ref == 0:
+            self.host_protected_tokens -= node.num_tokens
+            self.host_evictable_tokens += node.num_tokens
+            self._refresh(node)
+
+    def raise_priority(self, node: TreeNode, priority: int) -> None:
+        """Raise the priority of ``node`` and its ancestors to at least ``priority``.
+
+        A node's priority only grows: a prefix shared by requests of different
+        priorities keeps the highest. It orders eviction only under the
+        ``priority`` policy (lowest first, least recent among equals).
+        """
+        priority = check_priority(priority)
+        self._check_live(node, "raise_priority")
+        refresh = self.eviction is EvictionPolicy.PRIORITY
+        while node.parent is not None:
+            if node.priority < priority:
+                node.priority = priority
+                if refresh:  # its heap entry's key changed
+                    self._refresh(node)
+            node = node.parent
+
+    def _check_live(self, node: TreeNode, op: str) -> None:
+        if not isinstance(node, TreeNode):
+            raise TypeError(f"{op}: expected a TreeNode, got {type(node).__name__}")
+        if node.parent is None:
+            if self._roots.get(node.namespace) is not node:
+                raise ValueError(f"{op}: node {node.id} is not a root of this tree")
+        elif node.parent.children.get(node.key[: self._page_nbytes]) is not node:
+            raise ValueError(f"{op}: node {node.id} is no longer in the tree (stale)")
+
+    # ------------------------------------------------------- tier membership
+    def set_io_status(self, node: TreeNode, status: IOStatus) -> None:
+        if status is not IOStatus.NONE and (node.device_indices is None or node.host_indices is None):
+            raise ValueError(f"set_io_status: IO in flight needs both copies, got {node}")
+        node.io_status = status
+        if status is IOStatus.NONE:
+            self._refresh(node)
+
+    def attach_device(self, node: TreeNode, device_indices: torch.Tensor) -> None:
+        """Give a host-only node device pages (a load target, or adopted on insert)."""
+        if node.device_indices is not None or node.parent is None:
+            raise ValueError(f"attach_device: expected a host-only node, got {node}")
+        if node.parent.device_indices is None:
+            raise ValueError("attach_device: the parent must be on the device first")
+        num_pages = len(node.key) // self._page_nbytes
+        if device_indices.shape[0] != num_pages:
+            raise ValueError(
+                f"attach_device: expected {num_pages} pages, got {device_indices.shape[0]}"
+            )
+        node.device_indices = _own(device_indices)
+        self.device_evictable_tokens += node.num_tokens
+        if self._events is not None:
+            self._log(True, "device", node)
+        self._refresh(node)
+
+    def detach_device(self, node: TreeNode) -> torch.Tensor:
+        """Drop the device copy of an unlocked node that has a host copy; return its pages."""
+        if node.device_indices is None or node.host_indices is None or node.lock_ref:
+            raise ValueError(f"detach_device: expected an unlocked node on both tiers, got {node}")
+        if any(c.device_indices is not None for c in node.children.values()):
+            raise ValueError("detach_device: a child is still on the device")
+        if self._events is not None:
+            self._log(False, "device", node)
+        pages = node.device_indices
+        node.device_indices = None
+        node.io_status = IOStatus.NONE
+        self.device_evictable_tokens -= node.num_tokens
+        self._refresh(node)
+        self._refresh(node.parent)
+        return pages
+
+    def attach_host(self, node: TreeNode, host_indices: torch.Tensor) -> None:
+        """Record the host copy of a device node (a backup target)."""
+        if node.device_indices is None or node.host_indices is not None or node.parent is None:
+            raise ValueError(f"attach_host: expected a device-only node, got {node}")
+        num_pages = len(node.key) // self._page_nbytes
+        if host_indices.shape[0] != num_pages:
+            raise ValueError(f"attach_host: expected {num_pages} pages, got {host_indices.shape[0]}")
+        node.host_indices = _own(host_indices)
+        self.host_evictable_tokens += node.num_tokens
+        if self._events is not None:
+            self._log(True, "host", node)
+        self._refresh(node)
+
+    def detach_host(self, node: TreeNode) -> torch.Tensor:
+        """Drop the host copy of a node that stays on the device; return its host pages."""
+        if node.host_indices is None or node.device_indices is None or node.host_lock_ref:
+            raise ValueError(f"detach_host: expected a node on both tiers, host-unlocked, got {node}")
+        if self._events is not None:
+            self._log(False, "host", node)
+        pages = node.host_indices
+        node.host_indices = None
+        node.io_status = IOStatus.NONE
+        self.host_evictable_tokens -= node.num_tokens
+        self._refresh(node)
+        return pages
+
+    def _merge_host_chain(self, node: TreeNode) -> None:
+        """Absorb ``node``'s only child when both are idle and host-only.
+
+        Leaf-first eviction turns a chain (one node per turn of a conversation)
+        into host-only nodes one by one; merging them keeps a reload of the chain
+        one node instead of dozens. Nothing references an idle host-only node
+        (no lock, no pin, no IO), so the absorbed child just goes stale.
+        """
+        if (
+            node.device_indices is not None
+            or node.host_lock_ref
+            or node.io_status is not IOStatus.NONE
+            or len(node.children) != 1
+        ):
+            return
+        (child,) = node.children.values()
+        if (
+            child.device_indices is not None
+            or child.host_lock_ref
+            or child.io_status is not IOStatus.NONE
+        ):
+            return
+        node.key += child.key
+        node._end_hash = child._end_hash  # node now ends where child ended
+        node.host_indices = torch.cat((node.host_indices, child.host_indices))
+        node.children = child.children
+        for grandchild in node.children.values():
+            grandchild.parent = node
+        node.hit_count = max(node.hit_count, child.hit_count)
+        node.last_access = max(node.last_access, child.last_access)
+        node.created = min(node.created, child.created)
+        node.priority = max(node.priority, child.priority)
+        child.parent = None
+        child.children = {}
+        self.num_nodes -= 1
+
+    def _remove(self, node: TreeNode) -> None:
+        parent = node.parent
+        del parent.children[node.key[: self._page_nbytes]]
+        node.parent = None
+        self.num_nodes -= 1
+        self._refresh(parent)
+
+    # ------------------------------------------------------------- KV events
+    def enable_events(self) -> None:
+        """Start logging every node's pages entering or leaving a tier (see take_events)."""
+        if self._events is None:
+            self._events = []
+
+    def take_events(self) -> list[tuple]:
+        """Drain the log: ``(stored, tier, namespace, parent_hash, hashes, num_tokens)`` each.
+
+        ``stored`` is True when the pages entered ``tier`` ("device" or "host"),
+        False when they left it; ``hashes`` are their chained page hashes
+        (:func:`hicache.events.page_hashes`), ``parent_hash`` the hash of the page
+        before them (None at the root). Empty while logging is off.
+        """
+        events = self._events
+        if not events:
+            return []
+        self._events = []
+        return events
+
+    def node_hashes(self, node: TreeNode) -> tuple[int | None, list[int]]:
+        """``(parent_hash, page hashes)`` of ``node``'s pages (parent None at the root)."""
+        self._check_live(node, "node_hashes")
+        if node.parent is None:
+            raise ValueError("node_hashes: expected a non-root node, got a root (it holds no pages)")
+        return self._hashes(node)
+
+    def _end_hash_of(self, node: TreeNode) -> int | None:
+        """Chained hash of ``node``'s last page (None for a root); cached on the node.
+
+        A node's end never moves (a split makes a new prefix node; a merge takes the
+        child's end), so the cache needs no invalidation beyond those two.
+        """
+        if node.parent is None:
+            return None
+        if node._end_hash is None:
+            node._end_hash = self._hashes(node)[1][-1]
+        return node._end_hash
+
+    def _hashes(self, node: TreeNode) -> tuple[int | None, list[int]]:
+        chain = []
+        walk = node.parent
+        while walk.parent is not None and walk._end_hash is None:  # iterative: deep paths
+            chain.append(walk)
+            walk = walk.parent
+        prev = walk._end_hash if walk.parent is not None else None
+        for n in reversed(chain):
+            n._end_hash = page_hashes(n.key, self.page_size, prev or 0)[-1]
+            prev = n._end_hash
+        hashes = page_hashes(node.key, self.page_size, prev or 0)
+        node._end_hash = hashes[-1]
+        return prev, hashes
+
+    def _log(self, stored: bool, tier: str, node: TreeNode) -> None:
+        if node.parent is None:  # a root holds no pages
+            return
+        parent, hashes = self._hashes(node)
+        self._events.append((stored, tier, node.namespace, parent, hashes, node.num_tokens))
+
+    # --------------------------------------------------------------- eviction
+    def _device_rank(self, node: TreeNode) -> int | None:
+        """0 if ``node`` may give up its device pages now (a device leaf, idle), else None."""
+        if (
+            node.device_indices is None
+            or node.lock_ref
+            or node.io_status is not IOStatus.NONE
+            or node.parent is None
+        ):
+            return None
+        for c in node.children.values():
+            if c.device_indices is not None:
+                return None
+        return 0
+
+    def _host_rank(self, node: TreeNode) -> int | None:
+        """0: host-only leaf; 1: leaf also on the device (drop only its host copy); else None."""
+        if (
+            node.host_indices is None
+            or node.host_lock_ref
+            or node.io_status is not IOStatus.NONE
+            or node.children
+            or node.parent is None
+        ):
+            return None
+        return 1 if node.device_indices is not None else 0
+
+    def _refresh(self, node: TreeNode) -> None:
+        """Give ``node`` a current heap entry in each tier where it is a candidate.
+
+        Inlines :meth:`_device_rank` and :meth:`_host_rank`: this runs on every
+        state change, and the early exits keep it cheap.
+        """
+        if node.io_status is not IOStatus.NONE or node.parent is None:
+            return
+        children = node.children
+        if node.device_indices is not None and not node.lock_ref:
+            for c in children.values():
+                if c.device_indices is not None:
+                    break
+            else:
+                self._device_heap.push(node, 0)
+        if node.host_indices is not None and not node.host_lock_ref and not children:
+            self._host_heap.push(node, 1 if node.device_indices is not None else 0)
+
+    def _maybe_compact(self) -> None:
+        """Rebuild the heaps once stale entries outnumber live nodes by far."""
+        limit = 4 * self.num_nodes + 1024
+        if len(self._device_heap) > limit or len(self._host_heap) > limit:
+            self._compact()
+
+    def _compact(self) -> None:
+        nodes = list(self.nodes())
+        self._device_heap.rebuild((n, r) for n in nodes if (r := self._device_rank(n)) is not None)
+        self._host_heap.rebuild((n, r) for n in nodes if (r := self._host_rank(n)) is not None)
+
+    def evict_device(
+        self,
+        num_tokens: int,
+        backup: Callable[[TreeNode], bool] | None = None,
+    ) -> EvictResult:
+        """Give up device pages of at least ``num_tokens`` tokens (rounded up to pages) if possible.
+
+        Unlocked device leaves go in eviction-policy order; nodes with IO in flight
+        are skipped. A node with a host copy becomes host-only; a node without one
+        is removed if it has no children, else it is offered to ``backup`` (write-back:
+        the hook starts a backup and returns True; its pages are freed when the
+        backup completes) and skipped if there is no hook or it declines. A leaf
+        larger than what is still needed is split, and only its tail is evicted.
+        """
+        need = -(-check_int("num_tokens", num_tokens) // self.page_size)
+        freed: list[torch.Tensor] = []
+        num_freed = num_backup = 0
+        skipped: list[TreeNode] = []
+        while need > 0:
+            node = self._device_heap.pop(self._device_rank)
+            if node is None:
+                break
+            if node.host_indices is None and node.children and backup is None:
+                skipped.append(node)
+                continue
+            num_pages = len(node.key) // self._page_nbytes
+            if num_pages > need:
+                self._split(node, num_pages - need)
+                num_pages = need
+            if node.host_indices is not None:
+                if self._events is not None:
+                    self._log(False, "device", node)
+                freed.append(node.device_indices)
+                node.device_indices = None
+                self.device_evictable_tokens -= node.num_tokens
+                num_freed += node.num_tokens
+                self._merge_host_chain(node)
+                self._refresh(node)
+                self._refresh(node.parent)
+            elif backup is not None and backup(node):
+                num_backup += node.num_tokens
+            elif not node.children:
+                if self._events is not None:
+                    self._log(False, "device", node)
+                freed.append(node.device_indices)
+                self.device_evictable_tokens -= node.num_tokens
+                num_freed += node.num_tokens
+                node.device_indices = None
+                self._remove(node)
+            else:
+                skipped.append(node)
+                continue
+            need -= num_pages
+        for node in skipped:
+            self._device_heap.push(node)
+        self._maybe_compact()
+        pages = torch.cat(freed) if len(freed) > 1 else (freed[0] if freed else _EMPTY)
+        return EvictResult(pages, num_freed, num_backup)
+
+    def evict_host(self, num_tokens: int, drop_device_resident: bool = True) -> EvictResult:
+        """Give up host pages of at least ``num_tokens`` tokens if possible; return them.
+
+        Host-only leaves go first (removed from the tree), in eviction-policy order;
+        then, if ``drop_device_resident``, leaves also on the device lose their host
+        copy. Host-locked nodes and nodes with IO in flight are skipped.
+        """
+        need = -(-check_int("num_tokens", num_tokens) // self.page_size)
+        freed: list[torch.Tensor] = []
+        num_freed = 0
+        while need > 0:
+            node = self._host_heap.pop(self._host_rank)
+            if node is None:
+                break
+            if node.device_indices is not None and not drop_device_resident:
+                self._host_heap.push(node, 1)
+                break
+            num_pages = len(node.key) // self._page_nbytes
+            if num_pages > need:
+                self._split(node, num_pages - need)
+                num_pages = need
+            if self._events is not None:
+                self._log(False, "host", node)
+            freed.append(node.host_indices)
+            node.host_indices = None
+            self.host_evictable_tokens -= node.num_tokens
+            num_freed += node.num_tokens
+            if node.device_indices is None:
+                self._remove(node)
+            else:
+                self._refresh(node)
+            need -= num_pages
+        pages = torch.cat(freed) if len(freed) > 1 else (freed[0] if freed else _EMPTY)
+        return EvictResult(pages, num_freed, 0)
+
+    # ---------------------------------------------------------------- queries
+    def device_indices_of(self, node: TreeNode, extra: torch.Tensor | None = None) -> torch.Tensor:
+        """Device page ids of the path from the root to ``node`` (all on the device).
+
+        With ``extra`` (1-D int64 CPU page ids) the result continues with them: a
+        request's page table is ``device_indices_of(prefix_node, new_pages)``.
+        """
+        parts = [] if extra is None else [check_page_tensor("extra", extra)]
+        while node.parent is not None:
+            if node.device_indices is None:
+                raise ValueError(f"device_indices_of: node {node.id} is not on the device")
+            parts.append(node.device_indices)
+            node = node.parent
+        if not parts:
+            return _EMPTY
+        parts.reverse()
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def path_missing_host(self, node: TreeNode, min_hit_count: int = 0) -> list[TreeNode]:
+        """Nodes from the root down to ``node`` that a backup would copy, root side first.
+
+        Those on the device without a host copy, with no IO in flight and at
+        least ``min_hit_count`` hits (the selective write policy's threshold).
+        """
+        min_hit_count = check_int("min_hit_count", min_hit_count)
+        self._check_live(node, "path_missing_host")
+        nodes = []
+        while node.parent is not None:
+            if (
+                node.host_indices is None
+                and node.device_indices is not None
+                and node.io_status is IOStatus.NONE
+                and node.hit_count >= min_hit_count
+            ):
+                nodes.append(node)
+            node = node.parent
+        nodes.reverse()
+        return nodes
+
+    def host_only_path(self, result: MatchResult) -> list[TreeNode]:
+        """The host-only nodes of a match, root side first."""
+        nodes = []
+        node = result.last_node
+        while node is not result.last_device_node:
+            nodes.append(node)
+            node = node.parent
+        nodes.reverse()
+        return nodes
+
+    def path_to(self, node: TreeNode) -> list[TreeNode]:
+        """Non-root nodes from the root down to ``node``."""
+        nodes = []
+        while node.parent is not None:
+            nodes.append(node)
+            node = node.parent
+        nodes.reverse()
+        return nodes
+
+    # -------------------------------------------------------------- integrity
+    def check_integrity(self) -> None:
+        """Verify every invariant; raise ``AssertionError`` naming the first violation."""
+        pnb = self._page_nbytes
+        sums = {"dev_ev": 0, "dev_pr": 0, "host_ev": 0, "host_pr": 0}
+        dev_pages: list[torch.Tensor] = []
+        host_pages: list[torch.Tensor] = []
+        dev_live = self._device_heap.live_priorities()
+        host_live = self._host_heap.live_priorities()
+        count = 0
+        for ns, root in self._roots.items():
+            assert root.namespace == ns and root.parent is None and root.lock_ref == 1, (
+                f"root of namespace {ns!r} corrupted"
+            )
+        for node in self.nodes():
+            count += 1
+            where = f"node {node.id} ({node.namespace!r})"
+            parent = node.parent
+            assert len(node.key) > 0 and len(node.key) % pnb == 0, f"{where}: key not whole pages"
+            assert parent.children.get(node.key[:pnb]) is node, f"{where}: not keyed by first page"
+            assert node.namespace == parent.namespace, f"{where}: namespace differs from parent"
+            num_pages = len(node.key) // pnb
+            for name in ("device_indices", "host_indices"):
+                idx = getattr(node, name)
+                if idx is not None:
+                    assert idx.dtype == torch.int64 and idx.dim() == 1, f"{where}: {name} not int64"
+                    assert len(idx) == num_pages, (
+                        f"{where}: {name} has {len(idx)} entries for {num_pages} pages"
+                    )
+            assert node.on_device or node.on_host, f"{where}: no copy in any tier"
+            if node.on_device:
+                assert parent.on_device, f"{where}: on the device but its parent is not"
+                dev_pages.append(node.device_indices)
+                sums["dev_pr" if node.lock_ref else "dev_ev"] += node.num_tokens
+            if node.on_host:
+                host_pages.append(node.host_indices)
+                sums["host_pr" if node.host_lock_ref else "host_ev"] += node.num_tokens
+            assert node.lock_ref >= 0 and node.host_lock_ref >= 0, f"{where}: negative lock"
+            assert node.lock_ref == 0 or node.on_device, f"{where}: locked but not on the device"
+            if parent.parent is not None:
+                assert parent.lock_ref >= node.lock_ref, f"{where}: locked more than its parent"
+            if node.io_status is not IOStatus.NONE:
+                assert node.on_device and node.on_host, f"{where}: IO in flight without both copies"
+            for heap, live, rank_fn, tier in (
+                (self._device_heap, dev_live, self._device_rank, "device"),
+                (self._host_heap, host_live, self._host_rank, "host"),
+            ):
+                rank = rank_fn(node)
+                seq = node._dev_seq if tier == "device" else node._host_seq
+                if rank is not None:
+                    assert live.get(seq) == heap.expected_priority(node, rank), (
+                        f"{where}: {tier} eviction candidate without a current heap entry"
+                    )
+        assert count == self.num_nodes, f"num_nodes is {self.num_nodes}, tree has {count}"
+        for name, key in (
+            ("device_evictable_tokens", "dev_ev"),
+            ("device_protected_tokens", "dev_pr"),
+            ("host_evictable_tokens", "host_ev"),
+            ("host_protected_tokens", "host_pr"),
+        ):
+            assert getattr(self, name) == sums[key], (
+                f"{name} is {getattr(self, name)}, nodes sum to {sums[key]}"
+            )
+        for tier, pages in (("device", dev_pages), ("host", host_pages)):
+            if pages:
+                allp = torch.cat(pages)
+                assert len(torch.unique(allp)) == len(allp), f"a {tier} page is held twice"
