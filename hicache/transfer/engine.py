@@ -1,8 +1,8 @@
 """Asynchronous page transfers between the device pool and the host pool.
 
 ``load`` copies host pages to device pages layer by layer; ``backup`` copies device
-pages to host pages, all layers. Both return a :class:`~hicache.transfer.base.Transfer` at once.
-The cache learns about completions only by calling :meth:`TransferEngine.poll`
+pages to host pages, all layers. Both return a :class:`~hicache.transfer.base.Transfer`
+at once. The cache learns about completions only by calling :meth:`TransferEngine.poll`
 from its own thread: worker threads never call back into cache code, so the cache
 needs no locks. Until ``poll`` has reported a transfer, its source and destination
 pages must stay allocated (the caller's IO locks), and the transfer keeps its page
