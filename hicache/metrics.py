@@ -41,7 +41,7 @@ except ImportError as exc:  # the optional extra is not installed
 from hicache.cache import HiCache
 
 if TYPE_CHECKING:
-    from hicache.transfer import TransferHandle
+    from hicache.transfer import Transfer
 
 _log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class CacheMetrics:
                 raise ValueError(f"name: a cache named {name!r} is tracked already")
             self._caches[name] = cache
 
-        def observe(handle: TransferHandle, name: str = name) -> None:
+        def observe(handle: Transfer, name: str = name) -> None:
             if handle.error is None:
                 direction = handle.kind.value
                 self.transfer_seconds.labels(name, direction).observe(handle.seconds or 0.0)

@@ -217,7 +217,7 @@ def test_env_none_clears_an_optional_field():
 
 def test_a_cuda_device_pool_is_checked_against_free_device_memory(monkeypatch):
     """Without a GPU here: torch's CUDA queries are stood in for (1 GiB free of cuda:0)."""
-    from hicache.memory import pool
+    from hicache.memory import pools as pool
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -1,13 +1,17 @@
 from __future__ import annotations
 
 import collections
+import shutil
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from hicache.checks import check_page_ids
 from hicache.config import KVConfig
 from hicache.memory import DevicePool, HostPool, PageCopier, load_native_copier
+from hicache.memory import copier as copier_module
 
 NATIVE_MODES = [
     pytest.param(True, marks=pytest.mark.skipif(load_native_copier() is None, reason="no C compiler")),
@@ -115,7 +119,7 @@ def test_host_pool_page_bytes_round_trip():
 
 
 def test_host_pool_refuses_more_than_available(monkeypatch):
-    import hicache.memory.pool as pool_module
+    import hicache.memory.pools as pool_module
 
     fake = collections.namedtuple("vmem", "available")(10 << 30)
     monkeypatch.setattr(pool_module.psutil, "virtual_memory", lambda: fake)
@@ -205,7 +209,63 @@ def test_streaming_stores_copy_the_same_bytes(native, dtype, page_size, heads, h
     assert all(torch.equal(a, b) for a, b in zip(dev_a, dev_b, strict=True))
 
 
-def test_page_copier_rejects_a_non_int_streaming_threshold():
+def test_page_copier_rejects_a_bad_streaming_threshold():
     kv = kv_config()
+    device, host = DevicePool(kv, 2), HostPool(kv, 2, pin_memory=False)
     with pytest.raises(TypeError, match="streaming_min_nbytes: expected int, got float"):
-        PageCopier(DevicePool(kv, 2), HostPool(kv, 2, pin_memory=False), streaming_min_nbytes=1.0)
+        PageCopier(device, host, streaming_min_nbytes=1.0)
+    with pytest.raises(ValueError, match="streaming_min_nbytes: expected >= 0, got -1"):
+        PageCopier(device, host, streaming_min_nbytes=-1)
+
+
+def test_layer_and_page_indices_are_checked_like_every_int():
+    kv = kv_config(layers=2)
+    device, host = DevicePool(kv, 3), HostPool(kv, 3, pin_memory=False)
+    for bad, error, message in [
+        (True, TypeError, "expected int, got bool"),
+        ("1", TypeError, "expected int, got str"),
+        (-1, ValueError, "expected >= 0, got -1"),
+    ]:
+        with pytest.raises(error, match=f"layer: {message}"):
+            device.layer(bad)
+        with pytest.raises(error, match=f"page id: {message}"):
+            host.page(bad)
+    with pytest.raises(ValueError, match="layer: expected 0 <= layer < 2, got 2"):
+        device.read_pages(2, ids(0))
+    with pytest.raises(ValueError, match="page id: expected 0 <= id < 3, got 3"):
+        host.read_page_bytes(3)
+    # numpy integers (what indexing an array gives) are ints like any other
+    assert device.layer(np.int64(1))[0] is device.k_buffers[1]
+    assert host.page(np.int64(2)).data_ptr() == host.buffer[2].data_ptr()
+    with pytest.raises(TypeError, match="reserve_nbytes: expected int, got float"):
+        HostPool(kv, 3, pin_memory=False, reserve_nbytes=1.0)
+    with pytest.raises(ValueError, match="reserve_nbytes: expected >= 0, got -1"):
+        HostPool(kv, 3, pin_memory=False, reserve_nbytes=-1)
+
+
+def test_the_copier_source_ships_with_the_package():
+    root = Path(__file__).resolve().parents[1]
+    assert copier_module.SOURCE_PATH == root / "hicache" / "memory" / "copier.c"
+    assert "int hc_copy_rows(" in copier_module.SOURCE_PATH.read_text()
+    assert '"memory/copier.c"' in (root / "pyproject.toml").read_text()  # wheel
+    assert "include hicache/memory/copier.c" in (root / "MANIFEST.in").read_text()  # sdist
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_the_native_copier_is_rebuilt_when_its_source_changes(tmp_path, monkeypatch):
+    """The library's name carries the digest of the bytes it was built from: an edited
+    copier.c never loads a library compiled from the old source."""
+    source = copier_module.SOURCE_PATH.read_bytes()
+    edited = tmp_path / "copier.c"
+    edited.write_bytes(source + b"/* edited */\n")
+    monkeypatch.setenv("HICACHE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(copier_module, "SOURCE_PATH", edited)
+    load_native_copier.cache_clear()
+    try:
+        lib = load_native_copier()
+        built = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    finally:
+        load_native_copier.cache_clear()  # later callers load the shipped source's library
+    assert lib is not None and lib.hc_copy_rows is not None
+    assert built == [copier_module._library_path(edited.read_bytes()).name]
+    assert copier_module._library_path(source) != copier_module._library_path(edited.read_bytes())

@@ -246,6 +246,45 @@ def test_bad_page_ids(host_pages, device_pages, error, message):
     assert engine.num_in_flight == 0 and engine.executor.pending() == []
 
 
+@pytest.mark.parametrize(
+    "host_pages, device_pages, error, message",
+    [
+        (torch.tensor([0], dtype=torch.int32), ids(0), TypeError, "int64, got torch.int32"),
+        ([0], ids(0), TypeError, "host_pages: expected an int64 torch.Tensor, got list"),
+        (ids(0).view(1, 1), ids(0), ValueError, "host_pages: expected a 1-D tensor"),
+        (ids(0), ids(0, 1).view(1, 2), ValueError, "device_pages: expected a 1-D tensor"),
+    ],
+)
+def test_bookkeeping_transfers_refuse_malformed_page_ids_like_real_ones(
+    host_pages, device_pages, error, message
+):
+    """Without pools there is no range to check, but the form of the ids is checked
+    with the same error types and messages (the immediate engine once accepted int32
+    ids and called a 2-D tensor a TypeError)."""
+    engine = TransferEngine(None, None, "immediate")
+    with pytest.raises(error, match=message):
+        engine.load(host_pages, device_pages)
+    with pytest.raises(error, match=message):
+        engine.backup(device_pages, host_pages)
+    assert engine.num_in_flight == 0 and engine.poll() == []
+
+
+def test_a_transfer_checks_the_layer_it_is_asked_to_wait_for():
+    device, host = make_pools(layers=3)
+    engine = TransferEngine(device, host, "manual")
+    transfer = engine.load(ids(0), ids(0))
+    assert repr(transfer) == "Transfer(load, 1 pages, 0/3 layers, in flight)"
+    for bad, error, message in [
+        (True, TypeError, "layer: expected int, got bool"),
+        (0.0, TypeError, "layer: expected int, got float"),
+        (-1, ValueError, "layer: expected >= 0, got -1"),
+        (3, ValueError, "layer: expected 0 <= layer < 3, got 3"),
+    ]:
+        with pytest.raises(error, match=message):
+            transfer.wait_layer(bad)
+    assert engine.executor.complete(transfer) and transfer.wait_layer(np.int64(2))
+
+
 def test_bad_engine_arguments():
     device, host = make_pools()
     with pytest.raises(ValueError, match="executor: expected 'auto'"):

@@ -23,7 +23,7 @@ from hicache.integrations.vllm.plan import StepPlan
 from hicache.integrations.vllm.scheduler import ScheduledRequest, SchedulerHalf
 from hicache.integrations.vllm.worker import WorkerHalf
 from hicache.memory import HostPool
-from hicache.memory import pool as pool_module
+from hicache.memory import copier as copier_module
 
 P = 4  # tokens per block (= hicache page)
 L = 2  # layers
@@ -289,7 +289,7 @@ def test_worker_copies_on_one_native_thread(make_vllm, monkeypatch):
             return self.lib.hc_copy_rows(*args)
 
     copier.lib = Recording(copier.lib)
-    monkeypatch.setattr(pool_module, "_NATIVE_THREAD_MIN_NBYTES", 0)  # every copy "large"
+    monkeypatch.setattr(copier_module, "_NATIVE_THREAD_MIN_NBYTES", 0)  # every copy "large"
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

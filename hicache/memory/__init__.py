@@ -4,15 +4,8 @@ Nothing here knows prefixes or trees: a pool maps page ids to KV rows.
 """
 
 from hicache.memory.allocator import PageAllocator
-from hicache.memory.pool import (
-    DevicePool,
-    HostPool,
-    PageCopier,
-    as_rows,
-    check_cache_memory,
-    copy_rows,
-    load_native_copier,
-)
+from hicache.memory.copier import PageCopier, copy_rows, load_native_copier
+from hicache.memory.pools import DevicePool, HostPool, as_rows, check_cache_memory
 
 __all__ = [
     "DevicePool",

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hicache.checks import check_page_tensor
+from hicache.checks import check_int, check_page_tensor
 
 BACKENDS = ("auto", "native", "numpy")
 
@@ -34,10 +34,7 @@ class PageAllocator:
     """
 
     def __init__(self, num_pages: int, name: str = "pages", backend: str = "auto") -> None:
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int):
-            raise TypeError(f"num_pages: expected int, got {type(num_pages).__name__}")
-        if num_pages < 0:
-            raise ValueError(f"num_pages: expected >= 0, got {num_pages}")
+        num_pages = check_int("num_pages", num_pages)
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
         self.name = name
@@ -74,12 +71,7 @@ class PageAllocator:
 
     def alloc(self, num_pages: int) -> torch.Tensor | None:
         """Return ``num_pages`` distinct free page ids (int64), or ``None`` if fewer are free."""
-        if type(num_pages) is not int and (
-            isinstance(num_pages, bool) or not isinstance(num_pages, int | np.integer)
-        ):
-            raise TypeError(f"num_pages: expected int, got {type(num_pages).__name__}")
-        if num_pages < 0:
-            raise ValueError(f"num_pages: expected >= 0, got {num_pages}")
+        num_pages = check_int("num_pages", num_pages)
         if self._native is not None:
             return self._native.alloc(num_pages)  # None when fewer are free
         if num_pages > self._num_free:

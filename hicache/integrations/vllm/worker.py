@@ -37,7 +37,7 @@ from hicache.integrations.vllm.config import ConnectorConfig
 from hicache.integrations.vllm.layout import BlockCopier, BlockLayout, BlockPool
 from hicache.integrations.vllm.plan import StepPlan
 from hicache.memory import HostPool
-from hicache.transfer import TransferEngine, TransferHandle
+from hicache.transfer import Transfer, TransferEngine
 
 
 @dataclass
@@ -67,7 +67,7 @@ class _Save:
     __slots__ = ("handle", "job", "req_ids", "blocks", "pages", "host_pages", "keys")
 
     def __init__(self, handle, req_ids, block_ids, host_pages, keys) -> None:
-        self.handle: TransferHandle | None = handle
+        self.handle: Transfer | None = handle
         self.job = None  # the StorageJob writing the pages once the save landed
         self.req_ids = req_ids
         self.blocks = set(block_ids)
@@ -131,7 +131,7 @@ class WorkerHalf:
 
             self.storage = StorageTier(storage_backend, self.host_pool)
         self._key_salt = key_salt
-        self._load: TransferHandle | None = None
+        self._load: Transfer | None = None
         self._load_blocks: list[int] = []
         self._saves: list[_Save] = []  # saves and their storage writes in flight
         self._bad_pages: set[int] = set()

@@ -12,21 +12,13 @@ and the unit a third tier stores)::
                                                    K is [:, 0], V is [:, 1]
 
 The pools know shapes, bytes and page ids; they do not know which pages are in
-use (that is the allocator's job), nor streams or ordering (the transfer engine's).
+use (that is the allocator's job), nor streams or ordering (the transfer engine's),
+nor how pages move between them (:mod:`hicache.memory.copier`).
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
 import weakref
-from pathlib import Path
 
 import psutil
 import torch
@@ -206,9 +198,7 @@ class DevicePool:
         return k, v
 
     def _check_layer(self, i: int) -> None:
-        if isinstance(i, bool) or not isinstance(i, int):
-            raise TypeError(f"layer: expected int, got {type(i).__name__}")
-        if not 0 <= i < self.kv.num_layers:
+        if check_int("layer", i) >= self.kv.num_layers:
             raise ValueError(f"layer: expected 0 <= layer < {self.kv.num_layers}, got {i}")
 
 
@@ -245,10 +235,7 @@ class HostPool:
             raise TypeError(f"kv: expected KVConfig, got {type(kv).__name__}")
         self.kv = kv
         self.num_pages = check_int("num_pages", num_pages, minimum=1)
-        if isinstance(reserve_nbytes, bool) or not isinstance(reserve_nbytes, int):
-            raise TypeError(f"reserve_nbytes: expected int, got {type(reserve_nbytes).__name__}")
-        if reserve_nbytes < 0:
-            raise ValueError(f"reserve_nbytes: expected >= 0, got {reserve_nbytes}")
+        reserve_nbytes = check_int("reserve_nbytes", reserve_nbytes)
         request_nbytes = num_pages * kv.page_nbytes
         available = psutil.virtual_memory().available
         if request_nbytes > available - reserve_nbytes:
@@ -296,9 +283,7 @@ class HostPool:
 
     def page(self, i: int) -> torch.Tensor:
         """View of page ``i``: ``(num_layers, 2, page_size, H, D)``, contiguous."""
-        if isinstance(i, bool) or not isinstance(i, int):
-            raise TypeError(f"page id: expected int, got {type(i).__name__}")
-        if not 0 <= i < self.num_pages:
+        if check_int("page id", i) >= self.num_pages:
             raise ValueError(f"page id: expected 0 <= id < {self.num_pages}, got {i}")
         return self.buffer[i]
 
@@ -331,293 +316,3 @@ class HostPool:
         if src.numel() != dst.numel():
             raise ValueError(f"data: expected {dst.numel()} bytes, got {src.numel()}")
         dst.copy_(src)
-
-
-# Moves rows ``dst[p] + dst_ids[i] * dst_stride <- src[p] + src_ids[i] * src_stride`` for
-# every plane p in one pass. torch has no single op that gathers and scatters at once:
-# gather into staging then scatter reads and writes every byte twice and stays near half
-# of a contiguous copy on small machines; this loop moves each byte once.
-# ``streaming`` writes with non-temporal stores: a row of a few KiB is too short for
-# memcpy to choose them itself, and without them every destination line is first read
-# into the cache (read-for-ownership) and later written back, a third of the traffic of
-# a transfer larger than the last-level cache. Only x86-64 has them here (SSE2 is part of
-# its base ISA); elsewhere the flag is ignored.
-_C_SOURCE = r"""
-#include <pthread.h>
-#include <stdint.h>
-#include <string.h>
-#if defined(__x86_64__)
-#include <emmintrin.h>
-#endif
-
-typedef struct {
-  int64_t num_planes;
-  char *const *dst;
-  const char *const *src;
-  int64_t dst_stride, src_stride, row_nbytes;
-  const int64_t *dst_ids, *src_ids;
-  int64_t begin, end, streaming;
-} hc_job;
-
-static void hc_row(char *d, const char *s, int64_t n, int64_t streaming) {
-#if defined(__x86_64__)
-  if (streaming && ((uintptr_t)d & 15) == 0) {
-    const int64_t bulk = n & ~(int64_t)63;
-    for (int64_t o = 0; o < bulk; o += 64) {
-      const __m128i a = _mm_loadu_si128((const __m128i *)(s + o));
-      const __m128i b = _mm_loadu_si128((const __m128i *)(s + o + 16));
-      const __m128i c = _mm_loadu_si128((const __m128i *)(s + o + 32));
-      const __m128i e = _mm_loadu_si128((const __m128i *)(s + o + 48));
-      _mm_stream_si128((__m128i *)(d + o), a);
-      _mm_stream_si128((__m128i *)(d + o + 16), b);
-      _mm_stream_si128((__m128i *)(d + o + 32), c);
-      _mm_stream_si128((__m128i *)(d + o + 48), e);
-    }
-    if (bulk < n) memcpy(d + bulk, s + bulk, (size_t)(n - bulk));
-    return;
-  }
-#endif
-  (void)streaming;
-  memcpy(d, s, (size_t)n);
-}
-
-static void *hc_run(void *arg) {
-  const hc_job *j = (const hc_job *)arg;
-  for (int64_t i = j->begin; i < j->end; ++i) {
-    const int64_t d = j->dst_ids[i] * j->dst_stride, s = j->src_ids[i] * j->src_stride;
-    for (int64_t p = 0; p < j->num_planes; ++p)
-      hc_row(j->dst[p] + d, j->src[p] + s, j->row_nbytes, j->streaming);
-  }
-#if defined(__x86_64__)
-  /* Streaming stores are weakly ordered: make them visible before reporting done. */
-  if (j->streaming) _mm_sfence();
-#endif
-  return 0;
-}
-
-int hc_copy_rows(int64_t num_planes, char *const *dst, const char *const *src,
-                 int64_t dst_stride, int64_t src_stride, int64_t row_nbytes,
-                 const int64_t *dst_ids, const int64_t *src_ids, int64_t num_rows,
-                 int64_t num_threads, int64_t streaming) {
-  enum { MAX_THREADS = 64 };
-  hc_job jobs[MAX_THREADS];
-  pthread_t tids[MAX_THREADS];
-  int started[MAX_THREADS];
-  if (num_threads > num_rows) num_threads = num_rows;
-  if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
-  if (num_threads < 1) num_threads = 1;
-  const int64_t per = (num_rows + num_threads - 1) / num_threads;
-  for (int64_t t = 0; t < num_threads; ++t) {
-    const int64_t b = t * per, e = b + per < num_rows ? b + per : num_rows;
-    hc_job job = {num_planes, dst, src, dst_stride, src_stride, row_nbytes,
-                  dst_ids, src_ids, b < e ? b : e, e, streaming};
-    jobs[t] = job;
-  }
-  for (int64_t t = 1; t < num_threads; ++t)
-    started[t] = pthread_create(&tids[t], 0, hc_run, &jobs[t]) == 0;
-  hc_run(&jobs[0]);
-  for (int64_t t = 1; t < num_threads; ++t) {
-    if (started[t]) pthread_join(tids[t], 0);
-    else hc_run(&jobs[t]);
-  }
-  return 0;
-}
-"""
-
-# Rows per call below which the native copier runs on one thread (threads cost ~20 us).
-_NATIVE_THREAD_MIN_NBYTES = 1 << 20
-# Torch fallback: bytes gathered per chunk, small enough to stay in cache between passes.
-_STAGING_NBYTES = 4 << 20
-# Transfers from this size on are written with streaming stores (see ``_C_SOURCE``). Measured
-# here (32 MiB L3, 2 cores): at 4 MiB cached stores were 10-15% faster (the destination
-# still fits in the cache next to the source), at 8 MiB and above streaming ones were
-# 1.4-2.5x faster.
-STREAMING_MIN_NBYTES = 8 << 20
-
-
-def copy_rows(
-    lib: ctypes.CDLL, dst_ptrs, src_ptrs, first_plane: int, num_planes: int,
-    dst_stride: int, src_stride: int, row_nbytes: int,
-    dst_ids: torch.Tensor, src_ids: torch.Tensor, *,
-    max_threads: int | None = None, streaming: bool = False,
-) -> None:
-    """One native copy: row ``dst_ids[i]`` of planes ``first_plane ..`` (``num_planes`` of
-    them, pointer arrays ``dst_ptrs`` / ``src_ptrs``) from row ``src_ids[i]``.
-
-    ``dst_ids``/``src_ids`` are contiguous int64 CPU tensors of equal length. Copies
-    under ``_NATIVE_THREAD_MIN_NBYTES`` stay on one thread (thread wake-ups cost more
-    than they save); larger ones fan out to torch's intra-op threads, at most
-    ``max_threads``.
-    """
-    num_rows = dst_ids.numel()
-    total = num_rows * num_planes * row_nbytes
-    num_threads = torch.get_num_threads() if total >= _NATIVE_THREAD_MIN_NBYTES else 1
-    if max_threads is not None:
-        num_threads = min(num_threads, max_threads)
-    offset = first_plane * ctypes.sizeof(ctypes.c_void_p)
-    lib.hc_copy_rows(
-        num_planes, ctypes.addressof(dst_ptrs) + offset, ctypes.addressof(src_ptrs) + offset,
-        dst_stride, src_stride, row_nbytes, dst_ids.data_ptr(), src_ids.data_ptr(),
-        num_rows, num_threads, int(streaming),
-    )
-
-
-@functools.cache
-def load_native_copier() -> ctypes.CDLL | None:
-    """Compile (once per machine, cached on disk) and load the row copier; None if no C compiler.
-
-    The cache directory is ``$HICACHE_CACHE_DIR``, else ``~/.cache/hicache``.
-    """
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        return None
-    digest = hashlib.sha256(_C_SOURCE.encode()).hexdigest()[:16]
-    cache_dir = Path(os.environ.get("HICACHE_CACHE_DIR", Path.home() / ".cache" / "hicache"))
-    lib_path = cache_dir / f"pagecopy-{digest}.so"
-    try:
-        if not lib_path.exists():
-            cache_dir.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".so")
-            os.close(fd)
-            cmd = [compiler, "-O2", "-shared", "-fPIC", "-pthread", "-x", "c", "-", "-o", tmp]
-            proc = subprocess.run(cmd, input=_C_SOURCE.encode(), capture_output=True, timeout=120)
-            if proc.returncode != 0:
-                os.unlink(tmp)
-                return None
-            os.replace(tmp, lib_path)  # atomic: concurrent builders never see half a file
-        lib = ctypes.CDLL(str(lib_path))
-    except (OSError, subprocess.SubprocessError):
-        return None
-    lib.hc_copy_rows.restype = ctypes.c_int
-    lib.hc_copy_rows.argtypes = [
-        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-    ]
-    return lib
-
-
-class PageCopier:
-    """Copies pages between a device pool and a host pool that both live in host memory.
-
-    Used by the CPU executors. Every page move is a set of rows of
-    ``page_nbytes_per_layer`` bytes: per layer, K and V (each a row of a device buffer
-    and one slot of a host page). With ``native`` (None: when a C compiler is found)
-    rows move once through :func:`load_native_copier`, with the row pointers of every
-    layer computed once here, so one call costs one ctypes call; otherwise through torch
-    ``index_select(out=staging)`` / ``index_copy_`` in cache-sized chunks, on 4-byte
-    views where the row size allows.
-
-    ``streaming_min_nbytes``: transfers of at least this many bytes (all layers of
-    all their pages, whatever layer range one call moves) are written with streaming
-    stores that bypass the cache (native copier on x86-64 only). Smaller transfers are
-    written through the cache, where whoever reads them next finds them. Thread-safe
-    for copies of different pages: the native path keeps no state between calls and
-    the torch path's staging buffers are per thread.
-    """
-
-    def __init__(
-        self,
-        device_pool: DevicePool,
-        host_pool: HostPool,
-        native: bool | None = None,
-        *,
-        streaming_min_nbytes: int = STREAMING_MIN_NBYTES,
-    ):
-        if device_pool.device.type != "cpu":
-            raise ValueError(f"device pool: expected device 'cpu', got {device_pool.device}")
-        if isinstance(streaming_min_nbytes, bool) or not isinstance(streaming_min_nbytes, int):
-            raise TypeError(
-                f"streaming_min_nbytes: expected int, got {type(streaming_min_nbytes).__name__}"
-            )
-        kv = device_pool.kv
-        self.num_layers = kv.num_layers
-        self.row_nbytes = device_pool.page_nbytes_per_layer
-        self.page_nbytes = kv.page_nbytes
-        self.streaming_min_nbytes = streaming_min_nbytes
-        self.lib = load_native_copier() if native is not False else None
-        if native and self.lib is None:
-            raise RuntimeError("native page copier: no C compiler found or the build failed")
-        # (num_device_pages, row_words) per layer
-        self._dev = [
-            (as_rows(k, device_pool.num_pages), as_rows(v, device_pool.num_pages))
-            for k, v in zip(device_pool.k_buffers, device_pool.v_buffers, strict=True)
-        ]
-        # (num_host_pages, num_layers, 2, row_words)
-        self._host = as_rows(host_pool.buffer, host_pool.num_pages * kv.num_layers * 2).view(
-            host_pool.num_pages, kv.num_layers, 2, -1
-        )
-        # Plane 2 * layer + kv (K = 0, V = 1): its base pointer in each pool. A device
-        # row is one buffer row; a host row sits at its plane's offset inside a page.
-        ptrs = ctypes.c_void_p * (2 * kv.num_layers)
-        host_base = host_pool.buffer.data_ptr()
-        self._dev_ptrs = ptrs(*[t.data_ptr() for pair in self._dev for t in pair])
-        self._host_ptrs = ptrs(
-            *[host_base + plane * self.row_nbytes for plane in range(2 * kv.num_layers)]
-        )
-        # The pointer arrays point into these tensors: keep them alive with the copier.
-        self._buffers = (device_pool.k_buffers, device_pool.v_buffers, host_pool.buffer)
-        self._local = threading.local()  # .staging: {is_load: tensor} of this thread
-
-    def load(self, host_ids: torch.Tensor, device_ids: torch.Tensor, first: int, last: int):
-        """Copy layers ``first .. last-1`` of host pages to device pages."""
-        if self.lib is not None:
-            self._copy_native(self._dev_ptrs, self._host_ptrs, self.row_nbytes,
-                              self.page_nbytes, device_ids, host_ids, first, last)
-            return
-        planes = [
-            (dst, self._host[:, layer, kv])
-            for layer in range(first, last)
-            for kv, dst in enumerate(self._dev[layer])
-        ]
-        self._copy_torch(planes, device_ids, host_ids, True)
-
-    def backup(self, device_ids: torch.Tensor, host_ids: torch.Tensor, first: int, last: int):
-        """Copy layers ``first .. last-1`` of device pages to host pages."""
-        if self.lib is not None:
-            self._copy_native(self._host_ptrs, self._dev_ptrs, self.page_nbytes,
-                              self.row_nbytes, host_ids, device_ids, first, last)
-            return
-        planes = [
-            (self._host[:, layer, kv], src)
-            for layer in range(first, last)
-            for kv, src in enumerate(self._dev[layer])
-        ]
-        self._copy_torch(planes, host_ids, device_ids, False)
-
-    def _copy_torch(self, planes, dst_ids: torch.Tensor, src_ids: torch.Tensor,
-                    is_load: bool) -> None:
-        num_rows = dst_ids.numel()
-        if num_rows == 0 or not planes:
-            return
-        rows_per_chunk = max(1, _STAGING_NBYTES // self.row_nbytes)
-        cached = self._local.__dict__.setdefault("staging", {})
-        staging = cached.get(is_load)
-        if staging is None:
-            # (rows_per_chunk, row_words); allocated and touched once, reused for every copy
-            staging = torch.zeros((rows_per_chunk, planes[0][1].shape[1]), dtype=planes[0][1].dtype)
-            cached[is_load] = staging
-        for start in range(0, num_rows, rows_per_chunk):
-            d_ids = dst_ids[start : start + rows_per_chunk]
-            s_ids = src_ids[start : start + rows_per_chunk]
-            chunk = staging[: d_ids.numel()]
-            for dst, src in planes:
-                torch.index_select(src, 0, s_ids, out=chunk)
-                dst.index_copy_(0, d_ids, chunk)
-
-    def _copy_native(self, dst_ptrs, src_ptrs, dst_stride: int, src_stride: int,
-                     dst_ids: torch.Tensor, src_ids: torch.Tensor, first: int, last: int) -> None:
-        assert 0 <= first <= last <= self.num_layers, (
-            f"layer range [{first}, {last}) outside [0, {self.num_layers}): would copy "
-            "outside the pools"
-        )
-        num_rows = dst_ids.numel()
-        if num_rows == 0 or first == last:
-            return
-        dst_ids = dst_ids.contiguous()
-        src_ids = src_ids.contiguous()
-        copy_rows(
-            self.lib, dst_ptrs, src_ptrs, 2 * first, 2 * (last - first), dst_stride, src_stride,
-            self.row_nbytes, dst_ids, src_ids,
-            streaming=num_rows * self.page_nbytes >= self.streaming_min_nbytes,
-        )
