@@ -9,6 +9,8 @@ shape, device or contents, a number out of range). Nothing here knows the cache.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -76,3 +78,32 @@ def check_page_ids(name: str, page_ids: object, num_pages: int) -> torch.Tensor:
                 f"{name}: expected ids in [0, {num_pages}), got min {lo}, max {hi}"
             )
     return page_ids
+
+
+def check_bool(name: str, value: object) -> bool:
+    """``value`` as a bool (only ``True`` or ``False``: no truthy stand-ins)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected bool, got {type(value).__name__}")
+    return value
+
+
+def check_timeout(name: str, timeout: object) -> float | None:
+    """``timeout`` as seconds to wait, >= 0, or None (no limit; infinity also means none)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise TypeError(f"{name}: expected seconds or None, got {type(timeout).__name__}")
+    if not timeout >= 0:  # also refuses NaN
+        raise ValueError(f"{name}: expected >= 0, got {timeout}")
+    return None if math.isinf(timeout) else timeout
+
+
+def check_ttl(name: str, ttl_s: object) -> float:
+    """``ttl_s`` as a time-to-live in seconds: a finite number > 0, or None (``math.inf``)."""
+    if ttl_s is None:
+        return math.inf
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float):
+        raise TypeError(f"{name}: expected a number of seconds or None, got {type(ttl_s).__name__}")
+    if not (ttl_s > 0 and math.isfinite(ttl_s)):
+        raise ValueError(f"{name}: expected a finite number > 0, got {ttl_s}")
+    return float(ttl_s)
