@@ -39,12 +39,13 @@ from __future__ import annotations
 import torch
 
 from hicache.cache.control import EventLog, ResetResult, drop_unheld
-from hicache.cache.handle import LoadError, PrefixHandle
+from hicache.cache.handle import PrefixHandle
 from hicache.cache.inflight import InFlightTable
 from hicache.cache.integrity import check_cache_integrity
 from hicache.cache.loads import Loads
 from hicache.cache.native_lifecycle import open_native_lifecycle
 from hicache.cache.pins import Pins
+from hicache.cache.python_lifecycle import PythonLifecycle
 from hicache.cache.space import TierSpace
 from hicache.cache.stats import CacheStats, stats_report
 from hicache.cache.storage import ThirdTier
@@ -131,10 +132,16 @@ class HiCache:
             # a write-back eviction made room for a load may evict host pages
             pin_host_pages=not bookkeeping or self._writes.is_write_back,
         )
-        # The C++ lifecycle where it applies, else None (the Python methods run).
+        self._python = PythonLifecycle(
+            self.tree, self._space, self._inflight, self._loads, self._writes, self._third_tier,
+            self._counters, page_size=self.page_size, num_layers=config.kv.num_layers,
+            poll=self.poll,
+        )
+        # The C++ lifecycle takes the hot calls where it applies (bookkeeping only).
         self._native = open_native_lifecycle(
             config, self.tree, self.device_allocator, self.host_allocator
         )
+        self._lifecycle = self._python if self._native is None else self._native
 
     # ------------------------------------------------------------- lifecycle
     @property
@@ -173,40 +180,13 @@ class HiCache:
         order eviction only under the ``priority`` policy: lowest first, least
         recently used among equals.
         """
-        if self._native is not None:  # the lock node is a bare native handle
-            self._native.raise_priority(h, priority)
-        else:
-            self.tree.raise_priority(h._lock_node, priority)
+        self._lifecycle.raise_priority(h, priority)
 
     def _match(self, tokens: TokenLike, namespace: str | None, load_back: bool) -> PrefixHandle:
         check_bool("load_back", load_back)
         check_namespace(namespace)  # before storage keys are derived from it
-        if self._native is not None:  # bookkeeping only: nothing is ever in flight to poll
-            h = self._native.match(self, tokens, namespace, load_back)
-            self._live.add(h)
-            return h
-        self.poll()
-        key = token_key(tokens, self.page_size)
-        if self._third_tier is not None:
-            self._third_tier.prefetch_for_match(key, namespace)
-        result = self.tree.match_key(key, namespace)
-        h = PrefixHandle(
-            self, self.tree, self.config.kv.num_layers, key, namespace, result.device_len,
-            result.host_len, result.last_device_node,
-        )
-        self.tree.lock(result.last_device_node)
+        h = self._lifecycle.match(self, tokens, namespace, load_back)
         self._live.add(h)
-        c = self._counters
-        c.requests += 1
-        c.requested_tokens += len(tokens)
-        c.device_hit_tokens += result.device_len
-        if self._inflight.num_loading_nodes:
-            self._inflight.wait_for_loads_on_path(h, result.last_device_node)
-        if load_back and result.host_len:
-            self._loads.start(h, result)
-        # After the load: the host allocation for backups may evict host pages, and
-        # the matched host-only nodes are pinned only once loading.
-        self._writes.after_match(h._lock_node)
         return h
 
     def load_back(self, h: PrefixHandle):
@@ -228,21 +208,7 @@ class HiCache:
                 f"load_back: the handle owns {h.num_owned_pages} pages allocated for positions "
                 f"from {h.prefix_len} on; call load_back before alloc (or release and match again)"
             )
-        self.poll()
-        self._loads.apply_failures(h)
-        if h.prefix_len < h.device_len + h.host_len:
-            result = self.tree.match_key(h.key[: 4 * (h.device_len + h.host_len)], h.namespace)
-            if result.device_len > h.prefix_len:  # loaded or inserted meanwhile: take it
-                self.tree.lock(result.last_device_node)
-                self.tree.unlock(h._lock_node)
-                h._lock_node = result.last_device_node
-                h._prefix_pages = None
-                h.prefix_len = result.device_len
-                if self._inflight.num_loading_nodes:
-                    self._inflight.wait_for_loads_on_path(h, result.last_device_node)
-            if result.host_len and result.last_device_node is h._lock_node:
-                return self._loads.start(h, result)
-        return None
+        return self._python.load_back(h)
 
     def finish_loads(self, h: PrefixHandle) -> bool:
         """Wait for the loads ``h`` depends on and apply them; False if one failed.
@@ -279,12 +245,7 @@ class HiCache:
         self._pins.expire()  # an expired pin's pages are evictable again
         if num_pages > self.device_allocator.num_pages:
             return None  # more than the whole device tier: evicting cannot help
-        if self._native is not None:
-            pages = self._native.alloc(num_pages)
-        else:
-            self.poll()
-            self._loads.apply_failures(h)
-            pages = self._space.alloc_device(num_pages)
+        pages = self._lifecycle.alloc(h, num_pages)
         if pages is not None and pages.shape[0]:
             h._new_pages.append(pages)
         return pages
@@ -300,75 +261,18 @@ class HiCache:
         :class:`LoadError` (having cut ``h`` back) when a load of ``h``'s prefix
         failed and ``finish_loads`` has not reported it yet.
         """
+        self._check_handle(h)
         if priority is not None:
-            self._check_handle(h)
             priority = check_priority(priority)
-        num_new = self._insert(h, tokens)
+        num_new = self._lifecycle.insert(h, tokens)
         if priority is not None:
             self._raise_priority(h, priority)
         return num_new
 
-    def _insert(self, h: PrefixHandle, tokens: TokenLike) -> int:
-        self._check_handle(h)
-        if self._native is not None:  # bookkeeping only: no load is ever in flight
-            return self._native.insert(h, tokens)
-        self.poll()
-        self._loads.apply_failures(h)
-        if h._failure_unreported:
-            raise LoadError(
-                f"insert: a load of the prefix failed ({h.load_error}); h.prefix_len was cut "
-                f"back to {h.prefix_len}: call finish_loads(h), alloc and recompute from there"
-            )
-        for rec in h._loads:
-            if not rec.handle.done():
-                raise ValueError("insert: a prefix load is still in flight; call h.wait() first")
-        key = token_key(tokens, self.page_size)
-        prefix_nbytes = 4 * h.prefix_len
-        if len(key) < prefix_nbytes or not key.startswith(h.key[:prefix_nbytes]):
-            raise ValueError(
-                f"insert: tokens must start with the handle's {h.prefix_len}-token prefix"
-            )
-        num_pages = len(key) // (4 * self.page_size)
-        num_prefix_pages = h.prefix_len // self.page_size
-        num_owned = h.num_owned_pages
-        if num_pages > num_prefix_pages + num_owned:
-            raise ValueError(
-                f"insert: {num_pages} whole pages of tokens, but the handle holds only "
-                f"{num_prefix_pages + num_owned} pages (alloc more first)"
-            )
-        if num_pages == num_prefix_pages:
-            return 0
-        table = h.page_table()
-        inserted = table[:num_pages]
-        result = self.tree.insert_key(key, inserted, h.namespace)
-        cached_pages = result.num_cached_tokens // self.page_size
-        if cached_pages > num_prefix_pages:  # cached meanwhile by someone else: ours are spare
-            self.device_allocator.free(table[num_prefix_pages:cached_pages])
-        rest = table[num_pages:]
-        h._new_pages = [rest] if rest.shape[0] else []
-        self.tree.lock(result.last_node)
-        self.tree.unlock(h._lock_node)
-        h._lock_node = result.last_node
-        if self._inflight.num_loading_nodes:  # deduplicated onto pages a load is still writing
-            self._inflight.wait_for_loads_on_path(h, result.last_node)
-        # If nothing was cached meanwhile, the tree's pages of the path are ours.
-        h._prefix_pages = inserted if cached_pages <= num_prefix_pages else None
-        h.prefix_len = num_pages * self.page_size
-        h.key = key
-        new_tokens = (num_pages - cached_pages) * self.page_size
-        self._counters.inserted_tokens += new_tokens
-        self._writes.after_insert(result.last_node)
-        return new_tokens
-
     def release(self, h: PrefixHandle) -> None:
         """Unlock ``h``'s prefix and free the pages it owns. The cached KV stays cached."""
         self._check_handle(h)
-        if self._native is not None and self._native.can_release(h):
-            self._native.release(h)
-        else:
-            self.tree.unlock(h._lock_node)
-            for pages in h._new_pages:
-                self.device_allocator.free(pages)
+        self._lifecycle.release(h)
         h._new_pages = []
         h.released = True
         self._live.discard(h)

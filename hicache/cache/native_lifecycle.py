@@ -73,21 +73,25 @@ def open_native_lifecycle(
         config.has_host_tier,
     )
     return NativeLifecycle(
-        core, lifecycle.counter_names, tree, config.page_size, config.kv.num_layers
+        core, lifecycle.counter_names, tree, device_allocator, config.page_size,
+        config.kv.num_layers,
     )
 
 
 class NativeLifecycle:
     """The hot calls of the request lifecycle, one C++ crossing each (module docstring).
 
-    The caller (HiCache) has checked every argument; handles it returns belong to
-    the ``owner`` passed in.
+    The same calls as :class:`hicache.cache.python_lifecycle.PythonLifecycle`
+    (``load_back`` excepted: it runs in Python). The caller (HiCache) has checked
+    every argument; handles it returns belong to the ``owner`` passed in.
     """
 
     def __init__(
-        self, core, counter_names: list[str], tree, page_size: int, num_layers: int
+        self, core, counter_names: list[str], tree, device_allocator, page_size: int,
+        num_layers: int,
     ) -> None:
         self._core = core
+        self._device_allocator = device_allocator
         self._num_layers = num_layers
         self._counter_names = counter_names
         self._tree = tree
@@ -120,7 +124,7 @@ class NativeLifecycle:
     def raise_priority(self, h: PrefixHandle, priority: int) -> None:
         self._tree._impl.raise_priority(h._lock_h, priority)
 
-    def alloc(self, num_pages: int) -> torch.Tensor | None:
+    def alloc(self, h: PrefixHandle, num_pages: int) -> torch.Tensor | None:
         return self._core.alloc(num_pages)
 
     def insert(self, h: PrefixHandle, tokens: TokenLike) -> int:
@@ -137,9 +141,10 @@ class NativeLifecycle:
         h.prefix_len = len(h.key) >> 2
         return new_tokens
 
-    def can_release(self, h: PrefixHandle) -> bool:
-        """One crossing releases a handle owning at most one run of pages."""
-        return len(h._new_pages) <= 1
-
     def release(self, h: PrefixHandle) -> None:
-        self._core.release(h._lock_h, h._new_pages[0] if h._new_pages else None)
+        if len(h._new_pages) <= 1:  # one crossing releases the lock and one run of pages
+            self._core.release(h._lock_h, h._new_pages[0] if h._new_pages else None)
+            return
+        self._tree.unlock(h._lock_node)
+        for pages in h._new_pages:
+            self._device_allocator.free(pages)
