@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hicache.checks import check_int
+
 if TYPE_CHECKING:  # annotations only
     from hicache.cache.inflight import InFlightIO
     from hicache.tree import TreeNode
@@ -73,9 +75,7 @@ class PrefixHandle:
     def wait_layer(self, layer: int) -> None:
         """Block until layer ``layer`` of every load this request depends on has landed."""
         num_layers = self._num_layers
-        if isinstance(layer, bool) or not isinstance(layer, int):
-            raise TypeError(f"layer: expected int, got {type(layer).__name__}")
-        if not 0 <= layer < num_layers:
+        if check_int("layer", layer) >= num_layers:
             raise ValueError(f"layer: expected 0 <= layer < {num_layers}, got {layer}")
         for rec in self._loads:
             landed = rec.handle.wait_layer(layer)
