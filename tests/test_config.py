@@ -13,7 +13,7 @@ import torch
 from conftest import assert_no_leaks
 
 from hicache import CacheConfig, HiCache, KVConfig
-from hicache.cache import facade as cache_module
+from hicache.cache import tiers as tiers_module
 from hicache.configfile import apply_env
 
 KV = KVConfig(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_size=4)
@@ -57,7 +57,7 @@ def _no_allocator(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a page allocator was built before the memory check")
 
-    monkeypatch.setattr(cache_module, "PageAllocator", refuse)
+    monkeypatch.setattr(tiers_module, "PageAllocator", refuse)
 
 
 @pytest.mark.parametrize("allocate_kv", [True, False])

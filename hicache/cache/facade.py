@@ -49,6 +49,7 @@ from hicache.cache.python_lifecycle import PythonLifecycle
 from hicache.cache.space import TierSpace
 from hicache.cache.stats import CacheStats, stats_report
 from hicache.cache.storage import ThirdTier
+from hicache.cache.tiers import build_tiers
 from hicache.cache.writes import Writes
 from hicache.checks import (
     check_bool,
@@ -60,7 +61,6 @@ from hicache.checks import (
 )
 from hicache.config import CacheConfig
 from hicache.events import KVEvent
-from hicache.memory import PageAllocator
 from hicache.tree import TokenLike, token_key
 
 
@@ -68,35 +68,19 @@ class HiCache:
     """Hierarchical (device + host) prefix cache. See the module docstring for the lifecycle."""
 
     def __init__(self, config: CacheConfig) -> None:
-        from hicache.memory import DevicePool, HostPool, check_cache_memory
-        from hicache.transfer import TransferEngine
-
         if not isinstance(config, CacheConfig):
             raise TypeError(f"config: expected CacheConfig, got {type(config).__name__}")
-        check_cache_memory(config)  # before any pool or page allocator is built
         self.config = config
         self._closed = False
         self.page_size = config.page_size
-        self.tree = _make_tree(config)  # split hook: only while IO or a pin is tracked
-        self.device_allocator = PageAllocator(config.num_device_pages, "device pages")
-        self.host_allocator = PageAllocator(config.num_host_pages, "host pages")
         self.has_host_tier = config.has_host_tier
-        if config.allocate_kv:
-            self.device_pool = DevicePool(config.kv, config.num_device_pages, config.device)
-            self.host_pool = (
-                HostPool(
-                    config.kv, config.num_host_pages, reserve_nbytes=config.host_reserve_nbytes
-                )
-                if self.has_host_tier
-                else None
-            )
-            # Without a host tier nothing is ever transferred; a copying executor
-            # would demand a host pool.
-            executor = config.executor if self.has_host_tier else "immediate"
-        else:
-            self.device_pool = self.host_pool = None
-            executor = "immediate"
-        self.transfers = TransferEngine(self.device_pool, self.host_pool, executor)
+        tiers = build_tiers(config)
+        self.tree = tiers.tree  # split hook: only while IO or a pin is tracked
+        self.device_allocator = tiers.device_allocator
+        self.host_allocator = tiers.host_allocator
+        self.device_pool = tiers.device_pool
+        self.host_pool = tiers.host_pool
+        self.transfers = tiers.transfers
         # Bookkeeping only (no KV tensors): loads and write-through backups complete
         # as they start, so they skip the IO states and transfer records entirely.
         bookkeeping = self.device_pool is None
@@ -489,12 +473,3 @@ class HiCache:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def _make_tree(config: CacheConfig):
-    if config.tree == "python":
-        from hicache.tree import RadixTree
-
-        return RadixTree(config.page_size, config.eviction)
-    from hicache.tree.native import make_tree
-
-    return make_tree(config.tree, config.page_size, config.eviction)
