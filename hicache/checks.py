@@ -9,6 +9,8 @@ shape, device or contents, a number out of range). Nothing here knows the cache.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -37,8 +39,14 @@ def check_priority(priority: object) -> int:
 
 def check_namespace(namespace: object) -> None:
     """A namespace is a str or None."""
-    if namespace is not None and not isinstance(namespace, str):
-        raise TypeError(f"namespace: expected str or None, got {type(namespace).__name__}")
+    check_optional_str("namespace", namespace)
+
+
+def check_optional_str(name: str, value: object) -> str | None:
+    """``value`` as a str or None."""
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{name}: expected str or None, got {type(value).__name__}")
+    return value
 
 
 def check_page_tensor(name: str, page_ids: object) -> torch.Tensor:
@@ -76,3 +84,59 @@ def check_page_ids(name: str, page_ids: object, num_pages: int) -> torch.Tensor:
                 f"{name}: expected ids in [0, {num_pages}), got min {lo}, max {hi}"
             )
     return page_ids
+
+
+def check_bool(name: str, value: object) -> bool:
+    """``value`` as a bool (only ``True`` or ``False``: no truthy stand-ins)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected bool, got {type(value).__name__}")
+    return value
+
+
+def check_timeout(name: str, timeout: object) -> float | None:
+    """``timeout`` as seconds to wait, >= 0, or None (no limit; infinity also means none)."""
+    if timeout is None:
+        return None
+    _check_number(name, timeout, "seconds or None")
+    if not timeout >= 0:  # also refuses NaN
+        raise ValueError(f"{name}: expected >= 0, got {timeout}")
+    return None if math.isinf(timeout) else timeout
+
+
+def check_ttl(name: str, ttl_s: object) -> float:
+    """``ttl_s`` as a time-to-live in seconds: a finite number > 0, or None (``math.inf``)."""
+    if ttl_s is None:
+        return math.inf
+    return check_positive_number(name, ttl_s, what="a number of seconds or None")
+
+
+def _check_number(name: str, value: object, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name}: expected {what}, got {type(value).__name__}")
+
+
+def check_positive_number(name: str, value: object, *, what: str = "a number") -> float:
+    """``value`` as a finite number > 0 (an int or float, never a bool; NaN refused).
+
+    ``what`` names the expected type in the TypeError (``"a number of seconds or None"``).
+    """
+    _check_number(name, value, what)
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name}: expected a finite number > 0, got {value}")
+    return float(value)
+
+
+def check_seconds(name: str, value: object) -> float:
+    """``value`` as a duration: a finite number of seconds >= 0."""
+    _check_number(name, value, "seconds")
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"{name}: expected a finite number >= 0, got {value}")
+    return float(value)
+
+
+def check_fraction(name: str, value: object) -> float:
+    """``value`` as a fraction: a number in [0, 1]."""
+    _check_number(name, value, "a number")
+    if not 0 <= value <= 1:
+        raise ValueError(f"{name}: expected a fraction in [0, 1], got {value}")
+    return float(value)

@@ -7,7 +7,6 @@ not deep inside a transfer. This module knows torch only to name dtypes.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -16,6 +15,14 @@ from typing import Any
 
 import torch
 
+from hicache.checks import (
+    check_bool,
+    check_fraction,
+    check_int,
+    check_optional_str,
+    check_positive_number,
+    check_seconds,
+)
 from hicache.storage.keys import check_model_id
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -43,11 +50,9 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[name]
 
 
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected int, got {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"{name}: expected a positive int, got {value}")
+def _set_int(obj: object, name: str, minimum: int) -> None:
+    """Check the int field ``name`` of a frozen config; store it as a Python int."""
+    object.__setattr__(obj, name, check_int(name, getattr(obj, name), minimum))
 
 
 def check_device(device: str) -> None:
@@ -73,7 +78,7 @@ class KVConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
-            _check_positive_int(name, getattr(self, name))
+            _set_int(self, name, minimum=1)
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype))
 
     @property
@@ -206,23 +211,17 @@ class CacheConfig:
             )
         for name in ("device_tokens", "device_nbytes", "host_tokens", "host_nbytes"):
             if getattr(self, name) is not None:
-                _check_positive_int(name, getattr(self, name))
+                _set_int(self, name, minimum=1)
         host_given = [n for n in HOST_SIZE_FIELDS if getattr(self, n) is not None]
         if len(host_given) > 1:
             raise ValueError(f"host pool: expected at most one size option, got {host_given}")
         if self.host_gb is not None:
-            if isinstance(self.host_gb, bool) or not isinstance(self.host_gb, int | float):
-                raise TypeError(f"host_gb: expected a number, got {type(self.host_gb).__name__}")
-            if not (self.host_gb > 0 and math.isfinite(self.host_gb)):
-                raise ValueError(f"host_gb: expected a finite number > 0, got {self.host_gb}")
+            check_positive_number("host_gb", self.host_gb)
             if self.host_gb * 1e9 / self.kv.page_nbytes >= _MAX_PAGES:
                 raise ValueError(f"host_gb: expected fewer than {_MAX_PAGES} host pages, "
                                  f"got {self.host_gb} GB")
         if self.host_ratio is not None:
-            if isinstance(self.host_ratio, bool) or not isinstance(self.host_ratio, int | float):
-                raise TypeError(f"host_ratio: expected float, got {type(self.host_ratio).__name__}")
-            if not (self.host_ratio > 0 and math.isfinite(self.host_ratio)):
-                raise ValueError(f"host_ratio: expected a finite number > 0, got {self.host_ratio}")
+            check_positive_number("host_ratio", self.host_ratio)
             if self.num_device_pages * self.host_ratio >= _MAX_PAGES:
                 raise ValueError(
                     f"host_ratio: expected fewer than {_MAX_PAGES} host pages, got "
@@ -243,26 +242,14 @@ class CacheConfig:
                 f"{self.kv.page_nbytes} bytes), got {host_given[0]}="
                 f"{getattr(self, host_given[0])}"
             )
-        if isinstance(self.host_reserve_nbytes, bool) or not isinstance(
-            self.host_reserve_nbytes, int
-        ):
-            raise TypeError("host_reserve_nbytes: expected int")
-        if self.host_reserve_nbytes < 0:
-            raise ValueError(f"host_reserve_nbytes: expected >= 0, got {self.host_reserve_nbytes}")
+        _set_int(self, "host_reserve_nbytes", minimum=0)
         object.__setattr__(self, "write_policy", _enum(WritePolicy, "write_policy", self.write_policy))
         object.__setattr__(self, "eviction", _enum(EvictionPolicy, "eviction", self.eviction))
         object.__setattr__(
             self, "prefetch_policy", _enum(PrefetchPolicy, "prefetch_policy", self.prefetch_policy)
         )
-        _check_positive_int("backup_hit_threshold", self.backup_hit_threshold)
-        if isinstance(self.load_threshold_tokens, bool) or not isinstance(
-            self.load_threshold_tokens, int
-        ):
-            raise TypeError("load_threshold_tokens: expected int")
-        if self.load_threshold_tokens < 0:
-            raise ValueError(
-                f"load_threshold_tokens: expected >= 0, got {self.load_threshold_tokens}"
-            )
+        _set_int(self, "backup_hit_threshold", minimum=1)
+        _set_int(self, "load_threshold_tokens", minimum=0)
         if self.executor not in ("auto", "cuda", "thread", "manual", "immediate"):
             raise ValueError(
                 "executor: expected 'auto', 'cuda', 'thread', 'manual' or 'immediate', "
@@ -282,22 +269,11 @@ class CacheConfig:
                 "expected allocate_kv=False, storage=None and tree 'native' or 'auto', got "
                 f"allocate_kv={self.allocate_kv}, storage={self.storage!r}, tree={self.tree!r}"
             )
-        if isinstance(self.prefetch_timeout_s, bool) or not isinstance(
-            self.prefetch_timeout_s, int | float
-        ):
-            raise TypeError(
-                f"prefetch_timeout_s: expected seconds, got {type(self.prefetch_timeout_s).__name__}"
-            )
-        if not (self.prefetch_timeout_s >= 0 and math.isfinite(self.prefetch_timeout_s)):
-            raise ValueError(
-                f"prefetch_timeout_s: expected a finite number >= 0, got {self.prefetch_timeout_s}"
-            )
+        check_seconds("prefetch_timeout_s", self.prefetch_timeout_s)
         if not isinstance(self.extra, dict):
             raise TypeError(f"extra: expected dict, got {type(self.extra).__name__}")
-        if not isinstance(self.allocate_kv, bool):
-            raise TypeError(f"allocate_kv: expected bool, got {type(self.allocate_kv).__name__}")
-        if self.storage is not None and not isinstance(self.storage, str):
-            raise TypeError(f"storage: expected str or None, got {type(self.storage).__name__}")
+        check_bool("allocate_kv", self.allocate_kv)
+        check_optional_str("storage", self.storage)
         if self.model_id is not None:
             check_model_id(self.model_id)
         if self.storage is not None and self.model_id is None:
@@ -307,18 +283,8 @@ class CacheConfig:
                 "(hicache.storage.model_identity(name, weights_digest=... or revision=..., "
                 f"dtype=..., tp_rank=...)) with storage={self.storage!r}, got None"
             )
-        if isinstance(self.max_pinned_fraction, bool) or not isinstance(
-            self.max_pinned_fraction, int | float
-        ):
-            raise TypeError(
-                f"max_pinned_fraction: expected float, got {type(self.max_pinned_fraction).__name__}"
-            )
-        if not 0 <= self.max_pinned_fraction <= 1:
-            raise ValueError(
-                f"max_pinned_fraction: expected a fraction in [0, 1], got {self.max_pinned_fraction}"
-            )
-        if not isinstance(self.kv_events, bool):
-            raise TypeError(f"kv_events: expected bool, got {type(self.kv_events).__name__}")
+        check_fraction("max_pinned_fraction", self.max_pinned_fraction)
+        check_bool("kv_events", self.kv_events)
 
     @property
     def page_size(self) -> int:

@@ -113,7 +113,6 @@ CASES = [
     ("alloc-bool", lambda c, h: c.alloc(h["owner"], True), TypeError, "int"),
     ("alloc-str", lambda c, h: c.alloc(h["owner"], "4"), TypeError, "int"),
     ("alloc-none", lambda c, h: c.alloc(h["owner"], None), TypeError, "int"),
-    ("alloc-np-int", lambda c, h: c.alloc(h["owner"], np.int64(2)), TypeError, "int"),
     # insert: tokens that do not fit the handle
     ("insert-not-extending", lambda c, h: c.insert(h["loading"], seq(101, 3)), ValueError,
      "in flight"),
@@ -217,6 +216,23 @@ def test_hicache_rejects_a_non_config(config):
 def test_cache_config_rejects_bad_values(kwargs, exc):
     with pytest.raises(exc):
         CacheConfig(KV, **kwargs)
+
+
+@pytest.mark.parametrize("lifecycle", ["python", "native"])
+def test_alloc_takes_a_numpy_integer_like_every_count(lifecycle):
+    """Counts are checked by hicache.checks.check_int everywhere: numpy integers are ints."""
+    if lifecycle == "native":
+        cache = HiCache(CacheConfig(
+            kv=KV, device_tokens=8 * P, host_tokens=8 * P, allocate_kv=False, tree="native",
+            lifecycle="native",
+        ))
+    else:
+        cache = make_cache(device_pages=8, host_pages=8)
+    h = cache.match(seq(1, 1))
+    pages = cache.alloc(h, np.int64(2 * P))
+    assert pages is not None and pages.shape[0] == 2 and h.num_owned_pages == 2
+    cache.release(h)
+    cache.check_integrity()
 
 
 def test_a_rejected_call_leaves_the_cache_fully_usable():

@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import psutil
 import pytest
 import torch
 from conftest import assert_no_leaks
 
 from hicache import CacheConfig, HiCache, KVConfig
-from hicache.cache import facade as cache_module
+from hicache.cache import tiers as tiers_module
 from hicache.configfile import apply_env
 
 KV = KVConfig(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_size=4)
@@ -56,7 +57,7 @@ def _no_allocator(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a page allocator was built before the memory check")
 
-    monkeypatch.setattr(cache_module, "PageAllocator", refuse)
+    monkeypatch.setattr(tiers_module, "PageAllocator", refuse)
 
 
 @pytest.mark.parametrize("allocate_kv", [True, False])
@@ -148,7 +149,7 @@ def test_from_dict_round_trips():
     ({**DATA, "kv": {"num_layers": 2}}, ValueError, "kv: missing num_kv_heads, head_dim"),
     ({**DATA, "kv": {**DATA["kv"], "heads": 2}}, ValueError, "kv: unknown field 'heads'"),
     ({**DATA, "kv": {**DATA["kv"], "page_size": 0}}, ValueError,
-     "kv: page_size: expected a positive int, got 0"),
+     "kv: page_size: expected >= 1, got 0"),
     ({**DATA, "kv": 3}, TypeError, "kv: expected a mapping of KV fields, got int"),
     ({**DATA, "device_tokens": "64"}, TypeError, "device_tokens: expected int, got str"),
     ({**DATA, "write_policy": "sometimes"}, ValueError, "write_policy: expected one of"),
@@ -243,3 +244,18 @@ def test_a_bookkeeping_only_cache_never_needs_its_device():
         cache.insert(h, list(range(8)))
         cache.release(h)
         assert_no_leaks(cache)
+
+
+def test_integer_fields_take_numpy_integers_and_store_python_ints():
+    """Counts are checked by hicache.checks.check_int everywhere: a numpy integer is an int."""
+    kv = KVConfig(num_layers=np.int64(2), num_kv_heads=np.int32(1), head_dim=8, page_size=4)
+    cfg = CacheConfig(kv=kv, device_tokens=np.int64(64), load_threshold_tokens=np.int64(0))
+    for value in (kv.num_layers, kv.num_kv_heads, cfg.device_tokens, cfg.load_threshold_tokens):
+        assert type(value) is int
+    assert cfg.num_device_pages == 16
+
+
+@pytest.mark.parametrize("field", ["host_ratio", "host_gb"])
+def test_host_size_numbers_name_the_same_expected_type(field):
+    with pytest.raises(TypeError, match=f"{field}: expected a number, got str"):
+        CacheConfig(kv=KVConfig(2, 1, 8, page_size=4), device_tokens=64, **{field: "2"})

@@ -133,12 +133,12 @@ def test_reset_clears_storage_only_when_asked(tmp_path):
         cache.insert(h, A)
         cache.release(h)
         cache.wait_all()
-        for job in list(cache._storage_pins.values()):
+        for job in list(cache._inflight.storage_pins.values()):
             job.done.wait()
         cache.poll()
         store = cache.storage.backend
         assert isinstance(store, FileStorage)
-        keys = cache._page_keys(cache.tree.match_prefix(A).last_node.key, None)
+        keys = cache._third_tier.page_keys(cache.tree.match_prefix(A).last_node.key, None)
         assert store.exists(keys) == 3
         r = cache.reset()
         assert r.storage_pages_deleted is None and store.exists(keys) == 3
@@ -154,7 +154,7 @@ def test_reset_discards_storage_reads_in_flight(tmp_path):
     with HiCache(cfg) as writer:
         serve(writer, A)
         writer.wait_all()
-        for job in list(writer._storage_pins.values()):
+        for job in list(writer._inflight.storage_pins.values()):
             job.done.wait()
         writer.poll()
     with HiCache(cfg) as cache:
@@ -228,7 +228,7 @@ def test_pin_budget_is_a_fraction_of_the_device_tier(tree):
 def test_pin_again_replaces_and_ttl_expires(tree):
     cache = bookkeeping(tree)
     clock = [100.0]
-    cache._now = lambda: clock[0]
+    cache._pins.now = lambda: clock[0]
     serve(cache, A[:4])
     assert cache.pin(A, ttl_s=5) == 4  # only 4 of A's tokens are cached
     serve(cache, A)

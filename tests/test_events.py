@@ -122,7 +122,7 @@ def test_load_back_and_namespaces_in_events():
 def test_events_off_by_default_and_bad_flag():
     cache = HiCache(CacheConfig(KV, device_tokens=8, allocate_kv=False))
     serve(cache, A)
-    assert cache.take_events() == [] and cache._event_log is None
+    assert cache.take_events() == [] and cache._events is None
     cache.check_integrity()
     with pytest.raises(TypeError, match="kv_events"):
         CacheConfig(KV, device_tokens=8, kv_events=1)
@@ -134,7 +134,7 @@ def test_storage_events(tmp_path):
     with HiCache(cfg) as cache:
         serve(cache, A)
         cache.wait_all()
-        for job in list(cache._storage_pins.values()):
+        for job in list(cache._inflight.storage_pins.values()):
             job.done.wait()
         cache.poll()
         events = cache.take_events()

@@ -28,7 +28,7 @@ def complete_transfers(cache: HiCache) -> None:
         for t in cache.transfers.executor.pending():
             cache.transfers.executor.complete(t)
     cache.poll()
-    for job in set(cache._storage_pins.values()):
+    for job in set(cache._inflight.storage_pins.values()):
         job.done.wait()
     cache.poll()
 
@@ -48,14 +48,14 @@ def test_selective_backup_in_match_does_not_evict_the_host_part_being_loaded(tre
     for _ in range(3):
         serve(cache, a)  # the third serve reaches the threshold: A's backup in flight
     node_a = cache.tree.match_prefix(a).last_node
-    rec_a = cache._node_transfer[node_a]
+    rec_a = cache._inflight.by_node[node_a]
     for _ in range(3):
         serve(cache, ab)  # B (child of A) is backed up; A is still in flight
     (node_b,) = node_a.children.values()
-    ex.complete(cache._node_transfer[node_b].handle)
+    ex.complete(cache._inflight.by_node[node_b].handle)
     ex.fail(rec_a.handle, RuntimeError("injected backup failure"))
     cache.poll()
-    assert node_a.on_host and cache._node_transfer[node_a] is not rec_a  # retried
+    assert node_a.on_host and cache._inflight.by_node[node_a] is not rec_a  # retried
     assert cache.stats()["backups_retried"] == 1
     cache.check_integrity()
     for _ in range(3):

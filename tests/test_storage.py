@@ -394,3 +394,13 @@ def test_spec_options_are_checked(tmp_path):
         )
     store = make_storage(f"file:{tmp_path}/sub", page_nbytes=64, capacity_nbytes=1 << 20)
     assert isinstance(store, FileStorage) and store.capacity_nbytes == 1 << 20
+
+
+def test_storage_sizes_of_the_wrong_type_raise_type_error(tmp_path):
+    """One checker (hicache/checks.py): a wrong type is a TypeError, a bad value a ValueError."""
+    with pytest.raises(TypeError, match="page_nbytes: expected int, got str"):
+        FileStorage(tmp_path, page_nbytes="64")
+    with pytest.raises(TypeError, match="capacity_nbytes: expected int, got float"):
+        FileStorage(tmp_path, page_nbytes=64, capacity_nbytes=1.5)
+    with pytest.raises(TypeError, match="page_size: expected int, got float"):
+        extend_keys(root_key(None, FP, MID), [1, 2], 1.0)

@@ -231,7 +231,7 @@ def store_a(tmp_path: Path) -> list[Path]:
     """A first cache computes A and stores it; returns the paths of its 4 page files."""
     with make(tmp_path) as first:
         serve(first, A)
-        keys = first._page_keys(token_key(A, KV.page_size), None)
+        keys = first._third_tier.page_keys(token_key(A, KV.page_size), None)
     assert len(keys) == 4
     return [tmp_path / k[:2] / k for k in keys]
 

@@ -22,142 +22,117 @@ applied only by :meth:`poll`, which every public call runs first: worker threads
 never touch the cache's state. Invariants: ``check_integrity`` and
 docs/design.md (a host copy implies host copies of every ancestor).
 The cache is not thread-safe; one engine loop drives it (docs/design.md).
+
+HiCache checks arguments and sequences its parts, each one object with the
+state it owns: :class:`~hicache.cache.space.TierSpace` (allocation, eviction),
+:class:`~hicache.cache.inflight.InFlightTable` (IO in flight),
+:class:`~hicache.cache.loads.Loads` (load-back),
+:class:`~hicache.cache.writes.Writes` (the write policy),
+:class:`~hicache.cache.storage.ThirdTier` (storage),
+:class:`~hicache.cache.pins.Pins`, :class:`~hicache.cache.control.EventLog`
+and, for bookkeeping-only caches,
+:class:`~hicache.cache.native_lifecycle.NativeLifecycle`.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass
-
 import torch
 
-from hicache.cache.control import ControlMixin, ResetResult  # noqa: F401  (ResetResult: re-exported)
-from hicache.cache.handle import LoadError, PrefixHandle  # noqa: F401  (LoadError: re-exported)
-from hicache.cache.native_lifecycle import NativeLifecycleMixin
-from hicache.cache.storage import ThirdTierMixin
-from hicache.checks import check_namespace, check_priority
-from hicache.config import CacheConfig, WritePolicy
-from hicache.memory import PageAllocator
-from hicache.tree import (
-    IOStatus,
-    MatchResult,
-    TokenLike,
-    TreeNode,
-    token_key,
+from hicache.cache.control import EventLog, ResetResult, drop_unheld
+from hicache.cache.handle import PrefixHandle
+from hicache.cache.inflight import InFlightTable
+from hicache.cache.integrity import check_cache_integrity
+from hicache.cache.loads import Loads
+from hicache.cache.native_lifecycle import open_native_lifecycle
+from hicache.cache.pins import Pins
+from hicache.cache.python_lifecycle import PythonLifecycle
+from hicache.cache.space import TierSpace
+from hicache.cache.stats import CacheStats, stats_report
+from hicache.cache.storage import ThirdTier
+from hicache.cache.tiers import build_tiers
+from hicache.cache.writes import Writes
+from hicache.checks import (
+    check_bool,
+    check_int,
+    check_namespace,
+    check_priority,
+    check_timeout,
+    check_ttl,
 )
-
-_EMPTY = torch.empty(0, dtype=torch.int64)
-
-
-@dataclass
-class CacheStats:
-    """Counters since construction; exact, in tokens unless the name says otherwise."""
-
-    requests: int = 0  # match calls
-    requested_tokens: int = 0  # tokens passed to match
-    device_hit_tokens: int = 0  # matched on the device
-    host_hit_tokens: int = 0  # matched in host memory and loaded back
-    host_hit_refused_tokens: int = 0  # host hits not loaded (below threshold or no room)
-    loads_refused_by_threshold: int = 0
-    loads_refused_no_space: int = 0
-    loads: int = 0
-    loads_failed: int = 0
-    loads_reloaded: int = 0  # failed loads' nodes loaded again in place (a request held them)
-    load_bytes: int = 0
-    load_seconds: float = 0.0
-    backups: int = 0
-    backups_failed: int = 0
-    backups_skipped: int = 0  # nodes not backed up: host tier full and nothing evictable
-    backups_retried: int = 0  # failed backups started again (a child's host copy needs them)
-    backup_bytes: int = 0
-    backup_seconds: float = 0.0
-    device_evicted_tokens: int = 0
-    host_evicted_tokens: int = 0
-    inserted_tokens: int = 0  # tokens newly cached by insert
-    storage_prefetches: int = 0  # reads from the third tier started
-    storage_hit_tokens: int = 0  # tokens brought into the host tier from storage
-    storage_read_bytes: int = 0
-    storage_read_seconds: float = 0.0
-    storage_writes: int = 0  # writes to the third tier started
-    storage_write_bytes: int = 0
-    storage_write_seconds: float = 0.0
-    storage_errors: int = 0  # failed storage jobs (store unreachable, I/O error)
-    pins_refused: int = 0  # pin calls refused: the pin budget (max_pinned_fraction) was spent
+from hicache.config import CacheConfig
+from hicache.events import KVEvent
+from hicache.tree import TokenLike, token_key
 
 
-class _Transfer:
-    """A transfer in flight and the tree nodes / requests that depend on it."""
-
-    __slots__ = ("handle", "kind", "nodes", "requests", "evict", "nbytes")
-
-    def __init__(self, handle, kind: str, nodes: list[TreeNode], nbytes: int) -> None:
-        self.handle = handle
-        self.kind = kind  # "load" | "backup"
-        self.nodes = nodes  # grows when a node is split while in flight
-        self.requests: list[PrefixHandle] = []  # requests that must wait for this load
-        # write-back: the nodes (the evicted leaf, parts split off it) whose device
-        # pages are freed once backed up; None for other backups
-        self.evict: list[TreeNode] | None = None
-        self.nbytes = nbytes
-
-
-class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
+class HiCache:
     """Hierarchical (device + host) prefix cache. See the module docstring for the lifecycle."""
 
     def __init__(self, config: CacheConfig) -> None:
-        from hicache.memory import DevicePool, HostPool, check_cache_memory
-        from hicache.transfer import TransferEngine
-
         if not isinstance(config, CacheConfig):
             raise TypeError(f"config: expected CacheConfig, got {type(config).__name__}")
-        check_cache_memory(config)  # before any pool or page allocator is built
         self.config = config
         self._closed = False
         self.page_size = config.page_size
-        self.tree = _make_tree(config)  # split hook: only while IO or a pin is tracked
-        self.device_allocator = PageAllocator(config.num_device_pages, "device pages")
-        self.host_allocator = PageAllocator(config.num_host_pages, "host pages")
         self.has_host_tier = config.has_host_tier
-        if config.allocate_kv:
-            self.device_pool = DevicePool(config.kv, config.num_device_pages, config.device)
-            self.host_pool = (
-                HostPool(
-                    config.kv, config.num_host_pages, reserve_nbytes=config.host_reserve_nbytes
-                )
-                if self.has_host_tier
-                else None
-            )
-            # Without a host tier nothing is ever transferred; a copying executor
-            # would demand a host pool.
-            executor = config.executor if self.has_host_tier else "immediate"
-        else:
-            self.device_pool = self.host_pool = None
-            executor = "immediate"
-        self.transfers = TransferEngine(self.device_pool, self.host_pool, executor)
+        tiers = build_tiers(config)
+        self.tree = tiers.tree  # split hook: only while IO or a pin is tracked
+        self.device_allocator = tiers.device_allocator
+        self.host_allocator = tiers.host_allocator
+        self.device_pool = tiers.device_pool
+        self.host_pool = tiers.host_pool
+        self.transfers = tiers.transfers
         # Bookkeeping only (no KV tensors): loads and write-through backups complete
         # as they start, so they skip the IO states and transfer records entirely.
-        self._bookkeeping = self.device_pool is None
+        bookkeeping = self.device_pool is None
         self._counters = CacheStats()
-        self._page_nbytes = config.kv.page_nbytes
-        self._inflight: dict[int, _Transfer] = {}  # id(transfer handle) -> record
-        self._node_transfer: dict[TreeNode, _Transfer] = {}  # nodes with IO in flight
-        self._num_loading_nodes = 0
         self._live: set[PrefixHandle] = set()
-        self._pins = {}  # (namespace, key) -> pin (hicache/cache/control.py)
-        self._event_log = [] if config.kv_events else None  # KV events (hicache/events.py)
-        if config.kv_events:
-            self.tree.enable_events()
-        self.storage = None
-        self._storage_pins: dict[TreeNode, object] = {}  # host-pinned by a storage write
-        self._prefetches: list = []  # storage reads in flight
-        # While a load is being set up, finished storage jobs wait: a read applied then
-        # would insert host pages (splitting the pinned nodes the load is about to use).
-        self._storage_paused = False
+        self._inflight = InFlightTable(self.tree)
+        self._space = TierSpace(
+            self.tree, self.device_allocator, self.host_allocator, self.transfers,
+            self._inflight, self._counters, page_size=self.page_size,
+            bookkeeping=bookkeeping, poll=self.poll, wait_all=self.wait_all,
+        )
+        self._pins = Pins(config, self.tree, self._counters)
+        self._events = (
+            EventLog(self.tree, self.page_size, self.has_host_tier) if config.kv_events else None
+        )
+        self.storage = None  # the storage worker (hicache.storage.worker.StorageTier)
+        self._third_tier: ThirdTier | None = None
         if config.storage is not None:
-            self._open_storage(config)
-        self._open_lifecycle(config)  # sets _core: the C++ lifecycle, or None
+            self._third_tier = ThirdTier(
+                config, self.tree, self.host_pool, self._space, self._inflight, self._counters,
+                poll=self.poll,
+                log_stored=None if self._events is None else self._events.log_storage_stored,
+            )
+            self.storage = self._third_tier.worker
+        self._writes = Writes(
+            config, self.tree, self._space, self._inflight, self.transfers, self._counters,
+            bookkeeping=bookkeeping,
+            on_backed_up=None if self._third_tier is None else self._third_tier.store,
+        )
+        self._loads = Loads(
+            config, self.tree, self._space, self._inflight, self.transfers, self._counters,
+            bookkeeping=bookkeeping,
+            # a write-back eviction made room for a load may evict host pages
+            pin_host_pages=not bookkeeping or self._writes.is_write_back,
+        )
+        self._python = PythonLifecycle(
+            self.tree, self._space, self._inflight, self._loads, self._writes, self._third_tier,
+            self._counters, page_size=self.page_size, num_layers=config.kv.num_layers,
+            poll=self.poll,
+        )
+        # The C++ lifecycle takes the hot calls where it applies (bookkeeping only).
+        self._native = open_native_lifecycle(
+            config, self.tree, self.device_allocator, self.host_allocator
+        )
+        self._lifecycle = self._python if self._native is None else self._native
 
     # ------------------------------------------------------------- lifecycle
+    @property
+    def lifecycle(self) -> str:
+        """Where the request lifecycle runs: ``"native"`` (C++) or ``"python"``."""
+        return "python" if self._native is None else "native"
+
     def match(
         self,
         tokens: TokenLike,
@@ -189,39 +164,13 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
         order eviction only under the ``priority`` policy: lowest first, least
         recently used among equals.
         """
-        if self._core is not None:  # the lock node is a bare native handle
-            self.tree._impl.raise_priority(h._lock_h, priority)
-        else:
-            self.tree.raise_priority(h._lock_node, priority)
+        self._lifecycle.raise_priority(h, priority)
 
     def _match(self, tokens: TokenLike, namespace: str | None, load_back: bool) -> PrefixHandle:
-        if not isinstance(load_back, bool):
-            raise TypeError(f"load_back: expected bool, got {type(load_back).__name__}")
+        check_bool("load_back", load_back)
         check_namespace(namespace)  # before storage keys are derived from it
-        if self._core is not None:  # bookkeeping only: nothing is ever in flight to poll
-            return self._match_native(tokens, namespace, load_back)
-        self.poll()
-        key = token_key(tokens, self.page_size)
-        if self.storage is not None:
-            self._prefetch_for_match(key, namespace)
-        result = self.tree.match_key(key, namespace)
-        h = PrefixHandle(
-            self, key, namespace, result.device_len, result.host_len, result.last_device_node
-        )
-        self.tree.lock(result.last_device_node)
+        h = self._lifecycle.match(self, tokens, namespace, load_back)
         self._live.add(h)
-        c = self._counters
-        c.requests += 1
-        c.requested_tokens += len(tokens)
-        c.device_hit_tokens += result.device_len
-        if self._num_loading_nodes:
-            self._wait_for_loads_on_path(h, result.last_device_node)
-        if load_back and result.host_len:
-            self._start_load(h, result)
-        if self.config.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
-            # After the load: the host allocation for these backups may evict host
-            # pages, and the matched host-only nodes are pinned only once loading.
-            self._backup_path(h._lock_node)
         return h
 
     def load_back(self, h: PrefixHandle):
@@ -243,84 +192,7 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
                 f"load_back: the handle owns {h.num_owned_pages} pages allocated for positions "
                 f"from {h.prefix_len} on; call load_back before alloc (or release and match again)"
             )
-        self.poll()
-        self._apply_load_failures(h)
-        if h.prefix_len < h.device_len + h.host_len:
-            result = self.tree.match_key(h.key[: 4 * (h.device_len + h.host_len)], h.namespace)
-            if result.device_len > h.prefix_len:  # loaded or inserted meanwhile: take it
-                self.tree.lock(result.last_device_node)
-                self.tree.unlock(h._lock_node)
-                h._lock_node = result.last_device_node
-                h._prefix_pages = None
-                h.prefix_len = result.device_len
-                if self._num_loading_nodes:
-                    self._wait_for_loads_on_path(h, result.last_device_node)
-            if result.host_len and result.last_device_node is h._lock_node:
-                return self._start_load(h, result)
-        return None
-
-    def _start_load(self, h: PrefixHandle, result: MatchResult):
-        nodes = self.tree.host_only_path(result)
-        num_pages = sum(n.num_tokens for n in nodes) // self.page_size
-        num_tokens = num_pages * self.page_size
-        if num_tokens < self.config.load_threshold_tokens:
-            self._counters.loads_refused_by_threshold += 1
-            self._counters.host_hit_refused_tokens += num_tokens
-            return None
-        # Pinned now: the eviction below must not take them (a write-back eviction
-        # may evict host pages), and a real load reads them until it completes.
-        pin = not self._bookkeeping or self.config.write_policy is WritePolicy.WRITE_BACK
-        if pin:
-            for node in nodes:
-                self.tree.host_lock(node)
-        self._storage_paused = True
-        try:
-            pages = self._alloc_device(num_pages)
-        finally:
-            self._storage_paused = False
-        if h._lock_node is not result.last_device_node:
-            # Eviction polls: a failed load applied meanwhile cut ``h`` back above these
-            # nodes (their parent may have lost its device copy). Load nothing.
-            if pages is not None:
-                self.device_allocator.free(pages)
-            for node in nodes if pin else ():
-                self.tree.host_unlock(node)
-            return None
-        if pages is None:
-            for node in nodes if pin else ():
-                self.tree.host_unlock(node)
-            self._counters.loads_refused_no_space += 1
-            self._counters.host_hit_refused_tokens += num_tokens
-            return None
-        off = 0
-        for node in nodes:
-            n = node.num_tokens // self.page_size
-            self.tree.attach_device(node, pages[off : off + n])
-            if self._bookkeeping:
-                if pin:
-                    self.tree.host_unlock(node)
-            else:
-                self.tree.set_io_status(node, IOStatus.LOADING)
-            off += n
-        self.tree.lock(nodes[-1])
-        self.tree.unlock(h._lock_node)
-        h._lock_node = nodes[-1]
-        h._prefix_pages = None
-        h.prefix_len += num_tokens
-        self._counters.loads += 1
-        self._counters.host_hit_tokens += num_tokens
-        if self._bookkeeping:  # no KV to move: the load is complete as it starts
-            self._counters.load_bytes += num_pages * self._page_nbytes
-            return None
-        host_pages = torch.cat([n.host_indices for n in nodes]) if len(nodes) > 1 else (
-            nodes[0].host_indices
-        )
-        handle = self.transfers.load(host_pages, pages)
-        rec = _Transfer(handle, "load", list(nodes), num_pages * self._page_nbytes)
-        rec.requests.append(h)
-        h._loads.append(rec)
-        self._track(rec)
-        return handle
+        return self._python.load_back(h)
 
     def finish_loads(self, h: PrefixHandle) -> bool:
         """Wait for the loads ``h`` depends on and apply them; False if one failed.
@@ -337,8 +209,8 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
         for rec in list(h._loads):
             rec.handle.wait()
         self.poll()
-        self._apply_load_failures(h)
-        h._loads = [rec for rec in h._loads if id(rec.handle) in self._inflight]
+        self._loads.apply_failures(h)
+        h._loads = [rec for rec in h._loads if self._inflight.is_tracked(rec.handle)]
         failed, h._failure_unreported = h._failure_unreported, False
         if not failed:
             h.load_error = None  # e.g. a retried load_back landed
@@ -352,21 +224,12 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
         a refused allocation leaves every cached prefix in place.
         """
         self._check_handle(h)
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
-            raise TypeError(f"num_tokens: expected int, got {type(num_tokens).__name__}")
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens: expected >= 0, got {num_tokens}")
+        num_tokens = check_int("num_tokens", num_tokens)
         num_pages = -(-num_tokens // self.page_size)
-        if self._pins:  # an expired pin's pages are evictable again
-            self._expire_pins(self._now())
+        self._pins.expire()  # an expired pin's pages are evictable again
         if num_pages > self.device_allocator.num_pages:
             return None  # more than the whole device tier: evicting cannot help
-        if self._core is not None:
-            pages = self._core.alloc(num_pages)
-        else:
-            self.poll()
-            self._apply_load_failures(h)
-            pages = self._alloc_device(num_pages)
+        pages = self._lifecycle.alloc(h, num_pages)
         if pages is not None and pages.shape[0]:
             h._new_pages.append(pages)
         return pages
@@ -378,81 +241,22 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
         Pages another request cached meanwhile are freed (the tree keeps its own).
         Afterwards ``h`` holds the inserted path; the write policy runs. Returns the
         number of tokens newly cached. ``priority`` raises the eviction priority of
-        the path ``h`` holds afterwards (see :meth:`_raise_priority`). Raises :class:`LoadError` (having cut ``h``
-        back) when a load of ``h``'s prefix failed and ``finish_loads`` has not
-        reported it yet.
+        the path ``h`` holds afterwards (see :meth:`_raise_priority`). Raises
+        :class:`LoadError` (having cut ``h`` back) when a load of ``h``'s prefix
+        failed and ``finish_loads`` has not reported it yet.
         """
+        self._check_handle(h)
         if priority is not None:
-            self._check_handle(h)
             priority = check_priority(priority)
-        num_new = self._insert(h, tokens)
+        num_new = self._lifecycle.insert(h, tokens)
         if priority is not None:
             self._raise_priority(h, priority)
         return num_new
 
-    def _insert(self, h: PrefixHandle, tokens: TokenLike) -> int:
-        self._check_handle(h)
-        if self._core is not None:  # bookkeeping only: no load is ever in flight
-            return self._insert_native(h, tokens)
-        self.poll()
-        self._apply_load_failures(h)
-        if h._failure_unreported:
-            raise LoadError(
-                f"insert: a load of the prefix failed ({h.load_error}); h.prefix_len was cut "
-                f"back to {h.prefix_len}: call finish_loads(h), alloc and recompute from there"
-            )
-        for rec in h._loads:
-            if not rec.handle.done():
-                raise ValueError("insert: a prefix load is still in flight; call h.wait() first")
-        key = token_key(tokens, self.page_size)
-        pnb = 4 * self.page_size
-        prefix_nbytes = 4 * h.prefix_len
-        if len(key) < prefix_nbytes or not key.startswith(h.key[:prefix_nbytes]):
-            raise ValueError(
-                f"insert: tokens must start with the handle's {h.prefix_len}-token prefix"
-            )
-        num_pages = len(key) // pnb
-        num_prefix_pages = h.prefix_len // self.page_size
-        num_owned = h.num_owned_pages
-        if num_pages > num_prefix_pages + num_owned:
-            raise ValueError(
-                f"insert: {num_pages} whole pages of tokens, but the handle holds only "
-                f"{num_prefix_pages + num_owned} pages (alloc more first)"
-            )
-        if num_pages == num_prefix_pages:
-            return 0
-        table = h.page_table()
-        inserted = table[:num_pages]
-        result = self.tree.insert_key(key, inserted, h.namespace)
-        cached_pages = result.num_cached_tokens // self.page_size
-        if cached_pages > num_prefix_pages:  # cached meanwhile by someone else: ours are spare
-            self.device_allocator.free(table[num_prefix_pages:cached_pages])
-        rest = table[num_pages:]
-        h._new_pages = [rest] if rest.shape[0] else []
-        self.tree.lock(result.last_node)
-        self.tree.unlock(h._lock_node)
-        h._lock_node = result.last_node
-        if self._num_loading_nodes:  # deduplicated onto pages a load is still writing
-            self._wait_for_loads_on_path(h, result.last_node)
-        # If nothing was cached meanwhile, the tree's pages of the path are ours.
-        h._prefix_pages = inserted if cached_pages <= num_prefix_pages else None
-        h.prefix_len = num_pages * self.page_size
-        h.key = key
-        new_tokens = (num_pages - cached_pages) * self.page_size
-        self._counters.inserted_tokens += new_tokens
-        if self.config.write_policy is not WritePolicy.WRITE_BACK:
-            self._backup_path(result.last_node)
-        return new_tokens
-
     def release(self, h: PrefixHandle) -> None:
         """Unlock ``h``'s prefix and free the pages it owns. The cached KV stays cached."""
         self._check_handle(h)
-        if self._core is not None and len(h._new_pages) <= 1:
-            self._core.release(h._lock_h, h._new_pages[0] if h._new_pages else None)
-        else:
-            self.tree.unlock(h._lock_node)
-            for pages in h._new_pages:
-                self.device_allocator.free(pages)
+        self._lifecycle.release(h)
         h._new_pages = []
         h.released = True
         self._live.discard(h)
@@ -462,26 +266,20 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
     def poll(self) -> int:
         """Apply every transfer that finished since the last call; return how many."""
         self._check_open()
-        if not self._inflight and (self.storage is None or not self.storage.num_in_flight):
+        storage = self.storage
+        if not self._inflight.records and (storage is None or not storage.num_in_flight):
             return 0  # nothing can have finished
         done = self.transfers.poll()
-        if self.storage is not None and not self._storage_paused:
-            for job in self.storage.poll():
-                if job.kind == "write":
-                    self._finish_storage_write(job)
-                else:
-                    self._finish_storage_read(job)
+        if storage is not None and not self._loads.setting_up:
+            for job in storage.poll():
+                self._third_tier.finish(job)
         for handle in done:
-            rec = self._inflight.pop(id(handle))
-            for node in rec.nodes:
-                del self._node_transfer[node]
+            rec = self._inflight.pop(handle)
             if rec.kind == "load":
-                self._num_loading_nodes -= len(rec.nodes)
-                self._finish_load(rec)
+                self._loads.finish(rec)
             else:
-                self._finish_backup(rec)
-        if not self._node_transfer and not self._storage_pins and self.tree.on_split is not None:
-            self.tree.on_split = None  # nothing to follow through splits any more
+                self._writes.finish(rec)
+        self._inflight.unwatch_if_idle()
         return len(done)
 
     def wait_all(self, timeout: float | None = None) -> None:
@@ -490,344 +288,117 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
         On the manual executor only what the test completed is applied.
         """
         self._check_open()
-        if timeout is not None:
-            if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-                raise TypeError(f"timeout: expected seconds or None, got {type(timeout).__name__}")
-            if not timeout >= 0:
-                raise ValueError(f"timeout: expected >= 0, got {timeout}")
-            if math.isinf(timeout):  # waits take a finite timeout: infinity is no limit
-                timeout = None
-        for rec in list(self._inflight.values()):
+        timeout = check_timeout("timeout", timeout)
+        for rec in list(self._inflight.records.values()):
             rec.handle.wait(timeout)
         self.poll()  # finished backups may start storage writes
-        for job in [*self._prefetches, *set(self._storage_pins.values())]:
+        reads = [] if self._third_tier is None else self._third_tier.prefetches
+        for job in [*reads, *self._inflight.storage_writes()]:
             job.done.wait(timeout)
         self.poll()
 
-    def _watch_splits(self) -> None:
-        """Follow splits (``_on_split``) while a node is tracked by a transfer or a pin.
+    # ------------------------------------------------------------ third tier
+    def prefetch(self, tokens: TokenLike, namespace: str | None = None):
+        """Start reading the pages of ``tokens`` that only storage holds into host memory.
 
-        Installed on demand: with nothing tracked a split needs no bookkeeping, and
-        the native tree would otherwise call into Python on every split (most
-        evictions split a leaf). ``poll`` removes the hook once nothing is tracked.
+        Call it when a request arrives; :meth:`match` (when the request is scheduled)
+        then uses what has arrived, as ``prefetch_policy`` says. A read in flight that
+        fetches the same tokens' pages is shared, and one that fetches a prefix of them
+        is continued after (reads finish in the order they start). Returns the job that
+        brings the last of the pages, or ``None`` when there is no third tier or
+        nothing to fetch.
         """
-        if self.tree.on_split is None:
-            self.tree.on_split = self._on_split
+        self._check_open()
+        key = token_key(tokens, self.page_size)  # bad input is refused with or without storage
+        check_namespace(namespace)
+        self.poll()
+        if self._third_tier is None:
+            return None
+        return self._third_tier.start_prefetch(key, namespace)
 
-    def _track(self, rec: _Transfer) -> None:
-        self._watch_splits()
-        self._inflight[id(rec.handle)] = rec
-        for node in rec.nodes:
-            self._node_transfer[node] = rec
-        if rec.kind == "load":
-            self._num_loading_nodes += len(rec.nodes)
+    # ------------------------------------------------------------- controls
+    def reset(self, *, storage: bool = False) -> ResetResult:
+        """Drop every cached prefix that no live request holds, in both tiers.
 
-    def _on_split(self, prefix: TreeNode, suffix: TreeNode) -> None:
-        job = self._storage_pins.get(suffix)
-        if job is not None:
-            job.nodes.append(prefix)
-            self._storage_pins[prefix] = job
-        rec = self._node_transfer.get(suffix)
-        if rec is not None:
-            rec.nodes.append(prefix)
-            self._node_transfer[prefix] = rec
-            if rec.kind == "load":
-                self._num_loading_nodes += 1
-            elif rec.evict is not None and suffix in rec.evict:
-                rec.evict.append(prefix)
-
-    def _finish_load(self, rec: _Transfer) -> None:
-        handle = rec.handle
-        c = self._counters
-        for node in rec.nodes:
-            self.tree.set_io_status(node, IOStatus.NONE)
-            self.tree.host_unlock(node)
-        if handle.error is None:
-            c.load_bytes += rec.nbytes
-            c.load_seconds += handle.seconds or 0.0
-            return
-        # The device pages hold garbage: requests fall back to the prefix above the
-        # failed nodes (and recompute the rest); then the nodes lose their device copy.
-        c.loads_failed += 1
-        nodes = sorted(rec.nodes, key=self._depth)
-        top = nodes[0]
-        for h in rec.requests:
-            # Applied by h's own next call (_apply_load_failures): this poll may run
-            # inside another request's call, and h's pages must not change under it.
-            # The record stays in h._loads so that h.wait_layer raises LoadError.
-            if not h.released:
-                h._failed_loads.append((rec, top.parent))
-        for node in reversed(nodes):
-            if node.lock_ref or any(ch.on_device for ch in node.children.values()):
-                # Someone cached KV below it before the failure was seen: load it again.
-                self._reload([node])
-                continue
-            self.device_allocator.free(self.tree.detach_device(node))
-
-    def _reload(self, nodes: list[TreeNode]) -> None:
-        for node in nodes:
-            self.tree.set_io_status(node, IOStatus.LOADING)
-            self.tree.host_lock(node)
-        handle = self.transfers.load(
-            torch.cat([n.host_indices for n in nodes]), torch.cat([n.device_indices for n in nodes])
-        )
-        num_pages = sum(n.num_tokens for n in nodes) // self.page_size
-        self._counters.loads_reloaded += 1
-        self._track(_Transfer(handle, "load", list(nodes), num_pages * self._page_nbytes))
-
-    def _apply_load_failures(self, h: PrefixHandle) -> None:
-        """Cut ``h`` back above the loads of its prefix that failed (a call made for ``h``)."""
-        if not h._failed_loads:
-            return
-        for rec, node in h._failed_loads:
-            if rec in h._loads:
-                h._loads.remove(rec)
-            self._truncate(h, node, rec.handle.error)
-            h.load_error = rec.handle.error
-            h._failure_unreported = True
-        h._failed_loads = []
-
-    def _truncate(self, h: PrefixHandle, node: TreeNode, error: BaseException) -> None:
-        depth = sum(n.num_tokens for n in self.tree.path_to(node))
-        if depth >= h.prefix_len:
-            return
-        self.tree.lock(node)
-        self.tree.unlock(h._lock_node)
-        h._lock_node = node
-        h._prefix_pages = None
-        h.prefix_len = depth
-        for pages in h._new_pages:  # computed on top of garbage: useless
-            self.device_allocator.free(pages)
-        h._new_pages = []
-        h.load_error = error
-
-    def _finish_backup(self, rec: _Transfer) -> None:
-        handle = rec.handle
-        c = self._counters
-        for node in rec.nodes:
-            self.tree.set_io_status(node, IOStatus.NONE)
-        if handle.error is not None:
-            c.backups_failed += 1
-            # Deepest first. A node whose child has a host copy keeps its own (the
-            # invariant) and is backed up again; the others lose theirs and stay on
-            # the device (a later backup through the path, or write-back eviction,
-            # tries again).
-            retry = []
-            for node in sorted(rec.nodes, key=self._depth, reverse=True):
-                if any(ch.host_indices is not None for ch in node.children.values()):
-                    retry.append(node)
-                else:
-                    self.host_allocator.free(self.tree.detach_host(node))
-            if retry:
-                self._retry_backup(retry[::-1], rec)
-            return
-        c.backup_bytes += rec.nbytes
-        c.backup_seconds += handle.seconds or 0.0
-        if self.storage is not None:
-            self._store(rec.nodes)
-        if rec.evict is not None:
-            # Deepest first: parts split off in flight become leaves once their child goes.
-            for node in sorted(rec.evict, key=self._depth, reverse=True):
-                if node.lock_ref == 0 and not any(ch.on_device for ch in node.children.values()):
-                    c.device_evicted_tokens += node.num_tokens
-                    self.device_allocator.free(self.tree.detach_device(node))
-
-    def _retry_backup(self, nodes: list[TreeNode], failed: _Transfer) -> None:
-        """Copy ``nodes`` (root side first) into the host pages they keep, again."""
-        c = self._counters
-        for node in nodes:
-            self.tree.set_io_status(node, IOStatus.BACKING_UP)
-        dev = torch.cat([n.device_indices for n in nodes])
-        host = torch.cat([n.host_indices for n in nodes])
-        fence = None if self.device_pool is None else self.transfers.compute_fence()
-        handle = self.transfers.backup(dev, host, after=fence)
-        rec = _Transfer(handle, "backup", nodes, dev.shape[0] * self._page_nbytes)
-        if failed.evict is not None:
-            rec.evict = [n for n in failed.evict if n in nodes] or None
-        c.backups += 1
-        c.backups_retried += 1
-        self._track(rec)
-
-    def _depth(self, node: TreeNode) -> int:
-        depth = 0
-        while node.parent is not None:
-            depth += 1
-            node = node.parent
-        return depth
-
-    def _wait_for_loads_on_path(self, h: PrefixHandle, node: TreeNode) -> None:
-        while node.parent is not None:
-            rec = self._node_transfer.get(node)
-            if rec is not None and rec.kind == "load" and rec not in h._loads:
-                h._loads.append(rec)
-                rec.requests.append(h)
-            node = node.parent
-
-    # ------------------------------------------------------- pages, eviction
-    def _alloc_device(self, num_pages: int) -> torch.Tensor | None:
-        """``num_pages`` free device pages, evicting as needed; None having evicted nothing.
-
-        Liveness: with no IO in flight, whenever the free pages plus the tree's
-        unlocked device pages cover the request, it succeeds (every unlocked device
-        page can be evicted: see the invariants in docs/design.md).
+        Safe with IO in flight: nodes that a live request locks, or that a load, a
+        backup or a storage write is reading, stay; the result says how many
+        tokens that kept. Every pin is released. Storage reads in flight are
+        discarded when they land (their KV would be as stale). With ``storage``
+        the third tier is emptied too, after the transfers and storage writes in
+        flight land (else they would put stale pages back): only then does reset
+        wait. Never raises for what it cannot drop; storage errors propagate as
+        :class:`hicache.storage.base.StorageError`.
         """
-        alloc = self.device_allocator
-        if num_pages <= alloc.num_free_pages:
-            return alloc.alloc(num_pages)
-        waits = self._inflight and self.transfers.executor_name != "manual"
-        if num_pages > alloc.num_free_pages + self._device_takeable_pages():
-            if not waits:
-                return None  # a refused allocation touches nothing
-            # Pages held by backups in flight (write-back, or nodes that cannot be
-            # evicted until their backup lands) come free once those complete.
-            self.wait_all()
-            if num_pages > alloc.num_free_pages + self._device_takeable_pages():
-                return None
-        manual = self.transfers.executor_name == "manual"
-        stalls = 0
-        while num_pages > alloc.num_free_pages and stalls < 3:
-            before = alloc.num_free_pages
-            # Write-back hands device leaves to backups and frees them as those land, so
-            # a chain is freed leaf by leaf: one round per level.
-            self._evict_device(num_pages - before)
-            if num_pages > alloc.num_free_pages and self._inflight and not manual:
-                # Evicted pages come free once their backups land (a failed one is
-                # offered to a backup again by the next round).
+        self._check_open()
+        check_bool("storage", storage)
+        clear_storage = storage and self._third_tier is not None
+        if clear_storage:
+            # Backups that land later would write stale pages to storage: let them land
+            # (and their storage writes) before anything is dropped.
+            if self.transfers.executor_name != "manual":
                 self.wait_all()
-            if alloc.num_free_pages > before:
-                stalls = 0
-            elif manual or self._bookkeeping:
-                break  # nothing lands until the test completes it / nothing is left
-            else:
-                stalls += 1
-        return alloc.alloc(num_pages)
+            for job in self._inflight.storage_writes():
+                job.done.wait()
+        self.poll()
+        dropped_pins = self._pins.drop_all()
+        discarded = 0 if self._third_tier is None else self._third_tier.discard_prefetches()
+        num_device, num_host = drop_unheld(self.tree, self.device_allocator, self.host_allocator)
+        deleted = self.storage.backend.clear() if clear_storage else None
+        if self._events is not None:
+            self._events.note_reset(clear_storage)
+        return ResetResult(
+            num_device, num_host, self.tree.device_tokens, self.tree.host_tokens, dropped_pins,
+            discarded, deleted,
+        )
 
-    def _host_takeable_pages(self) -> int:
-        """Host pages eviction could free, less those that IO in flight or a pin holds.
+    def take_events(self) -> list[KVEvent]:
+        """Every KV event since the last call, in order (see hicache/events.py).
 
-        A host copy being written (a backup in flight) is not taken, nor are the
-        host copies above a node that keeps its own (it is no leaf until that goes).
-        Host copies of inner nodes whose children keep device-only copies are
-        counted although eviction takes only leaves (see docs/design.md).
+        Empty unless ``CacheConfig.kv_events``. Device and host events come from
+        the tree (also when the C++ lifecycle runs the requests); storage events
+        when a write to the third tier lands; ``AllBlocksCleared`` from
+        :meth:`reset`. Storage that drops pages by itself (a capacity cap) does
+        not report it: a router's storage mirror is an upper bound.
         """
-        tokens = self.tree.host_evictable_tokens
-        busy = [*self._node_transfer, *self._storage_pins]
-        if busy:
-            seen: set = set()
-            for node in busy:
-                while node.parent is not None and node not in seen:
-                    seen.add(node)
-                    if node.host_indices is not None and not node.host_lock_ref:
-                        tokens -= node.num_tokens
-                    node = node.parent
-        return tokens // self.page_size
+        self._check_open()
+        return [] if self._events is None else self._events.take()
 
-    def _device_takeable_pages(self) -> int:
-        """Device pages eviction can free now: unlocked ones, less those IO pins.
+    def pin(self, tokens: TokenLike, namespace: str | None = None, ttl_s: float | None = None) -> int:
+        """Keep the device-resident cached prefix of ``tokens`` from eviction.
 
-        An unlocked node with IO in flight (a backup, a reload) is not taken, nor
-        are its unlocked ancestors (they keep a device child until it lands).
+        Returns the number of tokens pinned: the prefix cached on the device now
+        (0 when nothing is, or when pinning it would exceed
+        ``max_pinned_fraction`` of the device tier: counted in
+        ``stats()["pins_refused"]``). Pinning the same tokens again replaces the
+        pin (with the new ``ttl_s`` and whatever is cached by then). ``ttl_s``
+        (seconds, > 0) releases the pin by itself; ``None`` keeps it until
+        :meth:`unpin` or :meth:`reset`. A host-only part is not loaded: match it
+        first to bring it back, then pin. Pinning is a use of the prefix: like a
+        match it counts a hit and refreshes the access time of its nodes.
         """
-        tokens = self.tree.device_evictable_tokens
-        if self._node_transfer:
-            seen: set = set()
-            for node in self._node_transfer:
-                while node.parent is not None and node.lock_ref == 0 and node not in seen:
-                    seen.add(node)
-                    if node.device_indices is not None:
-                        tokens -= node.num_tokens
-                    node = node.parent
-        return tokens // self.page_size
+        self._check_open()
+        ttl_s = check_ttl("ttl_s", ttl_s)
+        check_namespace(namespace)
+        key = token_key(tokens, self.page_size)
+        self.poll()
+        return self._pins.pin(key, namespace, ttl_s)
 
-    def _evict_device(self, num_pages: int) -> None:
-        if num_pages <= 0:
-            return
-        hook = self._backup_for_eviction if (
-            self.config.write_policy is WritePolicy.WRITE_BACK and self.has_host_tier
-        ) else None
-        result = self.tree.evict_device(num_pages * self.page_size, hook)
-        if result.num_evicted_tokens:
-            self.device_allocator.free(result.device_indices)
-            self._counters.device_evicted_tokens += result.num_evicted_tokens
-        if result.num_backup_tokens:
-            self.poll()  # the immediate executor has finished already
+    def unpin(self, tokens: TokenLike, namespace: str | None = None) -> bool:
+        """Release the pin made with the same ``tokens`` and ``namespace``; False if none."""
+        self._check_open()
+        check_namespace(namespace)
+        return self._pins.unpin(token_key(tokens, self.page_size), namespace)
 
-    def _alloc_host(self, num_pages: int) -> torch.Tensor | None:
-        alloc = self.host_allocator
-        short = num_pages - alloc.num_free_pages
-        if short > 0 and short > self._host_takeable_pages():
-            return None  # evicting would not make enough room: keep what is cached
-        if short > 0:
-            result = self.tree.evict_host(short * self.page_size)
-            if result.num_evicted_tokens:
-                self.host_allocator.free(result.device_indices)
-                self._counters.host_evicted_tokens += result.num_evicted_tokens
-        return alloc.alloc(num_pages)
+    @property
+    def max_pinned_tokens(self) -> int:
+        """The pin budget: ``max_pinned_fraction`` of the device tier, in whole pages."""
+        return self._pins.max_pinned_tokens
 
-    def _backup_path(self, node: TreeNode) -> None:
-        """Back up the nodes on ``node``'s path that the write policy wants on the host."""
-        if not self.has_host_tier:
-            return
-        selective = self.config.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE
-        todo = self.tree.path_missing_host(node, self.config.backup_hit_threshold if selective else 0)
-        if todo:
-            self._start_backup(todo)
+    def pinned_device_tokens(self) -> int:
+        """Device tokens that pins hold (each node counted once, however many pins share it)."""
+        return self._pins.pinned_device_tokens()
 
-    def _backup_for_eviction(self, node: TreeNode) -> bool:
-        # A host copy needs host copies of every ancestor (docs/design.md): the
-        # ancestors that lack one are backed up with it and stay on the device.
-        return self._start_backup(self.tree.path_missing_host(node), evict=node)
-
-    def _start_backup(self, nodes: list[TreeNode], evict: TreeNode | None = None) -> bool:
-        """Back up ``nodes`` (one path, root side first); True if ``evict``'s backup started.
-
-        Stops at the first node whose parent has no host copy (the invariant: a
-        host copy implies host copies of every ancestor) or that the
-        host tier cannot take: the rest of the path is skipped. ``evict`` (the last
-        node, write-back) loses its device pages once its backup lands.
-        """
-        # A write-back eviction still goes through a (completed) transfer: the
-        # eviction loop hands the node over and frees its pages when that is applied.
-        sync = self._bookkeeping
-        started: list[TreeNode] = []
-        for i, node in enumerate(nodes):
-            parent = node.parent
-            if parent.parent is not None and parent.host_indices is None:
-                break  # the parent first: a later backup through this path takes these
-            host_pages = self._alloc_host(node.num_tokens // self.page_size)
-            if host_pages is None:
-                self._counters.backups_skipped += len(nodes) - i
-                break
-            self.tree.attach_host(node, host_pages)
-            if not sync or node is evict:
-                self.tree.set_io_status(node, IOStatus.BACKING_UP)
-            started.append(node)
-        if not started:
-            return False
-        self._counters.backups += 1
-        moving = started if not sync else [evict] if started[-1] is evict else []
-        if sync:  # bookkeeping only: the host copy is complete as it starts
-            self._counters.backup_bytes += (
-                sum(n.num_tokens for n in started if n is not evict) // self.page_size
-                * self._page_nbytes
-            )
-        if not moving:
-            return False
-        if len(moving) == 1:
-            dev, host = moving[0].device_indices, moving[0].host_indices
-        else:
-            dev = torch.cat([n.device_indices for n in moving])
-            host = torch.cat([n.host_indices for n in moving])
-        # Bookkeeping-only replay has no compute to wait for (and no fence to make).
-        fence = None if self.device_pool is None else self.transfers.compute_fence()
-        handle = self.transfers.backup(dev, host, after=fence)
-        rec = _Transfer(handle, "backup", moving, dev.shape[0] * self._page_nbytes)
-        if evict is not None and started[-1] is evict:
-            rec.evict = [evict]
-        self._track(rec)
-        return rec.evict is not None
-
-    # ------------------------------------------------------- inspection
+    # ------------------------------------------------------------ inspection
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError(
@@ -838,10 +409,17 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
         self._check_open()
         if not isinstance(h, PrefixHandle):
             raise TypeError(f"expected a PrefixHandle, got {type(h).__name__}")
-        if h._cache is not self:
+        if h._owner is not self:
             raise ValueError("handle belongs to another HiCache")
         if h.released:
             raise ValueError("handle was already released")
+
+    @property
+    def counters(self) -> CacheStats:
+        """Counters since construction (exact; see :class:`hicache.cache.CacheStats`)."""
+        if self._native is not None:  # read-only: also after close()
+            self._native.add_counters(self._counters)
+        return self._counters
 
     def stats(self) -> dict:
         """Counters plus current occupancy; bandwidths in GB/s (1e9 bytes per second).
@@ -850,72 +428,27 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
         """
         if not self._closed:
             self.poll()
-        c = self.counters  # with the C++ lifecycle: its counts added in
-        s = asdict(c)
-        s["hit_tokens"] = c.device_hit_tokens + c.host_hit_tokens
-        s["hit_ratio"] = s["hit_tokens"] / c.requested_tokens if c.requested_tokens else 0.0
-        s["load_gbps"] = c.load_bytes / c.load_seconds / 1e9 if c.load_seconds else 0.0
-        s["backup_gbps"] = c.backup_bytes / c.backup_seconds / 1e9 if c.backup_seconds else 0.0
+        s = stats_report(self.counters)  # with the C++ lifecycle: its counts added in
         s["device_pages_used"] = self.device_allocator.num_used_pages
         s["device_pages_free"] = self.device_allocator.num_free_pages
         s["host_pages_used"] = self.host_allocator.num_used_pages
         s["host_pages_free"] = self.host_allocator.num_free_pages
         s["device_cached_tokens"] = self.tree.device_tokens
         s["host_cached_tokens"] = self.tree.host_tokens
-        s["transfers_in_flight"] = len(self._inflight)
+        s["transfers_in_flight"] = self._inflight.num_transfers
         s["live_requests"] = len(self._live)
         s["pins"] = len(self._pins)
-        s["pinned_device_tokens"] = self.pinned_device_tokens()
+        s["pinned_device_tokens"] = self._pins.pinned_device_tokens()
         return s
 
     def check_integrity(self) -> None:
         """Verify the tree's invariants and that every page and lock is accounted for."""
-        self.tree.check_integrity()
-        self.device_allocator.check_integrity()
-        self.host_allocator.check_integrity()
-        P = self.page_size
-        owned = sum(h.num_owned_pages for h in self._live)
-        assert self.device_allocator.num_used_pages == self.tree.device_tokens // P + owned, (
-            f"device pages: {self.device_allocator.num_used_pages} allocated, tree holds "
-            f"{self.tree.device_tokens // P}, requests own {owned}: pages leaked or lost"
-        )
-        prefetching = sum(job.host_pages.shape[0] for job in self._prefetches)
-        assert self.host_allocator.num_used_pages == self.tree.host_tokens // P + prefetching, (
-            f"host pages: {self.host_allocator.num_used_pages} allocated, tree holds "
-            f"{self.tree.host_tokens // P}, storage reads hold {prefetching}: pages leaked or lost"
-        )
-        want_locks: dict[TreeNode, int] = {}
-        want_host_locks: dict[TreeNode, int] = {}
-        for h in self._live:
-            for node in self.tree.path_to(h._lock_node):
-                want_locks[node] = want_locks.get(node, 0) + 1
-        self._check_pins(want_locks)
-        for rec in self._inflight.values():
-            if rec.kind == "load":
-                for node in rec.nodes:
-                    want_host_locks[node] = want_host_locks.get(node, 0) + 1
-        for node in self._storage_pins:
-            want_host_locks[node] = want_host_locks.get(node, 0) + 1
-        for node in self.tree.nodes():
-            parent = node.parent
-            assert not node.on_host or parent.parent is None or parent.on_host, (
-                f"node {node.id}: a host copy under parent {parent.id} without one (a host "
-                f"copy implies host copies of every ancestor)"
-            )
-            assert node.lock_ref == want_locks.get(node, 0), (
-                f"node {node.id}: lock_ref {node.lock_ref}, live requests hold "
-                f"{want_locks.get(node, 0)}: a lock leaked"
-            )
-            assert node.host_lock_ref == want_host_locks.get(node, 0), (
-                f"node {node.id}: host_lock_ref {node.host_lock_ref}, expected "
-                f"{want_host_locks.get(node, 0)}"
-            )
-            in_flight = node in self._node_transfer
-            assert in_flight == (node.io_status is not IOStatus.NONE), (
-                f"node {node.id}: io_status {node.io_status.name} but tracked={in_flight}"
-            )
-        assert len(self._inflight) == self.transfers.num_in_flight, (
-            f"{len(self._inflight)} transfers tracked, engine has {self.transfers.num_in_flight}"
+        check_cache_integrity(
+            self.tree, self.device_allocator, self.host_allocator, self.transfers,
+            page_size=self.page_size, live=self._live, pins=self._pins, inflight=self._inflight,
+            num_prefetching_pages=(
+                0 if self._third_tier is None else self._third_tier.num_prefetching_pages
+            ),
         )
 
     def close(self) -> None:
@@ -940,12 +473,3 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def _make_tree(config: CacheConfig):
-    if config.tree == "python":
-        from hicache.tree import RadixTree
-
-        return RadixTree(config.page_size, config.eviction)
-    from hicache.tree.native import make_tree
-
-    return make_tree(config.tree, config.page_size, config.eviction)

@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from hicache.cache.facade import HiCache, _Transfer
+from hicache.checks import check_int
+
+if TYPE_CHECKING:  # annotations only
+    from hicache.cache.inflight import InFlightIO
     from hicache.tree import TreeNode
 
 
@@ -29,22 +31,24 @@ class PrefixHandle:
     """
 
     def __init__(
-        self, cache: HiCache, key: bytes, namespace: str | None, device_len: int, host_len: int,
-        lock_node: TreeNode,
+        self, owner: object, tree, num_layers: int, key: bytes, namespace: str | None,
+        device_len: int, host_len: int, lock_node: TreeNode,
     ) -> None:
-        self._cache = cache
+        self._owner = owner  # the HiCache that made it (calls check it is theirs)
+        self._tree = tree  # the owner's tree: the prefix's pages are read from it
+        self._num_layers = num_layers
         self.namespace = namespace
         self.key = key  # int32 bytes of the matched prompt's whole pages
         self.device_len = device_len  # matched on the device at match time
         self.host_len = host_len  # matched only in host memory at match time
         self.prefix_len = device_len  # tokens whose KV is (or is being loaded) on device
         self.load_error: BaseException | None = None
-        self._lock_node = lock_node  # locked; ends the prefix (a native handle: see lifecycle.py)
+        self._lock_node = lock_node  # locked; ends the prefix (a native handle: see native_lifecycle.py)
         self._prefix_pages: torch.Tensor | None = None  # lazily gathered from the tree
         self._new_pages: list[torch.Tensor] = []  # allocated by alloc, owned until inserted
-        self._loads: list[_Transfer] = []
+        self._loads: list[InFlightIO] = []
         # Failed loads not yet applied to this handle (applied by its own calls).
-        self._failed_loads: list[tuple[_Transfer, TreeNode]] = []
+        self._failed_loads: list[tuple[InFlightIO, TreeNode]] = []
         self._failure_unreported = False  # applied, not yet reported by finish_loads
         self.released = False
 
@@ -53,7 +57,7 @@ class PrefixHandle:
         if self.released:  # the tree may have evicted and reused them since
             raise ValueError("handle was already released: its pages are no longer valid")
         if self._prefix_pages is None:
-            self._prefix_pages = self._cache.tree.device_indices_of(self._lock_node)
+            self._prefix_pages = self._tree.device_indices_of(self._lock_node)
         return self._prefix_pages
 
     @property
@@ -64,16 +68,14 @@ class PrefixHandle:
         """Device pages of the whole sequence so far: the prefix, then the allocated pages."""
         new = self._new_pages
         if self._prefix_pages is None and len(new) == 1 and not self.released:
-            return self._cache.tree.device_indices_of(self._lock_node, new[0])  # one gather
+            return self._tree.device_indices_of(self._lock_node, new[0])  # one gather
         parts = [self.prefix_pages, *new]
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def wait_layer(self, layer: int) -> None:
         """Block until layer ``layer`` of every load this request depends on has landed."""
-        num_layers = self._cache.config.kv.num_layers
-        if isinstance(layer, bool) or not isinstance(layer, int):
-            raise TypeError(f"layer: expected int, got {type(layer).__name__}")
-        if not 0 <= layer < num_layers:
+        num_layers = self._num_layers
+        if check_int("layer", layer) >= num_layers:
             raise ValueError(f"layer: expected 0 <= layer < {num_layers}, got {layer}")
         for rec in self._loads:
             landed = rec.handle.wait_layer(layer)

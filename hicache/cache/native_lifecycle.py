@@ -2,7 +2,7 @@
 
 A cache with no KV tensors (``allocate_kv=False``) and no third tier moves no
 data: every load and backup completes as it starts, and what remains is tree
-and free-list bookkeeping. :class:`NativeLifecycleMixin` hands the hot calls
+and free-list bookkeeping. :class:`NativeLifecycle` hands the hot calls
 (``match``, ``alloc``, ``insert``, ``release``) to ``csrc/lifecycle.cpp``,
 which makes the same tree and free-list calls in the same order as the Python
 methods and keeps the same counters, in one crossing per call. HiCache still
@@ -13,17 +13,13 @@ holds both lifecycles to identical trees, pages and counters.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from hicache.cache.handle import PrefixHandle
+from hicache.cache.stats import CacheStats
 from hicache.config import CacheConfig
 from hicache.tree import TokenLike, token_key
 from hicache.tree.native import NativeNode, _readable_in_place
-
-if TYPE_CHECKING:
-    from hicache.cache.facade import CacheStats
 
 
 class NativePrefixHandle(PrefixHandle):
@@ -36,89 +32,104 @@ class NativePrefixHandle(PrefixHandle):
 
     @property
     def _lock_node(self) -> NativeNode:
-        return self._cache.tree._adopt(self._lock_h)
+        return self._tree._adopt(self._lock_h)
 
     @_lock_node.setter
     def _lock_node(self, node: NativeNode | int) -> None:
         self._lock_h = node if type(node) is int else node._h
 
 
-class NativeLifecycleMixin:
-    """The native-lifecycle half of :class:`hicache.HiCache` (see the module docstring)."""
+def open_native_lifecycle(
+    config: CacheConfig, tree, device_allocator, host_allocator
+) -> NativeLifecycle | None:
+    """The C++ lifecycle where it applies (``config.lifecycle``), else None (Python runs it)."""
+    if config.lifecycle == "python" or config.allocate_kv or config.storage is not None:
+        return None
+    from hicache.tree.native import NativeRadixTree
 
-    _core: object | None
-    _counters: CacheStats
+    usable = (
+        type(tree) is NativeRadixTree
+        and device_allocator.backend == "native"
+        and host_allocator.backend == "native"
+    )
+    if not usable:
+        if config.lifecycle == "native":
+            raise ValueError(
+                "lifecycle='native': expected the native tree and free lists, got "
+                f"{type(tree).__name__} and {device_allocator.backend} free lists"
+            )
+        return None
+    from hicache.native.build import load_native
 
-    def _open_lifecycle(self, config: CacheConfig) -> None:
-        """Use the C++ lifecycle where it applies (``config.lifecycle``), else Python."""
-        self._core = None
-        if config.lifecycle == "python" or config.allocate_kv or config.storage is not None:
-            return
-        from hicache.tree.native import NativeRadixTree
+    lifecycle = load_native().Lifecycle
+    core = lifecycle(
+        tree._impl,
+        device_allocator._native,
+        host_allocator._native,
+        config.write_policy.value,
+        config.backup_hit_threshold,
+        config.load_threshold_tokens,
+        config.kv.page_nbytes,
+        config.has_host_tier,
+    )
+    return NativeLifecycle(
+        core, lifecycle.counter_names, tree, device_allocator, config.page_size,
+        config.kv.num_layers,
+    )
 
-        usable = (
-            type(self.tree) is NativeRadixTree
-            and self.device_allocator.backend == "native"
-            and self.host_allocator.backend == "native"
-        )
-        if not usable:
-            if config.lifecycle == "native":
-                raise ValueError(
-                    "lifecycle='native': expected the native tree and free lists, got "
-                    f"{type(self.tree).__name__} and {self.device_allocator.backend} free lists"
-                )
-            return
-        from hicache.native.build import load_native
 
-        lifecycle = load_native().Lifecycle
-        self._core = lifecycle(
-            self.tree._impl,
-            self.device_allocator._native,
-            self.host_allocator._native,
-            config.write_policy.value,
-            config.backup_hit_threshold,
-            config.load_threshold_tokens,
-            config.kv.page_nbytes,
-            config.has_host_tier,
-        )
-        self._core_counter_names = lifecycle.counter_names
+class NativeLifecycle:
+    """The hot calls of the request lifecycle, one C++ crossing each (module docstring).
 
-    @property
-    def lifecycle(self) -> str:
-        """Where the request lifecycle runs: ``"native"`` (C++) or ``"python"``."""
-        return "python" if self._core is None else "native"
+    The same calls as :class:`hicache.cache.python_lifecycle.PythonLifecycle`
+    (``load_back`` excepted: it runs in Python). The caller (HiCache) has checked
+    every argument; handles it returns belong to the ``owner`` passed in.
+    """
 
-    @property
-    def counters(self) -> CacheStats:
-        """Counters since construction (exact; see :class:`hicache.cache.CacheStats`)."""
-        core = self._core  # read-only: also after close()
-        if core is not None:
-            c = self._counters
-            for name, value in zip(self._core_counter_names, core.take_counters(), strict=True):
-                if value:
-                    setattr(c, name, getattr(c, name) + value)
-        return self._counters
+    def __init__(
+        self, core, counter_names: list[str], tree, device_allocator, page_size: int,
+        num_layers: int,
+    ) -> None:
+        self._core = core
+        self._device_allocator = device_allocator
+        self._num_layers = num_layers
+        self._counter_names = counter_names
+        self._tree = tree
+        self._page_size = page_size
 
-    def _match_native(
-        self, tokens: TokenLike, namespace: str | None, load_back: bool
+    def add_counters(self, c: CacheStats) -> None:
+        """Add what the C++ side counted since the last call into ``c``."""
+        for name, value in zip(self._counter_names, self._core.take_counters(), strict=True):
+            if value:
+                setattr(c, name, getattr(c, name) + value)
+
+    def match(
+        self, owner, tokens: TokenLike, namespace: str | None, load_back: bool
     ) -> PrefixHandle:
         if _readable_in_place(tokens):  # the binding reads int32/int64 arrays in place
             num_tokens = len(tokens)
         else:
-            key = token_key(tokens, self.page_size)  # checks what tokens are first
+            key = token_key(tokens, self._page_size)  # checks what tokens are first
             num_tokens = len(tokens)
             tokens = key
         lock, device_len, host_len, prefix_len, key = self._core.match(
             tokens, namespace, num_tokens, load_back
         )
-        h = NativePrefixHandle(self, key, namespace, device_len, host_len, lock)
+        h = NativePrefixHandle(
+            owner, self._tree, self._num_layers, key, namespace, device_len, host_len, lock
+        )
         h.prefix_len = prefix_len
-        self._live.add(h)
         return h
 
-    def _insert_native(self, h: PrefixHandle, tokens: TokenLike) -> int:
+    def raise_priority(self, h: PrefixHandle, priority: int) -> None:
+        self._tree._impl.raise_priority(h._lock_h, priority)
+
+    def alloc(self, h: PrefixHandle, num_pages: int) -> torch.Tensor | None:
+        return self._core.alloc(num_pages)
+
+    def insert(self, h: PrefixHandle, tokens: TokenLike) -> int:
         if not _readable_in_place(tokens):
-            tokens = token_key(tokens, self.page_size)
+            tokens = token_key(tokens, self._page_size)
         owned = h._new_pages
         run = owned[0] if len(owned) == 1 else torch.cat(owned) if owned else None
         done = self._core.insert(tokens, h.namespace, h._lock_h, run, h.key, h.prefix_len)
@@ -129,3 +140,11 @@ class NativeLifecycleMixin:
         h._prefix_pages = None
         h.prefix_len = len(h.key) >> 2
         return new_tokens
+
+    def release(self, h: PrefixHandle) -> None:
+        if len(h._new_pages) <= 1:  # one crossing releases the lock and one run of pages
+            self._core.release(h._lock_h, h._new_pages[0] if h._new_pages else None)
+            return
+        self._tree.unlock(h._lock_node)
+        for pages in h._new_pages:
+            self._device_allocator.free(pages)

@@ -1,46 +1,93 @@
 """HiCache's side of the third tier: prefetch into host memory, write-behind of backups.
 
-:class:`ThirdTierMixin` holds the methods of :class:`hicache.cache.HiCache` that
-coordinate storage jobs (:mod:`hicache.storage.worker` runs them on worker threads):
-reading pages only storage holds into host pages before a match wants them,
-and writing the host copies of freshly backed-up nodes to storage, host-pinned
-until the write lands. Finished jobs are applied in ``HiCache.poll`` like
-transfers. It uses the cache's tree, host allocator, counters and
-``_alloc_host``; it knows nothing of device pages or the request lifecycle.
+:class:`ThirdTier` coordinates storage jobs (:mod:`hicache.storage.worker` runs
+them on worker threads): reading pages only storage holds into host pages
+before a match wants them, and writing the host copies of freshly backed-up
+nodes to storage, host-pinned until the write lands. Finished jobs are applied
+by the cache's ``poll`` (:meth:`ThirdTier.finish`), like transfers. It uses the
+tree, the host side of the tier space, the in-flight table (the pins) and the
+counters; it knows nothing of device pages or the request lifecycle.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
-from hicache.checks import check_namespace
 from hicache.config import CacheConfig, PrefetchPolicy
 from hicache.storage.base import StorageError
-from hicache.tree import TokenLike, TreeNode, token_key
+from hicache.tree import TreeNode
+
+if TYPE_CHECKING:  # annotations only
+    from hicache.cache.inflight import InFlightTable
+    from hicache.cache.space import TierSpace
+    from hicache.cache.stats import CacheStats
 
 
-class ThirdTierMixin:
+class ThirdTier:
     """Third-tier coordination for :class:`hicache.cache.HiCache` (see the module docstring)."""
 
-    def _open_storage(self, config: CacheConfig) -> None:
+    def __init__(
+        self,
+        config: CacheConfig,
+        tree,
+        host_pool,
+        space: TierSpace,
+        inflight: InFlightTable,
+        counters: CacheStats,
+        *,
+        poll: Callable[[], int],
+        log_stored: Callable[[list[tuple], int], None] | None,
+    ) -> None:
         from hicache.storage import make_storage
         from hicache.storage.worker import StorageTier
 
-        if self.host_pool is None:
+        if host_pool is None:
             raise ValueError(
                 "storage: expected a host tier holding KV (host_tokens/host_nbytes/host_ratio "
                 "and allocate_kv=True), got none"
             )
+        self.page_size = config.page_size
+        self._page_nbytes = config.kv.page_nbytes
         backend = make_storage(
             config.storage, page_nbytes=self._page_nbytes, **config.extra.get("storage", {})
         )
-        self.storage = StorageTier(backend, self.host_pool)
+        self.worker = StorageTier(backend, host_pool)  # HiCache.storage
         self._fingerprint = config.kv.fingerprint()
         assert config.model_id is not None, "CacheConfig refuses storage without model_id"
         self._model_id = config.model_id
+        self._prefetch_policy = config.prefetch_policy
+        self._prefetch_timeout_s = config.prefetch_timeout_s
+        self.tree = tree
+        self._space = space
+        self._inflight = inflight
+        self._counters = counters
+        self._poll = poll  # the cache's
+        self._log_stored = log_stored  # KV events for landed writes; None: events off
+        self.prefetches: list = []  # storage reads in flight
 
-    def _page_keys(self, key: bytes, namespace: str | None) -> list[str]:
+    def finish(self, job) -> None:
+        """Apply a storage job that finished (the cache's poll)."""
+        if job.kind == "write":
+            self._finish_write(job)
+        else:
+            self._finish_read(job)
+
+    def discard_prefetches(self) -> int:
+        """Mark every read in flight stale (its pages are thrown away); return how many."""
+        for job in self.prefetches:
+            job.stale = True
+        return len(self.prefetches)
+
+    @property
+    def num_prefetching_pages(self) -> int:
+        """Host pages that reads in flight hold."""
+        return sum(job.host_pages.shape[0] for job in self.prefetches)
+
+    def page_keys(self, key: bytes, namespace: str | None) -> list[str]:
         from hicache.storage import page_keys
 
         tokens = np.frombuffer(key, dtype=np.int32)
@@ -48,25 +95,7 @@ class ThirdTierMixin:
         # KV layout, other weights) never hands one model another's pages.
         return page_keys(tokens, self.page_size, namespace, self._fingerprint, self._model_id)
 
-    def prefetch(self, tokens: TokenLike, namespace: str | None = None):
-        """Start reading the pages of ``tokens`` that only storage holds into host memory.
-
-        Call it when a request arrives; :meth:`match` (when the request is scheduled)
-        then uses what has arrived, as ``prefetch_policy`` says. A read in flight that
-        fetches the same tokens' pages is shared, and one that fetches a prefix of them
-        is continued after (reads finish in the order they start). Returns the job that
-        brings the last of the pages, or ``None`` when there is no third tier or
-        nothing to fetch.
-        """
-        self._check_open()
-        key = token_key(tokens, self.page_size)  # bad input is refused with or without storage
-        check_namespace(namespace)
-        self.poll()
-        if self.storage is None:
-            return None
-        return self._start_prefetch(key, namespace)
-
-    def _start_prefetch(self, key: bytes, namespace: str | None):
+    def start_prefetch(self, key: bytes, namespace: str | None):
         from hicache.storage.worker import StorageJob
 
         pnb = 4 * self.page_size
@@ -88,9 +117,9 @@ class ThirdTierMixin:
             start = job.start_page + job.host_pages.shape[0]
         if start >= end:
             return covering
-        keys = self._page_keys(key, namespace)[start:]
+        keys = self.page_keys(key, namespace)[start:]
         try:
-            num_pages = self.storage.backend.exists(keys)
+            num_pages = self.worker.backend.exists(keys)
         except StorageError:  # unreachable store: serve from device and host, count it
             self._counters.storage_errors += 1
             return covering
@@ -104,7 +133,7 @@ class ThirdTierMixin:
                     if not n.on_device]
         for node in held:
             self.tree.host_lock(node)
-        host_pages = self._alloc_host(num_pages)
+        host_pages = self._space.alloc_host(num_pages)
         for node in held:
             self.tree.host_unlock(node)
         if host_pages is None:
@@ -113,8 +142,8 @@ class ThirdTierMixin:
         job.token_key = key[: (start + num_pages) * pnb]
         job.namespace = namespace
         job.start_page = start
-        self._prefetches.append(job)
-        self.storage.submit(job)
+        self.prefetches.append(job)
+        self.worker.submit(job)
         self._counters.storage_prefetches += 1
         return job
 
@@ -122,7 +151,7 @@ class ThirdTierMixin:
         """The read in flight that fetches pages ``start`` onward of ``key`` (at least one
         of them, all as ``key`` has them up to ``end``), or None."""
         pnb = 4 * self.page_size
-        for job in self._prefetches:
+        for job in self.prefetches:
             if job.namespace != namespace or job.start_page != start:
                 continue
             num_common = min(len(job.token_key), end * pnb)
@@ -130,18 +159,18 @@ class ThirdTierMixin:
                 return job
         return None
 
-    def _prefetch_for_match(self, key: bytes, namespace: str | None) -> None:
-        job = self._start_prefetch(key, namespace)
+    def prefetch_for_match(self, key: bytes, namespace: str | None) -> None:
+        job = self.start_prefetch(key, namespace)
         if job is not None:
-            policy = self.config.prefetch_policy
+            policy = self._prefetch_policy
             if policy is PrefetchPolicy.WAIT_COMPLETE:
                 job.done.wait()
             elif policy is PrefetchPolicy.TIMEOUT:
-                job.done.wait(self.config.prefetch_timeout_s)
-            self.poll()
+                job.done.wait(self._prefetch_timeout_s)
+            self._poll()
 
-    def _finish_storage_read(self, job) -> None:
-        self._prefetches.remove(job)
+    def _finish_read(self, job) -> None:
+        self.prefetches.remove(job)
         c = self._counters
         c.storage_read_seconds += job.seconds
         if job.error is not None:
@@ -167,15 +196,15 @@ class ThirdTierMixin:
             result = self.tree.insert_host(tokens, indices, job.namespace)
             cached = result.num_cached_tokens // P - start  # ours that were cached meanwhile
             if cached > 0:
-                self.host_allocator.free(job.host_pages[:cached])
+                self._space.host_allocator.free(job.host_pages[:cached])
             taken = num_done - max(cached, 0)
             c.storage_hit_tokens += taken * P
         else:
             num_done = 0
         if job.host_pages.shape[0] > num_done:
-            self.host_allocator.free(job.host_pages[num_done:])
+            self._space.host_allocator.free(job.host_pages[num_done:])
 
-    def _store(self, nodes: list[TreeNode]) -> None:
+    def store(self, nodes: list[TreeNode]) -> None:
         """Write the host copies of freshly backed-up nodes to storage, pinned meanwhile."""
         from hicache.storage.worker import StorageJob
 
@@ -185,30 +214,29 @@ class ThirdTierMixin:
                 continue
             path_key = b"".join(n.key for n in self.tree.path_to(node))
             num_pages = node.num_tokens // self.page_size
-            keys.extend(self._page_keys(path_key, node.namespace)[-num_pages:])
+            keys.extend(self.page_keys(path_key, node.namespace)[-num_pages:])
         live = [n for n in nodes if n.host_indices is not None]
         if not live:
             return
         job = StorageJob("write", keys, torch.cat([n.host_indices for n in live]))
-        self._watch_splits()
+        self._inflight.pin_for_storage(live, job)
         for node in live:
             self.tree.host_lock(node)
-            self._storage_pins[node] = job
         job.nodes = live
-        if self._event_log is not None:  # hashed now: splits reorder job.nodes meanwhile
+        if self._log_stored is not None:  # hashed now: splits reorder job.nodes meanwhile
             job.event_pages = [(n.namespace, *self.tree.node_hashes(n)) for n in live]
-        self.storage.submit(job)
+        self.worker.submit(job)
         self._counters.storage_writes += 1
 
-    def _finish_storage_write(self, job) -> None:
+    def _finish_write(self, job) -> None:
         for node in job.nodes:
             self.tree.host_unlock(node)
-            del self._storage_pins[node]
+            self._inflight.unpin_storage(node)
         c = self._counters
         c.storage_write_seconds += job.seconds
         if job.error is not None:
             c.storage_errors += 1
         else:
             c.storage_write_bytes += job.num_done * self._page_nbytes
-            if self._event_log is not None:
-                self._log_storage_stored(job.event_pages, job.num_done)
+            if self._log_stored is not None:
+                self._log_stored(job.event_pages, job.num_done)

@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from hicache.checks import check_int
 from hicache.storage.keys import check_key
 
 VALUE_HEADER_NBYTES = 32
@@ -124,9 +125,7 @@ class StorageBackend(ABC):
     """
 
     def __init__(self, page_nbytes: int) -> None:
-        if isinstance(page_nbytes, bool) or not isinstance(page_nbytes, int) or page_nbytes <= 0:
-            raise ValueError(f"page_nbytes: expected a positive int, got {page_nbytes!r}")
-        self.page_nbytes = page_nbytes
+        self.page_nbytes = check_int("page_nbytes", page_nbytes, minimum=1)
         self._counter_lock = threading.Lock()
         self._counts = dict.fromkeys(StorageCounters._fields, 0)
         self._closed = False

@@ -34,6 +34,7 @@ import threading
 import time
 from pathlib import Path
 
+from hicache.checks import check_int
 from hicache.storage.base import (
     VALUE_HEADER_NBYTES,
     StorageBackend,
@@ -58,14 +59,8 @@ class FileStorage(StorageBackend):
         low_watermark: float = 0.9,
     ) -> None:
         super().__init__(page_nbytes)
-        if capacity_nbytes is not None and (
-            isinstance(capacity_nbytes, bool)
-            or not isinstance(capacity_nbytes, int)
-            or capacity_nbytes <= 0
-        ):
-            raise ValueError(
-                f"capacity_nbytes: expected a positive int or None, got {capacity_nbytes!r}"
-            )
+        if capacity_nbytes is not None:
+            capacity_nbytes = check_int("capacity_nbytes", capacity_nbytes, minimum=1)
         if not 0.0 < low_watermark <= 1.0:
             raise ValueError(f"low_watermark: expected in (0, 1], got {low_watermark}")
         self.root = Path(root)

@@ -30,6 +30,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from hicache.checks import check_int, check_namespace
+
 KEY_DIGEST_NBYTES = 16  # 32 hex characters; collisions need ~2**64 pages
 KEY_HEX_LEN = 2 * KEY_DIGEST_NBYTES
 _KEY_VERSION = b"hicache-page-key-v2"  # v2: the salt names the model
@@ -77,9 +79,8 @@ def model_identity(
             if not isinstance(value, str) or not value:
                 raise ValueError(f"{field_name}: expected a non-empty str, got {value!r}")
             fields[field_name] = value
-    for field_name, value in (("tp_rank", tp_rank), ("tp_size", tp_size)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{field_name}: expected int, got {type(value).__name__}")
+    tp_rank = check_int("tp_rank", tp_rank)
+    tp_size = check_int("tp_size", tp_size, minimum=1)
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank: expected 0 <= tp_rank < tp_size={tp_size}, got {tp_rank}")
     fields["tp"] = [tp_rank, tp_size]
@@ -111,8 +112,7 @@ def root_key(namespace: str | None, fingerprint: str, model_id: str) -> str:
 
     ``namespace=None`` and ``namespace=""`` are different tenants.
     """
-    if namespace is not None and not isinstance(namespace, str):
-        raise TypeError(f"namespace: expected str or None, got {type(namespace).__name__}")
+    check_namespace(namespace)
     if not isinstance(fingerprint, str) or not fingerprint:
         raise ValueError(f"fingerprint: expected a non-empty str, got {fingerprint!r}")
     check_model_id(model_id)
@@ -152,8 +152,7 @@ def extend_keys(prefix_key: str, tokens: TokenSeq, page_size: int) -> list[str]:
     ``tokens``; a trailing partial page gets no key.
     """
     check_key(prefix_key)
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-        raise ValueError(f"page_size: expected a positive int, got {page_size!r}")
+    page_size = check_int("page_size", page_size, minimum=1)
     arr = _tokens_as_int64(tokens)
     num_pages = arr.size // page_size
     data = arr[: num_pages * page_size].tobytes()

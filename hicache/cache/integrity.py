@@ -1,0 +1,84 @@
+"""check_integrity: every page, lock, pin and IO state of a cache accounted for.
+
+The tree and the free lists check their own invariants; this adds what only the
+cache sees: pages the tree holds plus pages requests and storage reads hold are
+exactly the pages allocated; every lock belongs to a live request or a pin;
+every host lock to a load or a storage write in flight; a node's IO state is set
+exactly while a transfer is tracked on it; and a host copy implies host copies
+of every ancestor (docs/design.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from hicache.tree import IOStatus
+
+if TYPE_CHECKING:  # annotations only
+    from hicache.cache.handle import PrefixHandle
+    from hicache.cache.inflight import InFlightTable
+    from hicache.cache.pins import Pins
+    from hicache.tree import TreeNode
+
+
+def check_cache_integrity(
+    tree,
+    device_allocator,
+    host_allocator,
+    transfers,
+    *,
+    page_size: int,
+    live: Iterable[PrefixHandle],
+    pins: Pins,
+    inflight: InFlightTable,
+    num_prefetching_pages: int,
+) -> None:
+    """Raise AssertionError naming the first broken invariant (see the module docstring)."""
+    tree.check_integrity()
+    device_allocator.check_integrity()
+    host_allocator.check_integrity()
+    P = page_size
+    owned = sum(h.num_owned_pages for h in live)
+    assert device_allocator.num_used_pages == tree.device_tokens // P + owned, (
+        f"device pages: {device_allocator.num_used_pages} allocated, tree holds "
+        f"{tree.device_tokens // P}, requests own {owned}: pages leaked or lost"
+    )
+    prefetching = num_prefetching_pages
+    assert host_allocator.num_used_pages == tree.host_tokens // P + prefetching, (
+        f"host pages: {host_allocator.num_used_pages} allocated, tree holds "
+        f"{tree.host_tokens // P}, storage reads hold {prefetching}: pages leaked or lost"
+    )
+    want_locks: dict[TreeNode, int] = {}
+    want_host_locks: dict[TreeNode, int] = {}
+    for h in live:
+        for node in tree.path_to(h._lock_node):
+            want_locks[node] = want_locks.get(node, 0) + 1
+    pins.check(want_locks)
+    for rec in inflight.records.values():
+        if rec.kind == "load":
+            for node in rec.nodes:
+                want_host_locks[node] = want_host_locks.get(node, 0) + 1
+    for node in inflight.storage_pins:
+        want_host_locks[node] = want_host_locks.get(node, 0) + 1
+    for node in tree.nodes():
+        parent = node.parent
+        assert not node.on_host or parent.parent is None or parent.on_host, (
+            f"node {node.id}: a host copy under parent {parent.id} without one (a host "
+            f"copy implies host copies of every ancestor)"
+        )
+        assert node.lock_ref == want_locks.get(node, 0), (
+            f"node {node.id}: lock_ref {node.lock_ref}, live requests hold "
+            f"{want_locks.get(node, 0)}: a lock leaked"
+        )
+        assert node.host_lock_ref == want_host_locks.get(node, 0), (
+            f"node {node.id}: host_lock_ref {node.host_lock_ref}, expected "
+            f"{want_host_locks.get(node, 0)}"
+        )
+        in_flight = node in inflight.by_node
+        assert in_flight == (node.io_status is not IOStatus.NONE), (
+            f"node {node.id}: io_status {node.io_status.name} but tracked={in_flight}"
+        )
+    assert inflight.num_transfers == transfers.num_in_flight, (
+        f"{inflight.num_transfers} transfers tracked, engine has {transfers.num_in_flight}"
+    )

@@ -1,0 +1,158 @@
+"""Tier space: device and host page allocation, evicting cached prefixes to make room.
+
+:class:`TierSpace` hands out free pages of either tier, evicting unlocked
+leaves (through the tree) when the free list is short. Before it evicts it
+checks that eviction can free enough (the *takeable* pages: evictable pages
+less those that IO in flight or a pin holds), so that a refused allocation
+evicts nothing. Under write-back a device eviction hands each leaf to a backup
+first (the hook the write policy installs with :meth:`set_eviction_backup`);
+its pages come free when that backup lands. It knows nothing of requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # annotations only
+    from hicache.cache.inflight import InFlightTable
+    from hicache.cache.stats import CacheStats
+    from hicache.memory import PageAllocator
+    from hicache.tree import TreeNode
+
+
+class TierSpace:
+    """Device and host pages for the cache (see the module docstring)."""
+
+    def __init__(
+        self,
+        tree,
+        device_allocator: PageAllocator,
+        host_allocator: PageAllocator,
+        transfers,
+        inflight: InFlightTable,
+        counters: CacheStats,
+        *,
+        page_size: int,
+        bookkeeping: bool,
+        poll: Callable[[], int],
+        wait_all: Callable[[], None],
+    ) -> None:
+        self.tree = tree
+        self.device_allocator = device_allocator
+        self.host_allocator = host_allocator
+        self.page_size = page_size
+        self._transfers = transfers
+        self._inflight = inflight
+        self._counters = counters
+        self._bookkeeping = bookkeeping  # no KV: nothing is ever in flight
+        self._poll = poll  # the cache's: applies finished transfers (frees pages)
+        self._wait_all = wait_all  # the cache's: waits for and applies every transfer
+        self._backup_for_eviction: Callable[[TreeNode], bool] | None = None
+
+    def set_eviction_backup(self, hook: Callable[[TreeNode], bool] | None) -> None:
+        """Device eviction hands each leaf to ``hook`` (write-back): True if it took it."""
+        self._backup_for_eviction = hook
+
+    # ---------------------------------------------------------------- device
+    def alloc_device(self, num_pages: int) -> torch.Tensor | None:
+        """``num_pages`` free device pages, evicting as needed; None having evicted nothing.
+
+        Liveness: with no IO in flight, whenever the free pages plus the tree's
+        unlocked device pages cover the request, it succeeds (every unlocked device
+        page can be evicted: see the invariants in docs/design.md).
+        """
+        alloc = self.device_allocator
+        if num_pages <= alloc.num_free_pages:
+            return alloc.alloc(num_pages)
+        manual = self._transfers.executor_name == "manual"
+        waits = self._inflight.records and not manual
+        if num_pages > alloc.num_free_pages + self.device_takeable_pages():
+            if not waits:
+                return None  # a refused allocation touches nothing
+            # Pages held by backups in flight (write-back, or nodes that cannot be
+            # evicted until their backup lands) come free once those complete.
+            self._wait_all()
+            if num_pages > alloc.num_free_pages + self.device_takeable_pages():
+                return None
+        stalls = 0
+        while num_pages > alloc.num_free_pages and stalls < 3:
+            before = alloc.num_free_pages
+            # Write-back hands device leaves to backups and frees them as those land, so
+            # a chain is freed leaf by leaf: one round per level.
+            self.evict_device(num_pages - before)
+            if num_pages > alloc.num_free_pages and self._inflight.records and not manual:
+                # Evicted pages come free once their backups land (a failed one is
+                # offered to a backup again by the next round).
+                self._wait_all()
+            if alloc.num_free_pages > before:
+                stalls = 0
+            elif manual or self._bookkeeping:
+                break  # nothing lands until the test completes it / nothing is left
+            else:
+                stalls += 1
+        return alloc.alloc(num_pages)
+
+    def device_takeable_pages(self) -> int:
+        """Device pages eviction can free now: unlocked ones, less those IO pins.
+
+        An unlocked node with IO in flight (a backup, a reload) is not taken, nor
+        are its unlocked ancestors (they keep a device child until it lands).
+        """
+        tokens = self.tree.device_evictable_tokens
+        if self._inflight.by_node:
+            seen: set = set()
+            for node in self._inflight.by_node:
+                while node.parent is not None and node.lock_ref == 0 and node not in seen:
+                    seen.add(node)
+                    if node.device_indices is not None:
+                        tokens -= node.num_tokens
+                    node = node.parent
+        return tokens // self.page_size
+
+    def evict_device(self, num_pages: int) -> None:
+        """Evict device leaves for about ``num_pages`` pages (write-back: into backups)."""
+        if num_pages <= 0:
+            return
+        result = self.tree.evict_device(num_pages * self.page_size, self._backup_for_eviction)
+        if result.num_evicted_tokens:
+            self.device_allocator.free(result.device_indices)
+            self._counters.device_evicted_tokens += result.num_evicted_tokens
+        if result.num_backup_tokens:
+            self._poll()  # the immediate executor has finished already
+
+    # ------------------------------------------------------------------ host
+    def alloc_host(self, num_pages: int) -> torch.Tensor | None:
+        """``num_pages`` free host pages, evicting host leaves; None having evicted nothing."""
+        alloc = self.host_allocator
+        short = num_pages - alloc.num_free_pages
+        if short > 0 and short > self._host_takeable_pages():
+            return None  # evicting would not make enough room: keep what is cached
+        if short > 0:
+            result = self.tree.evict_host(short * self.page_size)
+            if result.num_evicted_tokens:
+                self.host_allocator.free(result.device_indices)
+                self._counters.host_evicted_tokens += result.num_evicted_tokens
+        return alloc.alloc(num_pages)
+
+    def _host_takeable_pages(self) -> int:
+        """Host pages eviction could free, less those that IO in flight or a pin holds.
+
+        A host copy being written (a backup in flight) is not taken, nor are the
+        host copies above a node that keeps its own (it is no leaf until that goes).
+        Host copies of inner nodes whose children keep device-only copies are
+        counted although eviction takes only leaves (see docs/design.md).
+        """
+        tokens = self.tree.host_evictable_tokens
+        busy = [*self._inflight.by_node, *self._inflight.storage_pins]
+        if busy:
+            seen: set = set()
+            for node in busy:
+                while node.parent is not None and node not in seen:
+                    seen.add(node)
+                    if node.host_indices is not None and not node.host_lock_ref:
+                        tokens -= node.num_tokens
+                    node = node.parent
+        return tokens // self.page_size

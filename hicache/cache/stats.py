@@ -1,0 +1,56 @@
+"""CacheStats: the cache's exact counters, and the stats() report built from them.
+
+The counters are plain integers (and seconds) that the parts of the cache add to
+as they work; :func:`stats_report` adds the derived ratios and bandwidths. Nothing
+here knows the tree or the pools beyond the numbers it is handed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class CacheStats:
+    """Counters since construction; exact, in tokens unless the name says otherwise."""
+
+    requests: int = 0  # match calls
+    requested_tokens: int = 0  # tokens passed to match
+    device_hit_tokens: int = 0  # matched on the device
+    host_hit_tokens: int = 0  # matched in host memory and loaded back
+    host_hit_refused_tokens: int = 0  # host hits not loaded (below threshold or no room)
+    loads_refused_by_threshold: int = 0
+    loads_refused_no_space: int = 0
+    loads: int = 0
+    loads_failed: int = 0
+    loads_reloaded: int = 0  # failed loads' nodes loaded again in place (a request held them)
+    load_bytes: int = 0
+    load_seconds: float = 0.0
+    backups: int = 0
+    backups_failed: int = 0
+    backups_skipped: int = 0  # nodes not backed up: host tier full and nothing evictable
+    backups_retried: int = 0  # failed backups started again (a child's host copy needs them)
+    backup_bytes: int = 0
+    backup_seconds: float = 0.0
+    device_evicted_tokens: int = 0
+    host_evicted_tokens: int = 0
+    inserted_tokens: int = 0  # tokens newly cached by insert
+    storage_prefetches: int = 0  # reads from the third tier started
+    storage_hit_tokens: int = 0  # tokens brought into the host tier from storage
+    storage_read_bytes: int = 0
+    storage_read_seconds: float = 0.0
+    storage_writes: int = 0  # writes to the third tier started
+    storage_write_bytes: int = 0
+    storage_write_seconds: float = 0.0
+    storage_errors: int = 0  # failed storage jobs (store unreachable, I/O error)
+    pins_refused: int = 0  # pin calls refused: the pin budget (max_pinned_fraction) was spent
+
+
+def stats_report(c: CacheStats) -> dict:
+    """``c`` as a dict, plus hit totals and ratio and the load/backup bandwidths (GB/s)."""
+    s = asdict(c)
+    s["hit_tokens"] = c.device_hit_tokens + c.host_hit_tokens
+    s["hit_ratio"] = s["hit_tokens"] / c.requested_tokens if c.requested_tokens else 0.0
+    s["load_gbps"] = c.load_bytes / c.load_seconds / 1e9 if c.load_seconds else 0.0
+    s["backup_gbps"] = c.backup_bytes / c.backup_seconds / 1e9 if c.backup_seconds else 0.0
+    return s

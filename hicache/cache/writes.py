@@ -1,0 +1,194 @@
+"""The write policies: when device pages are backed up to host memory, and retries.
+
+* ``write_through``: every inserted path is backed up at once.
+* ``write_through_selective``: a path is backed up once its nodes were hit
+  ``backup_hit_threshold`` times (checked on every match).
+* ``write_back``: nothing is backed up until device eviction takes a leaf; the
+  leaf goes to a backup and loses its device pages when the backup lands.
+
+:class:`Writes` is the one place that asks which policy runs. A backup keeps the
+invariant that a host copy implies host copies of every ancestor: it backs up a
+path root side first and stops at the first node the host tier cannot take. A
+failed backup is retried where a child's host copy needs the node's; the other
+nodes lose their host copy. Landed backups are handed on (``on_backed_up``, the
+third tier's writes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from hicache.cache.inflight import InFlightIO, node_depth
+from hicache.config import WritePolicy
+from hicache.tree import IOStatus
+
+if TYPE_CHECKING:  # annotations only
+    from hicache.cache.inflight import InFlightTable
+    from hicache.cache.space import TierSpace
+    from hicache.cache.stats import CacheStats
+    from hicache.config import CacheConfig
+    from hicache.tree import TreeNode
+
+
+class Writes:
+    """Backups as the write policy says (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        tree,
+        space: TierSpace,
+        inflight: InFlightTable,
+        transfers,
+        counters: CacheStats,
+        *,
+        bookkeeping: bool,
+        on_backed_up: Callable[[list[TreeNode]], None] | None,
+    ) -> None:
+        self.policy = config.write_policy
+        self._hit_threshold = config.backup_hit_threshold
+        self._has_host_tier = config.has_host_tier
+        self._page_size = config.page_size
+        self._page_nbytes = config.kv.page_nbytes
+        self._tree = tree
+        self._space = space
+        self._inflight = inflight
+        self._transfers = transfers
+        self._counters = counters
+        # Bookkeeping only: write-through backups complete as they start (no fence,
+        # no transfer record); write-back evictions still go through a transfer.
+        self._bookkeeping = bookkeeping
+        self._on_backed_up = on_backed_up
+        if self.policy is WritePolicy.WRITE_BACK and self._has_host_tier:
+            space.set_eviction_backup(self._backup_for_eviction)
+
+    @property
+    def is_write_back(self) -> bool:
+        """Device eviction starts backups (and so may evict host pages)."""
+        return self.policy is WritePolicy.WRITE_BACK
+
+    def after_match(self, node: TreeNode) -> None:
+        """A request matched the path to ``node``: selective write-through backs up hot nodes."""
+        if self.policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+            self._backup_path(node)
+
+    def after_insert(self, node: TreeNode) -> None:
+        """A request inserted the path to ``node``: write-through backs it up."""
+        if self.policy is not WritePolicy.WRITE_BACK:
+            self._backup_path(node)
+
+    def _backup_path(self, node: TreeNode) -> None:
+        """Back up the nodes on ``node``'s path that the write policy wants on the host."""
+        if not self._has_host_tier:
+            return
+        selective = self.policy is WritePolicy.WRITE_THROUGH_SELECTIVE
+        todo = self._tree.path_missing_host(node, self._hit_threshold if selective else 0)
+        if todo:
+            self._start_backup(todo)
+
+    def _backup_for_eviction(self, node: TreeNode) -> bool:
+        # A host copy needs host copies of every ancestor (docs/design.md): the
+        # ancestors that lack one are backed up with it and stay on the device.
+        return self._start_backup(self._tree.path_missing_host(node), evict=node)
+
+    def _start_backup(self, nodes: list[TreeNode], evict: TreeNode | None = None) -> bool:
+        """Back up ``nodes`` (one path, root side first); True if ``evict``'s backup started.
+
+        Stops at the first node whose parent has no host copy (the invariant: a
+        host copy implies host copies of every ancestor) or that the
+        host tier cannot take: the rest of the path is skipped. ``evict`` (the last
+        node, write-back) loses its device pages once its backup lands.
+        """
+        # A write-back eviction still goes through a (completed) transfer: the
+        # eviction loop hands the node over and frees its pages when that is applied.
+        sync = self._bookkeeping
+        tree = self._tree
+        started: list[TreeNode] = []
+        for i, node in enumerate(nodes):
+            parent = node.parent
+            if parent.parent is not None and parent.host_indices is None:
+                break  # the parent first: a later backup through this path takes these
+            host_pages = self._space.alloc_host(node.num_tokens // self._page_size)
+            if host_pages is None:
+                self._counters.backups_skipped += len(nodes) - i
+                break
+            tree.attach_host(node, host_pages)
+            if not sync or node is evict:
+                tree.set_io_status(node, IOStatus.BACKING_UP)
+            started.append(node)
+        if not started:
+            return False
+        self._counters.backups += 1
+        moving = started if not sync else [evict] if started[-1] is evict else []
+        if sync:  # bookkeeping only: the host copy is complete as it starts
+            self._counters.backup_bytes += (
+                sum(n.num_tokens for n in started if n is not evict) // self._page_size
+                * self._page_nbytes
+            )
+        if not moving:
+            return False
+        if len(moving) == 1:
+            dev, host = moving[0].device_indices, moving[0].host_indices
+        else:
+            dev = torch.cat([n.device_indices for n in moving])
+            host = torch.cat([n.host_indices for n in moving])
+        rec = self._submit(dev, host, moving)
+        if evict is not None and started[-1] is evict:
+            rec.evict = [evict]
+        self._inflight.track(rec)
+        return rec.evict is not None
+
+    def _submit(self, dev: torch.Tensor, host: torch.Tensor, nodes: list[TreeNode]) -> InFlightIO:
+        # Bookkeeping-only replay has no compute to wait for (and no fence to make).
+        fence = None if self._bookkeeping else self._transfers.compute_fence()
+        handle = self._transfers.backup(dev, host, after=fence)
+        return InFlightIO(handle, "backup", nodes, dev.shape[0] * self._page_nbytes)
+
+    def finish(self, rec: InFlightIO) -> None:
+        """Apply a backup that landed (or failed); ``rec`` is no longer tracked."""
+        handle = rec.handle
+        c = self._counters
+        tree = self._tree
+        for node in rec.nodes:
+            tree.set_io_status(node, IOStatus.NONE)
+        if handle.error is not None:
+            c.backups_failed += 1
+            # Deepest first. A node whose child has a host copy keeps its own (the
+            # invariant) and is backed up again; the others lose theirs and stay on
+            # the device (a later backup through the path, or write-back eviction,
+            # tries again).
+            retry = []
+            for node in sorted(rec.nodes, key=node_depth, reverse=True):
+                if any(ch.host_indices is not None for ch in node.children.values()):
+                    retry.append(node)
+                else:
+                    self._space.host_allocator.free(tree.detach_host(node))
+            if retry:
+                self._retry(retry[::-1], rec)
+            return
+        c.backup_bytes += rec.nbytes
+        c.backup_seconds += handle.seconds or 0.0
+        if self._on_backed_up is not None:
+            self._on_backed_up(rec.nodes)
+        if rec.evict is not None:
+            # Deepest first: parts split off in flight become leaves once their child goes.
+            for node in sorted(rec.evict, key=node_depth, reverse=True):
+                if node.lock_ref == 0 and not any(ch.on_device for ch in node.children.values()):
+                    c.device_evicted_tokens += node.num_tokens
+                    self._space.device_allocator.free(tree.detach_device(node))
+
+    def _retry(self, nodes: list[TreeNode], failed: InFlightIO) -> None:
+        """Copy ``nodes`` (root side first) into the host pages they keep, again."""
+        for node in nodes:
+            self._tree.set_io_status(node, IOStatus.BACKING_UP)
+        dev = torch.cat([n.device_indices for n in nodes])
+        host = torch.cat([n.host_indices for n in nodes])
+        rec = self._submit(dev, host, nodes)
+        if failed.evict is not None:
+            rec.evict = [n for n in failed.evict if n in nodes] or None
+        self._counters.backups += 1
+        self._counters.backups_retried += 1
+        self._inflight.track(rec)
