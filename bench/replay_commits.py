@@ -32,10 +32,10 @@ from pathlib import Path
 _CHILD = r"""
 import json, sys, time
 from hicache.tree.native import make_tree
-from hicache.sim.replay import _prepare, replay_device, replay_hierarchical
+from hicache.sim.replay import prepare_requests, replay_device, replay_hierarchical
 
 trace, P, device, host, K = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-requests = _prepare(trace, P)
+requests = prepare_requests(trace, P)
 replay_device(requests, P, device, tree=make_tree("native", P, "lru"))  # warm-up
 out = {"device": [], "hierarchical": []}
 for _ in range(K):

@@ -62,7 +62,8 @@ from hicache.cli.benchmarks import standalone_main
 from hicache.sim.engine import Engine, GenerateResult
 from hicache.sim.model import PRESET_NAMES, Model, preset
 from hicache.sim.traces import Request as TraceRequest
-from hicache.sim.traces import generate, load_trace, trace_stats
+from hicache.sim.traces import load_trace, trace_stats
+from hicache.sim.workloads import generate
 
 
 class Request(NamedTuple):

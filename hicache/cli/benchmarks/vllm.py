@@ -50,7 +50,8 @@ import numpy as np
 
 from hicache.cli.benchmarks import standalone_main
 from hicache.cli.benchmarks.vllm_report import report
-from hicache.sim.traces import Request, generate, load_trace, trace_stats
+from hicache.sim.traces import Request, load_trace, trace_stats
+from hicache.sim.workloads import generate
 
 CONFIG_NAMES = ("vllm", "vllm+host", "vllm+host+storage")
 CONNECTOR_MODULE = "hicache.integrations.vllm"
