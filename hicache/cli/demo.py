@@ -44,6 +44,7 @@ from hicache.cli.benchmarks.multiturn import (
     to_requests,
     workload_from_args,
 )
+from hicache.cli.plots import plot_ttft_per_request
 from hicache.sim.engine import GenerateResult
 from hicache.sim.model import PRESET_NAMES, Model, preset
 
@@ -98,24 +99,10 @@ class ProgressBar:
 
 
 def plot_ttft(path: str, runs: dict[str, ConfigResult], title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display needed
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    for name, res in runs.items():
-        ax.plot(range(len(res.results)), [r.ttft_s * 1e3 for r in res.results],
-                marker=".", linewidth=1, label=name)
-    ax.set_xlabel("request (trace order)")
-    ax.set_ylabel("TTFT (ms)")
-    ax.set_yscale("log")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    """TTFT per request of every configuration, in trace order."""
+    plot_ttft_per_request(
+        path, {name: [r.ttft_s * 1e3 for r in res.results] for name, res in runs.items()}, title
+    )
 
 
 def run(args: argparse.Namespace) -> int:
