@@ -9,7 +9,8 @@ then a comparison table and a one-line conclusion computed from the numbers;
 ``--plot FILE.png`` draws TTFT per request (needs matplotlib).
 
 This module only presents: the workload, the engines and the metrics come from
-:mod:`hicache.cli.benchmarks.multiturn`.
+:mod:`hicache.cli.benchmarks.multiturn` (the workload and its options),
+:mod:`~hicache.cli.benchmarks.multiturn_runs` and :mod:`~hicache.cli.benchmarks.multiturn_report`.
 """
 
 from __future__ import annotations
@@ -32,17 +33,17 @@ from hicache.cli.args import (
     start_metrics,
 )
 from hicache.cli.benchmarks.multiturn import (
+    add_workload_arguments,
+    generated_trace,
+    workload_from_args,
+)
+from hicache.cli.benchmarks.multiturn_report import conclusion, format_table, summarize
+from hicache.cli.benchmarks.multiturn_runs import (
     CONFIGS,
     ConfigResult,
-    add_workload_arguments,
     capacities,
-    conclusion,
-    format_table,
-    generated_trace,
     run_configs,
-    summarize,
     to_requests,
-    workload_from_args,
 )
 from hicache.cli.plots import plot_ttft_per_request
 from hicache.sim.engine import GenerateResult
