@@ -172,7 +172,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # ------------------------------------------------------------------ workload
 def generated_trace(seed: int, workload: dict | None = None) -> list[TraceRequest]:
-    """A trace of ``workload`` (default :data:`DEFAULT_WORKLOAD`) from :mod:`hicache.sim.traces`."""
+    """A trace of ``workload`` (default :data:`DEFAULT_WORKLOAD`) from :mod:`hicache.sim.workloads`."""
     params = dict(DEFAULT_WORKLOAD if workload is None else workload)
     kind = params.pop("kind")
     return generate(kind, seed=seed, **params)
