@@ -15,7 +15,9 @@ replays; the last stdout line is one JSON object.
     .venv/bin/python bench/replay_commits.py /tmp/foundation.jsonl --base /tmp/hicache-base
 
 The base checkout needs no install: it runs with this interpreter and its own
-sources first on ``PYTHONPATH`` (its C++ extension is built on first use).
+sources first on ``PYTHONPATH`` (its C++ extension is built on first use). It may
+predate the subpackages (``hicache.replay``, ``hicache.native``): the child imports
+either layout.
 """
 
 from __future__ import annotations
@@ -31,11 +33,18 @@ from pathlib import Path
 # Runs inside each checkout's process: K interleaved repeats of both configurations.
 _CHILD = r"""
 import json, sys, time
-from hicache.tree.native import make_tree
-from hicache.sim.replay import _prepare, replay_device, replay_hierarchical
+try:
+    from hicache.sim import replay as _replay
+    from hicache.tree.native import make_tree
+except ImportError:  # a checkout from before the subpackages: flat modules
+    from hicache import replay as _replay
+    from hicache.native import make_tree
+# prepare_requests was _prepare before the harness left the library
+prepare_requests = getattr(_replay, "prepare_requests", None) or _replay._prepare
+replay_device, replay_hierarchical = _replay.replay_device, _replay.replay_hierarchical
 
 trace, P, device, host, K = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-requests = _prepare(trace, P)
+requests = prepare_requests(trace, P)
 replay_device(requests, P, device, tree=make_tree("native", P, "lru"))  # warm-up
 out = {"device": [], "hierarchical": []}
 for _ in range(K):

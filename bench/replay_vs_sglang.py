@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import sglang_baseline  # noqa: E402
 
-from hicache.sim.replay import _prepare, replay_device  # noqa: E402
+from hicache.sim.replay import prepare_requests, replay_device  # noqa: E402
 from hicache.tree.native import make_tree  # noqa: E402
 
 
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sgl = sglang_baseline.import_sglang(args.deps_dir)
     sgl_requests = sglang_baseline.prepare(args.trace, args.page_size)
-    hc_requests = _prepare(args.trace, args.page_size)
+    hc_requests = prepare_requests(args.trace, args.page_size)
     kinds = [k for k in args.trees.split(",") if k]
 
     def run_sglang():

@@ -28,7 +28,8 @@ from hicache.cli.benchmarks.vllm_report import (
     report,
     summarize,
 )
-from hicache.sim.traces import Request, generate
+from hicache.sim.traces import Request
+from hicache.sim.workloads import generate
 
 REQUIRE_VLLM = os.environ.get("HICACHE_REQUIRE_VLLM") == "1"
 

@@ -5,6 +5,7 @@ status 2 (no traceback, checked before the work starts); ``--json`` is one JSON 
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.util
 import json
 from pathlib import Path
@@ -13,8 +14,8 @@ import pytest
 import torch
 
 from hicache.cli import app as cli
-from hicache.sim.replay import _prepare, replay_hicache_device_only
-from hicache.sim.traces import _KIND_HELP
+from hicache.cli.trace import _KIND_HELP
+from hicache.sim.replay import prepare_requests, replay_hicache_device_only
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,7 +94,7 @@ def test_replay_sweep_accepts_zero_as_the_device_only_baseline(small_trace, caps
     rows = json.loads(out)["sweep"]
     assert [r["host_tokens"] for r in rows] == [0, 4096]
     assert rows[0]["host_hit_tokens"] == 0 and rows[1]["host_hit_tokens"] > 0
-    baseline = replay_hicache_device_only(_prepare(small_trace, 16), 16, 256, "auto")
+    baseline = replay_hicache_device_only(prepare_requests(small_trace, 16), 16, 256, "auto")
     assert rows[0]["hit_ratio"] == round(baseline.hit_ratio, 6)
 
 
@@ -240,3 +241,20 @@ def test_trace_kinds_have_whole_sentences_as_help():
     sub = next(a for a in make._actions if isinstance(a, argparse._SubParsersAction))
     helps = {c.dest: c.help for c in sub._choices_actions}
     assert helps == _KIND_HELP
+
+
+def test_only_the_command_line_imports_the_command_line():
+    """Dependencies point one way, cli -> sim -> library: no module outside hicache/cli/
+    imports hicache.cli (the simulation code keeps no parsers or printing of its own)."""
+    package = ROOT / "hicache"
+    offenders = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package)
+        if rel.parts[0] == "cli":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{rel}:{node.lineno} {n}" for n in names
+                          if n == "hicache.cli" or n.startswith("hicache.cli.")]
+    assert offenders == []

@@ -92,7 +92,8 @@ def test_bench_multiturn_json(capsys):
 
 
 def test_bench_multiturn_trace_file(tmp_path, capsys):
-    from hicache.sim.traces import generate, write_trace
+    from hicache.sim.traces import write_trace
+    from hicache.sim.workloads import generate
 
     path = tmp_path / "t.jsonl"
     write_trace(generate("agentic", seed=1, num_system_prompts=1, system_tokens=64,

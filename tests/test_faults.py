@@ -25,7 +25,7 @@ from test_races import (
 from hicache.cache import HiCache
 from hicache.config import CacheConfig
 from hicache.sim import kvcheck
-from hicache.sim.stress import FaultyCopier, install_copier
+from hicache.sim.faults import FaultyCopier, install_copier
 from hicache.transfer import TransferKind
 from hicache.tree import IOStatus
 

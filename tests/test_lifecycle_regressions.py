@@ -310,7 +310,7 @@ class FailFirstBackups:
 
 
 def test_write_back_alloc_succeeds_after_one_failed_backup():
-    from hicache.sim.stress import _executor
+    from hicache.sim.faults import _executor
 
     cfg = CacheConfig(KV, device_tokens=10 * P, host_tokens=20 * P, executor="thread",
                       host_reserve_nbytes=0, write_policy="write_back")
@@ -336,7 +336,7 @@ def test_write_back_alloc_succeeds_after_one_failed_backup():
 
 
 def test_write_back_alloc_refused_while_every_backup_fails():
-    from hicache.sim.stress import _executor
+    from hicache.sim.faults import _executor
 
     cfg = CacheConfig(KV, device_tokens=10 * P, host_tokens=20 * P, executor="thread",
                       host_reserve_nbytes=0, write_policy="write_back")

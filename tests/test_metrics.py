@@ -133,13 +133,12 @@ def test_transfer_failures_are_logged_under_the_hicache_hierarchy(caplog):
 
 
 def test_library_code_never_prints():
-    """print is for the command line's own modules; the library logs."""
+    """print is for the command line (hicache/cli/) alone; the library and sim/ log or return."""
     root = Path(__file__).resolve().parents[1] / "hicache"
-    front_ends = {"replay.py", "traces.py", "stress.py"}
     offenders = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
-        if rel.parts[0] == "cli" or (rel.parts[0] == "sim" and rel.name in front_ends):
+        if rel.parts[0] == "cli":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print":

@@ -10,7 +10,7 @@ import pytest
 from conftest import TREE_KINDS
 
 from hicache.cli import main
-from hicache.sim.replay import _prepare, frozen_gc, replay_device, replay_hierarchical
+from hicache.sim.replay import frozen_gc, prepare_requests, replay_device, replay_hierarchical
 from hicache.sim.traces import load_trace, trace_stats
 
 # The shared sample trace lies beside the checkout (in CI too); else a generated one.
@@ -43,7 +43,7 @@ def test_replay_json_has_the_contract_fields(trace, capsys):
 
 def test_unbounded_replay_hits_equal_the_ideal_count(trace):
     stats = trace_stats(load_trace(trace), 16)
-    result = replay_device(_prepare(trace, 16), 16, 10 * stats.working_set_tokens)
+    result = replay_device(prepare_requests(trace, 16), 16, 10 * stats.working_set_tokens)
     assert result.hit_tokens == stats.ideal_hit_tokens
     assert result.evicted_tokens == 0
 
@@ -52,7 +52,7 @@ def test_unbounded_replay_hits_equal_the_ideal_count(trace):
 def test_host_tier_recovers_the_unbounded_hit_ratio(trace, tree):
     P = 16
     stats = trace_stats(load_trace(trace), P)
-    requests = _prepare(trace, P)
+    requests = prepare_requests(trace, P)
     device = stats.working_set_tokens // 4 // P * P
     small = replay_device(requests, P, device)
     hier = replay_hierarchical(requests, P, device, stats.working_set_tokens + 64 * P, tree=tree)
@@ -135,7 +135,7 @@ def test_native_and_python_lifecycles_replay_identically(trace, policy, host_fra
         pytest.skip(f"native extension unavailable: {native.native_unavailable_reason()}")
     P = 16
     stats = trace_stats(load_trace(trace), P)
-    requests = _prepare(trace, P)
+    requests = prepare_requests(trace, P)
     device = stats.working_set_tokens // 4 // P * P
     host = int(stats.working_set_tokens * host_fraction) // P * P + 64 * P
     results = [

@@ -11,6 +11,7 @@ import json
 import pytest
 
 from hicache.cli import main
+from hicache.sim.stress import StressOptions, StressRun
 
 KEYS = {
     "requests", "loads", "backups", "evictions_blocked_by_io", "faults_injected",
@@ -67,6 +68,33 @@ def test_stress_human_table_then_json(capsys):
     assert rc == 0
     assert out[0].split()[0] == "requests" and len(out) > len(KEYS)
     assert KEYS <= json.loads(out[-1]).keys()
+
+
+def test_stress_run_without_the_command_line(capsys):
+    """sim/ runs a stress run from its options alone and prints nothing itself."""
+    report = StressRun(StressOptions(seconds=0.5, seed=6)).run()
+    assert capsys.readouterr() == ("", "")
+    assert_clean(report)
+    assert report["requests"] > 0 and report["seconds"] == 0.5 and report["eviction"] == "lfu"
+
+
+def test_stress_reports_an_unexpected_error_with_its_traceback(capsys, monkeypatch):
+    real = StressRun._new_request
+    calls = []
+
+    def fail_once(self):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        real(self)
+
+    monkeypatch.setattr(StressRun, "_new_request", fail_once)
+    rc = main(["stress", "--json", "--seconds", "0.5", "--seed", "7"])
+    out, err = capsys.readouterr()
+    report = json.loads(out.strip().splitlines()[-1])
+    assert rc == 1 and report["errors"] == 1, report
+    assert "Traceback (most recent call last)" in err and "RuntimeError: boom" in err, err
+    assert err.rstrip().endswith("error: RuntimeError: boom"), err  # then the problem lines
 
 
 @pytest.mark.slow

@@ -9,8 +9,10 @@ import json
 import numpy as np
 import pytest
 
-from hicache.sim import traces
-from hicache.sim.traces import Request, generate, load_trace, load_trace_arrays, trace_stats
+from hicache.cli import trace as trace_cli
+from hicache.sim import traces, workloads
+from hicache.sim.traces import Request, load_trace, load_trace_arrays, trace_stats
+from hicache.sim.workloads import generate
 
 SMALL = {
     "agentic": {"num_system_prompts": 2, "system_tokens": 40, "num_sessions": 5, "num_turns": 3,
@@ -41,7 +43,7 @@ def _by_session(reqs: list[Request]) -> dict[int, list[Request]]:
     return out
 
 
-@pytest.mark.parametrize("kind", sorted(traces.GENERATORS))
+@pytest.mark.parametrize("kind", sorted(workloads.GENERATORS))
 def test_every_kind_writes_valid_lines_that_round_trip(kind, tmp_path):
     reqs = generate(kind, seed=3, vocab_size=1000, **SMALL[kind])
     path = tmp_path / "t.jsonl"
@@ -57,7 +59,7 @@ def test_every_kind_writes_valid_lines_that_round_trip(kind, tmp_path):
     assert _as_lists(arrays) == _as_lists(reqs)
 
 
-@pytest.mark.parametrize("kind", sorted(traces.GENERATORS))
+@pytest.mark.parametrize("kind", sorted(workloads.GENERATORS))
 def test_generators_are_deterministic_for_a_seed(kind):
     a = generate(kind, seed=7, **SMALL[kind])
     b = generate(kind, seed=7, **SMALL[kind])
@@ -102,7 +104,7 @@ def test_agentic_concurrency_bounds_open_sessions():
 
 
 def test_foundation_preset_shape():
-    preset = traces.PRESETS["agentic"]["foundation"]
+    preset = workloads.PRESETS["agentic"]["foundation"]
     assert preset["num_sessions"] * preset["num_turns"] == 3000
     first = preset["system_tokens"] + preset["first_turn_tokens"]
     last = first + (preset["num_turns"] - 1) * (preset["turn_tokens"] + preset["output_tokens"])
@@ -248,7 +250,7 @@ def test_bad_generator_options(kind, params, expected):
 
 def _cli(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    traces.add_arguments(parser)
+    trace_cli.add_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -256,19 +258,19 @@ def test_cli_make_and_stats(tmp_path, capsys):
     out = tmp_path / "t.jsonl"
     args = _cli(["make", "agentic", "--seed", "4", "--sessions", "3", "--turns", "2",
                  "--system-tokens", "32", "--num-system-prompts", "1", "-o", str(out)])
-    assert traces.run(args) == 0
+    assert trace_cli.run(args) == 0
     reqs = load_trace(str(out))
     assert len(reqs) == 6
     assert _as_lists(reqs) == _as_lists(generate(
         "agentic", seed=4, num_sessions=3, num_turns=2, system_tokens=32, num_system_prompts=1))
-    assert traces.run(_cli(["stats", str(out), "--page-size", "16", "--json"])) == 0
+    assert trace_cli.run(_cli(["stats", str(out), "--page-size", "16", "--json"])) == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["requests"] == 6 and last["sessions"] == 3 and last["page_size"] == 16
 
 
 def test_cli_preset_with_override_to_stdout(capsys):
     args = _cli(["make", "agentic", "--preset", "foundation", "--sessions", "2", "--turns", "2"])
-    assert traces.run(args) == 0
+    assert trace_cli.run(args) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 4
     assert {len(json.loads(x)["prompt"]) for x in lines} == {4096, 4192}

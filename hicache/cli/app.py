@@ -24,10 +24,10 @@ DESCRIPTION = (
 _COMMANDS = [
     ("demo", "hicache.cli.demo", "the main job: an agentic workload through no cache, a device "
      "cache and the hierarchy, with a comparison table"),
-    ("replay", "hicache.sim.replay", "replay a trace through the cache (bookkeeping only, no KV) "
+    ("replay", "hicache.cli.replay", "replay a trace through the cache (bookkeeping only, no KV) "
      "and report hit ratios"),
-    ("trace", "hicache.sim.traces", "make synthetic traces, or summarize one"),
-    ("stress", "hicache.sim.stress", "concurrent requests with random delays and faults; verifies "
+    ("trace", "hicache.cli.trace", "make synthetic traces, or summarize one"),
+    ("stress", "hicache.cli.stress", "concurrent requests with random delays and faults; verifies "
      "every KV read"),
 ]
 

@@ -120,7 +120,7 @@ def device(text: str) -> str:
     if text != "cpu" and not (text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit())):
         raise argparse.ArgumentTypeError(f"expected 'cpu', 'cuda' or 'cuda:N', got {text!r}")
     if text.startswith("cuda"):
-        import torch  # here: hicache.sim.traces imports this module and needs no torch
+        import torch  # here: `hicache trace` imports this module and needs no torch
 
         if not torch.cuda.is_available():
             raise argparse.ArgumentTypeError(f"{text!r} asked for, but CUDA is not available here")

@@ -9,7 +9,8 @@ then a comparison table and a one-line conclusion computed from the numbers;
 ``--plot FILE.png`` draws TTFT per request (needs matplotlib).
 
 This module only presents: the workload, the engines and the metrics come from
-:mod:`hicache.cli.benchmarks.multiturn`.
+:mod:`hicache.cli.benchmarks.multiturn` (the workload and its options),
+:mod:`~hicache.cli.benchmarks.multiturn_runs` and :mod:`~hicache.cli.benchmarks.multiturn_report`.
 """
 
 from __future__ import annotations
@@ -32,18 +33,19 @@ from hicache.cli.args import (
     start_metrics,
 )
 from hicache.cli.benchmarks.multiturn import (
-    CONFIGS,
-    ConfigResult,
     add_workload_arguments,
-    capacities,
-    conclusion,
-    format_table,
     generated_trace,
-    run_configs,
-    summarize,
-    to_requests,
     workload_from_args,
 )
+from hicache.cli.benchmarks.multiturn_report import conclusion, format_table, summarize
+from hicache.cli.benchmarks.multiturn_runs import (
+    CONFIGS,
+    ConfigResult,
+    capacities,
+    run_configs,
+    to_requests,
+)
+from hicache.cli.plots import plot_ttft_per_request
 from hicache.sim.engine import GenerateResult
 from hicache.sim.model import PRESET_NAMES, Model, preset
 
@@ -98,24 +100,10 @@ class ProgressBar:
 
 
 def plot_ttft(path: str, runs: dict[str, ConfigResult], title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display needed
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    for name, res in runs.items():
-        ax.plot(range(len(res.results)), [r.ttft_s * 1e3 for r in res.results],
-                marker=".", linewidth=1, label=name)
-    ax.set_xlabel("request (trace order)")
-    ax.set_ylabel("TTFT (ms)")
-    ax.set_yscale("log")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    """TTFT per request of every configuration, in trace order."""
+    plot_ttft_per_request(
+        path, {name: [r.ttft_s * 1e3 for r in res.results] for name, res in runs.items()}, title
+    )
 
 
 def run(args: argparse.Namespace) -> int:

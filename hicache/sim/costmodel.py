@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from hicache.config import resolve_dtype
-from hicache.sim.model import ModelConfig
+from hicache.sim.modelconfig import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -30,22 +30,19 @@ carries over to a GPU; the TTFT ratio shrinks there (see ``bench recompute``).
 A forward of a few dozen tokens also has a fixed cost here (~20-40 ms: the
 32k-vocabulary head, per-op overhead), which keeps the TTFT ratio below the
 computed-token ratio.
+
+This module is the workload and the command line; the configurations (:data:`CONFIGS`,
+:data:`STORAGE_CONFIGS`) and the replay are :mod:`hicache.cli.benchmarks.multiturn_runs`,
+the metrics and the table :mod:`hicache.cli.benchmarks.multiturn_report`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import statistics
 import sys
-import tempfile
-import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
-import numpy as np
 import psutil
 import torch
 
@@ -59,56 +56,28 @@ from hicache.cli.args import (
     start_metrics,
 )
 from hicache.cli.benchmarks import standalone_main
-from hicache.sim.engine import Engine, GenerateResult
+from hicache.cli.benchmarks.multiturn_report import (
+    conclusion,
+    format_table,
+    storage_conclusion,
+    summarize,
+)
+from hicache.cli.benchmarks.multiturn_runs import (
+    ALL_CONFIGS,
+    CONFIGS,
+    STORAGE_CONFIGS,
+    Request,
+    StorageSetup,
+    capacities,
+    max_request_tokens,
+    run_configs,
+    to_requests,
+)
+from hicache.sim.engine import GenerateResult
 from hicache.sim.model import PRESET_NAMES, Model, preset
 from hicache.sim.traces import Request as TraceRequest
-from hicache.sim.traces import generate, load_trace, trace_stats
-
-
-class Request(NamedTuple):
-    prompt: np.ndarray  # int64 token ids, taken as given
-    max_new_tokens: int  # len(output) of the trace request
-
-
-class ConfigSpec(NamedTuple):
-    """How to build the engine of one configuration (device/host sizes are shared)."""
-
-    mode: str  # Engine mode
-    has_host_tier: bool  # receives host_tokens
-    options: dict  # further Engine keyword arguments
-    small_host: bool = False  # host tier of storage_host_tokens instead of host_tokens
-    has_storage: bool = False  # a third tier under the host tier
-
-
-# Name -> engine recipe: the configurations compared by default (and by the demo).
-CONFIGS: dict[str, ConfigSpec] = {
-    "none": ConfigSpec("none", False, {}),
-    "device": ConfigSpec("device", False, {}),
-    "hierarchical": ConfigSpec("hierarchical", True, {"write_policy": "write_through"}),
-}
-
-# What a third tier buys where host memory runs out: both run at the same small host tier.
-STORAGE_CONFIGS: dict[str, ConfigSpec] = {
-    "hierarchical-small-host": ConfigSpec(
-        "hierarchical", True, {"write_policy": "write_through"}, small_host=True
-    ),
-    "hierarchical+storage": ConfigSpec(
-        "hierarchical", True, {"write_policy": "write_through"}, small_host=True,
-        has_storage=True,
-    ),
-}
-
-ALL_CONFIGS: dict[str, ConfigSpec] = {**CONFIGS, **STORAGE_CONFIGS}
-
-
-class StorageSetup(NamedTuple):
-    """The third tier's settings for the configurations in :data:`STORAGE_CONFIGS`."""
-
-    host_tokens: int  # the small host tier both storage configurations run with
-    spec: str | None = None  # None: a fresh temporary file: store per run, removed after
-    prefetch_policy: str = "wait_complete"
-    prefetch_timeout_s: float = 0.05
-    lookahead: int = 1  # requests announced (Engine.prefetch) before the running one
+from hicache.sim.traces import load_trace
+from hicache.sim.workloads import generate
 
 # The default workload: agentic sessions over two shared 1k-token system prompts,
 # each starting with a 512-token task (retrieved context) and appending a 32-token
@@ -154,13 +123,6 @@ def workload_from_args(args: argparse.Namespace) -> dict:
             raise ValueError(f"{flag}: expected >= 1, got {value}")
         shape[name] = value
     return shape
-
-
-class ConfigResult(NamedTuple):
-    name: str
-    results: list[GenerateResult]
-    wall_s: float  # whole replay, decode included
-    stats: dict  # the cache's counters at the end ({} without a cache)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -210,225 +172,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # ------------------------------------------------------------------ workload
 def generated_trace(seed: int, workload: dict | None = None) -> list[TraceRequest]:
-    """A trace of ``workload`` (default :data:`DEFAULT_WORKLOAD`) from :mod:`hicache.sim.traces`."""
+    """A trace of ``workload`` (default :data:`DEFAULT_WORKLOAD`) from :mod:`hicache.sim.workloads`."""
     params = dict(DEFAULT_WORKLOAD if workload is None else workload)
     kind = params.pop("kind")
     return generate(kind, seed=seed, **params)
-
-
-def to_requests(trace: Sequence[TraceRequest]) -> list[Request]:
-    """Prompts as given; ``max_new_tokens = len(output)``."""
-    return [Request(np.asarray(r.prompt, dtype=np.int64), len(r.output)) for r in trace]
-
-
-def max_request_tokens(requests: Sequence[Request], page_size: int) -> int:
-    """KV tokens of the largest request, rounded up to whole pages."""
-    longest = max(len(r.prompt) + r.max_new_tokens - 1 for r in requests)
-    return -(-longest // page_size) * page_size
-
-
-# ------------------------------------------------------------------- replay
-def replay(
-    engine: Engine,
-    requests: Sequence[Request],
-    progress: Callable[[int, GenerateResult], None] | None = None,
-    *,
-    lookahead: int = 0,
-    namespace: str | None = None,
-) -> tuple[list[GenerateResult], float]:
-    """Run ``requests`` in order through ``engine``; return the results and the wall time.
-
-    With ``lookahead`` the next requests are announced (:meth:`Engine.prefetch`)
-    before each one runs: they count as arrived and queued behind it.
-    """
-    results = []
-    start = time.perf_counter()
-    for i, req in enumerate(requests):
-        if lookahead:
-            # Requests up to i + lookahead have arrived; all but the newest were
-            # announced at earlier steps (request 0 is scheduled as it arrives).
-            first = 1 if i == 0 else i + lookahead
-            for later in requests[first : i + 1 + lookahead]:
-                engine.prefetch(later.prompt, namespace)
-        result = engine.generate(req.prompt, req.max_new_tokens, namespace)
-        results.append(result)
-        if progress is not None:
-            progress(i + 1, result)
-    engine.drain()
-    return results, time.perf_counter() - start
-
-
-def build_engine(
-    name: str, model: Model, device_tokens: int, host_tokens: int, page_size: int,
-    storage: StorageSetup | None = None, storage_spec: str | None = None,
-) -> Engine:
-    """The engine of configuration ``name``; storage configurations need ``storage``
-    (and ``storage_spec``, the store this run uses)."""
-    spec = ALL_CONFIGS[name]
-    kwargs = dict(spec.options)
-    if spec.small_host or spec.has_storage:
-        if storage is None:
-            raise ValueError(f"config {name!r}: expected a StorageSetup, got None")
-        host_tokens = storage.host_tokens
-    if spec.has_host_tier:
-        kwargs["host_tokens"] = host_tokens
-    if spec.has_storage:
-        assert storage is not None and storage_spec is not None, "no store for a storage config"
-        kwargs.update(storage=storage_spec, prefetch_policy=storage.prefetch_policy,
-                      prefetch_timeout_s=storage.prefetch_timeout_s)
-    return Engine(model, spec.mode, device_tokens, page_size=page_size, **kwargs)
-
-
-def run_configs(
-    model: Model,
-    requests: Sequence[Request],
-    names: Sequence[str],
-    device_tokens: int,
-    host_tokens: int,
-    page_size: int,
-    progress: Callable[[str, int, GenerateResult], None] | None = None,
-    storage: StorageSetup | None = None,
-    metrics=None,
-) -> dict[str, ConfigResult]:
-    """Replay ``requests`` through each named configuration; check they generate alike.
-
-    Configurations of :data:`STORAGE_CONFIGS` need ``storage``. Each storage run gets
-    a fresh store (a temporary directory, removed afterwards) unless ``storage.spec``
-    names one; then its requests use a namespace of their own, so pages of earlier
-    runs (perhaps of other weights: keys cover the KV layout, not the weights) are
-    never hits. ``metrics`` (a :class:`hicache.metrics.CacheMetrics`) exports each
-    configuration's cache under its name, updated after every request.
-    """
-    warm = Engine(model, "none", max_request_tokens(requests[:1], page_size), page_size=page_size)
-    warm.generate(requests[0].prompt, requests[0].max_new_tokens)
-    warm.close()
-    out: dict[str, ConfigResult] = {}
-    for name in names:
-        temp_dir = namespace = spec = None
-        if ALL_CONFIGS[name].has_storage and storage is not None:
-            if storage.spec is None:
-                temp_dir = tempfile.mkdtemp(prefix="hicache-multiturn-")
-                spec = f"file:{temp_dir}"
-            else:
-                spec = storage.spec
-                namespace = f"multiturn-{os.getpid()}-{time.time_ns()}"
-        try:
-            engine = build_engine(name, model, device_tokens, host_tokens, page_size,
-                                  storage, spec)
-            tracked = metrics is not None and engine.cache is not None
-            if tracked:
-                metrics.track(engine.cache, name)
-            try:
-                on_result = None
-                if progress is not None or tracked:
-                    def on_result(i: int, r: GenerateResult, name: str = name,
-                                  tracked: bool = tracked) -> None:
-                        if tracked:
-                            metrics.update(name)
-                        if progress is not None:
-                            progress(name, i, r)
-                lookahead = storage.lookahead if storage is not None else 0
-                results, wall_s = replay(engine, requests, on_result, lookahead=lookahead,
-                                         namespace=namespace)
-                engine.check_integrity()
-                out[name] = ConfigResult(name, results, wall_s, engine.stats())
-            finally:
-                if tracked:
-                    metrics.untrack(name)
-                engine.close()
-        finally:
-            if temp_dir is not None:
-                shutil.rmtree(temp_dir, ignore_errors=True)
-    first = next(iter(out.values()))
-    for res in out.values():
-        for i, (a, b) in enumerate(zip(res.results, first.results, strict=True)):
-            if a.tokens != b.tokens:
-                raise AssertionError(
-                    f"request {i}: config {res.name!r} generated {a.tokens[:8]}..., "
-                    f"{first.name!r} generated {b.tokens[:8]}...: the cache changed the output"
-                )
-    return out
-
-
-def summarize(res: ConfigResult, requests: Sequence[Request]) -> dict:
-    """The JSON metrics of one configuration."""
-    prompt_tokens = sum(len(r.prompt) for r in requests)
-    ttft_ms = [r.ttft_s * 1e3 for r in res.results]
-    device_hit = sum(r.device_hit_tokens for r in res.results)
-    host_hit = sum(r.host_hit_tokens for r in res.results)
-    # Tokens read from storage into host memory, then loaded back as host hits (a
-    # fetched page that is evicted before use, or computed meanwhile, counts too).
-    storage_hit = res.stats.get("storage_hit_tokens", 0)
-    read_s = res.stats.get("storage_read_seconds", 0.0)
-    return {
-        "requests": len(res.results),
-        "ttft_mean_ms": statistics.fmean(ttft_ms),
-        "ttft_p50_ms": float(np.percentile(ttft_ms, 50)),
-        "ttft_p99_ms": float(np.percentile(ttft_ms, 99)),
-        "hit_ratio": (device_hit + host_hit) / prompt_tokens,
-        "device_hit_ratio": device_hit / prompt_tokens,
-        "host_hit_ratio": host_hit / prompt_tokens,
-        "storage_hit_ratio": storage_hit / prompt_tokens,
-        "storage_hit_tokens": storage_hit,
-        "storage_read_gbps": res.stats.get("storage_read_bytes", 0) / read_s / 1e9
-        if read_s else 0.0,
-        "storage_write_bytes": res.stats.get("storage_write_bytes", 0),
-        "storage_errors": res.stats.get("storage_errors", 0),
-        "host_evicted_tokens": res.stats.get("host_evicted_tokens", 0),
-        "computed_tokens": sum(r.computed_tokens for r in res.results),
-        "prompt_tokens": prompt_tokens,
-        "req_per_s": len(res.results) / res.wall_s,
-        "wall_s": res.wall_s,
-        "load_failures": sum(r.num_load_failures for r in res.results),
-        "device_evicted_tokens": res.stats.get("device_evicted_tokens", 0),
-        "load_gbps": res.stats.get("load_gbps", 0.0),
-    }
-
-
-def format_table(summaries: dict[str, dict]) -> list[str]:
-    """One row per configuration; a "storage" column when a storage tier took part."""
-    w = max(14, *(len(name) for name in summaries))
-    with_storage = any(s.get("storage_hit_tokens") or s.get("storage_write_bytes")
-                       for s in summaries.values())
-    header = (f"{'config':<{w}} {'TTFT mean':>10} {'p50':>8} {'p99':>8} {'hit':>6} "
-              f"{'device':>7} {'host':>6}" + (f" {'(from':>8}" if with_storage else "")
-              + f" {'computed':>9} {'req/s':>7}")
-    lines = [header, f"{'':<{w}} {'(ms)':>10} {'(ms)':>8} {'(ms)':>8} {'':>6} {'hit':>7} "
-             f"{'hit':>6}" + (f" {'storage)':>8}" if with_storage else "") + f" {'tokens':>9}"]
-    for name, s in summaries.items():
-        storage = f" {s.get('storage_hit_ratio', 0.0):>8.1%}" if with_storage else ""
-        lines.append(
-            f"{name:<{w}} {s['ttft_mean_ms']:>10.1f} {s['ttft_p50_ms']:>8.1f} "
-            f"{s['ttft_p99_ms']:>8.1f} {s['hit_ratio']:>6.1%} {s['device_hit_ratio']:>7.1%} "
-            f"{s['host_hit_ratio']:>6.1%}{storage} {s['computed_tokens']:>9} "
-            f"{s['req_per_s']:>7.2f}"
-        )
-    return lines
-
-
-def conclusion(summaries: dict[str, dict]) -> str:
-    """One line comparing the hierarchy with device-only, from the numbers."""
-    if "hierarchical" not in summaries or "device" not in summaries:
-        return "(run both 'device' and 'hierarchical' for a comparison)"
-    h, d = summaries["hierarchical"], summaries["device"]
-    ttft_x = d["ttft_mean_ms"] / h["ttft_mean_ms"]
-    computed_x = d["computed_tokens"] / max(h["computed_tokens"], 1)
-    return (f"hierarchical: {ttft_x:.1f}x lower mean TTFT than device-only, "
-            f"{computed_x:.1f}x fewer tokens computed "
-            f"(hit ratio {h['hit_ratio']:.0%} vs {d['hit_ratio']:.0%})")
-
-
-def storage_conclusion(summaries: dict[str, dict]) -> str | None:
-    """One line on what the third tier buys at the small host tier; None without both runs."""
-    if "hierarchical+storage" not in summaries or "hierarchical-small-host" not in summaries:
-        return None
-    st, sm = summaries["hierarchical+storage"], summaries["hierarchical-small-host"]
-    ttft_x = sm["ttft_mean_ms"] / st["ttft_mean_ms"]
-    computed_x = sm["computed_tokens"] / max(st["computed_tokens"], 1)
-    return (f"hierarchical+storage: {ttft_x:.1f}x lower mean TTFT than the same small host "
-            f"tier alone, {computed_x:.1f}x fewer tokens computed (hit ratio "
-            f"{st['hit_ratio']:.0%} vs {sm['hit_ratio']:.0%}, {st['storage_hit_ratio']:.0%} "
-            f"of prompt tokens read from storage)")
 
 
 # ---------------------------------------------------------------------- main
@@ -449,24 +196,6 @@ def prepare(args: argparse.Namespace) -> tuple[list[Request], int, int, int]:
         trace, requests, args.page_size, args.device_tokens, args.host_tokens
     )
     return requests, ws, device_tokens, host_tokens
-
-
-def capacities(
-    trace: Sequence[TraceRequest],
-    requests: Sequence[Request],
-    page_size: int,
-    device_tokens: int | None = None,
-    host_tokens: int | None = None,
-) -> tuple[int, int, int]:
-    """(working set, device, host) in tokens; defaults: device = 25% of the working set
-    (at least the largest request), host = 2x the working set (it never evicts)."""
-    ws = trace_stats(trace, page_size).working_set_tokens
-    if device_tokens is None:
-        device_tokens = max(ws // 4 // page_size * page_size,
-                            max_request_tokens(requests, page_size))
-    if host_tokens is None:
-        host_tokens = max(2 * ws, device_tokens)
-    return ws, device_tokens, host_tokens
 
 
 def storage_setup(

@@ -34,7 +34,7 @@ from hicache.cli.args import TRACE_HELP, add_json, fraction, positive_int
 from hicache.cli.benchmarks import standalone_main
 from hicache.config import WritePolicy
 from hicache.sim.replay import (
-    _prepare,
+    prepare_requests,
     replay_device,
     replay_hicache_device_only,
     replay_hierarchical,
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     say = (lambda *_a, **_k: None) if args.json else print
     P = args.page_size
     unique = trace_stats(load_trace(args.trace), P).working_set_tokens
-    requests = _prepare(args.trace, P)
+    requests = prepare_requests(args.trace, P)
     device_tokens = max(P, int(unique * args.device_fraction) // P * P)
     host_tokens = unique + 64 * P  # every unique page, plus slack for partial turns
 

@@ -18,6 +18,8 @@ from typing import IO
 
 import numpy as np
 
+from hicache.cli import plots
+
 # Targets of issue 18, checked by the comparisons below (what they apply to is stated).
 TTFT_SPEEDUP_TARGET = 2.0  # vllm / vllm+host mean TTFT, working set >= 4x vLLM's cache
 COMPUTED_REDUCTION_TARGET = 3.0  # vllm / vllm+host prompt tokens computed
@@ -165,26 +167,13 @@ def print_table(configs: dict[str, dict], comparisons: dict, identical: tuple[bo
 
 
 def plot_ttft_cdf(path: str, results: dict[str, dict], title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display needed
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    """The TTFT CDF of every configuration (a configuration's label names its failures)."""
+    ttft_ms = {}
     for name, res in results.items():
-        ttft = np.sort([r["ttft_s"] * 1e3 for r in res["requests"]])
         failed = res["num_failed"]
         label = f"{name} ({failed} requests failed)" if failed else name
-        ax.step(ttft, np.arange(1, len(ttft) + 1) / len(ttft), where="post", label=label)
-    ax.set_xscale("log")
-    ax.set_xlabel("time to first token (ms)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        ttft_ms[label] = [r["ttft_s"] * 1e3 for r in res["requests"]]
+    plots.plot_ttft_cdf(path, ttft_ms, title)
 
 
 def report(results: dict[str, dict], model: dict, plan: dict, *, out: IO[str],
