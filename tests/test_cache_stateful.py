@@ -321,20 +321,26 @@ class CacheMachine(RuleBasedStateMachine):
                                         req.ns)
                 assert bad == [], f"request {req.tokens} ({req.ns}) reads wrong KV at {bad}"
 
+    def _drain(self) -> None:
+        """Land every transfer, including retries that applying a failure submits."""
+        for _ in range(100):
+            self.cache.poll()  # first: a failed transfer is applied (and maybe retried) here
+            todo = self.executor.pending()
+            if not todo:
+                return
+            for t in todo:
+                assert self.executor.complete(t)
+        raise AssertionError("transfers still in flight after 100 rounds")
+
     def teardown(self):
         cache = self.cache
         if cache is None:
             return
-        for _ in range(100):
-            todo = self.executor.pending()
-            if not todo:
-                break
-            for t in todo:
-                assert self.executor.complete(t)
-            cache.poll()
+        self._drain()
         for req in self.live:
             cache.release(req.h)
-        cache.poll()
+        # A failure applied by the polls above or by release may submit a retry.
+        self._drain()
         assert_no_leaks(cache)
         assert kvcheck.verify_cache(cache) == []
         cache.close()
