@@ -16,7 +16,7 @@ from hicache.cli import app as cli
 from hicache.sim.replay import _prepare, replay_hicache_device_only
 from hicache.sim.traces import _KIND_HELP
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:

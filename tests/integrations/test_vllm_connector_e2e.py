@@ -1,7 +1,7 @@
 """HiCacheConnector inside real vLLM (CPU backend), end to end.
 
 Three engines, each in its own process (vLLM spawns processes, see
-tests/vllm_driver.py), on a tiny random Llama saved to a temporary directory:
+tests/integrations/vllm_driver.py), on a tiny random Llama saved to a temporary directory:
 
 * baseline: vLLM alone, a multi-turn workload whose working set (~90 blocks) is
   several times vLLM's KV cache (24 blocks);

@@ -1,10 +1,10 @@
 """Runs one vLLM engine (CPU backend) over a fixed workload and prints one JSON line.
 
-Used by tests/test_vllm_connector_e2e.py in a subprocess: vLLM spawns processes,
+Used by tests/integrations/test_vllm_connector_e2e.py in a subprocess: vLLM spawns processes,
 so it must run under ``if __name__ == "__main__"``. Usage::
 
-    python tests/vllm_driver.py make-model DIR
-    python tests/vllm_driver.py run DIR SCENARIO[,SCENARIO...] [--storage file:DIR] [--no-connector]
+    python tests/integrations/vllm_driver.py make-model DIR
+    python tests/integrations/vllm_driver.py run DIR SCENARIO[,SCENARIO...] [--storage file:DIR] [--no-connector]
 
 SCENARIO is a comma-separated list run in order on one engine: ``multiturn``
 (conversations whose working set is several times vLLM's KV cache, one request at a

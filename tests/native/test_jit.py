@@ -188,7 +188,7 @@ def test_a_wheel_install_ships_the_compiled_module(tmp_path):
     instead of downloading one (an isolated build asks for the same version, see
     buildtools/backend.py). Compiles the extension: minutes.
     """
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     target = tmp_path / "site"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",

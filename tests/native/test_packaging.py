@@ -8,7 +8,7 @@ import pytest
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_license_is_the_full_apache_2_text_the_metadata_declares():

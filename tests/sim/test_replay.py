@@ -14,7 +14,7 @@ from hicache.sim.replay import _prepare, frozen_gc, replay_device, replay_hierar
 from hicache.sim.traces import load_trace, trace_stats
 
 # The shared sample trace lies beside the checkout (in CI too); else a generated one.
-SAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sample_trace.jsonl"
+SAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sample_trace.jsonl"
 
 
 @pytest.fixture(scope="module")

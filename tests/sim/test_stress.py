@@ -1,7 +1,7 @@
 """``hicache stress`` end to end: concurrent requests, random delays and faults, real KV.
 
 The default runs take ~25 s in all; the 10-minute soak is marked ``slow``
-(``pytest -m slow tests/test_stress.py``).
+(``pytest -m slow tests/sim/test_stress.py``).
 """
 
 from __future__ import annotations
