@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_races import KV, P, host_only, make_cache, seq, serve
+from helpers import KV_F16, P, host_only, make_cache, seq, serve_manual
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig
@@ -26,7 +26,7 @@ def busy_cache():
     """A cache with IO in flight and live handles; returns (cache, handles)."""
     cache = make_cache(device_pages=12, host_pages=16)
     host_only(cache, seq(100, 2))
-    serve(cache, seq(300, 2))  # its write-through backup stays pending
+    serve_manual(cache, seq(300, 2))  # its write-through backup stays pending
     loading = cache.match(seq(100, 2) + seq(7, 1))  # load of the host-only node pending
     owner = cache.match(seq(500, 2))
     assert cache.alloc(owner, 3 * P) is not None
@@ -129,7 +129,7 @@ CASES = [
      ">= 0"),
     # the handle itself
     ("wait-layer-negative", lambda c, h: h["owner"].wait_layer(-1), ValueError, "layer"),
-    ("wait-layer-too-big", lambda c, h: h["loading"].wait_layer(KV.num_layers), ValueError,
+    ("wait-layer-too-big", lambda c, h: h["loading"].wait_layer(KV_F16.num_layers), ValueError,
      "layer"),
     ("wait-layer-str", lambda c, h: h["owner"].wait_layer("0"), TypeError, "layer"),
     ("page-table-released", lambda c, h: h["released"].page_table(), ValueError, "released"),
@@ -154,13 +154,13 @@ CASES = [
     ("backup-bad-fence", lambda c, h: c.transfers.backup(
         torch.tensor([0]), torch.tensor([0]), after="now"), TypeError, "fence"),
     ("write-pages-wrong-dtype", lambda c, h: c.device_pool.write_pages(
-        0, torch.tensor([0]), torch.zeros(P, KV.num_kv_heads, KV.head_dim),
-        torch.zeros(P, KV.num_kv_heads, KV.head_dim)), TypeError, "dtype"),
+        0, torch.tensor([0]), torch.zeros(P, KV_F16.num_kv_heads, KV_F16.head_dim),
+        torch.zeros(P, KV_F16.num_kv_heads, KV_F16.head_dim)), TypeError, "dtype"),
     ("write-pages-wrong-shape", lambda c, h: c.device_pool.write_pages(
         0, torch.tensor([0]), torch.zeros(1, dtype=torch.float16),
         torch.zeros(1, dtype=torch.float16)), ValueError, "shape"),
     ("write-pages-bad-layer", lambda c, h: c.device_pool.write_pages(
-        KV.num_layers, torch.tensor([0]), torch.zeros(1), torch.zeros(1)), ValueError, "layer"),
+        KV_F16.num_layers, torch.tensor([0]), torch.zeros(1), torch.zeros(1)), ValueError, "layer"),
     ("free-foreign-page", lambda c, h: c.device_allocator.free(torch.tensor([10**6])),
      ValueError, "[0,"),
     ("free-unallocated-page", lambda c, h: c.host_allocator.free(
@@ -194,7 +194,7 @@ def test_bad_input_raises_and_changes_nothing(case):
 
 @pytest.mark.parametrize(
     "config",
-    [None, "cfg", KV],
+    [None, "cfg", KV_F16],
     ids=["none", "str", "kvconfig"],
 )
 def test_hicache_rejects_a_non_config(config):
@@ -216,7 +216,7 @@ def test_hicache_rejects_a_non_config(config):
 )
 def test_cache_config_rejects_bad_values(kwargs, exc):
     with pytest.raises(exc):
-        CacheConfig(KV, **kwargs)
+        CacheConfig(KV_F16, **kwargs)
 
 
 def test_a_rejected_call_leaves_the_cache_fully_usable():
@@ -228,6 +228,6 @@ def test_a_rejected_call_leaves_the_cache_fully_usable():
         cache.transfers.executor.complete(t)
     for name in ("loading", "owner", "hit"):
         cache.release(handles[name])
-    serve(cache, seq(100, 2) + seq(7, 1))
+    serve_manual(cache, seq(100, 2) + seq(7, 1))
     cache.check_integrity()
     assert kvcheck.verify_cache(cache) == []

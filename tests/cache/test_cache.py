@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from conftest import TREE_KINDS, assert_no_leaks
+from helpers import (
+    KV,
+    TREE_KINDS,
+    assert_quiescent,
+    compute,
+    finish_transfers,
+    read_prefix,
+    serve_kv,
+)
 
-from hicache.cache import HiCache, PrefixHandle
-from hicache.config import CacheConfig, KVConfig
-
-P = 2
-KV = KVConfig(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_size=P)
-
+from hicache.cache import HiCache
+from hicache.config import CacheConfig
 
 TREE = "python"  # set per test by the fixture below: every scenario runs on each tree
 
@@ -32,62 +35,6 @@ def make_cache(device_tokens=8, host_tokens=16, executor="thread", **kw) -> HiCa
     return HiCache(cfg)
 
 
-def expected_kv(tokens: list[int], layer: int) -> torch.Tensor:
-    """K of each position: a function of the token, its position and the layer."""
-    pos = torch.arange(len(tokens), dtype=torch.float32)
-    tok = torch.tensor(tokens, dtype=torch.float32)
-    base = tok * 1000 + pos * 10 + layer * 1_000_000
-    return base[:, None, None] + torch.arange(4, dtype=torch.float32)[None, None, :]
-
-
-def compute(cache: HiCache, h: PrefixHandle, tokens: list[int]) -> None:
-    """Play the model: allocate pages past the prefix and write the KV of those tokens."""
-    start = h.prefix_len
-    pages = cache.alloc(h, len(tokens) - start)
-    assert pages is not None
-    table = h.page_table()
-    for layer in range(KV.num_layers):
-        k = expected_kv(tokens, layer)
-        # whole pages from the first computed page on (start is page-aligned)
-        first, n_pages = start // P, -(-len(tokens) // P) - start // P
-        rows = torch.zeros(n_pages * P, 1, 4)
-        rows[: len(tokens) - start] = k[start:]
-        cache.device_pool.write_pages(layer, table[first : first + n_pages], rows, -rows)
-
-
-def read_prefix(cache: HiCache, h: PrefixHandle, tokens: list[int]) -> None:
-    """Assert the device pages of h's prefix hold exactly the KV of ``tokens``."""
-    table = h.page_table()[: h.prefix_len // P]
-    for layer in range(KV.num_layers):
-        h.wait_layer(layer)
-        k, v = cache.device_pool.read_pages(layer, table)
-        want = expected_kv(tokens[: h.prefix_len], layer)
-        assert torch.equal(k, want), f"layer {layer}: K differs"
-        assert torch.equal(v, -want), f"layer {layer}: V differs"
-
-
-def serve(cache: HiCache, tokens: list[int], namespace=None) -> PrefixHandle:
-    h = cache.match(tokens, namespace)
-    h.wait()
-    read_prefix(cache, h, tokens)
-    compute(cache, h, tokens)
-    cache.insert(h, tokens)
-    cache.release(h)
-    return h
-
-
-def settle(cache: HiCache) -> None:
-    if cache.transfers.executor_name == "manual":
-        for t in cache.transfers.executor.pending():
-            cache.transfers.executor.complete(t)
-    cache.wait_all()
-
-
-def assert_quiescent(cache: HiCache) -> None:
-    settle(cache)
-    assert_no_leaks(cache)
-
-
 A = [1, 1, 2, 2, 3, 3]
 B = [7, 7, 8, 8, 9, 9]
 
@@ -95,15 +42,15 @@ B = [7, 7, 8, 8, 9, 9]
 @pytest.mark.parametrize("executor", ["thread", "manual"])
 def test_lifecycle_evict_to_host_and_load_back_bitwise(executor):
     cache = make_cache(device_tokens=8, host_tokens=16, executor=executor)
-    serve(cache, A)
-    settle(cache)
+    serve_kv(cache, A)
+    finish_transfers(cache)
     assert cache.tree.host_tokens == 6  # write-through backed A up
-    serve(cache, B)  # needs 3 of 4 device pages, 1 free: evicts the tail 2 pages of A
-    settle(cache)
+    serve_kv(cache, B)  # needs 3 of 4 device pages, 1 free: evicts the tail 2 pages of A
+    finish_transfers(cache)
     assert cache.stats()["device_evicted_tokens"] == 4
     h = cache.match(A + [4, 4])
     assert (h.device_len, h.host_len, h.prefix_len) == (2, 4, 6)
-    settle(cache)
+    finish_transfers(cache)
     read_prefix(cache, h, A)
     cache.release(h)
     s = cache.stats()
@@ -115,7 +62,7 @@ def test_lifecycle_evict_to_host_and_load_back_bitwise(executor):
 
 def test_device_hit_reuses_pages_without_transfer():
     cache = make_cache()
-    serve(cache, A)
+    serve_kv(cache, A)
     h = cache.match(A)
     assert (h.device_len, h.host_len) == (6, 0)
     read_prefix(cache, h, A)
@@ -127,14 +74,14 @@ def test_device_hit_reuses_pages_without_transfer():
 
 def test_write_through_selective_backs_up_after_threshold_hits():
     cache = make_cache(write_policy="write_through_selective", backup_hit_threshold=2)
-    serve(cache, A)
-    settle(cache)
+    serve_kv(cache, A)
+    finish_transfers(cache)
     assert cache.tree.host_tokens == 0
-    serve(cache, A)  # hit 1
-    settle(cache)
+    serve_kv(cache, A)  # hit 1
+    finish_transfers(cache)
     assert cache.tree.host_tokens == 0
-    serve(cache, A)  # hit 2 reaches the threshold
-    settle(cache)
+    serve_kv(cache, A)  # hit 2 reaches the threshold
+    finish_transfers(cache)
     assert cache.tree.host_tokens == 6
     assert cache.stats()["backups"] == 1
     assert_quiescent(cache)
@@ -143,7 +90,7 @@ def test_write_through_selective_backs_up_after_threshold_hits():
 
 def test_write_back_frees_device_pages_only_after_backup_completes():
     cache = make_cache(device_tokens=8, host_tokens=16, executor="manual", write_policy="write_back")
-    serve(cache, A)
+    serve_kv(cache, A)
     assert cache.tree.host_tokens == 0 and cache.stats()["backups"] == 0
     h = cache.match(B)
     # B needs 3 pages, 1 free: A's tail (2 pages) is backed up at eviction; its pages
@@ -163,7 +110,7 @@ def test_write_back_frees_device_pages_only_after_backup_completes():
     h = cache.match(A)
     assert (h.device_len, h.host_len) == (2, 4)
     assert cache.tree.match_prefix(A[:2]).last_node.on_host
-    settle(cache)
+    finish_transfers(cache)
     read_prefix(cache, h, A)
     cache.release(h)
     assert_quiescent(cache)
@@ -172,8 +119,8 @@ def test_write_back_frees_device_pages_only_after_backup_completes():
 
 def test_write_back_backup_thread_executor_waits_instead_of_failing():
     cache = make_cache(device_tokens=8, host_tokens=16, write_policy="write_back")
-    serve(cache, A)
-    serve(cache, B)  # eviction of A's tail waits for its backup on the worker thread
+    serve_kv(cache, A)
+    serve_kv(cache, B)  # eviction of A's tail waits for its backup on the worker thread
     h = cache.match(A)
     assert (h.device_len, h.host_len) == (2, 4)
     read_prefix(cache, h, A)
@@ -198,11 +145,11 @@ def test_device_exhaustion_is_a_normal_return():
 
 def test_host_exhaustion_skips_backup_and_counts_it():
     cache = make_cache(device_tokens=16, host_tokens=4, executor="manual")
-    serve(cache, [5, 5, 6, 6])  # backup of 2 pages in flight: the host tier is full
-    serve(cache, A)  # needs 3 host pages: more than the tier holds; nothing is evicted
+    serve_kv(cache, [5, 5, 6, 6])  # backup of 2 pages in flight: the host tier is full
+    serve_kv(cache, A)  # needs 3 host pages: more than the tier holds; nothing is evicted
     s = cache.stats()
     assert (s["backups"], s["backups_skipped"], s["host_evicted_tokens"]) == (1, 1, 0)
-    settle(cache)
+    finish_transfers(cache)
     assert cache.tree.host_tokens == 4
     assert_quiescent(cache)
     cache.close()
@@ -210,8 +157,8 @@ def test_host_exhaustion_skips_backup_and_counts_it():
 
 def test_host_full_of_in_flight_backups_skips_not_errors():
     cache = make_cache(device_tokens=16, host_tokens=6, executor="manual")
-    serve(cache, A)  # backup of 3 pages pending: host full, nothing evictable
-    serve(cache, B)
+    serve_kv(cache, A)  # backup of 3 pages pending: host full, nothing evictable
+    serve_kv(cache, B)
     s = cache.stats()
     assert s["backups"] == 1 and s["backups_skipped"] == 1
     assert_quiescent(cache)
@@ -220,10 +167,10 @@ def test_host_full_of_in_flight_backups_skips_not_errors():
 
 def test_host_eviction_drops_device_resident_copy_when_full():
     cache = make_cache(device_tokens=16, host_tokens=6)
-    serve(cache, A)
-    settle(cache)
-    serve(cache, B)  # host full of A (on device too): A's host copy is dropped for B
-    settle(cache)
+    serve_kv(cache, A)
+    finish_transfers(cache)
+    serve_kv(cache, B)  # host full of A (on device too): A's host copy is dropped for B
+    finish_transfers(cache)
     s = cache.stats()
     assert s["host_evicted_tokens"] == 6 and s["backups_skipped"] == 0
     assert cache.match(A).device_len == 6
@@ -235,9 +182,9 @@ def test_host_eviction_drops_device_resident_copy_when_full():
 
 def test_load_threshold_refuses_small_host_hits():
     cache = make_cache(device_tokens=8, host_tokens=16, load_threshold_tokens=8)
-    serve(cache, A)
-    serve(cache, B)
-    settle(cache)
+    serve_kv(cache, A)
+    serve_kv(cache, B)
+    finish_transfers(cache)
     h = cache.match(A)
     assert (h.host_len, h.prefix_len) == (4, 2)
     cache.release(h)
@@ -250,7 +197,7 @@ def test_load_threshold_refuses_small_host_hits():
 
 def test_namespaces_never_share_kv():
     cache = make_cache(device_tokens=16)
-    serve(cache, A, namespace="tenant-a")
+    serve_kv(cache, A, namespace="tenant-a")
     h = cache.match(A, namespace="tenant-b")
     assert h.prefix_len == 0
     cache.release(h)
@@ -263,15 +210,15 @@ def test_namespaces_never_share_kv():
 
 def test_metrics_exact():
     cache = make_cache(device_tokens=8, host_tokens=16)
-    serve(cache, A)  # 6 requested, 0 hit
-    settle(cache)
-    serve(cache, A)  # 6 requested, 6 device hit
-    serve(cache, B)  # 3 pages needed, 1 free: A's tail (2 pages) leaves the device
-    settle(cache)
+    serve_kv(cache, A)  # 6 requested, 0 hit
+    finish_transfers(cache)
+    serve_kv(cache, A)  # 6 requested, 6 device hit
+    serve_kv(cache, B)  # 3 pages needed, 1 free: A's tail (2 pages) leaves the device
+    finish_transfers(cache)
     # A + [4, 4]: [1,1] on device, [2,2,3,3] loaded (evicting B's tail, 2 pages),
     # then [4,4] needs 1 page (evicting B's head)
-    serve(cache, A + [4, 4])
-    settle(cache)
+    serve_kv(cache, A + [4, 4])
+    finish_transfers(cache)
     s = cache.stats()
     assert s["requests"] == 4
     assert s["requested_tokens"] == 6 + 6 + 6 + 8
@@ -307,8 +254,8 @@ def test_insert_frees_pages_cached_meanwhile():
 
 def test_device_only_cache_without_host_tier():
     cache = make_cache(device_tokens=8, host_tokens=None)
-    serve(cache, A)
-    serve(cache, B)
+    serve_kv(cache, A)
+    serve_kv(cache, B)
     h = cache.match(A)
     assert (h.device_len, h.host_len) == (2, 0)  # B took only the 2 pages it lacked
     cache.release(h)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hypothesis.strategies as st
 import pytest
-from conftest import TREE_KINDS, assert_no_leaks
+from helpers import TREE_KINDS, assert_no_leaks
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (
     RuleBasedStateMachine,

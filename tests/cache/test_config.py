@@ -9,7 +9,7 @@ import math
 import psutil
 import pytest
 import torch
-from conftest import assert_no_leaks
+from helpers import assert_no_leaks
 
 from hicache import CacheConfig, HiCache, KVConfig
 from hicache.cache import facade as cache_module

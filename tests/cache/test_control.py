@@ -5,28 +5,13 @@ from __future__ import annotations
 import math
 
 import pytest
-from conftest import TREE_KINDS, assert_no_leaks
+from helpers import KV_TINY, TREE_KINDS, assert_no_leaks, bookkeeping, serve
 
 from hicache.cache import HiCache, ResetResult
-from hicache.config import CacheConfig, KVConfig
+from hicache.config import CacheConfig
 from hicache.storage.file import FileStorage
 
-P = 2
-KV = KVConfig(num_layers=1, num_kv_heads=1, head_dim=2, dtype="float32", page_size=P)
 A, B = [1] * 6, [2] * 4
-
-
-def bookkeeping(tree: str, lifecycle: str = "auto", **kw) -> HiCache:
-    kw.setdefault("device_tokens", 16)
-    kw.setdefault("host_tokens", 32)
-    return HiCache(CacheConfig(KV, allocate_kv=False, tree=tree, lifecycle=lifecycle, **kw))
-
-
-def serve(cache: HiCache, tokens: list[int]) -> None:
-    h = cache.match(tokens)
-    assert cache.alloc(h, len(tokens) - h.prefix_len) is not None
-    cache.insert(h, tokens)
-    cache.release(h)
 
 
 CONFIGS = [(t, lc) for t in TREE_KINDS for lc in ("python", "auto")]
@@ -78,7 +63,9 @@ def test_reset_without_host_tier_and_with_write_back(tree):
 
 @pytest.mark.parametrize("tree", TREE_KINDS)
 def test_reset_keeps_nodes_with_io_in_flight_then_drops_them(tree):
-    cache = HiCache(CacheConfig(KV, device_tokens=16, host_tokens=32, executor="manual", tree=tree))
+    cache = HiCache(
+        CacheConfig(KV_TINY, device_tokens=16, host_tokens=32, executor="manual", tree=tree)
+    )
     h = cache.match(A)
     cache.alloc(h, 6)
     cache.insert(h, A)  # write-through backup of A, in flight
@@ -96,7 +83,9 @@ def test_reset_keeps_nodes_with_io_in_flight_then_drops_them(tree):
 
 @pytest.mark.parametrize("tree", TREE_KINDS)
 def test_reset_keeps_a_load_in_flight_and_its_host_copy(tree):
-    cache = HiCache(CacheConfig(KV, device_tokens=8, host_tokens=32, executor="manual", tree=tree))
+    cache = HiCache(
+        CacheConfig(KV_TINY, device_tokens=8, host_tokens=32, executor="manual", tree=tree)
+    )
     h = cache.match(A)
     cache.alloc(h, 6)
     cache.insert(h, A)
@@ -125,7 +114,7 @@ def test_reset_keeps_a_load_in_flight_and_its_host_copy(tree):
 
 
 def test_reset_clears_storage_only_when_asked(tmp_path):
-    cfg = CacheConfig(KV, device_tokens=16, host_tokens=32, storage=f"file:{tmp_path}",
+    cfg = CacheConfig(KV_TINY, device_tokens=16, host_tokens=32, storage=f"file:{tmp_path}",
                       model_id="m", executor="thread", tree="python")
     with HiCache(cfg) as cache:
         h = cache.match(A)
@@ -149,7 +138,7 @@ def test_reset_clears_storage_only_when_asked(tmp_path):
 
 
 def test_reset_discards_storage_reads_in_flight(tmp_path):
-    cfg = CacheConfig(KV, device_tokens=16, host_tokens=32, storage=f"file:{tmp_path}",
+    cfg = CacheConfig(KV_TINY, device_tokens=16, host_tokens=32, storage=f"file:{tmp_path}",
                       model_id="m", executor="thread", tree="python")
     with HiCache(cfg) as writer:
         serve(writer, A)
@@ -302,7 +291,7 @@ def test_pin_bad_input_changes_nothing(kwargs, error, match):
 def test_bad_max_pinned_fraction():
     for bad, error in ((1.5, ValueError), (-0.1, ValueError), ("0.5", TypeError), (True, TypeError)):
         with pytest.raises(error, match="max_pinned_fraction"):
-            CacheConfig(KV, device_tokens=8, max_pinned_fraction=bad)
+            CacheConfig(KV_TINY, device_tokens=8, max_pinned_fraction=bad)
 
 
 @pytest.mark.parametrize("tree", TREE_KINDS)

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import random
+from functools import partial
 
 import pytest
 import torch
-from conftest import TREE_KINDS, assert_no_leaks
+from helpers import KV_TINY, TREE_KINDS, P, assert_no_leaks
+from helpers import serve as serve_request
 
 from hicache.cache import HiCache
-from hicache.config import CacheConfig, KVConfig
+from hicache.config import CacheConfig
 from hicache.events import AllBlocksCleared, BlockRemoved, BlockStored, Mirror, page_hashes
 from hicache.tree import RadixTree, native, token_key
 
-P = 2
-KV = KVConfig(num_layers=1, num_kv_heads=1, head_dim=2, dtype="float32", page_size=P)
 A = [1, 2, 3, 4, 5, 6]
 
 
@@ -33,14 +33,9 @@ def content(cache: HiCache) -> dict[str, set]:
     return tiers
 
 
-def serve(cache: HiCache, tokens, namespace=None) -> bool:
-    h = cache.match(tokens, namespace)
-    assert cache.finish_loads(h)  # with KV: the load back must land before the insert
-    ok = cache.alloc(h, len(tokens) - h.prefix_len) is not None
-    if ok:
-        cache.insert(h, tokens)
-    cache.release(h)
-    return ok
+# With KV a load back must land before the insert; the random mirror scenario fills the
+# device, so an allocation may be refused there.
+serve = partial(serve_request, finish_loads=True, may_refuse=True)
 
 
 def test_hashes_chain_over_the_prefix():
@@ -72,7 +67,7 @@ def test_tree_logs_nothing_until_enabled_then_node_hashes_match(kind):
 @pytest.mark.parametrize("lifecycle", ["python", "auto"])
 def test_exact_event_stream_through_the_tiers(tree, lifecycle):
     """Insert, write-through backup, device eviction, load back, host eviction, reset."""
-    cache = HiCache(CacheConfig(KV, device_tokens=8, host_tokens=8, allocate_kv=False,
+    cache = HiCache(CacheConfig(KV_TINY, device_tokens=8, host_tokens=8, allocate_kv=False,
                                 kv_events=True, tree=tree, lifecycle=lifecycle))
     # Events need no hand-over: over the native tree the C++ lifecycle stays in charge.
     assert cache.lifecycle == ("native" if (tree, lifecycle) == ("native", "auto") else "python")
@@ -104,7 +99,7 @@ def test_exact_event_stream_through_the_tiers(tree, lifecycle):
 
 
 def test_load_back_and_namespaces_in_events():
-    cache = HiCache(CacheConfig(KV, device_tokens=6, host_tokens=16, allocate_kv=False,
+    cache = HiCache(CacheConfig(KV_TINY, device_tokens=6, host_tokens=16, allocate_kv=False,
                                 kv_events=True, tree="python"))
     serve(cache, A, "t")
     serve(cache, [9] * 6)  # evicts all of A from the device (it stays on the host)
@@ -120,16 +115,16 @@ def test_load_back_and_namespaces_in_events():
 
 
 def test_events_off_by_default_and_bad_flag():
-    cache = HiCache(CacheConfig(KV, device_tokens=8, allocate_kv=False))
+    cache = HiCache(CacheConfig(KV_TINY, device_tokens=8, allocate_kv=False))
     serve(cache, A)
     assert cache.take_events() == [] and cache._event_log is None
     cache.check_integrity()
     with pytest.raises(TypeError, match="kv_events"):
-        CacheConfig(KV, device_tokens=8, kv_events=1)
+        CacheConfig(KV_TINY, device_tokens=8, kv_events=1)
 
 
 def test_storage_events(tmp_path):
-    cfg = CacheConfig(KV, device_tokens=16, host_tokens=32, storage=f"file:{tmp_path}",
+    cfg = CacheConfig(KV_TINY, device_tokens=16, host_tokens=32, storage=f"file:{tmp_path}",
                       model_id="m", kv_events=True, tree="python")
     with HiCache(cfg) as cache:
         serve(cache, A)
@@ -161,7 +156,7 @@ MIRROR_CONFIGS = [
 def test_mirror_from_events_equals_the_cache(cfg):
     """Random requests over a small cache: evictions, loads, backups, pins and resets."""
     rng = random.Random(11)
-    cache = HiCache(CacheConfig(KV, device_tokens=24, host_tokens=40, kv_events=True, **cfg))
+    cache = HiCache(CacheConfig(KV_TINY, device_tokens=24, host_tokens=40, kv_events=True, **cfg))
     stems = [[rng.randrange(4) for _ in range(12)] for _ in range(6)]
     mirror = Mirror()
     held = []

@@ -8,8 +8,8 @@ tokens to recompute (``h.prefix_len`` is cut back, ``h.load_error`` set).
 from __future__ import annotations
 
 import pytest
-from test_races import (
-    KV,
+from helpers import (
+    KV_F16,
     P,
     complete,
     evict_all_device,
@@ -17,7 +17,7 @@ from test_races import (
     make_cache,
     pending,
     seq,
-    serve,
+    serve_manual,
     settle,
     verify_prefix,
 )
@@ -56,9 +56,9 @@ def assert_still_on_device(cache: HiCache, snapshot: set[tuple]) -> None:
 def test_failed_load_cuts_the_request_back_and_it_recomputes(layers_landed):
     cache = make_cache()
     stem, a = seq(100, 2), seq(300, 2)
-    serve(cache, stem)
+    serve_manual(cache, stem)
     host_only(cache, stem + a)
-    serve(cache, stem)  # the stem back on the device, A host-only below it
+    serve_manual(cache, stem)  # the stem back on the device, A host-only below it
     kept = device_snapshot(cache)
     h = cache.match(stem + a + [7])
     assert h.prefix_len == len(stem + a)
@@ -111,7 +111,7 @@ def test_failed_load_frees_the_pages_the_request_had_allocated():
 def test_failed_backup_frees_host_pages_and_keeps_the_node_on_device():
     cache = make_cache()
     a = seq(100, 3)
-    serve(cache, a)
+    serve_manual(cache, a)
     (backup,) = pending(cache, TransferKind.BACKUP)
     kept = device_snapshot(cache)
     cache.transfers.executor.fail(backup, RuntimeError("injected"))
@@ -122,7 +122,7 @@ def test_failed_backup_frees_host_pages_and_keeps_the_node_on_device():
     assert node.on_device and not node.on_host
     assert_still_on_device(cache, kept)
     settle(cache)
-    serve(cache, a + seq(50, 1))  # the next insert through the path backs it up again
+    serve_manual(cache, a + seq(50, 1))  # the next insert through the path backs it up again
     complete(cache, TransferKind.BACKUP)
     assert cache.tree.match_prefix(a).last_node.on_host
     settle(cache)
@@ -131,7 +131,7 @@ def test_failed_backup_frees_host_pages_and_keeps_the_node_on_device():
 def test_failed_write_back_backup_keeps_the_evicted_node_on_device():
     cache = make_cache(device_pages=6, policy="write_back")
     a = seq(100, 3)
-    serve(cache, a)
+    serve_manual(cache, a)
     kept = device_snapshot(cache)
     h = cache.match([])
     assert cache.alloc(h, 6 * P) is None  # eviction started A's backup
@@ -185,7 +185,7 @@ def test_host_exhaustion_skips_the_backup_and_counts_it():
     a, b = seq(100, 3), seq(200, 3)
     host_only(cache, a)
     h = cache.match(a)  # A's host pages locked by its load: nothing evictable on the host
-    serve(cache, b)
+    serve_manual(cache, b)
     s = cache.stats()
     assert s["backups_skipped"] == 1 and s["backups"] == 1
     node = cache.tree.match_prefix(b).last_node
@@ -201,7 +201,7 @@ def test_poll_after_failures_applies_each_once():
     cache = make_cache()
     a, b = seq(100, 3), seq(200, 3)
     host_only(cache, a)
-    serve(cache, b)  # backup of B pending
+    serve_manual(cache, b)  # backup of B pending
     h = cache.match(a)  # load of A pending
     ex = cache.transfers.executor
     for t in pending(cache):
@@ -224,10 +224,10 @@ def test_every_transfer_failing_loses_nothing_cached_on_device():
     cache = make_cache(device_pages=10, host_pages=20)
     prompts = [seq(100, 2), seq(100, 2) + seq(30, 2), seq(200, 3)]
     for t in prompts:
-        serve(cache, t)
+        serve_manual(cache, t)
     complete(cache, TransferKind.BACKUP)
     evict_all_device(cache)
-    serve(cache, seq(100, 2))
+    serve_manual(cache, seq(100, 2))
     kept = device_snapshot(cache)
     handles = [cache.match(t) for t in prompts]
     ex = cache.transfers.executor
@@ -243,7 +243,7 @@ def test_every_transfer_failing_loses_nothing_cached_on_device():
 
 
 def test_failed_loads_on_the_thread_executor_recover():
-    cfg = CacheConfig(KV, device_tokens=8 * P, host_tokens=16 * P, executor="thread",
+    cfg = CacheConfig(KV_F16, device_tokens=8 * P, host_tokens=16 * P, executor="thread",
                       host_reserve_nbytes=0)
     with HiCache(cfg) as cache:
         copier = install_copier(cache, FaultyCopier.wrap(cache, seed=0, fault_rate=1.0))

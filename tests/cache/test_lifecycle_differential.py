@@ -16,9 +16,9 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 import torch
+from helpers import FORMS, as_form, seq, snapshot
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from test_tree_differential import FORMS, as_form, snapshot
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig, EvictionPolicy, KVConfig
@@ -228,10 +228,6 @@ def test_native_lifecycle_matches_python_long():
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
     )
     Lifecycles.TestCase().runTest()
-
-
-def seq(start: int, num_pages: int) -> list[int]:
-    return list(range(start, start + num_pages * P))
 
 
 def busy(lifecycle: str) -> tuple[HiCache, dict]:

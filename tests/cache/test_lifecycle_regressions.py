@@ -8,16 +8,19 @@ native tree, on both lifecycles.
 from __future__ import annotations
 
 import pytest
-from conftest import TREE_KINDS, assert_no_leaks
-from test_races import (
-    KV,
+from helpers import (
+    KV_F16,
+    TREE_KINDS,
     P,
+    assert_no_leaks,
+    bookkeeping,
     complete,
     host_only,
     make_cache,
     pending,
     seq,
     serve,
+    serve_manual,
     verify_prefix,
 )
 
@@ -33,33 +36,17 @@ LIFECYCLES = [("python", "python")] + (
 )
 
 
-def bookkeeping(tree: str, lifecycle: str, page_size: int, device_tokens: int,
-                host_tokens: int | None = None, **kw) -> HiCache:
-    if host_tokens is not None:
-        kw["host_tokens"] = host_tokens
-    cfg = CacheConfig(
-        KVConfig(1, 1, 1, "float32", page_size=page_size), device_tokens=device_tokens,
-        allocate_kv=False, tree=tree, lifecycle=lifecycle, **kw,
-    )
-    cache = HiCache(cfg)
-    assert cache.lifecycle == lifecycle
-    return cache
-
-
-def served(cache: HiCache, tokens: list[int]) -> None:
-    h = cache.match(tokens)
-    assert cache.alloc(h, len(tokens) - h.prefix_len) is not None
-    cache.insert(h, tokens)
-    cache.release(h)
+def kv(page_size: int) -> KVConfig:
+    return KVConfig(1, 1, 1, "float32", page_size=page_size)
 
 
 # ------------------------------------------------------- issue 16 item 1
 def test_load_back_after_alloc_is_refused_and_changes_nothing():
     cache = make_cache()
     stem, a = seq(100, 2), seq(300, 2)
-    serve(cache, stem)
+    serve_manual(cache, stem)
     host_only(cache, stem + a)
-    serve(cache, stem)  # the stem on the device, A host-only below it
+    serve_manual(cache, stem)  # the stem on the device, A host-only below it
     tokens = stem + a + [7, 7]
     h = cache.match(tokens, load_back=False)
     assert (h.prefix_len, h.host_len) == (len(stem), len(a))
@@ -185,8 +172,8 @@ def test_load_error_is_cleared_after_a_successful_retry():
 # ------------------------------------------------------- issue 13 item 2
 @pytest.mark.parametrize(("tree", "lifecycle"), LIFECYCLES)
 def test_refused_alloc_evicts_nothing(tree, lifecycle):
-    c = bookkeeping(tree, lifecycle, 16, 160)
-    served(c, [1] * 48)  # 3 cached pages
+    c = bookkeeping(tree, lifecycle, kv=kv(16), device_tokens=160, host_tokens=None)
+    serve(c, [1] * 48)  # 3 cached pages
     r = c.match([2] * 97)
     c.alloc(r, 97)
     c.insert(r, [2] * 97)  # 7 pages held
@@ -208,7 +195,7 @@ def test_refused_load_evicts_nothing():
     cache = make_cache(device_pages=6)
     a, b = seq(100, 4), seq(300, 2)
     host_only(cache, a)
-    serve(cache, b)
+    serve_manual(cache, b)
     complete(cache)
     hog = cache.match(seq(500, 3))
     assert cache.alloc(hog, 3 * P) is not None  # 1 free + B's 2 unlocked: 3 < 4
@@ -226,9 +213,9 @@ def test_refused_load_evicts_nothing():
 def test_no_unlocked_node_that_eviction_cannot_take(tree, lifecycle):
     # page 2, device 16 tokens, host 4 tokens: the parent [1]*6 does not fit the host
     # tier; its child used to be backed up anyway, then pushed off the device.
-    c = bookkeeping(tree, lifecycle, 2, 16, 4)
-    served(c, [1] * 6)
-    served(c, [1] * 6 + [2] * 2)
+    c = bookkeeping(tree, lifecycle, kv=kv(2), device_tokens=16, host_tokens=4)
+    serve(c, [1] * 6)
+    serve(c, [1] * 6 + [2] * 2)
     c.wait_all()
     c.check_integrity()  # a host copy implies host copies of every ancestor
     s = c.stats()
@@ -244,10 +231,11 @@ def test_no_unlocked_node_that_eviction_cannot_take(tree, lifecycle):
 def test_write_back_frees_a_whole_chain_in_one_alloc(tree, lifecycle):
     # A chain of three nodes, nothing on the host: write-back frees leaf by leaf (a
     # parent is a leaf once its child's backup landed); one alloc takes all of them.
-    c = bookkeeping(tree, lifecycle, 2, 12, 24, write_policy="write_back")
-    served(c, [1] * 4)
-    served(c, [1] * 8)
-    served(c, [1] * 12)
+    c = bookkeeping(tree, lifecycle, kv=kv(2), device_tokens=12, host_tokens=24,
+                    write_policy="write_back")
+    serve(c, [1] * 4)
+    serve(c, [1] * 8)
+    serve(c, [1] * 12)
     h = c.match([9] * 12)
     assert c.alloc(h, 12) is not None
     assert c.stats()["device_evicted_tokens"] == 12
@@ -261,11 +249,11 @@ def test_storage_read_not_inserted_below_a_node_without_host_copy(tmp_path):
     # would break the invariant (and leave that node unevictable): they are dropped.
     cfg = dict(device_tokens=16, host_tokens=32, storage=f"file:{tmp_path}", model_id="m",
                executor="immediate", host_reserve_nbytes=0)
-    first = HiCache(CacheConfig(KV, **cfg))
-    served(first, seq(100, 4))
+    first = HiCache(CacheConfig(KV_F16, **cfg))
+    serve(first, seq(100, 4))
     first.close()
-    cache = HiCache(CacheConfig(KV, write_policy="write_back", **cfg))
-    served(cache, seq(100, 2))  # device-only (write-back)
+    cache = HiCache(CacheConfig(KV_F16, write_policy="write_back", **cfg))
+    serve(cache, seq(100, 2))  # device-only (write-back)
     h = cache.match(seq(100, 4))
     cache.wait_all()
     cache.check_integrity()
@@ -279,12 +267,12 @@ def test_storage_read_not_inserted_below_a_node_without_host_copy(tmp_path):
 def test_backup_that_cannot_fit_evicts_nothing_on_the_host():
     cache = make_cache(device_pages=12, host_pages=4)
     a, b = seq(100, 2), seq(300, 3)
-    serve(cache, a)
+    serve_manual(cache, a)
     complete(cache)  # A on both tiers: 2 host pages
-    serve(cache, seq(500, 2))  # its backup stays in flight: 2 more host pages
+    serve_manual(cache, seq(500, 2))  # its backup stays in flight: 2 more host pages
     s = cache.stats()
     assert s["host_pages_free"] == 0
-    serve(cache, b)  # 3 pages: A's 2 plus nothing else can be evicted
+    serve_manual(cache, b)  # 3 pages: A's 2 plus nothing else can be evicted
     assert cache.tree.match_prefix(a).last_node.on_host, "a backup that could not fit evicted"
     assert cache.stats()["backups_skipped"] == 1
     complete(cache)
@@ -312,7 +300,7 @@ class FailFirstBackups:
 def test_write_back_alloc_succeeds_after_one_failed_backup():
     from hicache.sim.stress import _executor
 
-    cfg = CacheConfig(KV, device_tokens=10 * P, host_tokens=20 * P, executor="thread",
+    cfg = CacheConfig(KV_F16, device_tokens=10 * P, host_tokens=20 * P, executor="thread",
                       host_reserve_nbytes=0, write_policy="write_back")
     with HiCache(cfg) as cache:
         a = seq(100, 5)
@@ -338,7 +326,7 @@ def test_write_back_alloc_succeeds_after_one_failed_backup():
 def test_write_back_alloc_refused_while_every_backup_fails():
     from hicache.sim.stress import _executor
 
-    cfg = CacheConfig(KV, device_tokens=10 * P, host_tokens=20 * P, executor="thread",
+    cfg = CacheConfig(KV_F16, device_tokens=10 * P, host_tokens=20 * P, executor="thread",
                       host_reserve_nbytes=0, write_policy="write_back")
     with HiCache(cfg) as cache:
         a = seq(100, 5)
@@ -375,8 +363,8 @@ def _closed_calls():
 @pytest.mark.parametrize(("name", "call"), _closed_calls(), ids=[n for n, _ in _closed_calls()])
 @pytest.mark.parametrize(("tree", "lifecycle"), LIFECYCLES[:1] + LIFECYCLES[2:])
 def test_every_call_after_close_raises_before_changing_anything(name, call, tree, lifecycle):
-    c = bookkeeping(tree, lifecycle, 2, 16, 16)
-    served(c, [1, 2, 3, 4])
+    c = bookkeeping(tree, lifecycle, kv=kv(2), device_tokens=16, host_tokens=16)
+    serve(c, [1, 2, 3, 4])
     h = c.match([1, 2, 3, 4, 5])
     before = c.stats()
     c.close()
@@ -417,7 +405,7 @@ def test_token_ids_in_the_trailing_partial_page_are_validated(tree, lifecycle, b
         "np_big": np.array([1, 2, 2**40]),
     }
     tokens = made.get(bad, bad) if isinstance(bad, str) else bad
-    c = bookkeeping(tree, lifecycle, 2, 16)
+    c = bookkeeping(tree, lifecycle, kv=kv(2), device_tokens=16, host_tokens=None)
     before = c.stats()
     with pytest.raises((ValueError, TypeError), match="tokens"):
         c.match(tokens)
@@ -450,11 +438,11 @@ def index_storage_bytes(tree) -> tuple[int, int]:
 def test_tree_holds_at_most_twice_the_page_ids_it_caches(tree, lifecycle):
     # A 2,000-page shared prefix, then 1,000 two-page leaves under it (page size 1):
     # each leaf used to keep a view of its request's whole 2,002-page table.
-    c = bookkeeping(tree, lifecycle, 1, 5000, 5000)
+    c = bookkeeping(tree, lifecycle, kv=kv(1), device_tokens=5000, host_tokens=5000)
     stem = list(range(10_000, 12_000))
-    served(c, stem)
+    serve(c, stem)
     for i in range(1000):
-        served(c, stem + [2 * i, 2 * i + 1])
+        serve(c, stem + [2 * i, 2 * i + 1])
     held, ids = index_storage_bytes(c.tree)
     assert ids == 8 * 2 * (2000 + 2000)  # both tiers (write-through)
     assert held <= 2 * ids, f"tree holds {held} bytes of index storage for {ids} bytes of ids"
@@ -473,14 +461,14 @@ def test_tree_holds_at_most_twice_the_page_ids_it_caches(tree, lifecycle):
 def test_tree_storage_bounded_with_kv_loads_and_splits():
     cache = make_cache(device_pages=40, host_pages=80)
     stem = seq(100, 16)
-    serve(cache, stem)
+    serve_manual(cache, stem)
     for i in range(8):
-        serve(cache, stem + seq(1000 + 10 * i, 1))
+        serve_manual(cache, stem + seq(1000 + 10 * i, 1))
     complete(cache)
     h = cache.match([])
     assert cache.alloc(h, 40 * P) is not None  # all of it host-only
     cache.release(h)
-    serve(cache, stem[: 4 * P] + [3, 3])  # loads back part of the stem: a split load
+    serve_manual(cache, stem[: 4 * P] + [3, 3])  # loads back part of the stem: a split load
     complete(cache)
     held, ids = index_storage_bytes(cache.tree)
     assert held <= 2 * ids, f"{held} bytes of index storage for {ids} bytes of ids"

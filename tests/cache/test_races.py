@@ -11,96 +11,23 @@ zero pages unaccounted for on both tiers.
 from __future__ import annotations
 
 import pytest
-from conftest import assert_no_leaks
+from helpers import (
+    KV_F16,
+    P,
+    complete,
+    evict_all_device,
+    host_only,
+    make_cache,
+    pending,
+    seq,
+    serve_manual,
+    settle,
+    verify_prefix,
+)
 
-from hicache.cache import HiCache, LoadError
-from hicache.config import CacheConfig, KVConfig
+from hicache.cache import LoadError
 from hicache.sim import kvcheck
 from hicache.transfer import ManualFence, TransferKind
-
-P = 2  # tokens per page
-KV = KVConfig(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float16", page_size=P)
-
-
-def make_cache(device_pages: int = 8, host_pages: int = 16, policy: str = "write_through",
-               **kw) -> HiCache:
-    cfg = CacheConfig(
-        KV, device_tokens=device_pages * P, host_tokens=host_pages * P, executor="manual",
-        host_reserve_nbytes=0, write_policy=policy, **kw,
-    )
-    return HiCache(cfg)
-
-
-def seq(first: int, num_pages: int) -> list[int]:
-    return list(range(first, first + num_pages * P))
-
-
-def pending(cache: HiCache, kind: TransferKind | None = None):
-    return [t for t in cache.transfers.executor.pending() if kind is None or t.kind is kind]
-
-
-def complete(cache: HiCache, kind: TransferKind | None = None) -> None:
-    """Finish every pending transfer of ``kind`` (all kinds: None), then apply them."""
-    for t in pending(cache, kind):
-        assert cache.transfers.executor.complete(t), f"{t} is waiting on a fence"
-    cache.poll()
-
-
-def verify_prefix(cache: HiCache, h, tokens, ns=None) -> None:
-    assert kvcheck.verify_kv(cache.device_pool, h.page_table(), tokens, h.prefix_len, ns) == []
-
-
-def serve(cache: HiCache, tokens, ns=None, *, complete_loads: bool = True):
-    """One whole request: match, load (completed here), verify, compute the rest, insert."""
-    before = pending(cache, TransferKind.LOAD)
-    h = cache.match(tokens, ns)
-    if complete_loads:  # only the loads this match started
-        for load in pending(cache, TransferKind.LOAD):
-            if load not in before:
-                cache.transfers.executor.complete(load)
-    assert cache.finish_loads(h), h.load_error
-    verify_prefix(cache, h, tokens, ns)
-    rest = len(tokens) - h.prefix_len
-    assert cache.alloc(h, rest) is not None
-    kvcheck.write_kv(cache.device_pool, h.page_table(), tokens, h.prefix_len, len(tokens), ns)
-    cache.insert(h, tokens)
-    verify_prefix(cache, h, tokens, ns)
-    cache.release(h)
-    cache.check_integrity()
-
-
-def evict_all_device(cache: HiCache) -> None:
-    """Push every unlocked node off the device through the public API.
-
-    Backups in flight (write-through, or write-back evictions) are completed first
-    when they hold pages back.
-    """
-    for _ in range(2):
-        h = cache.match([])
-        pages = cache.alloc(h, cache.config.num_device_pages * P)
-        cache.release(h)
-        if pages is not None:
-            return
-        complete(cache, TransferKind.BACKUP)
-    raise AssertionError("could not free the whole device")
-
-
-def settle(cache: HiCache) -> None:
-    """Drive to quiescence and check everything: integrity, KV, zero leaked pages."""
-    while pending(cache):
-        complete(cache)
-    assert_no_leaks(cache)
-    assert kvcheck.verify_cache(cache) == []
-
-
-def host_only(cache: HiCache, tokens, ns=None) -> None:
-    """Cache ``tokens`` on both tiers, then push them off the device."""
-    serve(cache, tokens, ns)
-    complete(cache, TransferKind.BACKUP)
-    evict_all_device(cache)
-    m = cache.tree.match_prefix(tokens, ns)
-    assert (m.device_len, m.host_len) == (0, len(tokens) // P * P)
-
 
 # --------------------------------------------------------------------- scenarios
 
@@ -113,12 +40,12 @@ def test_host_pages_of_a_load_in_flight_are_never_freed_or_reused():
     (load,) = pending(cache, TransferKind.LOAD)
     a_host = set(load.host_pages.tolist())
     # Fill the host tier with other backups while A's load has not copied a byte.
-    serve(cache, seq(200, 3))
+    serve_manual(cache, seq(200, 3))
     complete(cache, TransferKind.BACKUP)
-    serve(cache, seq(300, 2))  # host full: must evict someone other than A
+    serve_manual(cache, seq(300, 2))  # host full: must evict someone other than A
     (backup,) = pending(cache, TransferKind.BACKUP)
     assert a_host.isdisjoint(backup.host_pages.tolist()), "a backup reuses host pages being loaded"
-    serve(cache, seq(400, 3))  # nothing evictable left on the host: skipped, not an error
+    serve_manual(cache, seq(400, 3))  # nothing evictable left on the host: skipped, not an error
     assert cache.stats()["backups_skipped"] >= 1
     complete(cache, TransferKind.BACKUP)  # the late copies land before A's load reads
     complete(cache, TransferKind.LOAD)
@@ -131,7 +58,7 @@ def test_host_pages_of_a_load_in_flight_are_never_freed_or_reused():
 def test_device_pages_of_a_backup_in_flight_are_never_evicted_or_reused():
     cache = make_cache(device_pages=6, host_pages=16)
     a = seq(100, 3)
-    serve(cache, a)  # write-through backup of A pending
+    serve_manual(cache, a)  # write-through backup of A pending
     (backup,) = pending(cache, TransferKind.BACKUP)
     h = cache.match(seq(500, 6))
     assert cache.alloc(h, 6 * P) is None, "evicted pages a backup is still reading"
@@ -142,7 +69,7 @@ def test_device_pages_of_a_backup_in_flight_are_never_evicted_or_reused():
     assert kvcheck.verify_cache(cache) == []
     cache.release(h)
     evict_all_device(cache)  # now A may go: it is host-only, its host copy intact
-    serve(cache, a)
+    serve_manual(cache, a)
     assert cache.stats()["host_hit_tokens"] == len(a)
     settle(cache)
 
@@ -150,7 +77,7 @@ def test_device_pages_of_a_backup_in_flight_are_never_evicted_or_reused():
 def test_write_back_frees_device_pages_only_after_the_backup_landed():
     cache = make_cache(device_pages=6, host_pages=16, policy="write_back")
     a = seq(100, 3)
-    serve(cache, a)
+    serve_manual(cache, a)
     assert pending(cache) == []  # write-back: nothing until eviction
     h = cache.match([])
     assert cache.alloc(h, 6 * P) is None  # A's backup started; its pages are not free yet
@@ -164,7 +91,7 @@ def test_write_back_frees_device_pages_only_after_the_backup_landed():
     other = seq(900, 6)
     kvcheck.write_kv(cache.device_pool, h.page_table(), other, 0, 6 * P)  # overwrite them
     cache.release(h)
-    serve(cache, a)  # loads A from its host copy: intact
+    serve_manual(cache, a)  # loads A from its host copy: intact
     assert cache.stats()["host_hit_tokens"] == len(a)
     settle(cache)
 
@@ -191,7 +118,7 @@ def test_backup_never_reads_device_pages_before_the_compute_fence():
     complete(cache, TransferKind.BACKUP)
     settle(cache)
     evict_all_device(cache)
-    serve(cache, a)
+    serve_manual(cache, a)
     settle(cache)
 
 
@@ -200,8 +127,8 @@ def test_write_back_chain_never_frees_host_pages_being_loaded():
     # which must take E's host pages, never A's (still being read by the load).
     cache = make_cache(device_pages=6, host_pages=6, policy="write_back")
     a, e = seq(100, 4), seq(200, 2)
-    serve(cache, a)
-    serve(cache, e)
+    serve_manual(cache, a)
+    serve_manual(cache, e)
     evict_all_device(cache)  # both backed up (evict-after), then freed
     complete(cache, TransferKind.BACKUP)
     evict_all_device(cache)
@@ -210,7 +137,7 @@ def test_write_back_chain_never_frees_host_pages_being_loaded():
     (load,) = pending(cache, TransferKind.LOAD)
     a_host = set(load.host_pages.tolist())
     b = seq(300, 2)
-    serve(cache, b)  # device now full: A (loading) + B
+    serve_manual(cache, b)  # device now full: A (loading) + B
     hc = cache.match(seq(400, 2))
     cache.alloc(hc, 2 * P)  # evicts B -> backup of B -> host eviction
     (backup,) = pending(cache, TransferKind.BACKUP)
@@ -305,7 +232,7 @@ def test_failed_shared_load_cuts_back_every_waiting_request():
     # The requests still held A when the failure landed: it was loaded again in place
     # from its intact host copy (a reload, not a request's load), correctly.
     hits = cache.stats()["device_hit_tokens"]
-    serve(cache, a)
+    serve_manual(cache, a)
     s = cache.stats()
     assert s["loads"] == 1 and s["device_hit_tokens"] - hits == len(a)
 
@@ -350,7 +277,7 @@ def test_split_while_a_load_fails():
 def test_split_while_a_backup_is_in_flight():
     cache = make_cache()
     a = seq(100, 4)
-    serve(cache, a)
+    serve_manual(cache, a)
     h2 = cache.match(a[:P] + [9, 9])  # splits A while its backup copies
     cache.check_integrity()
     complete(cache, TransferKind.BACKUP)
@@ -379,7 +306,7 @@ def test_split_hook_is_installed_only_while_something_is_tracked():
 def test_write_back_eviction_frees_every_part_of_a_node_split_in_flight():
     cache = make_cache(device_pages=6, policy="write_back")
     a = seq(100, 6)
-    serve(cache, a)
+    serve_manual(cache, a)
     h = cache.match([])
     assert cache.alloc(h, 6 * P) is None  # backup of A started, evict after it lands
     h2 = cache.match(a[: 2 * P] + [9, 9])  # split A -> P2 | rest
@@ -407,7 +334,7 @@ def test_insert_over_a_node_being_loaded_waits_for_the_load():
     with pytest.raises(LoadError):
         h2.wait_layer(0)  # reading A's pages now would read what the load has not written
     complete(cache, TransferKind.LOAD)
-    for layer in range(KV.num_layers):
+    for layer in range(KV_F16.num_layers):
         h2.wait_layer(layer)
     verify_prefix(cache, h2, t2)
     for h in (h1, h2):
@@ -421,14 +348,14 @@ def test_load_failure_applied_while_another_load_allocates():
     # under a node that just lost its device copy.
     cache = make_cache(device_pages=6, host_pages=16, policy="write_back")
     a, b = seq(100, 2), seq(200, 2)
-    serve(cache, a + b)
+    serve_manual(cache, a + b)
     evict_all_device(cache)
     complete(cache, TransferKind.BACKUP)
     evict_all_device(cache)
     h1 = cache.match(a)  # A loads (2 pages)
     (load_a,) = pending(cache, TransferKind.LOAD)
-    serve(cache, seq(300, 2))  # a device-only leaf for the eviction to back up
-    serve(cache, seq(400, 2))
+    serve_manual(cache, seq(300, 2))  # a device-only leaf for the eviction to back up
+    serve_manual(cache, seq(400, 2))
     executor = cache.transfers.executor
     submit = executor.submit
 
@@ -446,7 +373,7 @@ def test_load_failure_applied_while_another_load_allocates():
     cache.release(h1)
     cache.release(h2)
     settle(cache)
-    serve(cache, a + b)
+    serve_manual(cache, a + b)
     settle(cache)
 
 
@@ -480,7 +407,7 @@ def test_no_lock_leaks_after_every_request_finishes():
 def test_eviction_never_evicts_more_than_asked():
     cache = make_cache(device_pages=12, host_pages=24)
     for i in range(4):
-        serve(cache, seq(100 * (i + 1), 3))
+        serve_manual(cache, seq(100 * (i + 1), 3))
     complete(cache, TransferKind.BACKUP)
     assert cache.stats()["device_pages_free"] == 0
     h = cache.match([])
@@ -499,7 +426,7 @@ def test_eviction_never_evicts_more_than_asked():
 def test_write_back_eviction_never_evicts_more_than_asked():
     cache = make_cache(device_pages=12, host_pages=24, policy="write_back")
     for i in range(4):
-        serve(cache, seq(100 * (i + 1), 3))
+        serve_manual(cache, seq(100 * (i + 1), 3))
     h = cache.match([])
     assert cache.alloc(h, 2 * P) is None  # manual executor: backups pending
     (backup,) = pending(cache, TransferKind.BACKUP)
@@ -517,8 +444,8 @@ def test_namespaces_never_share_kv_across_loads():
     cache = make_cache()
     a = seq(100, 3)
     host_only(cache, a, "tenant-1")
-    serve(cache, a, "tenant-2")  # same tokens, other namespace: a miss, computed
+    serve_manual(cache, a, "tenant-2")  # same tokens, other namespace: a miss, computed
     assert cache.stats()["host_hit_tokens"] == 0
-    serve(cache, a, "tenant-1")  # loads tenant-1's own KV
+    serve_manual(cache, a, "tenant-1")  # loads tenant-1's own KV
     assert cache.stats()["host_hit_tokens"] == len(a)
     settle(cache)

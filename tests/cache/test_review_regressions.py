@@ -3,24 +3,17 @@
 from __future__ import annotations
 
 import threading
+from functools import partial
 
 import pytest
-from conftest import TREE_KINDS
+from helpers import KV, TREE_KINDS
+from helpers import serve as serve_request
 
 from hicache.cache import HiCache
-from hicache.config import CacheConfig, KVConfig
+from hicache.config import CacheConfig
 
-P = 2
-KV = KVConfig(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_size=P)
-
-
-def serve(cache: HiCache, tokens: list[int]) -> None:
-    h = cache.match(tokens)
-    n = len(tokens) - h.prefix_len
-    if n:
-        assert cache.alloc(h, n) is not None
-        cache.insert(h, tokens)
-    cache.release(h)
+# A full hit only matches (no alloc, no insert): repeating a request repeats its match alone.
+serve = partial(serve_request, skip_cached=True)
 
 
 def complete_transfers(cache: HiCache) -> None:

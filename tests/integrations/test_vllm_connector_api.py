@@ -13,10 +13,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_vllm_connector_e2e import REQUIRED, _vllm_available
+from helpers import VLLM_REQUIRED, vllm_available
 
 pytestmark = pytest.mark.skipif(
-    not REQUIRED and not _vllm_available(), reason="vllm (pip install -e '.[vllm]') not installed"
+    not VLLM_REQUIRED and not vllm_available(),
+    reason="vllm (pip install -e '.[vllm]') not installed",
 )
 
 B, NB = 32, 8  # block size, vLLM blocks

@@ -15,47 +15,13 @@ broken install fails instead.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-DRIVER = Path(__file__).with_name("vllm_driver.py")
-REQUIRED = os.environ.get("HICACHE_REQUIRE_VLLM") == "1"
-
-
-def _vllm_available() -> bool:
-    try:
-        import transformers  # noqa: F401
-        import vllm  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means "not usable here"
-        if REQUIRED:
-            raise
-        return False
-    return True
-
+from helpers import VLLM_REQUIRED, run_vllm, vllm_available, vllm_result
 
 pytestmark = pytest.mark.skipif(
-    not REQUIRED and not _vllm_available(), reason="vllm (pip install -e '.[vllm]') not installed"
+    not VLLM_REQUIRED and not vllm_available(),
+    reason="vllm (pip install -e '.[vllm]') not installed",
 )
-
-
-def _run(*args: str) -> subprocess.Popen:
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
-    return subprocess.Popen(
-        [sys.executable, str(DRIVER), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, env=env,
-    )
-
-
-def _result(proc: subprocess.Popen, timeout: int = 900) -> dict:
-    out, _ = proc.communicate(timeout=timeout)
-    lines = [line for line in out.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and lines, f"vLLM driver failed:\n{out[-6000:]}"
-    return json.loads(lines[-1])
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +29,13 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm")
     model = str(root / "model")
     storage = f"file:{root / 'store'}"
-    proc = _run("make-model", model)
+    proc = run_vllm("make-model", model)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-4000:]
-    baseline = _run("run", model, "multiturn", "--no-connector")
-    connector = _run("run", model, "multiturn,reset", "--storage", storage)
-    results = {"baseline": _result(baseline), "connector": _result(connector)}
-    results["replay"] = _result(_run("run", model, "replay", "--storage", storage))
+    baseline = run_vllm("run", model, "multiturn", "--no-connector")
+    connector = run_vllm("run", model, "multiturn,reset", "--storage", storage)
+    results = {"baseline": vllm_result(baseline), "connector": vllm_result(connector)}
+    results["replay"] = vllm_result(run_vllm("run", model, "replay", "--storage", storage))
     return results
 
 

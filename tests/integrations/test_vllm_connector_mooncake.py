@@ -14,8 +14,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from test_vllm_connector_e2e import REQUIRED as VLLM_REQUIRED
-from test_vllm_connector_e2e import _result, _run, _vllm_available
+from helpers import VLLM_REQUIRED, run_vllm, vllm_available, vllm_result
 
 MOONCAKE_REQUIRED = os.environ.get("HICACHE_REQUIRE_MOONCAKE") == "1"
 
@@ -28,7 +27,7 @@ except ImportError:
                 allow_module_level=True)
 
 pytestmark = pytest.mark.skipif(
-    not VLLM_REQUIRED and not _vllm_available(),
+    not VLLM_REQUIRED and not vllm_available(),
     reason="vllm (pip install -e '.[vllm]') not installed",
 )
 
@@ -37,13 +36,13 @@ def test_second_instance_is_served_through_mooncake(tmp_path):
     from hicache.storage.mooncake import start_mooncake_master
 
     model = str(tmp_path / "model")
-    proc = _run("make-model", model)
+    proc = run_vllm("make-model", model)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-4000:]
     with start_mooncake_master(segment_nbytes=64 << 20, log_dir=tmp_path / "mooncake") as m:
         spec = f"{m.spec}&segment_nbytes=0"  # the vLLM instances lend no memory
-        first = _result(_run("run", model, "replay", "--storage", spec))["replay"]
-        second = _result(_run("run", model, "replay", "--storage", spec))["replay"]
+        first = vllm_result(run_vllm("run", model, "replay", "--storage", spec))["replay"]
+        second = vllm_result(run_vllm("run", model, "replay", "--storage", spec))["replay"]
     assert first["cached_tokens"] == 0  # a fresh store: nothing to serve
     assert second["cached_tokens"] == (second["prompt_tokens"] - 1) // 32 * 32
     assert second["output"] == first["output"]

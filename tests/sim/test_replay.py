@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import TREE_KINDS
+from helpers import TREE_KINDS
 
 from hicache.cli import main
 from hicache.sim.replay import _prepare, frozen_gc, replay_device, replay_hierarchical

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_cache import KV, assert_quiescent, read_prefix, serve
+from helpers import KV, assert_quiescent, read_prefix, serve_kv
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig
@@ -230,7 +230,7 @@ def make(tmp_path: Path, **kw) -> HiCache:
 def store_a(tmp_path: Path) -> list[Path]:
     """A first cache computes A and stores it; returns the paths of its 4 page files."""
     with make(tmp_path) as first:
-        serve(first, A)
+        serve_kv(first, A)
         keys = first._page_keys(token_key(A, KV.page_size), None)
     assert len(keys) == 4
     return [tmp_path / k[:2] / k for k in keys]
@@ -297,7 +297,7 @@ def test_read_only_store_serves_every_intact_page(tmp_path, monkeypatch):
     cache.release(h)
     assert cache.stats()["storage_hit_tokens"] == 8 and ro.calls.get("utime", 0) == 4
     # Writing new pages to it fails: counted by the cache and the backend, serving goes on.
-    serve(cache, [9, 9, 8, 8])
+    serve_kv(cache, [9, 9, 8, 8])
     cache.wait_all()
     s = cache.stats()
     assert (s["storage_errors"], s["storage_write_bytes"]) == (1, 0)
@@ -310,8 +310,8 @@ def test_read_only_store_serves_every_intact_page(tmp_path, monkeypatch):
 # the kernel refuses every write (EROFS), as on a read-only volume.
 READ_ONLY_WORKER = r"""
 import json, sys
-sys.path.insert(0, sys.argv[2])
-from test_cache import KV, read_prefix, serve
+sys.path[:0] = sys.argv[2:]
+from helpers import KV, read_prefix, serve_kv
 from test_storage_hazards import A, make
 from pathlib import Path
 cache = make(Path(sys.argv[1]), prefetch_policy="wait_complete")
@@ -319,7 +319,7 @@ h = cache.match(A)
 lens = [h.device_len, h.host_len]
 read_prefix(cache, h, A)
 cache.release(h)
-serve(cache, [9, 9, 8, 8])
+serve_kv(cache, [9, 9, 8, 8])
 cache.wait_all()
 cache.check_integrity()
 s = cache.stats()
@@ -348,9 +348,9 @@ def test_read_only_bind_mount_serves_every_intact_page(tmp_path):
         pytest.skip("needs unshare -m and mount (a private mount namespace)")
     root = tmp_path / "store"
     store_a(root)
-    tests_dir = str(Path(__file__).parent)
+    here = Path(__file__).parent  # test_storage_hazards and, above it, helpers
     script = (f"mount --bind {root} {root} && mount -o remount,ro,bind {root} {root} && "
-              f'exec "$0" -c "$1" {root} {tests_dir}')
+              f'exec "$0" -c "$1" {root} {here.parent} {here}')
     proc = subprocess.run(
         ["unshare", "-m", "sh", "-c", script, sys.executable, READ_ONLY_WORKER],
         capture_output=True, text=True, timeout=120,

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from test_cache import KV, assert_quiescent, compute, read_prefix, serve
+from helpers import KV, assert_quiescent, compute, read_prefix, serve_kv
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig
@@ -25,7 +25,7 @@ def make(tmp_path, **kw) -> HiCache:
 
 def test_second_cache_gets_storage_hits_for_a_prefix_only_the_first_saw(tmp_path):
     first = make(tmp_path)
-    serve(first, A)
+    serve_kv(first, A)
     first.wait_all()
     s = first.stats()
     assert s["storage_writes"] == 1 and s["storage_write_bytes"] == 4 * KV.page_nbytes
@@ -47,7 +47,7 @@ def test_second_cache_gets_storage_hits_for_a_prefix_only_the_first_saw(tmp_path
 
 def test_best_effort_uses_prefetch_started_at_arrival(tmp_path):
     first = make(tmp_path)
-    serve(first, A)
+    serve_kv(first, A)
     first.close()
     second = make(tmp_path, prefetch_policy="best_effort")
     job = second.prefetch(A)
@@ -73,7 +73,7 @@ def test_timeout_policy_without_storage_pages_computes_everything(tmp_path):
 
 def test_corrupt_storage_value_is_a_miss_not_garbage(tmp_path):
     first = make(tmp_path)
-    serve(first, A)
+    serve_kv(first, A)
     first.close()
     files = sorted(p for p in tmp_path.rglob("*") if p.is_file())
     assert len(files) == 4
@@ -94,7 +94,7 @@ def test_corrupt_storage_value_is_a_miss_not_garbage(tmp_path):
 
 def test_namespaces_are_isolated_in_storage(tmp_path):
     first = make(tmp_path)
-    serve(first, A, namespace="a")
+    serve_kv(first, A, namespace="a")
     first.close()
     second = make(tmp_path, prefetch_policy="wait_complete")
     h = second.match(A, namespace="b")
@@ -109,10 +109,10 @@ def test_namespaces_are_isolated_in_storage(tmp_path):
 
 def test_store_going_away_keeps_serving_and_counts_errors(tmp_path):
     cache = make(tmp_path / "store")
-    serve(cache, A)
+    serve_kv(cache, A)
     cache.wait_all()
     cache.storage.backend.close()  # the store is gone: every later op raises StorageError
-    serve(cache, [9, 9, 8, 8])
+    serve_kv(cache, [9, 9, 8, 8])
     cache.wait_all()
     h = cache.match(A)
     assert h.device_len + h.host_len == 8  # device and host tiers still serve
@@ -128,13 +128,13 @@ def test_models_sharing_a_store_never_read_each_others_pages(tmp_path):
     model with the same KV layout (another revision here) gets no page of this one."""
     r1, r2 = model_identity("m", revision="1"), model_identity("m", revision="2")
     with make(tmp_path, model_id=r1) as first:
-        serve(first, A)
+        serve_kv(first, A)
     other = make(tmp_path, model_id=r2, prefetch_policy="wait_complete")
     assert other.prefetch(A) is None  # nothing stored for this model
     h = other.match(A)
     assert h.prefix_len == 0  # before: 8, the other model's KV
     other.release(h)
-    serve(other, A)  # computes and stores its own pages next to the first model's
+    serve_kv(other, A)  # computes and stores its own pages next to the first model's
     other.wait_all()
     s = other.stats()
     assert (s["storage_prefetches"], s["storage_hit_tokens"]) == (0, 0)
@@ -170,7 +170,7 @@ def store_prompts(tmp_path, *prompts: list[int]) -> None:
     """A first cache (room for everything: no backup skipped) computes and stores them."""
     with make(tmp_path, device_tokens=32, host_tokens=64) as first:
         for tokens in prompts:
-            serve(first, tokens)
+            serve_kv(first, tokens)
 
 
 def hold_reads(cache: HiCache) -> threading.Event:
@@ -256,7 +256,7 @@ def test_storage_needs_a_host_tier(tmp_path):
 
 def test_split_while_storage_write_pinned(tmp_path):
     cache = make(tmp_path, device_tokens=16, host_tokens=32)
-    serve(cache, A)
+    serve_kv(cache, A)
     # backup done, storage write may be in flight: a match splitting the node must keep pins
     h = cache.match([1, 1, 2, 2, 7, 7])
     cache.release(h)
@@ -273,7 +273,7 @@ def test_split_while_storage_write_pinned(tmp_path):
 )
 def test_prefetch_bad_input_raises_and_changes_nothing(tmp_path, tokens, namespace, exc):
     cache = make(tmp_path)
-    serve(cache, A)
+    serve_kv(cache, A)
     cache.wait_all()
     before = cache.stats()
     with pytest.raises(exc):
@@ -286,10 +286,10 @@ def test_prefetch_bad_input_raises_and_changes_nothing(tmp_path, tokens, namespa
 def test_prefetch_counts_no_hit_on_the_cached_prefix(tmp_path):
     """Only a match is a hit: a prefetch that extends a cached prefix reads the tree only."""
     first = make(tmp_path, device_tokens=16, host_tokens=32)
-    serve(first, A + [5, 5])
+    serve_kv(first, A + [5, 5])
     first.close()
     second = make(tmp_path, device_tokens=16, host_tokens=32, prefetch_policy="best_effort")
-    serve(second, A)
+    serve_kv(second, A)
     (node,) = second.tree.probe_path(token_key(A, KV.page_size))
     hits, access = node.hit_count, node.last_access
     job = second.prefetch(A + [5, 5])

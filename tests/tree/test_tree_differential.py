@@ -19,6 +19,7 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 import torch
+from helpers import FORMS, as_form, snapshot
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -34,21 +35,6 @@ pytestmark = pytest.mark.skipif(
 P = 2
 NAMESPACES = [None, "a"]
 tokens_st = st.lists(st.integers(0, 2), min_size=0, max_size=12)
-FORMS = ("list", "np32", "np64", "t32", "t64")
-
-
-def as_form(tokens: list[int], form: str):
-    if form == "np32":
-        return np.array(tokens, dtype=np.int32)
-    if form == "np64":
-        return np.array(tokens, dtype=np.int64)
-    if form == "t32":
-        return torch.tensor(tokens, dtype=torch.int32)
-    if form == "t64":
-        return torch.tensor(tokens, dtype=torch.int64)
-    return list(tokens)
-
-
 def outcome(fn, *args, **kwargs):
     """("ok", result) or ("raise", exception type): what both trees must agree on."""
     try:
@@ -59,36 +45,6 @@ def outcome(fn, *args, **kwargs):
 
 def ids_of(nodes) -> list[int]:
     return [n.id for n in nodes]
-
-
-def snapshot(tree) -> list[tuple]:
-    """Everything observable about every node, in nodes() order."""
-    out = []
-    for n in tree.nodes():
-        dev = n.device_indices
-        host = n.host_indices
-        out.append(
-            (
-                n.id,
-                n.parent.id,
-                n.namespace,
-                n.key,
-                n.num_tokens,
-                None if dev is None else dev.tolist(),
-                None if host is None else host.tolist(),
-                n.lock_ref,
-                n.host_lock_ref,
-                n.io_status,
-                n.hit_count,
-                n.last_access,
-                n.created,
-                n.priority,
-                n.on_device,
-                n.on_host,
-                sorted(n.children),
-            )
-        )
-    return out
 
 
 def sizes(tree) -> tuple:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hypothesis.strategies as st
 import pytest
 import torch
-from conftest import TREE_KINDS
+from helpers import TREE_KINDS
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
