@@ -61,6 +61,7 @@ def test_tree_logs_nothing_until_enabled_then_node_hashes_match(kind):
     tree.evict_device(4)
     assert tree.take_events() == [(False, "device", None, hashes_of(A)[0], hashes_of(A)[1:], 4)]
     assert tree.take_events() == []
+    tree.check_integrity()
 
 
 @pytest.mark.parametrize("tree", TREE_KINDS)
@@ -208,6 +209,7 @@ def test_python_tree_event_hashes_match_the_reference_function():
     (_, _, _, _, first, _), (_, _, _, parent, second, _) = tree.take_events()
     assert first == hashes_of([3, 1, 4, 1, 5, 9])
     assert parent == first[0] and second == hashes_of([3, 1, 4, 2])[1:]
+    tree.check_integrity()
 
 
 @pytest.mark.parametrize("kind", TREE_KINDS)

@@ -133,13 +133,16 @@ def test_backups_overlap_the_next_request(model):
         engine.generate(list(range(100, 200)), 4)
         assert engine.stats()["backups"] > 0
         engine.drain()
+        engine.check_integrity()
         stats = engine.stats()
     assert stats["transfers_in_flight"] == 0 and stats["backup_bytes"] > 0
 
 
 def test_request_larger_than_device_pool(model):
-    with make_engine(model, "device") as engine, pytest.raises(ValueError, match="33 device pages"):
-        engine.generate(list(range(1, 520)), 10)  # 528 tokens of KV > 512
+    with make_engine(model, "device") as engine:
+        with pytest.raises(ValueError, match="33 device pages"):
+            engine.generate(list(range(1, 520)), 10)  # 528 tokens of KV > 512
+        engine.check_integrity()  # the refused request left nothing behind
 
 
 def test_uncached_mode_frees_pages(model):

@@ -432,6 +432,7 @@ def test_tree_kept_view_of_indices_like_the_python_tree():
         node = tree.insert([1, 1, 2, 2, 3, 3], pages).last_node
         assert node.device_indices.data_ptr() == pages.data_ptr()
         assert tree.evict_device(2).device_indices.tolist() == [6]
+        tree.check_integrity()
 
 
 def test_hook_errors_propagate_without_crashing():
@@ -479,6 +480,7 @@ def test_memory_bytes_grows_with_cached_tokens():
     tokens = np.arange(16 * 64, dtype=np.int32)
     tree.insert(tokens, torch.arange(64))
     assert tree.memory_bytes() >= empty + tokens.nbytes + 64 * 8
+    tree.check_integrity()
 
 
 def test_make_tree_kinds_and_single_fallback_warning(monkeypatch):
