@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs what tests/test_mooncake.py needs into an existing .venv (run `make install`
+# Installs what tests/storage/test_mooncake.py needs into an existing .venv (run `make install`
 # first): the system libraries the CPU Mooncake wheel links against, then the project's
 # optional `mooncake` extra. Torch must come out of it unchanged (the extra pulls no torch;
 # this checks it). Idempotent: already-present packages are not reinstalled.

@@ -39,9 +39,9 @@ bench() {  # bench NAME TIMEOUT_S ARGS...
 # outputs with and without it, more tokens cached, host tier after a reset, file tier
 # across processes. Needs vLLM's CUDA build (`pip install vllm`); skipped without it.
 if [ "$has_gpu" = 1 ]; then
-  echo "== vllm connector (tests/test_vllm_connector_e2e.py)"
+  echo "== vllm connector (tests/integrations/test_vllm_connector_e2e.py)"
   timeout 900 $PY -m pytest -q -p no:cacheprovider --junitxml="$OUT/vllm_connector.xml" \
-    tests/test_vllm_connector_e2e.py 2>&1 | tee "$OUT/vllm_connector.txt"
+    tests/integrations/test_vllm_connector_e2e.py 2>&1 | tee "$OUT/vllm_connector.txt"
   rc=${PIPESTATUS[0]}
   if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then status=1; fi
 fi

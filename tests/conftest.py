@@ -2,11 +2,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import TREE_KINDS
 
 from hicache.tree import RadixTree
-from hicache.tree.native import native_available
-
-TREE_KINDS = ["python"] + (["native"] if native_available() else [])
 
 
 @pytest.fixture(params=TREE_KINDS)
@@ -40,22 +38,3 @@ def model():
 
     return Model(preset("tiny"), seed=0)
 
-
-def assert_no_leaks(cache) -> None:
-    """At quiescence: invariants hold, nothing in flight or held, every page accounted for."""
-    from hicache.tree import IOStatus
-
-    cache.check_integrity()
-    P = cache.page_size
-    s = cache.stats()
-    assert s["transfers_in_flight"] == 0 and s["live_requests"] == 0
-    assert s["device_pages_used"] == s["device_cached_tokens"] // P, "device pages leaked"
-    assert s["host_pages_used"] == s["host_cached_tokens"] // P, "host pages leaked"
-    for node in cache.tree.nodes():
-        assert node.lock_ref == 0 and node.host_lock_ref == 0, f"lock leaked on {node}"
-        assert node.io_status is IOStatus.NONE, f"IO left in flight on {node}"
-    assert cache.tree.device_protected_tokens == 0 and cache.tree.host_protected_tokens == 0
-
-
-def pages(*ids: int) -> torch.Tensor:
-    return torch.tensor(ids, dtype=torch.int64)

@@ -7,7 +7,7 @@ and free-list bookkeeping. :class:`NativeLifecycle` hands the hot calls
 which makes the same tree and free-list calls in the same order as the Python
 methods and keeps the same counters, in one crossing per call. HiCache still
 owns the handles and checks every argument first; the other methods run in
-Python on the same tree and free lists. ``tests/test_lifecycle_differential.py``
+Python on the same tree and free lists. ``tests/cache/test_lifecycle_differential.py``
 holds both lifecycles to identical trees, pages and counters.
 """
 

@@ -1,0 +1,274 @@
+"""Fault injection: failed loads and backups, exhausted pools, polling after failures.
+
+The contract under test: a fault never loses what was cached on the device,
+never leaks a page or a lock, and a failed load tells the caller exactly which
+tokens to recompute (``h.prefix_len`` is cut back, ``h.load_error`` set).
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers import (
+    KV_F16,
+    P,
+    complete,
+    evict_all_device,
+    host_only,
+    make_cache,
+    pending,
+    seq,
+    serve_manual,
+    settle,
+    verify_prefix,
+)
+
+from hicache.cache import HiCache
+from hicache.config import CacheConfig
+from hicache.sim import kvcheck
+from hicache.sim.faults import FaultyCopier, install_copier
+from hicache.transfer import TransferKind
+from hicache.tree import IOStatus
+
+
+def kvcheck_key(tokens: list[int]) -> bytes:
+    from hicache.tree import token_key
+
+    return token_key(tokens, P)
+
+
+def device_snapshot(cache: HiCache) -> set[tuple]:
+    """(namespace, tokens) of every path whose KV sits on the device and is readable."""
+    out = set()
+    for node in cache.tree.nodes():
+        if node.on_device and node.io_status is not IOStatus.LOADING:
+            out.add((node.namespace, tuple(kvcheck.path_tokens(node).tolist())))
+    return out
+
+
+def assert_still_on_device(cache: HiCache, snapshot: set[tuple]) -> None:
+    for ns, tokens in snapshot:
+        m = cache.tree.match_prefix(list(tokens), ns)
+        assert m.device_len == len(tokens), f"{ns!r} {tokens}: lost from the device by a fault"
+    assert kvcheck.verify_cache(cache) == []
+
+
+@pytest.mark.parametrize("layers_landed", [0, 1])
+def test_failed_load_cuts_the_request_back_and_it_recomputes(layers_landed):
+    cache = make_cache()
+    stem, a = seq(100, 2), seq(300, 2)
+    serve_manual(cache, stem)
+    host_only(cache, stem + a)
+    serve_manual(cache, stem)  # the stem back on the device, A host-only below it
+    kept = device_snapshot(cache)
+    h = cache.match(stem + a + [7])
+    assert h.prefix_len == len(stem + a)
+    (load,) = pending(cache, TransferKind.LOAD)
+    for _ in range(layers_landed):
+        cache.transfers.executor.complete_layer(load)
+    cache.transfers.executor.fail(load, RuntimeError("injected DMA error"))
+    assert not cache.finish_loads(h)
+    assert h.prefix_len == len(stem), "prefix not cut back above the failed load"
+    assert isinstance(h.load_error, RuntimeError)
+    node = cache.tree.probe_path(kvcheck_key(stem + a))[-1]
+    # h still held A when the failure landed (it is applied only by h's own call):
+    # A's device pages are loaded again in place, nobody else received them.
+    assert node.on_device and node.on_host and node.host_lock_ref == 1
+    assert node.io_status is IOStatus.LOADING and node.lock_ref == 0
+    cache.check_integrity()
+    assert_still_on_device(cache, kept)
+    # The caller recomputes from h.prefix_len.
+    tokens = stem + a + [7]
+    assert cache.alloc(h, len(tokens) - h.prefix_len) is not None
+    kvcheck.write_kv(cache.device_pool, h.page_table(), tokens, h.prefix_len, len(tokens))
+    cache.insert(h, tokens)  # A is cached (being reloaded): h waits on that load
+    complete(cache, TransferKind.LOAD)
+    assert cache.finish_loads(h) and h.load_error is None
+    verify_prefix(cache, h, tokens)
+    cache.release(h)
+    s = cache.stats()
+    assert (s["loads"], s["loads_failed"]) == (2, 1)  # the stem, then A (the reload not counted)
+    settle(cache)
+    assert cache.tree.match_prefix(stem + a).device_len == len(stem + a)
+
+
+def test_failed_load_frees_the_pages_the_request_had_allocated():
+    cache = make_cache()
+    a = seq(100, 3)
+    host_only(cache, a)
+    h = cache.match(a + seq(50, 2))
+    assert cache.alloc(h, 2 * P) is not None
+    assert h.num_owned_pages == 2
+    used = cache.stats()["device_pages_used"]
+    (load,) = pending(cache, TransferKind.LOAD)
+    cache.transfers.executor.fail(load, RuntimeError("injected"))
+    assert not cache.finish_loads(h)
+    assert h.num_owned_pages == 0, "pages computed on top of a failed load were kept"
+    assert cache.stats()["device_pages_used"] == used - 2  # A's 3 pages are being reloaded
+    cache.release(h)
+    settle(cache)
+
+
+def test_failed_backup_frees_host_pages_and_keeps_the_node_on_device():
+    cache = make_cache()
+    a = seq(100, 3)
+    serve_manual(cache, a)
+    (backup,) = pending(cache, TransferKind.BACKUP)
+    kept = device_snapshot(cache)
+    cache.transfers.executor.fail(backup, RuntimeError("injected"))
+    assert cache.poll() == 1
+    s = cache.stats()
+    assert s["backups_failed"] == 1 and s["host_pages_used"] == 0 and s["backup_bytes"] == 0
+    node = cache.tree.match_prefix(a).last_node
+    assert node.on_device and not node.on_host
+    assert_still_on_device(cache, kept)
+    settle(cache)
+    serve_manual(cache, a + seq(50, 1))  # the next insert through the path backs it up again
+    complete(cache, TransferKind.BACKUP)
+    assert cache.tree.match_prefix(a).last_node.on_host
+    settle(cache)
+
+
+def test_failed_write_back_backup_keeps_the_evicted_node_on_device():
+    cache = make_cache(device_pages=6, policy="write_back")
+    a = seq(100, 3)
+    serve_manual(cache, a)
+    kept = device_snapshot(cache)
+    h = cache.match([])
+    assert cache.alloc(h, 6 * P) is None  # eviction started A's backup
+    (backup,) = pending(cache, TransferKind.BACKUP)
+    cache.transfers.executor.complete_layer(backup)
+    cache.transfers.executor.fail(backup, RuntimeError("injected"))
+    cache.release(h)
+    assert_still_on_device(cache, kept)
+    assert cache.stats()["device_evicted_tokens"] == 0
+    settle(cache)
+
+
+def test_device_exhaustion_mid_request_is_a_normal_return():
+    cache = make_cache(device_pages=6)
+    h1 = cache.match(seq(100, 4))
+    assert cache.alloc(h1, 4 * P) is not None
+    h2 = cache.match(seq(200, 4))
+    assert cache.alloc(h2, 2 * P) is not None
+    before = cache.stats()
+    assert cache.alloc(h2, 1) is None, "allocated beyond the pool"
+    assert cache.stats() == before, "a failed allocation changed the cache"
+    assert h2.num_owned_pages == 2
+    cache.release(h1)
+    assert cache.alloc(h2, 2 * P) is not None
+    cache.release(h2)
+    settle(cache)
+
+
+def test_load_refused_when_the_device_is_full_counts_a_miss():
+    cache = make_cache(device_pages=6)
+    a = seq(100, 3)
+    host_only(cache, a)
+    hog = cache.match(seq(200, 6))
+    assert cache.alloc(hog, 6 * P) is not None
+    h = cache.match(a)
+    s = cache.stats()
+    assert h.prefix_len == 0 and h.host_len == len(a)
+    assert s["loads_refused_no_space"] == 1 and s["host_hit_refused_tokens"] == len(a)
+    assert s["loads"] == 0 and pending(cache) == []
+    cache.release(hog)
+    assert cache.load_back(h) is not None  # room now: the same handle loads
+    complete(cache, TransferKind.LOAD)
+    assert cache.finish_loads(h)
+    verify_prefix(cache, h, a)
+    cache.release(h)
+    settle(cache)
+
+
+def test_host_exhaustion_skips_the_backup_and_counts_it():
+    cache = make_cache(device_pages=12, host_pages=3)
+    a, b = seq(100, 3), seq(200, 3)
+    host_only(cache, a)
+    h = cache.match(a)  # A's host pages locked by its load: nothing evictable on the host
+    serve_manual(cache, b)
+    s = cache.stats()
+    assert s["backups_skipped"] == 1 and s["backups"] == 1
+    node = cache.tree.match_prefix(b).last_node
+    assert node.on_device and not node.on_host
+    complete(cache, TransferKind.LOAD)
+    assert cache.finish_loads(h)
+    verify_prefix(cache, h, a)
+    cache.release(h)
+    settle(cache)
+
+
+def test_poll_after_failures_applies_each_once():
+    cache = make_cache()
+    a, b = seq(100, 3), seq(200, 3)
+    host_only(cache, a)
+    serve_manual(cache, b)  # backup of B pending
+    h = cache.match(a)  # load of A pending
+    ex = cache.transfers.executor
+    for t in pending(cache):
+        ex.fail(t, RuntimeError("injected"))
+    # stats() polls: both failures applied; A is reloaded (h still held it then)
+    assert cache.stats()["transfers_in_flight"] == 1
+    assert cache.poll() == 0
+    s = cache.stats()
+    assert (s["loads_failed"], s["backups_failed"]) == (1, 1)
+    # h's own call applies its failure, once
+    assert h.prefix_len == 3 * P and h.load_error is None
+    assert not cache.finish_loads(h)
+    assert h.prefix_len == 0 and h.load_error is not None
+    assert cache.finish_loads(h) and h.load_error is None  # reported once
+    cache.release(h)
+    settle(cache)
+
+
+def test_every_transfer_failing_loses_nothing_cached_on_device():
+    cache = make_cache(device_pages=10, host_pages=20)
+    prompts = [seq(100, 2), seq(100, 2) + seq(30, 2), seq(200, 3)]
+    for t in prompts:
+        serve_manual(cache, t)
+    complete(cache, TransferKind.BACKUP)
+    evict_all_device(cache)
+    serve_manual(cache, seq(100, 2))
+    kept = device_snapshot(cache)
+    handles = [cache.match(t) for t in prompts]
+    ex = cache.transfers.executor
+    for t in pending(cache):
+        ex.fail(t, RuntimeError("injected"))
+    cache.poll()
+    assert_still_on_device(cache, kept)
+    for h in handles:
+        cache.finish_loads(h)  # each request's failure is applied by its own call
+        assert h.load_error is not None or h.prefix_len == h.device_len
+        cache.release(h)
+    settle(cache)
+
+
+def test_failed_loads_on_the_thread_executor_recover():
+    cfg = CacheConfig(KV_F16, device_tokens=8 * P, host_tokens=16 * P, executor="thread",
+                      host_reserve_nbytes=0)
+    with HiCache(cfg) as cache:
+        copier = install_copier(cache, FaultyCopier.wrap(cache, seed=0, fault_rate=1.0))
+        copier.fault_rate = 0.0
+        a = seq(100, 3)
+        h = cache.match(a)
+        cache.alloc(h, len(a))
+        kvcheck.write_kv(cache.device_pool, h.page_table(), a, 0, len(a))
+        cache.insert(h, a)
+        cache.release(h)
+        cache.wait_all()
+        evict_all_device(cache)
+        copier.fault_rate = 1.0  # every copy from now on fails
+        h = cache.match(a)
+        assert not cache.finish_loads(h) and h.prefix_len == 0
+        cache.release(h)
+        cache.wait_all()
+        cache.check_integrity()
+        # h held A when its load failed: A was loaded again in place, and failed again
+        assert cache.stats()["loads_failed"] == 2
+        copier.fault_rate = 0.0
+        h = cache.match(a)
+        assert cache.finish_loads(h)
+        verify_prefix(cache, h, a)
+        cache.release(h)
+        cache.wait_all()
+        cache.check_integrity()
+        assert kvcheck.verify_cache(cache) == []

@@ -1,0 +1,137 @@
+"""HiCacheConnector through vLLM's connector API, both roles in one process.
+
+vLLM's own objects where they are plain (KVTransferConfig, KVCacheConfig, the spec);
+stand-ins for requests and scheduler output. Checks the translation the connector does
+between vLLM and the halves; the halves themselves are tested in test_vllm_connector.py
+and the whole path in test_vllm_connector_e2e.py. Skipped without vLLM unless
+``HICACHE_REQUIRE_VLLM=1``.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import VLLM_REQUIRED, vllm_available
+
+pytestmark = pytest.mark.skipif(
+    not VLLM_REQUIRED and not vllm_available(),
+    reason="vllm (pip install -e '.[vllm]') not installed",
+)
+
+B, NB = 32, 8  # block size, vLLM blocks
+
+
+def _configs(extra: dict):
+    from vllm.config import KVTransferConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=B, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    kv_cache_config = KVCacheConfig(
+        num_blocks=NB, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], spec)],
+    )
+    transfer = KVTransferConfig(
+        kv_connector="HiCacheConnector", kv_role="kv_both",
+        kv_connector_module_path="hicache.integrations.vllm", kv_connector_extra_config=extra,
+    )
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=transfer, cache_config=SimpleNamespace(block_size=B),
+        model_config=SimpleNamespace(model="tiny", revision=None, dtype=torch.float32),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+    )
+    return vllm_config, kv_cache_config
+
+
+def _connectors(extra: dict):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from hicache.integrations.vllm import HiCacheConnector
+
+    vllm_config, kv_cache_config = _configs(extra)
+    sched = HiCacheConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    worker = HiCacheConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+    # vLLM's CPU backend layout: (num_blocks, H, block_size, 2 * D)
+    kv = {name: torch.randn(NB, 2, B, 64) for name in ("l0", "l1")}
+    worker.register_kv_caches(kv)
+    return sched, worker, kv
+
+
+def _output(new=(), cached=(), num_tokens=None):
+    return SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=r.request_id, prompt_token_ids=r.all_token_ids,
+                            block_ids=(blocks,), num_computed_tokens=done)
+            for r, blocks, done in new
+        ],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r.request_id for r, _ in cached], new_block_ids=[None for _ in cached],
+            resumed_req_ids=set(), num_computed_tokens=[done for _, done in cached],
+        ),
+        num_scheduled_tokens=num_tokens or {},
+    )
+
+
+def _run_step(worker, meta) -> tuple:
+    worker.bind_connector_metadata(meta)
+    worker.handle_preemptions(meta)
+    worker.start_load_kv(None)
+    for name in ("l0", "l1"):
+        worker.wait_for_layer_load(name)
+    worker.wait_for_save()
+    finished = worker.get_finished(set())
+    errors = worker.get_block_ids_with_load_errors()
+    worker.clear_connector_metadata()
+    return finished, errors
+
+
+def test_save_then_load_through_the_connector_api():
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    sched, worker, kv = _connectors({"host_tokens": 256})
+    tokens = list(range(1, 70))  # two whole blocks and 5 tokens
+    a = SimpleNamespace(request_id="a", all_token_ids=tokens, num_computed_tokens=0)
+    sched.on_new_request(a)
+    assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
+    sched.update_state_after_alloc(a, SimpleNamespace(get_block_ids=lambda: ([0, 1, 2],)), 0)
+    meta = sched.build_connector_meta(_output(new=[(a, [0, 1, 2], 0)], num_tokens={"a": 69}))
+    assert [op.block_ids for op in meta.saves] == [[0, 1]]
+    assert _run_step(worker, meta) == ((None, None), set())
+    a.num_computed_tokens = 69
+    assert sched.request_finished(a, [0, 1, 2]) == (True, None)  # blocks wait for the save
+    meta = sched.build_connector_meta(_output())
+    assert meta.delayed_req_ids == ["a"]
+    assert _run_step(worker, meta)[0] == ({"a"}, None)
+
+    b = SimpleNamespace(request_id="b", all_token_ids=tokens, num_computed_tokens=0)
+    sched.on_new_request(b)
+    assert sched.get_num_new_matched_tokens(b, 0) == (64, False)
+    sched.update_state_after_alloc(b, SimpleNamespace(get_block_ids=lambda: ([5, 6, 7],)), 64)
+    assert sched.get_external_cache_hit_sources(b, 64) == {CacheHitSource.HOST: 64}
+    meta = sched.build_connector_meta(_output(new=[(b, [5, 6, 7], 64)], num_tokens={"b": 5}))
+    assert [(op.block_ids, op.host_pages) for op in meta.loads] == [([5, 6], meta.loads[0].host_pages)]
+    assert _run_step(worker, meta)[1] == set()
+    for t in kv.values():
+        assert torch.equal(t[5], t[0]) and torch.equal(t[6], t[1])
+    stats = worker.get_kv_connector_stats()
+    assert stats.data["load_blocks"] == 2 and stats.data["save_blocks"] == 2
+    sched.scheduler_half.check_integrity()
+    worker.shutdown()
+    sched.shutdown()
+
+
+@pytest.mark.parametrize(("extra", "match"), [
+    ({"host_gb": "big"}, "kv_connector_extra_config.host_gb: expected a number"),
+    ({"hostgb": 1}, "unknown field\\(s\\) \\['hostgb'\\]"),
+    ({"storage": "ftp://x"}, "kv_connector_extra_config.storage: expected 'file:DIR'"),
+])
+def test_bad_extra_config_fails_at_start_up_naming_the_field(extra, match):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from hicache.integrations.vllm import HiCacheConnector
+
+    vllm_config, kv_cache_config = _configs(extra)
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises((ValueError, TypeError), match=match):
+            HiCacheConnector(vllm_config, role, kv_cache_config)

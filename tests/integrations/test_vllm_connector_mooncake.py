@@ -1,0 +1,48 @@
+"""Two vLLM instances share KV through Mooncake Store (a real ``mooncake_master``).
+
+The first instance computes a prompt and writes its blocks behind to the store; the
+second, a separate process with its own empty host tier, is served them. A
+``mooncake_client`` lends the store its memory (``segment_nbytes``) and the vLLM
+instances lend none, so the pages outlive the instance that wrote them.
+
+Skipped without vLLM or the Mooncake extra, unless ``HICACHE_REQUIRE_VLLM=1`` and
+``HICACHE_REQUIRE_MOONCAKE=1`` (CI) make a missing install fail instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from helpers import VLLM_REQUIRED, run_vllm, vllm_available, vllm_result
+
+MOONCAKE_REQUIRED = os.environ.get("HICACHE_REQUIRE_MOONCAKE") == "1"
+
+try:
+    import mooncake.store  # noqa: F401
+except ImportError:
+    if MOONCAKE_REQUIRED:
+        raise
+    pytest.skip("mooncake extra not importable; run .ci/install_mooncake.sh",
+                allow_module_level=True)
+
+pytestmark = pytest.mark.skipif(
+    not VLLM_REQUIRED and not vllm_available(),
+    reason="vllm (pip install -e '.[vllm]') not installed",
+)
+
+
+def test_second_instance_is_served_through_mooncake(tmp_path):
+    from hicache.storage.mooncake import start_mooncake_master
+
+    model = str(tmp_path / "model")
+    proc = run_vllm("make-model", model)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-4000:]
+    with start_mooncake_master(segment_nbytes=64 << 20, log_dir=tmp_path / "mooncake") as m:
+        spec = f"{m.spec}&segment_nbytes=0"  # the vLLM instances lend no memory
+        first = vllm_result(run_vllm("run", model, "replay", "--storage", spec))["replay"]
+        second = vllm_result(run_vllm("run", model, "replay", "--storage", spec))["replay"]
+    assert first["cached_tokens"] == 0  # a fresh store: nothing to serve
+    assert second["cached_tokens"] == (second["prompt_tokens"] - 1) // 32 * 32
+    assert second["output"] == first["output"]

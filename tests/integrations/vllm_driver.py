@@ -1,0 +1,151 @@
+"""Runs one vLLM engine (CPU backend) over a fixed workload and prints one JSON line.
+
+Used by tests/integrations/test_vllm_connector_e2e.py in a subprocess: vLLM spawns processes,
+so it must run under ``if __name__ == "__main__"``. Usage::
+
+    python tests/integrations/vllm_driver.py make-model DIR
+    python tests/integrations/vllm_driver.py run DIR SCENARIO[,SCENARIO...] [--storage file:DIR] [--no-connector]
+
+SCENARIO is a comma-separated list run in order on one engine: ``multiturn``
+(conversations whose working set is several times vLLM's KV cache, one request at a
+time), ``reset`` (a prompt, reset_prefix_cache, the same prompt again), ``replay``
+(the first prompt of ``multiturn``: meant for a second process on the same storage).
+The last stdout line is a JSON object with one entry per scenario.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = 512
+NUM_GPU_BLOCKS = 24  # 768 tokens of vLLM KV: must hold one max_model_len sequence
+VOCAB = 512
+CONVERSATIONS = 8
+TURNS = 3
+SYSTEM_TOKENS = 96  # shared by every conversation
+USER_TOKENS = 64
+OUTPUT_TOKENS = 16
+
+
+def make_model(path: str) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=MAX_MODEL_LEN, initializer_range=0.2, tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path)
+
+
+def conversations() -> list[list[list[int]]]:
+    """Per conversation, per turn: the user tokens (deterministic)."""
+    import random
+
+    rng = random.Random(1)
+    return [[[rng.randrange(1, VOCAB) for _ in range(USER_TOKENS)] for _ in range(TURNS)]
+            for _ in range(CONVERSATIONS)]
+
+
+def system_prompt() -> list[int]:
+    import random
+
+    rng = random.Random(2)
+    return [rng.randrange(1, VOCAB) for _ in range(SYSTEM_TOKENS)]
+
+
+def make_llm(model: str, connector: bool, storage: str | None):
+    from vllm import LLM
+
+    kwargs = {}
+    if connector:
+        extra = {"host_tokens": 8192}
+        if storage:
+            extra["storage"] = storage
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "HiCacheConnector",
+            "kv_connector_module_path": "hicache.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra,
+        }
+    return LLM(
+        model=model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+        block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=NUM_GPU_BLOCKS,
+        gpu_memory_utilization=0.1, max_num_seqs=4, seed=0, **kwargs,
+    )
+
+
+def generate(llm, prompt: list[int]) -> tuple[list[int], int]:
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+    return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)
+
+
+def run(model: str, scenarios: str, connector: bool, storage: str | None) -> dict:
+    """Run the comma-separated ``scenarios`` in order on one engine."""
+    llm = make_llm(model, connector, storage)
+    result: dict = {"connector": connector}
+    system = system_prompt()
+    for scenario in scenarios.split(","):
+        if scenario == "multiturn":
+            history = [list(system) for _ in range(CONVERSATIONS)]
+            outputs, cached, prompt_tokens, hits, prompts = [], 0, 0, [], []
+            for turn in range(TURNS):
+                for c, conv in enumerate(conversations()):
+                    history[c] += conv[turn]
+                    prompts.append(list(history[c]))
+                    out, hit = generate(llm, history[c])
+                    prompt_tokens += len(history[c])
+                    history[c] += out
+                    outputs.append(out)
+                    cached += hit
+                    hits.append(hit)
+            result["multiturn"] = {
+                "outputs": outputs, "cached_tokens": cached, "prompt_tokens": prompt_tokens,
+                "cached_per_request": hits, "prompts": prompts,
+            }
+        elif scenario == "reset":
+            prompt = system + conversations()[1][0]
+            first, hit0 = generate(llm, prompt)
+            ok = llm.reset_prefix_cache()
+            second, hit1 = generate(llm, prompt)
+            result["reset"] = {
+                "first": first, "second": second, "cached_before": hit0, "cached_after": hit1,
+                "reset_ok": bool(ok), "prompt_tokens": len(prompt),
+            }
+        elif scenario == "replay":
+            prompt = system + conversations()[0][0]
+            out, hit = generate(llm, prompt)
+            result["replay"] = {"output": out, "cached_tokens": hit, "prompt_tokens": len(prompt)}
+        else:
+            raise SystemExit(f"unknown scenario {scenario!r}")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("command", choices=["make-model", "run"])
+    parser.add_argument("model")
+    parser.add_argument("scenario", nargs="?")
+    parser.add_argument("--storage")
+    parser.add_argument("--no-connector", action="store_true")
+    args = parser.parse_args()
+    if args.command == "make-model":
+        make_model(args.model)
+        return
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    result = run(args.model, args.scenario, not args.no_connector, args.storage)
+    sys.stdout.flush()
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""What the package ships: the license text it declares, the typing marker, the extras."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_license_is_the_full_apache_2_text_the_metadata_declares():
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert meta["license"] == "Apache-2.0" and meta["license-files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text  # the whole text, not a pointer to it
+
+
+def test_typed_marker_ships_with_the_package():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert (ROOT / "hicache" / "py.typed").is_file()
+    assert "py.typed" in project["tool"]["setuptools"]["package-data"]["hicache"]
+
+
+def test_extras_the_readme_lists_exist():
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert {"plot", "metrics", "yaml", "mooncake", "dev"} <= extras.keys()
+    assert extras["metrics"] == ["prometheus_client"] and "prometheus_client" in extras["dev"]
+    readme = (ROOT / "README.md").read_text()
+    for name in ("plot", "metrics", "yaml", "mooncake", "dev"):
+        assert f"| `{name}` |" in readme
