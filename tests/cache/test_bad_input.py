@@ -223,7 +223,7 @@ def test_alloc_takes_a_numpy_integer_like_every_count(lifecycle):
     """Counts are checked by hicache.checks.check_int everywhere: numpy integers are ints."""
     if lifecycle == "native":
         cache = HiCache(CacheConfig(
-            kv=KV, device_tokens=8 * P, host_tokens=8 * P, allocate_kv=False, tree="native",
+            kv=KV_F16, device_tokens=8 * P, host_tokens=8 * P, allocate_kv=False, tree="native",
             lifecycle="native",
         ))
     else:
