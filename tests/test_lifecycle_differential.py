@@ -18,7 +18,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from test_tree_differential import FORMS, as_form, snapshot
+from test_tree_differential import FORMS, as_form, host_takeable_by_definition, snapshot
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig, EvictionPolicy, KVConfig
@@ -195,6 +195,9 @@ class Lifecycles(RuleBasedStateMachine):
             return
         assert self.ref.stats() == self.nat.stats()
         assert snapshot(self.ref.tree) == snapshot(self.nat.tree)
+        # The host-room pre-check of a backup reads this figure: it must be exact.
+        takeable = host_takeable_by_definition(self.ref.tree)
+        assert self.ref.tree.host_takeable_tokens == self.nat.tree.host_takeable_tokens == takeable
         for name in ("device_allocator", "host_allocator"):
             a, b = getattr(self.ref, name), getattr(self.nat, name)
             assert a.num_free_pages == b.num_free_pages, name

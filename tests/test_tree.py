@@ -278,6 +278,76 @@ def test_host_eviction_prefers_host_only_then_drops_device_resident_copies(make_
     tree.check_integrity()
 
 
+def test_host_eviction_takes_a_host_copy_whose_children_are_device_only(make_tree):
+    # a is on both tiers, its only child c on the device alone: a's host copy is a
+    # candidate though a has a child (host copies stay closed under ancestors).
+    tree = make_tree(2)
+    a = tree.insert([1, 1, 2, 2], pages(0, 1)).last_node
+    tree.attach_host(a, pages(10, 11))
+    c = tree.insert([1, 1, 2, 2, 3, 3], pages(0, 1, 2)).last_node  # touches a
+    leaf = tree.insert([5, 5], pages(3)).last_node
+    tree.attach_host(leaf, pages(12))
+    assert tree.host_takeable_tokens == 6
+    tree.check_integrity()
+    res = tree.evict_host(2)  # a least recent: its tail page goes (a split)
+    assert res.device_indices.tolist() == [11] and res.num_evicted_tokens == 2
+    head = tree.match_prefix([1, 1]).last_node  # the split's head: host copy kept
+    assert head.on_host and not tree.match_prefix([1, 1, 2, 2]).last_node.on_host
+    assert tree.host_takeable_tokens == 4
+    tree.check_integrity()
+    # The head just became a candidate (its child lost its copy); match touched it last.
+    assert tree.evict_host(4).device_indices.tolist() == [12, 10]
+    assert (tree.host_tokens, tree.host_takeable_tokens) == (0, 0)
+    assert c.on_device and tree.device_tokens == 8  # device copies untouched
+    tree.check_integrity()
+
+
+def test_host_eviction_takes_children_first_and_never_what_a_lock_holds(make_tree):
+    tree = make_tree(2)
+    a = tree.insert([1, 1], pages(0)).last_node
+    tree.attach_host(a, pages(10))
+    b = tree.insert([1, 1, 2, 2], pages(0, 1)).last_node
+    tree.attach_host(b, pages(11))
+    tree.match_prefix([1, 1])  # a most recent: still b first (a has a host child)
+    for hold, release in (
+        (tree.host_lock, tree.host_unlock),
+        (lambda n: tree.set_io_status(n, IOStatus.BACKING_UP),
+         lambda n: tree.set_io_status(n, IOStatus.NONE)),
+    ):
+        hold(b)  # holds b's host copy and a's above it
+        assert tree.host_takeable_tokens == 0
+        assert tree.evict_host(4).num_evicted_tokens == 0
+        tree.check_integrity()
+        release(b)
+        assert tree.host_takeable_tokens == 4
+    assert tree.evict_host(2).device_indices.tolist() == [11]
+    assert tree.host_takeable_tokens == 2  # a: its only child lost its host copy
+    tree.check_integrity()
+    assert tree.evict_host(2).device_indices.tolist() == [10]
+    assert a.on_device and b.on_device and tree.host_tokens == 0
+    tree.check_integrity()
+
+
+def test_host_takeable_tokens_follows_splits_merges_and_detaches(make_tree):
+    tree = make_tree(2)
+    a = tree.insert([1, 1, 2, 2], pages(0, 1)).last_node
+    tree.attach_host(a, pages(10, 11))
+    b = tree.insert([1, 1, 2, 2, 3, 3], pages(0, 1, 2)).last_node
+    tree.attach_host(b, pages(12))
+    tree.set_io_status(b, IOStatus.BACKING_UP)
+    tree.match_prefix([1, 1])  # splits a; both halves held by b's IO
+    assert (tree.host_tokens, tree.host_takeable_tokens) == (6, 0)
+    tree.check_integrity()
+    assert tree.detach_host(b).tolist() == [12]  # the backup failed: IO over
+    assert tree.host_takeable_tokens == 4
+    tree.evict_device(6)  # b removed, then both halves host-only (merged again)
+    assert tree.num_nodes == 1 and tree.host_takeable_tokens == 4
+    tree.check_integrity()
+    tree.host_lock(tree.match_prefix([1, 1, 2, 2]).last_node)
+    assert tree.host_takeable_tokens == 0
+    tree.check_integrity()
+
+
 def test_host_lock_protects_host_copy(make_tree):
     tree = make_tree(2)
     a = tree.insert([1, 1], pages(0)).last_node

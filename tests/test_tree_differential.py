@@ -91,12 +91,30 @@ def snapshot(tree) -> list[tuple]:
     return out
 
 
+def host_takeable_by_definition(tree) -> int:
+    """Host tokens host eviction can take, recomputed from the nodes alone.
+
+    Host eviction takes a host copy once no child has one (and it is not host-locked
+    and has no IO in flight). So a host copy can be taken, leaf by leaf, unless a
+    host-locked copy or one with IO in flight sits in the chain of host copies below it.
+    """
+    def held(node) -> bool:
+        if node.host_indices is None:
+            return False
+        if node.host_lock_ref or node.io_status is not IOStatus.NONE:
+            return True
+        return any(held(c) for c in node.children.values())
+
+    return sum(n.num_tokens for n in tree.nodes() if n.host_indices is not None and not held(n))
+
+
 def sizes(tree) -> tuple:
     return (
         tree.device_evictable_tokens,
         tree.device_protected_tokens,
         tree.host_evictable_tokens,
         tree.host_protected_tokens,
+        tree.host_takeable_tokens,
         tree.device_tokens,
         tree.host_tokens,
         tree.num_nodes,
@@ -278,6 +296,16 @@ class PythonVsNative(RuleBasedStateMachine):
         assert ra.device_indices.tolist() == rb.device_indices.tolist()
         assert ra.num_evicted_tokens == rb.num_evicted_tokens
 
+    @rule()
+    def evict_all_takeable_host(self):
+        """host_takeable_tokens is exact: evict_host takes all of it and nothing more."""
+        takeable = self.py.host_takeable_tokens
+        ra = self.py.evict_host(takeable + 2 * P)
+        rb = self.nat.evict_host(takeable + 2 * P)
+        assert ra.device_indices.tolist() == rb.device_indices.tolist()
+        assert ra.num_evicted_tokens == rb.num_evicted_tokens == takeable
+        assert self.py.host_takeable_tokens == self.nat.host_takeable_tokens == 0
+
     @precondition(lambda self: self.pairs)
     @rule(
         i=st.integers(0, 100),
@@ -323,6 +351,7 @@ class PythonVsNative(RuleBasedStateMachine):
         self.nat.check_integrity()
         assert self.splits["py"] == self.splits["nat"]
         assert sizes(self.py) == sizes(self.nat)
+        assert self.py.host_takeable_tokens == host_takeable_by_definition(self.py)
         assert snapshot(self.py) == snapshot(self.nat)
         assert self.py.take_events() == self.nat.take_events()
 

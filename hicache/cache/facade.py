@@ -703,24 +703,14 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
         return alloc.alloc(num_pages)
 
     def _host_takeable_pages(self) -> int:
-        """Host pages eviction could free, less those that IO in flight or a pin holds.
+        """Host pages host eviction can free now: exactly what ``evict_host`` takes.
 
-        A host copy being written (a backup in flight) is not taken, nor are the
-        host copies above a node that keeps its own (it is no leaf until that goes).
-        Host copies of inner nodes whose children keep device-only copies are
-        counted although eviction takes only leaves (see docs/design.md).
+        A host copy that is host-locked (a load, a storage write, a pin) or has IO
+        in flight is not taken, nor is any host copy above it (host eviction takes
+        a host copy only once its children have none: see docs/design.md). The
+        tree keeps that figure (``host_takeable_tokens``).
         """
-        tokens = self.tree.host_evictable_tokens
-        busy = [*self._node_transfer, *self._storage_pins]
-        if busy:
-            seen: set = set()
-            for node in busy:
-                while node.parent is not None and node not in seen:
-                    seen.add(node)
-                    if node.host_indices is not None and not node.host_lock_ref:
-                        tokens -= node.num_tokens
-                    node = node.parent
-        return tokens // self.page_size
+        return self.tree.host_takeable_tokens // self.page_size
 
     def _device_takeable_pages(self) -> int:
         """Device pages eviction can free now: unlocked ones, less those IO pins.
@@ -794,7 +784,17 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
             parent = node.parent
             if parent.parent is not None and parent.host_indices is None:
                 break  # the parent first: a later backup through this path takes these
-            host_pages = self._alloc_host(node.num_tokens // self.page_size)
+            num_pages = node.num_tokens // self.page_size
+            # Making room must not take the parent's host copy (a host-eviction
+            # candidate while its children have none): node's copy needs it.
+            guard = parent.parent is not None and num_pages > self.host_allocator.num_free_pages
+            if guard:
+                self.tree.host_lock(parent)
+            try:
+                host_pages = self._alloc_host(num_pages)
+            finally:
+                if guard:
+                    self.tree.host_unlock(parent)
             if host_pages is None:
                 self._counters.backups_skipped += len(nodes) - i
                 break

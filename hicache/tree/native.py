@@ -334,6 +334,10 @@ class NativeRadixTree:
         self._impl.host_protected_tokens = value
 
     @property
+    def host_takeable_tokens(self) -> int:
+        return self._impl.host_takeable_tokens
+
+    @property
     def device_tokens(self) -> int:
         impl = self._impl
         return impl.device_evictable_tokens + impl.device_protected_tokens

@@ -71,6 +71,7 @@ class RadixTreeLike(Protocol):
     device_protected_tokens: int
     host_evictable_tokens: int
     host_protected_tokens: int
+    host_takeable_tokens: int  # host tokens evict_host can take (not held by a lock or IO)
 
     @property
     def device_tokens(self) -> int: ...

@@ -63,7 +63,7 @@ class TreeNode:
     __slots__ = (
         "id", "key", "parent", "children", "namespace", "device_indices", "host_indices",
         "lock_ref", "host_lock_ref", "io_status", "hit_count", "last_access", "created",
-        "priority", "_dev_seq", "_host_seq", "_end_hash",
+        "priority", "_dev_seq", "_host_seq", "_end_hash", "_host_children", "_busy_children",
     )
 
     def __init__(self, node_id: int, key: bytes, parent: TreeNode | None, namespace: str | None):
@@ -84,6 +84,13 @@ class TreeNode:
         self._dev_seq = 0  # seq of this node's newest device-heap entry
         self._host_seq = 0  # seq of this node's newest host-heap entry
         self._end_hash: int | None = None  # chained hash of its last page (events), lazily
+        # Children with a host copy: a host copy is a host-eviction candidate only
+        # without them (evicting it first would leave a host copy under a node without
+        # one, against the invariant that host copies are closed under ancestors).
+        self._host_children = 0
+        # Children whose host copy is "busy": host-locked, IO in flight, or above a
+        # busy host child. Host eviction can never take a busy host copy.
+        self._busy_children = 0
 
     @property
     def num_tokens(self) -> int:
@@ -222,6 +229,9 @@ class RadixTree:
         self.device_protected_tokens = 0  # on device, lock_ref > 0
         self.host_evictable_tokens = 0  # on host, host_lock_ref == 0
         self.host_protected_tokens = 0  # on host, host_lock_ref > 0
+        # On host and not busy (see TreeNode._busy_children): exactly the host tokens
+        # evict_host can take, leaf by leaf, once nothing changes meanwhile.
+        self.host_takeable_tokens = 0
         self.eviction = EvictionPolicy(eviction)
         prio = priority_fn(self.eviction)
         self._device_heap = CandidateHeap(prio, "_dev_seq")
@@ -293,6 +303,8 @@ class RadixTree:
             child = self._descend(node, key, off)
             if child is None:
                 break
+            if node.host_indices is not None and not node._host_children:
+                self._refresh_inner_host(node)
             node = child
             ck = node.key
             off += len(ck)
@@ -303,8 +315,10 @@ class RadixTree:
                 last_device = node
             else:
                 host_len += len(ck)
-        # Only these two can be candidates: every other matched node has a
-        # device child on the path, and children (so it is no host leaf).
+        # Besides the inner host candidates refreshed above, only these two can be
+        # candidates: every other matched node has a device child on the path and
+        # a host child (or no host copy). last_device is inner only above a
+        # host-only child, which holds its host copy back.
         self._refresh(last_device)
         if node is not last_device:
             self._refresh(node)
@@ -387,6 +401,11 @@ class RadixTree:
         prefix.last_access = node.last_access
         prefix.created = node.created
         prefix.priority = node.priority
+        # The prefix's only child is ``node``, whose host state and busyness the
+        # prefix shares: the parent's counters and host_takeable_tokens do not change.
+        if node.host_indices is not None:
+            prefix._host_children = 1
+            prefix._busy_children = int(self._host_busy(node))
         if self.on_split is not None:
             self.on_split(prefix, node)
         return prefix
@@ -423,6 +442,8 @@ class RadixTree:
             child = self._descend(node, key, off)
             if child is None:
                 break
+            if node.host_indices is not None and not node._host_children:
+                self._refresh_inner_host(node)
             node = child
             ck = node.key
             node.last_access = clock
@@ -433,6 +454,8 @@ class RadixTree:
                 num_cached += len(ck)
             off += len(ck)
         if off < n:
+            if node.host_indices is not None and not node._host_children:
+                self._refresh_inner_host(node)  # touched above: now above a device-only leaf
             node = self._new_node(key[off:], node)
             node.device_indices = _own(device_indices[off // pnb :])
             node.last_access = clock
@@ -462,6 +485,8 @@ class RadixTree:
             child = self._descend(node, key, off)
             if child is None:
                 break
+            if node.host_indices is not None and not node._host_children:
+                self._refresh_inner_host(node)
             node = child
             ck = node.key
             node.last_access = self._clock
@@ -474,6 +499,7 @@ class RadixTree:
             node.host_indices = _own(host_indices[off // pnb :])
             node.last_access = self._clock
             self.host_evictable_tokens += node.num_tokens
+            self._host_changed(node, False, False)
             if self._events is not None:
                 self._log(True, "host", node)
         # As in match: only the deepest device node and the last node can be candidates.
@@ -520,18 +546,22 @@ class RadixTree:
         if node.host_indices is None or node.parent is None:
             raise ValueError(f"host_lock: expected a non-root node with a host copy, got {node}")
         self._check_live(node, "host_lock")
+        was_busy = self._host_busy(node)
         if node.host_lock_ref == 0:
             self.host_evictable_tokens -= node.num_tokens
             self.host_protected_tokens += node.num_tokens
         node.host_lock_ref += 1
+        self._host_changed(node, True, was_busy)
 
     def host_unlock(self, node: TreeNode) -> None:
         if node.host_lock_ref <= 0:
             raise ValueError(f"host_unlock: node {node.id} is not host-locked")
+        was_busy = self._host_busy(node)
         node.host_lock_ref -= 1
         if node.host_lock_ref == 0:
             self.host_protected_tokens -= node.num_tokens
             self.host_evictable_tokens += node.num_tokens
+            self._host_changed(node, True, was_busy)
             self._refresh(node)
 
     def raise_priority(self, node: TreeNode, priority: int) -> None:
@@ -561,10 +591,49 @@ class RadixTree:
             raise ValueError(f"{op}: node {node.id} is no longer in the tree (stale)")
 
     # ------------------------------------------------------- tier membership
+    @staticmethod
+    def _host_busy(node: TreeNode) -> bool:
+        """True if host eviction can never take ``node``'s host copy as things stand."""
+        return node.host_indices is not None and bool(
+            node.host_lock_ref or node.io_status is not IOStatus.NONE or node._busy_children
+        )
+
+    def _host_changed(self, node: TreeNode, was_on_host: bool, was_busy: bool) -> None:
+        """Account a change of ``node``'s host copy, host lock or IO status.
+
+        ``was_on_host`` / ``was_busy``: its state before. Keeps the parent's
+        ``_host_children``, the ancestors' ``_busy_children`` and
+        ``host_takeable_tokens`` exact; a parent left without host children is
+        refreshed (it may have become a host-eviction candidate).
+        """
+        now_on_host = node.host_indices is not None
+        now_busy = self._host_busy(node)
+        if was_on_host and not was_busy:
+            self.host_takeable_tokens -= node.num_tokens
+        if now_on_host and not now_busy:
+            self.host_takeable_tokens += node.num_tokens
+        parent = node.parent
+        if parent is None or parent.parent is None:
+            return
+        if was_on_host != now_on_host:
+            parent._host_children += 1 if now_on_host else -1
+            if not parent._host_children:
+                self._refresh(parent)
+        while was_busy != now_busy and parent.parent is not None:
+            # A parent without a host copy is never busy: the walk stops there.
+            was_busy = self._host_busy(parent)
+            parent._busy_children += 1 if now_busy else -1
+            now_busy = self._host_busy(parent)
+            if parent.host_indices is not None and was_busy != now_busy:
+                self.host_takeable_tokens += -parent.num_tokens if now_busy else parent.num_tokens
+            parent = parent.parent
+
     def set_io_status(self, node: TreeNode, status: IOStatus) -> None:
         if status is not IOStatus.NONE and (node.device_indices is None or node.host_indices is None):
             raise ValueError(f"set_io_status: IO in flight needs both copies, got {node}")
+        was_busy = self._host_busy(node)
         node.io_status = status
+        self._host_changed(node, node.host_indices is not None, was_busy)
         if status is IOStatus.NONE:
             self._refresh(node)
 
@@ -595,7 +664,9 @@ class RadixTree:
             self._log(False, "device", node)
         pages = node.device_indices
         node.device_indices = None
+        was_busy = self._host_busy(node)
         node.io_status = IOStatus.NONE
+        self._host_changed(node, True, was_busy)
         self.device_evictable_tokens -= node.num_tokens
         self._refresh(node)
         self._refresh(node.parent)
@@ -610,6 +681,7 @@ class RadixTree:
             raise ValueError(f"attach_host: expected {num_pages} pages, got {host_indices.shape[0]}")
         node.host_indices = _own(host_indices)
         self.host_evictable_tokens += node.num_tokens
+        self._host_changed(node, False, False)
         if self._events is not None:
             self._log(True, "host", node)
         self._refresh(node)
@@ -620,10 +692,12 @@ class RadixTree:
             raise ValueError(f"detach_host: expected a node on both tiers, host-unlocked, got {node}")
         if self._events is not None:
             self._log(False, "host", node)
+        was_busy = self._host_busy(node)
         pages = node.host_indices
         node.host_indices = None
         node.io_status = IOStatus.NONE
         self.host_evictable_tokens -= node.num_tokens
+        self._host_changed(node, True, was_busy)
         self._refresh(node)
         return pages
 
@@ -655,6 +729,9 @@ class RadixTree:
         node.children = child.children
         for grandchild in node.children.values():
             grandchild.parent = node
+        # Both idle and host-only: node was busy exactly when child was.
+        node._host_children = child._host_children
+        node._busy_children = child._busy_children
         node.hit_count = max(node.hit_count, child.hit_count)
         node.last_access = max(node.last_access, child.last_access)
         node.created = min(node.created, child.created)
@@ -745,12 +822,17 @@ class RadixTree:
         return 0
 
     def _host_rank(self, node: TreeNode) -> int | None:
-        """0: host-only leaf; 1: leaf also on the device (drop only its host copy); else None."""
+        """0: host-only leaf; 1: also on the device (drop only its host copy); else None.
+
+        A candidate has a host copy, no host lock, no IO in flight and no child with
+        a host copy (children only on the device do not hold it back; a host-only
+        node's children all have host copies, so a host-only candidate is a leaf).
+        """
         if (
             node.host_indices is None
             or node.host_lock_ref
             or node.io_status is not IOStatus.NONE
-            or node.children
+            or node._host_children
             or node.parent is None
         ):
             return None
@@ -771,8 +853,17 @@ class RadixTree:
                     break
             else:
                 self._device_heap.push(node, 0)
-        if node.host_indices is not None and not node.host_lock_ref and not children:
+        if node.host_indices is not None and not node.host_lock_ref and not node._host_children:
             self._host_heap.push(node, 1 if node.device_indices is not None else 0)
+
+    def _refresh_inner_host(self, node: TreeNode) -> None:
+        """Re-key ``node``, a host candidate inside a path whose access time changed.
+
+        A node on both tiers whose children are all device-only is a host
+        candidate although it has children (see :meth:`_host_rank`).
+        """
+        if node.parent is not None and (rank := self._host_rank(node)) is not None:
+            self._host_heap.push(node, rank)
 
     def _maybe_compact(self) -> None:
         """Rebuild the heaps once stale entries outnumber live nodes by far."""
@@ -870,6 +961,7 @@ class RadixTree:
             freed.append(node.host_indices)
             node.host_indices = None
             self.host_evictable_tokens -= node.num_tokens
+            self._host_changed(node, True, False)  # a candidate is never busy
             num_freed += node.num_tokens
             if node.device_indices is None:
                 self._remove(node)
@@ -941,7 +1033,7 @@ class RadixTree:
     def check_integrity(self) -> None:
         """Verify every invariant; raise ``AssertionError`` naming the first violation."""
         pnb = self._page_nbytes
-        sums = {"dev_ev": 0, "dev_pr": 0, "host_ev": 0, "host_pr": 0}
+        sums = {"dev_ev": 0, "dev_pr": 0, "host_ev": 0, "host_pr": 0, "host_take": 0}
         dev_pages: list[torch.Tensor] = []
         host_pages: list[torch.Tensor] = []
         dev_live = self._device_heap.live_priorities()
@@ -974,6 +1066,17 @@ class RadixTree:
             if node.on_host:
                 host_pages.append(node.host_indices)
                 sums["host_pr" if node.host_lock_ref else "host_ev"] += node.num_tokens
+                if not self._host_busy(node):
+                    sums["host_take"] += node.num_tokens
+            kids = node.children.values()
+            num_host = sum(c.host_indices is not None for c in kids)
+            assert node._host_children == num_host, (
+                f"{where}: counts {node._host_children} children with a host copy, has {num_host}"
+            )
+            num_busy = sum(self._host_busy(c) for c in kids)
+            assert node._busy_children == num_busy, (
+                f"{where}: counts {node._busy_children} busy host children, has {num_busy}"
+            )
             assert node.lock_ref >= 0 and node.host_lock_ref >= 0, f"{where}: negative lock"
             assert node.lock_ref == 0 or node.on_device, f"{where}: locked but not on the device"
             if parent.parent is not None:
@@ -996,6 +1099,7 @@ class RadixTree:
             ("device_protected_tokens", "dev_pr"),
             ("host_evictable_tokens", "host_ev"),
             ("host_protected_tokens", "host_pr"),
+            ("host_takeable_tokens", "host_take"),
         ):
             assert getattr(self, name) == sums[key], (
                 f"{name} is {getattr(self, name)}, nodes sum to {sums[key]}"

@@ -148,6 +148,12 @@ struct TreeNode {
   std::uint64_t dev_seq = 0;       // seq of this node's newest device-heap entry
   std::uint64_t host_seq = 0;      // seq of this node's newest host-heap entry
   std::uint32_t num_device_children = 0;  // children on the device (device-leaf test in O(1))
+  // Children with a host copy: a host copy is a host-eviction candidate only
+  // without them (hicache/tree/python.py TreeNode._host_children).
+  std::uint32_t num_host_children = 0;
+  // Children whose host copy is busy: host-locked, IO in flight, or above a busy
+  // host child. Host eviction can never take a busy host copy.
+  std::uint32_t num_busy_host_children = 0;
   bool exported = false;  // its handle reached Python: keep it readable after removal
 
   // Children are owned by the map and keyed by their first page; the sibling
