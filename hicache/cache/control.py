@@ -121,9 +121,9 @@ class ControlMixin:
             dev = tree.evict_device(tree.device_evictable_tokens)
             host = tree.evict_host(tree.host_evictable_tokens, drop_device_resident=True)
             if dev.num_evicted_tokens:
-                self.device_allocator.free(dev.device_indices)
+                self.device_allocator.free(dev.page_ids)
             if host.num_evicted_tokens:
-                self.host_allocator.free(host.device_indices)
+                self.host_allocator.free(host.page_ids)
             num_device += dev.num_evicted_tokens
             num_host += host.num_evicted_tokens
             if not dev.num_evicted_tokens and not host.num_evicted_tokens:

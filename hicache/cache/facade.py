@@ -737,7 +737,7 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
         ) else None
         result = self.tree.evict_device(num_pages * self.page_size, hook)
         if result.num_evicted_tokens:
-            self.device_allocator.free(result.device_indices)
+            self.device_allocator.free(result.page_ids)
             self._counters.device_evicted_tokens += result.num_evicted_tokens
         if result.num_backup_tokens:
             self.poll()  # the immediate executor has finished already
@@ -750,7 +750,7 @@ class HiCache(ThirdTierMixin, NativeLifecycleMixin, ControlMixin):
         if short > 0:
             result = self.tree.evict_host(short * self.page_size)
             if result.num_evicted_tokens:
-                self.host_allocator.free(result.device_indices)
+                self.host_allocator.free(result.page_ids)
                 self._counters.host_evicted_tokens += result.num_evicted_tokens
         return alloc.alloc(num_pages)
 
@@ -946,6 +946,6 @@ def _make_tree(config: CacheConfig):
         from hicache.tree import RadixTree
 
         return RadixTree(config.page_size, config.eviction)
-    from hicache.tree.native import make_tree
+    from hicache.tree import make_tree
 
     return make_tree(config.tree, config.page_size, config.eviction)

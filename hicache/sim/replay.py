@@ -103,7 +103,7 @@ def replay_device(
             if short > 0:
                 result = tree.evict_device(short * page_size)
                 if result.num_evicted_tokens:
-                    allocator.free(result.device_indices)
+                    allocator.free(result.page_ids)
                     evicted += result.num_evicted_tokens
             new_pages = allocator.alloc(need_pages)
             if new_pages is None:
@@ -224,7 +224,7 @@ def _prepare(trace: str, page_size: int) -> list[tuple[np.ndarray, np.ndarray]]:
 def _make_tree(kind: str, page_size: int, eviction: str):
     if kind == "python":
         return RadixTree(page_size, eviction)
-    from hicache.tree.native import make_tree
+    from hicache.tree import make_tree
 
     return make_tree(kind, page_size, eviction)
 

@@ -2,7 +2,7 @@
 the reference) and :class:`hicache.tree.native.NativeRadixTree` (C++).
 
 Callers (the cache, replay, benchmarks) type against :class:`RadixTreeLike` and
-get a tree from :func:`hicache.tree.native.make_tree`. The contracts are those of
+get a tree from :func:`hicache.tree.make_tree`. The contracts are those of
 :mod:`hicache.tree`; this module only names them. It knows no implementation.
 """
 

@@ -27,10 +27,7 @@ Conventions:
 
 from __future__ import annotations
 
-import array
 from collections.abc import Callable, Iterator
-from enum import Enum
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -45,16 +42,16 @@ from hicache.checks import (
 from hicache.config import EvictionPolicy
 from hicache.events import page_hashes
 from hicache.tree.policies import CandidateHeap, priority_fn
+from hicache.tree.types import (
+    EvictResult,
+    InsertResult,
+    IOStatus,
+    MatchResult,
+    TokenLike,
+    token_key,
+)
 
-TokenLike = list[int] | tuple[int, ...] | np.ndarray | torch.Tensor
-_MAX_TOKEN = 2**31 - 1
 _EMPTY = torch.empty(0, dtype=torch.int64)
-
-
-class IOStatus(Enum):
-    NONE = 0
-    LOADING = 1  # host to device copy in flight
-    BACKING_UP = 2  # device to host copy in flight
 
 
 class TreeNode:
@@ -118,26 +115,6 @@ class TreeNode:
         )
 
 
-class MatchResult(NamedTuple):
-    device_len: int  # leading tokens whose KV is on the device
-    host_len: int  # tokens after those whose KV is only in host memory
-    last_device_node: TreeNode  # deepest matched node on the device (a root if none)
-    last_node: TreeNode  # deepest matched node (ends exactly at device_len + host_len)
-
-
-class InsertResult(NamedTuple):
-    num_cached_tokens: int  # leading tokens already on the device: their given pages were not taken
-    last_node: TreeNode  # node ending at the inserted length
-
-
-class EvictResult(NamedTuple):
-    device_indices: torch.Tensor  # pages given up by the tree; the caller frees them
-    num_evicted_tokens: int  # tokens whose device pages were given up now
-    num_backup_tokens: int  # tokens handed to the backup hook instead (freed when it completes)
-
-
-
-
 def _own(indices: torch.Tensor) -> torch.Tensor:
     """``indices``, or a copy when it is a view into storage more than twice its size.
 
@@ -149,56 +126,6 @@ def _own(indices: torch.Tensor) -> torch.Tensor:
     if indices.untyped_storage().nbytes() > 2 * indices.nbytes:
         return indices.clone()
     return indices
-
-
-def token_key(tokens: TokenLike, page_size: int) -> bytes:
-    """The tree key of ``tokens``: int32 bytes of their whole pages (partial page dropped).
-
-    Accepts a list/tuple of ints, an integer numpy array or an integer torch tensor.
-    Raises ``TypeError`` for non-integer tokens and ``ValueError`` for ids outside
-    ``[0, 2**31)``.
-    """
-    if isinstance(tokens, torch.Tensor):
-        if tokens.device.type == "meta":
-            raise ValueError("tokens: expected a tensor with data (CPU or CUDA), got device meta")
-        if tokens.dtype not in (torch.int32, torch.int64, torch.int16, torch.uint8):
-            raise TypeError(f"tokens: expected an integer tensor, got dtype {tokens.dtype}")
-        tokens = tokens.detach().cpu().numpy()
-    if isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1:
-            raise ValueError(f"tokens: expected a 1-D sequence, got shape {tokens.shape}")
-        if tokens.dtype.kind not in "iu":
-            raise TypeError(f"tokens: expected integer token ids, got dtype {tokens.dtype}")
-        n = len(tokens) // page_size * page_size
-        # Every id is checked, the trailing partial page's too (it is not cached, but
-        # a bad id there is the same caller mistake).
-        if tokens.dtype == np.int32:
-            # Every int32 id but a negative one is valid: OR them and test the sign bit.
-            if len(tokens) and np.bitwise_or.reduce(tokens) < 0:
-                raise ValueError(f"tokens: expected ids in [0, {_MAX_TOKEN}], got {tokens.min()}")
-            return tokens[:n].tobytes()
-        if len(tokens) and (tokens.min() < 0 or tokens.max() > _MAX_TOKEN):
-            raise ValueError(
-                f"tokens: expected ids in [0, {_MAX_TOKEN}], got range "
-                f"[{tokens.min()}, {tokens.max()}]"
-            )
-        return tokens[:n].astype(np.int32).tobytes()
-    if not isinstance(tokens, list | tuple):
-        raise TypeError(
-            f"tokens: expected list, tuple, numpy array or torch tensor, got {type(tokens).__name__}"
-        )
-    n = len(tokens) // page_size * page_size
-    try:  # every id, the trailing partial page's too
-        arr = array.array("i", tokens)
-    except TypeError as exc:
-        raise TypeError(f"tokens: expected integer token ids ({exc})") from None
-    except OverflowError:
-        raise ValueError(f"tokens: expected ids in [0, {_MAX_TOKEN}]") from None
-    if arr and min(arr) < 0:
-        raise ValueError(f"tokens: expected ids >= 0, got {min(arr)}")
-    if n != len(arr):
-        del arr[n:]
-    return arr.tobytes()
 
 
 class RadixTree:
@@ -219,7 +146,7 @@ class RadixTree:
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
             raise ValueError(f"page_size: expected a positive int, got {page_size!r}")
         self.page_size = page_size
-        self._page_nbytes = 4 * page_size  # bytes of one page of the key
+        self._key_nbytes_per_page = 4 * page_size  # key bytes of one page (int32 tokens)
         self.on_split = on_split
         self._roots: dict[str | None, TreeNode] = {}
         self._next_id = 1
@@ -278,7 +205,7 @@ class RadixTree:
         node.created = self._clock
         self._next_id += 1
         self.num_nodes += 1
-        parent.children[key[: self._page_nbytes]] = node
+        parent.children[key[: self._key_nbytes_per_page]] = node
         return node
 
     # ------------------------------------------------------------ match/split
@@ -326,7 +253,7 @@ class RadixTree:
 
     def _descend(self, node: TreeNode, key: bytes, off: int) -> TreeNode | None:
         """The child of ``node`` that ``key[off:]`` enters, split to end inside the key."""
-        child = node.children.get(key[off : off + self._page_nbytes])
+        child = node.children.get(key[off : off + self._key_nbytes_per_page])
         if child is not None and not key.startswith(child.key, off):
             child = self._split(child, self._common_pages(child.key, key, off))
         return child
@@ -349,7 +276,7 @@ class RadixTree:
 
     def _probe(self, key: bytes, namespace: str | None, path: list[TreeNode] | None) -> int:
         node = self._roots.get(namespace)
-        pnb = self._page_nbytes
+        pnb = self._key_nbytes_per_page
         off, n = 0, len(key)
         while node is not None and off < n:
             child = node.children.get(key[off : off + pnb])
@@ -366,7 +293,7 @@ class RadixTree:
 
     def _common_pages(self, ck: bytes, key: bytes, off: int) -> int:
         """Whole pages shared by ``ck`` and ``key[off:]``; at least one, fewer than all of ck."""
-        pnb = self._page_nbytes
+        pnb = self._key_nbytes_per_page
         lo, hi = 1, min(len(ck), len(key) - off) // pnb
         while lo < hi:  # largest m with ck[:m pages] == key[off: off + m pages]
             mid = (lo + hi + 1) // 2
@@ -378,16 +305,16 @@ class RadixTree:
 
     def _split(self, node: TreeNode, num_pages: int) -> TreeNode:
         """Split ``node`` after ``num_pages`` pages; return the new prefix node (its parent)."""
-        assert 0 < num_pages < len(node.key) // self._page_nbytes, "split point outside the node"
-        cut = num_pages * self._page_nbytes
+        assert 0 < num_pages < len(node.key) // self._key_nbytes_per_page, "split point outside the node"
+        cut = num_pages * self._key_nbytes_per_page
         parent = node.parent
         prefix = TreeNode(self._next_id, node.key[:cut], parent, node.namespace)
         self._next_id += 1
         self.num_nodes += 1
-        parent.children[node.key[: self._page_nbytes]] = prefix
+        parent.children[node.key[: self._key_nbytes_per_page]] = prefix
         node.key = node.key[cut:]
         node.parent = prefix
-        prefix.children[node.key[: self._page_nbytes]] = node
+        prefix.children[node.key[: self._key_nbytes_per_page]] = node
         if node.device_indices is not None:
             prefix.device_indices = _own(node.device_indices[:num_pages])
             node.device_indices = _own(node.device_indices[num_pages:])
@@ -426,7 +353,7 @@ class RadixTree:
         self, key: bytes, device_indices: torch.Tensor, namespace: str | None = None
     ) -> InsertResult:
         """:meth:`insert` for a key already made by :func:`token_key`."""
-        check_page_count("device_indices", device_indices, len(key) // self._page_nbytes)
+        check_page_count("device_indices", device_indices, len(key) // self._key_nbytes_per_page)
         return self._insert_key(key, device_indices, namespace)
 
     def _insert_key(
@@ -435,7 +362,7 @@ class RadixTree:
         node = self.root(namespace)
         self._clock += 1
         clock = self._clock
-        pnb = self._page_nbytes
+        pnb = self._key_nbytes_per_page
         off, n = 0, len(key)
         num_cached = 0
         while off < n:
@@ -475,11 +402,11 @@ class RadixTree:
         tier) and are not taken: the caller frees them. The rest become a host-only leaf.
         """
         key = token_key(tokens, self.page_size)
-        num_pages = len(key) // self._page_nbytes
+        num_pages = len(key) // self._key_nbytes_per_page
         check_page_count("host_indices", host_indices, num_pages)
         node = last_device = self.root(namespace)
         self._clock += 1
-        pnb = self._page_nbytes
+        pnb = self._key_nbytes_per_page
         off, n = 0, len(key)
         while off < n:
             child = self._descend(node, key, off)
@@ -587,7 +514,7 @@ class RadixTree:
         if node.parent is None:
             if self._roots.get(node.namespace) is not node:
                 raise ValueError(f"{op}: node {node.id} is not a root of this tree")
-        elif node.parent.children.get(node.key[: self._page_nbytes]) is not node:
+        elif node.parent.children.get(node.key[: self._key_nbytes_per_page]) is not node:
             raise ValueError(f"{op}: node {node.id} is no longer in the tree (stale)")
 
     # ------------------------------------------------------- tier membership
@@ -643,7 +570,7 @@ class RadixTree:
             raise ValueError(f"attach_device: expected a host-only node, got {node}")
         if node.parent.device_indices is None:
             raise ValueError("attach_device: the parent must be on the device first")
-        num_pages = len(node.key) // self._page_nbytes
+        num_pages = len(node.key) // self._key_nbytes_per_page
         if device_indices.shape[0] != num_pages:
             raise ValueError(
                 f"attach_device: expected {num_pages} pages, got {device_indices.shape[0]}"
@@ -676,7 +603,7 @@ class RadixTree:
         """Record the host copy of a device node (a backup target)."""
         if node.device_indices is None or node.host_indices is not None or node.parent is None:
             raise ValueError(f"attach_host: expected a device-only node, got {node}")
-        num_pages = len(node.key) // self._page_nbytes
+        num_pages = len(node.key) // self._key_nbytes_per_page
         if host_indices.shape[0] != num_pages:
             raise ValueError(f"attach_host: expected {num_pages} pages, got {host_indices.shape[0]}")
         node.host_indices = _own(host_indices)
@@ -742,7 +669,7 @@ class RadixTree:
 
     def _remove(self, node: TreeNode) -> None:
         parent = node.parent
-        del parent.children[node.key[: self._page_nbytes]]
+        del parent.children[node.key[: self._key_nbytes_per_page]]
         node.parent = None
         self.num_nodes -= 1
         self._refresh(parent)
@@ -901,7 +828,7 @@ class RadixTree:
             if node.host_indices is None and node.children and backup is None:
                 skipped.append(node)
                 continue
-            num_pages = len(node.key) // self._page_nbytes
+            num_pages = len(node.key) // self._key_nbytes_per_page
             if num_pages > need:
                 self._split(node, num_pages - need)
                 num_pages = need
@@ -952,7 +879,7 @@ class RadixTree:
             if node.device_indices is not None and not drop_device_resident:
                 self._host_heap.push(node, 1)
                 break
-            num_pages = len(node.key) // self._page_nbytes
+            num_pages = len(node.key) // self._key_nbytes_per_page
             if num_pages > need:
                 self._split(node, num_pages - need)
                 num_pages = need
@@ -1032,7 +959,7 @@ class RadixTree:
     # -------------------------------------------------------------- integrity
     def check_integrity(self) -> None:
         """Verify every invariant; raise ``AssertionError`` naming the first violation."""
-        pnb = self._page_nbytes
+        pnb = self._key_nbytes_per_page
         sums = {"dev_ev": 0, "dev_pr": 0, "host_ev": 0, "host_pr": 0, "host_take": 0}
         dev_pages: list[torch.Tensor] = []
         host_pages: list[torch.Tensor] = []
