@@ -31,7 +31,10 @@ from pathlib import Path
 # Runs inside each checkout's process: K interleaved repeats of both configurations.
 _CHILD = r"""
 import json, sys, time
-from hicache.tree import make_tree
+try:
+    from hicache.tree import make_tree
+except ImportError:  # checkouts from before make_tree was exported by hicache.tree
+    from hicache.tree.native import make_tree
 from hicache.sim.replay import _prepare, replay_device, replay_hierarchical
 
 trace, P, device, host, K = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
