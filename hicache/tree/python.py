@@ -20,8 +20,12 @@ Conventions:
 * Invariants (checked by :meth:`RadixTree.check_integrity`): device-resident
   nodes form a connected subtree from the root; every non-root node has a copy
   somewhere; a locked node is on the device and its parent is locked at least
-  as often; a node with IO in flight has both copies; size counters equal the
-  sums over nodes; no page id is held twice in a tier.
+  as often; a node with IO in flight has both copies; size counters (and each
+  node's counts of children with a host copy and of busy host children) equal
+  the sums over nodes; no page id is held twice in a tier.
+* Host eviction takes a host copy once no child has one: a parent on both tiers
+  whose children are device-only is a candidate, and evicting a child's host
+  copy makes its parent one. ``host_takeable_tokens`` is exactly what it can take.
 * Namespaces (tenant, LoRA, cache salt) get separate roots: they never share nodes.
 """
 
