@@ -35,7 +35,10 @@ _CHILD = r"""
 import json, sys, time
 try:
     from hicache.sim import replay as _replay
-    from hicache.tree.native import make_tree
+    try:
+        from hicache.tree import make_tree
+    except ImportError:  # before hicache.tree exported it
+        from hicache.tree.native import make_tree
 except ImportError:  # a checkout from before the subpackages: flat modules
     from hicache import replay as _replay
     from hicache.native import make_tree

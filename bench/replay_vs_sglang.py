@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sglang_baseline  # noqa: E402
 
 from hicache.sim.replay import prepare_requests, replay_device  # noqa: E402
-from hicache.tree.native import make_tree  # noqa: E402
+from hicache.tree import make_tree  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

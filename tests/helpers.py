@@ -432,3 +432,20 @@ def vllm_result(proc: subprocess.Popen, timeout: int = 900) -> dict:
     lines = [line for line in out.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and lines, f"vLLM driver failed:\n{out[-6000:]}"
     return json.loads(lines[-1])
+
+
+def host_takeable_by_definition(tree) -> int:
+    """Host tokens host eviction can take, recomputed from the nodes alone.
+
+    Host eviction takes a host copy once no child has one (and it is not host-locked
+    and has no IO in flight). So a host copy can be taken, leaf by leaf, unless a
+    host-locked copy or one with IO in flight sits in the chain of host copies below it.
+    """
+    def held(node) -> bool:
+        if node.host_indices is None:
+            return False
+        if node.host_lock_ref or node.io_status is not IOStatus.NONE:
+            return True
+        return any(held(c) for c in node.children.values())
+
+    return sum(n.num_tokens for n in tree.nodes() if n.host_indices is not None and not held(n))

@@ -42,9 +42,9 @@ def drop_unheld(tree, device_allocator, host_allocator) -> tuple[int, int]:
         dev = tree.evict_device(tree.device_evictable_tokens)
         host = tree.evict_host(tree.host_evictable_tokens, drop_device_resident=True)
         if dev.num_evicted_tokens:
-            device_allocator.free(dev.device_indices)
+            device_allocator.free(dev.page_ids)
         if host.num_evicted_tokens:
-            host_allocator.free(host.device_indices)
+            host_allocator.free(host.page_ids)
         num_device += dev.num_evicted_tokens
         num_host += host.num_evicted_tokens
         if not dev.num_evicted_tokens and not host.num_evicted_tokens:

@@ -118,7 +118,7 @@ class TierSpace:
             return
         result = self.tree.evict_device(num_pages * self.page_size, self._backup_for_eviction)
         if result.num_evicted_tokens:
-            self.device_allocator.free(result.device_indices)
+            self.device_allocator.free(result.page_ids)
             self._counters.device_evicted_tokens += result.num_evicted_tokens
         if result.num_backup_tokens:
             self._poll()  # the immediate executor has finished already
@@ -133,26 +133,16 @@ class TierSpace:
         if short > 0:
             result = self.tree.evict_host(short * self.page_size)
             if result.num_evicted_tokens:
-                self.host_allocator.free(result.device_indices)
+                self.host_allocator.free(result.page_ids)
                 self._counters.host_evicted_tokens += result.num_evicted_tokens
         return alloc.alloc(num_pages)
 
     def _host_takeable_pages(self) -> int:
-        """Host pages eviction could free, less those that IO in flight or a pin holds.
+        """Host pages host eviction can free now: exactly what ``evict_host`` takes.
 
-        A host copy being written (a backup in flight) is not taken, nor are the
-        host copies above a node that keeps its own (it is no leaf until that goes).
-        Host copies of inner nodes whose children keep device-only copies are
-        counted although eviction takes only leaves (see docs/design.md).
+        A host copy that is host-locked (a load, a storage write, a pin) or has IO
+        in flight is not taken, nor is any host copy above it (host eviction takes
+        a host copy only once its children have none: see docs/design.md). The
+        tree keeps that figure (``host_takeable_tokens``).
         """
-        tokens = self.tree.host_evictable_tokens
-        busy = [*self._inflight.by_node, *self._inflight.storage_pins]
-        if busy:
-            seen: set = set()
-            for node in busy:
-                while node.parent is not None and node not in seen:
-                    seen.add(node)
-                    if node.host_indices is not None and not node.host_lock_ref:
-                        tokens -= node.num_tokens
-                    node = node.parent
-        return tokens // self.page_size
+        return self.tree.host_takeable_tokens // self.page_size

@@ -14,6 +14,7 @@ from typing import NamedTuple
 from hicache.config import CacheConfig
 from hicache.memory import DevicePool, HostPool, PageAllocator, check_cache_memory
 from hicache.transfer import TransferEngine
+from hicache.tree import make_tree as make_radix_tree
 
 
 class Tiers(NamedTuple):
@@ -45,10 +46,4 @@ def build_tiers(config: CacheConfig) -> Tiers:
 
 def make_tree(config: CacheConfig):
     """The radix tree ``config.tree`` names: the Python reference tree or the native one."""
-    if config.tree == "python":
-        from hicache.tree import RadixTree
-
-        return RadixTree(config.page_size, config.eviction)
-    from hicache.tree.native import make_tree as make_native_tree
-
-    return make_native_tree(config.tree, config.page_size, config.eviction)
+    return make_radix_tree(config.tree, config.page_size, config.eviction)

@@ -111,7 +111,18 @@ class Writes:
             parent = node.parent
             if parent.parent is not None and parent.host_indices is None:
                 break  # the parent first: a later backup through this path takes these
-            host_pages = self._space.alloc_host(node.num_tokens // self._page_size)
+            num_pages = node.num_tokens // self._page_size
+            # Making room must not take the parent's host copy (a host-eviction
+            # candidate while its children have none): node's copy needs it.
+            guard = (parent.parent is not None
+                     and num_pages > self._space.host_allocator.num_free_pages)
+            if guard:
+                tree.host_lock(parent)
+            try:
+                host_pages = self._space.alloc_host(num_pages)
+            finally:
+                if guard:
+                    tree.host_unlock(parent)
             if host_pages is None:
                 self._counters.backups_skipped += len(nodes) - i
                 break

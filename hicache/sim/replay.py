@@ -31,7 +31,7 @@ from hicache.cache import HiCache
 from hicache.config import CacheConfig, EvictionPolicy, KVConfig, WritePolicy
 from hicache.memory import PageAllocator
 from hicache.sim.traces import load_trace_arrays
-from hicache.tree import RadixTree
+from hicache.tree import RadixTree, make_tree
 
 
 class ReplayResult(NamedTuple):
@@ -101,7 +101,7 @@ def replay_device(
             if short > 0:
                 result = tree.evict_device(short * page_size)
                 if result.num_evicted_tokens:
-                    allocator.free(result.device_indices)
+                    allocator.free(result.page_ids)
                     evicted += result.num_evicted_tokens
             new_pages = allocator.alloc(need_pages)
             if new_pages is None:
@@ -219,12 +219,3 @@ def prepare_requests(trace: str, page_size: int) -> list[tuple[np.ndarray, np.nd
         full = full[: len(full) // page_size * page_size]
         prepared.append((req.prompt, full))
     return prepared
-
-
-def make_tree(kind: str, page_size: int, eviction: EvictionPolicy | str):
-    """The radix tree a replay runs on: ``python``, ``native`` or ``auto`` (native when built)."""
-    if kind == "python":
-        return RadixTree(page_size, eviction)
-    from hicache.tree.native import make_tree as make_native_tree
-
-    return make_native_tree(kind, page_size, eviction)

@@ -4,14 +4,14 @@ The tree knows token keys, page ids, locks and IO status; nothing of KV tensors,
 streams or storage. ``make_tree`` picks the C++ tree when it is built.
 """
 
-from hicache.tree.python import (
+from hicache.tree.factory import make_tree
+from hicache.tree.python import RadixTree, TreeNode
+from hicache.tree.types import (
     EvictResult,
     InsertResult,
     IOStatus,
     MatchResult,
-    RadixTree,
     TokenLike,
-    TreeNode,
     token_key,
 )
 
@@ -23,5 +23,6 @@ __all__ = [
     "RadixTree",
     "TokenLike",
     "TreeNode",
+    "make_tree",
     "token_key",
 ]

@@ -1,25 +1,23 @@
-"""The native (C++20) radix tree: proxy nodes, the tree wrapper, and the tree factory.
+"""The native (C++20) radix tree: the wrapper over the binding's tree.
 
 :class:`NativeRadixTree` behaves exactly like :class:`hicache.tree.RadixTree`
 (same methods, results, eviction order, page order and errors); the Python
 tree stays the reference and the fallback. :mod:`hicache.native.build` builds and loads
 the C++ sources.
 
-Nodes cross the binding as integer handles; :class:`NativeNode` proxies wrap
-them. One handle always maps to the same proxy object (callers compare nodes
+Nodes cross the binding as integer handles; :class:`NativeNode` proxies
+(:mod:`hicache.tree.native_node`) wrap them. One handle always maps to the same proxy object (callers compare nodes
 with ``is`` and key dicts by them). A node removed from the tree stays readable
 through its proxy (``parent`` is ``None``), as a removed Python node does, but
 tree operations on it raise ``ValueError`` (stale).
 
 What this module does not know: what the tree is used for, KV tensors, pages'
-owners.
+owners. :func:`hicache.tree.make_tree` picks this tree or the Python one.
 """
 
 from __future__ import annotations
 
-import functools
 import sys
-import warnings
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -28,7 +26,6 @@ import torch
 
 from hicache.checks import check_int, check_priority
 from hicache.config import EvictionPolicy
-from hicache.native import build as jit
 from hicache.native.build import (  # noqa: F401  (re-exported: the tree's build status)
     NativeBuildError,
     load_native,
@@ -36,13 +33,12 @@ from hicache.native.build import (  # noqa: F401  (re-exported: the tree's build
     native_build_seconds,
     native_unavailable_reason,
 )
-from hicache.tree.protocol import RadixTreeLike
-from hicache.tree.python import (
+from hicache.tree.native_node import NativeNode
+from hicache.tree.types import (
     EvictResult,
     InsertResult,
     IOStatus,
     MatchResult,
-    RadixTree,
     TokenLike,
     token_key,
 )
@@ -69,123 +65,6 @@ def _probe_key_bytes(key: bytes, namespace: object) -> bytes:
     if namespace is not None and not isinstance(namespace, str):
         hash(namespace)
     return bytes(key) if isinstance(key, bytearray | memoryview) else key
-
-
-@functools.cache
-def _warn_fallback(reason: str) -> None:
-    warnings.warn(
-        f"hicache: native radix tree unavailable ({reason}); using the Python tree",
-        RuntimeWarning,
-        stacklevel=3,
-    )
-
-
-class NativeNode:
-    """Read-only view of one native node, with the attributes of :class:`hicache.tree.TreeNode`.
-
-    Every attribute reads the node in C++. A node removed from the tree
-    (evicted, merged into its parent) keeps its last state and ``parent`` None,
-    like a removed Python node, while this proxy is referenced.
-    ``lock_ref`` and ``host_lock_ref`` can be overwritten only to test
-    :meth:`NativeRadixTree.check_integrity`.
-    """
-
-    __slots__ = ("_tree", "_h", "__weakref__")
-
-    def __init__(self, tree: NativeRadixTree, handle: int) -> None:
-        self._tree = tree
-        self._h = handle
-
-    @property
-    def id(self) -> int:
-        return self._tree._impl.node_id(self._h)
-
-    @property
-    def parent(self) -> NativeNode | None:
-        h = self._tree._impl.parent(self._h)
-        return None if h == 0 else self._tree._node(h)
-
-    @property
-    def children(self) -> dict[bytes, NativeNode]:
-        """Children keyed by the int32 bytes of their first page, in insertion order."""
-        node = self._tree._node
-        return {k: node(h) for k, h in self._tree._impl.children(self._h)}
-
-    @property
-    def namespace(self) -> str | None:
-        return self._tree._impl.namespace(self._h)
-
-    @property
-    def key(self) -> bytes:
-        return self._tree._impl.key(self._h)
-
-    @property
-    def device_indices(self) -> torch.Tensor | None:
-        return self._tree._impl.device_indices(self._h)
-
-    @property
-    def host_indices(self) -> torch.Tensor | None:
-        return self._tree._impl.host_indices(self._h)
-
-    @property
-    def lock_ref(self) -> int:
-        return self._tree._impl.lock_ref(self._h)
-
-    @lock_ref.setter
-    def lock_ref(self, value: int) -> None:
-        self._tree._impl.set_lock_ref(self._h, value)
-
-    @property
-    def host_lock_ref(self) -> int:
-        return self._tree._impl.host_lock_ref(self._h)
-
-    @host_lock_ref.setter
-    def host_lock_ref(self, value: int) -> None:
-        self._tree._impl.set_host_lock_ref(self._h, value)
-
-    @property
-    def io_status(self) -> IOStatus:
-        return IOStatus(self._tree._impl.io_status(self._h))
-
-    @property
-    def hit_count(self) -> int:
-        return self._tree._impl.hit_count(self._h)
-
-    @property
-    def last_access(self) -> int:
-        return self._tree._impl.last_access(self._h)
-
-    @property
-    def created(self) -> int:
-        return self._tree._impl.created(self._h)
-
-    @property
-    def priority(self) -> int:
-        return self._tree._impl.priority(self._h)
-
-    @property
-    def num_tokens(self) -> int:
-        return self._tree._impl.num_tokens(self._h)
-
-    @property
-    def on_device(self) -> bool:
-        return self._tree._impl.on_device(self._h)
-
-    @property
-    def on_host(self) -> bool:
-        return self._tree._impl.on_host(self._h)
-
-    def num_pages(self, page_size: int) -> int:
-        return self._tree._impl.num_tokens(self._h) // page_size
-
-    def tokens(self) -> np.ndarray:
-        return np.frombuffer(self.key, dtype=np.int32)
-
-    def __repr__(self) -> str:
-        try:
-            return self._tree._impl.repr(self._h)
-        except ValueError:
-            return f"NativeNode(handle={self._h}, freed)"
 
 
 class NativeRadixTree:
@@ -297,41 +176,25 @@ class NativeRadixTree:
     def num_nodes(self) -> int:
         return self._impl.num_nodes
 
-    @num_nodes.setter
-    def num_nodes(self, value: int) -> None:
-        self._impl.num_nodes = value
-
     @property
     def device_evictable_tokens(self) -> int:
         return self._impl.device_evictable_tokens
-
-    @device_evictable_tokens.setter
-    def device_evictable_tokens(self, value: int) -> None:
-        self._impl.device_evictable_tokens = value
 
     @property
     def device_protected_tokens(self) -> int:
         return self._impl.device_protected_tokens
 
-    @device_protected_tokens.setter
-    def device_protected_tokens(self, value: int) -> None:
-        self._impl.device_protected_tokens = value
-
     @property
     def host_evictable_tokens(self) -> int:
         return self._impl.host_evictable_tokens
-
-    @host_evictable_tokens.setter
-    def host_evictable_tokens(self, value: int) -> None:
-        self._impl.host_evictable_tokens = value
 
     @property
     def host_protected_tokens(self) -> int:
         return self._impl.host_protected_tokens
 
-    @host_protected_tokens.setter
-    def host_protected_tokens(self, value: int) -> None:
-        self._impl.host_protected_tokens = value
+    @property
+    def host_takeable_tokens(self) -> int:
+        return self._impl.host_takeable_tokens
 
     @property
     def device_tokens(self) -> int:
@@ -536,28 +399,3 @@ class NativeRadixTree:
         problem = self._impl.check_integrity()
         if problem:
             raise AssertionError(problem)
-
-
-def make_tree(
-    kind: str,
-    page_size: int,
-    eviction: EvictionPolicy | str = EvictionPolicy.LRU,
-    on_split: Callable | None = None,
-) -> RadixTreeLike:
-    """A radix tree of ``kind``: ``"python"``, ``"native"`` or ``"auto"``.
-
-    ``"auto"`` is native when it builds here, else the Python tree with one
-    ``RuntimeWarning`` per process naming the reason. ``"native"`` raises
-    :class:`NativeBuildError` instead of falling back.
-    """
-    if kind == "python":
-        return RadixTree(page_size, eviction, on_split=on_split)
-    if kind == "native":
-        return NativeRadixTree(page_size, eviction, on_split=on_split)
-    if kind == "auto":
-        result = jit._load()
-        if result.module is None:
-            _warn_fallback(result.reason)
-            return RadixTree(page_size, eviction, on_split=on_split)
-        return NativeRadixTree(page_size, eviction, on_split=on_split)
-    raise ValueError(f"kind: expected 'python', 'native' or 'auto', got {kind!r}")

@@ -2,7 +2,7 @@
 the reference) and :class:`hicache.tree.native.NativeRadixTree` (C++).
 
 Callers (the cache, replay, benchmarks) type against :class:`RadixTreeLike` and
-get a tree from :func:`hicache.tree.native.make_tree`. The contracts are those of
+get a tree from :func:`hicache.tree.make_tree`. The contracts are those of
 :mod:`hicache.tree`; this module only names them. It knows no implementation.
 """
 
@@ -71,6 +71,7 @@ class RadixTreeLike(Protocol):
     device_protected_tokens: int
     host_evictable_tokens: int
     host_protected_tokens: int
+    host_takeable_tokens: int  # host tokens evict_host can take (not held by a lock or IO)
 
     @property
     def device_tokens(self) -> int: ...

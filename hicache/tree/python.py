@@ -20,17 +20,18 @@ Conventions:
 * Invariants (checked by :meth:`RadixTree.check_integrity`): device-resident
   nodes form a connected subtree from the root; every non-root node has a copy
   somewhere; a locked node is on the device and its parent is locked at least
-  as often; a node with IO in flight has both copies; size counters equal the
-  sums over nodes; no page id is held twice in a tier.
+  as often; a node with IO in flight has both copies; size counters (and each
+  node's counts of children with a host copy and of busy host children) equal
+  the sums over nodes; no page id is held twice in a tier.
+* Host eviction takes a host copy once no child has one: a parent on both tiers
+  whose children are device-only is a candidate, and evicting a child's host
+  copy makes its parent one. ``host_takeable_tokens`` is exactly what it can take.
 * Namespaces (tenant, LoRA, cache salt) get separate roots: they never share nodes.
 """
 
 from __future__ import annotations
 
-import array
 from collections.abc import Callable, Iterator
-from enum import Enum
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -45,16 +46,16 @@ from hicache.checks import (
 from hicache.config import EvictionPolicy
 from hicache.events import page_hashes
 from hicache.tree.policies import CandidateHeap, priority_fn
+from hicache.tree.types import (
+    EvictResult,
+    InsertResult,
+    IOStatus,
+    MatchResult,
+    TokenLike,
+    token_key,
+)
 
-TokenLike = list[int] | tuple[int, ...] | np.ndarray | torch.Tensor
-_MAX_TOKEN = 2**31 - 1
 _EMPTY = torch.empty(0, dtype=torch.int64)
-
-
-class IOStatus(Enum):
-    NONE = 0
-    LOADING = 1  # host to device copy in flight
-    BACKING_UP = 2  # device to host copy in flight
 
 
 class TreeNode:
@@ -63,7 +64,7 @@ class TreeNode:
     __slots__ = (
         "id", "key", "parent", "children", "namespace", "device_indices", "host_indices",
         "lock_ref", "host_lock_ref", "io_status", "hit_count", "last_access", "created",
-        "priority", "_dev_seq", "_host_seq", "_end_hash",
+        "priority", "_dev_seq", "_host_seq", "_end_hash", "_host_children", "_busy_children",
     )
 
     def __init__(self, node_id: int, key: bytes, parent: TreeNode | None, namespace: str | None):
@@ -84,6 +85,13 @@ class TreeNode:
         self._dev_seq = 0  # seq of this node's newest device-heap entry
         self._host_seq = 0  # seq of this node's newest host-heap entry
         self._end_hash: int | None = None  # chained hash of its last page (events), lazily
+        # Children with a host copy: a host copy is a host-eviction candidate only
+        # without them (evicting it first would leave a host copy under a node without
+        # one, against the invariant that host copies are closed under ancestors).
+        self._host_children = 0
+        # Children whose host copy is "busy": host-locked, IO in flight, or above a
+        # busy host child. Host eviction can never take a busy host copy.
+        self._busy_children = 0
 
     @property
     def num_tokens(self) -> int:
@@ -111,26 +119,6 @@ class TreeNode:
         )
 
 
-class MatchResult(NamedTuple):
-    device_len: int  # leading tokens whose KV is on the device
-    host_len: int  # tokens after those whose KV is only in host memory
-    last_device_node: TreeNode  # deepest matched node on the device (a root if none)
-    last_node: TreeNode  # deepest matched node (ends exactly at device_len + host_len)
-
-
-class InsertResult(NamedTuple):
-    num_cached_tokens: int  # leading tokens already on the device: their given pages were not taken
-    last_node: TreeNode  # node ending at the inserted length
-
-
-class EvictResult(NamedTuple):
-    device_indices: torch.Tensor  # pages given up by the tree; the caller frees them
-    num_evicted_tokens: int  # tokens whose device pages were given up now
-    num_backup_tokens: int  # tokens handed to the backup hook instead (freed when it completes)
-
-
-
-
 def _own(indices: torch.Tensor) -> torch.Tensor:
     """``indices``, or a copy when it is a view into storage more than twice its size.
 
@@ -142,56 +130,6 @@ def _own(indices: torch.Tensor) -> torch.Tensor:
     if indices.untyped_storage().nbytes() > 2 * indices.nbytes:
         return indices.clone()
     return indices
-
-
-def token_key(tokens: TokenLike, page_size: int) -> bytes:
-    """The tree key of ``tokens``: int32 bytes of their whole pages (partial page dropped).
-
-    Accepts a list/tuple of ints, an integer numpy array or an integer torch tensor.
-    Raises ``TypeError`` for non-integer tokens and ``ValueError`` for ids outside
-    ``[0, 2**31)``.
-    """
-    if isinstance(tokens, torch.Tensor):
-        if tokens.device.type == "meta":
-            raise ValueError("tokens: expected a tensor with data (CPU or CUDA), got device meta")
-        if tokens.dtype not in (torch.int32, torch.int64, torch.int16, torch.uint8):
-            raise TypeError(f"tokens: expected an integer tensor, got dtype {tokens.dtype}")
-        tokens = tokens.detach().cpu().numpy()
-    if isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1:
-            raise ValueError(f"tokens: expected a 1-D sequence, got shape {tokens.shape}")
-        if tokens.dtype.kind not in "iu":
-            raise TypeError(f"tokens: expected integer token ids, got dtype {tokens.dtype}")
-        n = len(tokens) // page_size * page_size
-        # Every id is checked, the trailing partial page's too (it is not cached, but
-        # a bad id there is the same caller mistake).
-        if tokens.dtype == np.int32:
-            # Every int32 id but a negative one is valid: OR them and test the sign bit.
-            if len(tokens) and np.bitwise_or.reduce(tokens) < 0:
-                raise ValueError(f"tokens: expected ids in [0, {_MAX_TOKEN}], got {tokens.min()}")
-            return tokens[:n].tobytes()
-        if len(tokens) and (tokens.min() < 0 or tokens.max() > _MAX_TOKEN):
-            raise ValueError(
-                f"tokens: expected ids in [0, {_MAX_TOKEN}], got range "
-                f"[{tokens.min()}, {tokens.max()}]"
-            )
-        return tokens[:n].astype(np.int32).tobytes()
-    if not isinstance(tokens, list | tuple):
-        raise TypeError(
-            f"tokens: expected list, tuple, numpy array or torch tensor, got {type(tokens).__name__}"
-        )
-    n = len(tokens) // page_size * page_size
-    try:  # every id, the trailing partial page's too
-        arr = array.array("i", tokens)
-    except TypeError as exc:
-        raise TypeError(f"tokens: expected integer token ids ({exc})") from None
-    except OverflowError:
-        raise ValueError(f"tokens: expected ids in [0, {_MAX_TOKEN}]") from None
-    if arr and min(arr) < 0:
-        raise ValueError(f"tokens: expected ids >= 0, got {min(arr)}")
-    if n != len(arr):
-        del arr[n:]
-    return arr.tobytes()
 
 
 class RadixTree:
@@ -212,7 +150,7 @@ class RadixTree:
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
             raise ValueError(f"page_size: expected a positive int, got {page_size!r}")
         self.page_size = page_size
-        self._page_nbytes = 4 * page_size  # bytes of one page of the key
+        self._key_nbytes_per_page = 4 * page_size  # key bytes of one page (int32 tokens)
         self.on_split = on_split
         self._roots: dict[str | None, TreeNode] = {}
         self._next_id = 1
@@ -222,6 +160,9 @@ class RadixTree:
         self.device_protected_tokens = 0  # on device, lock_ref > 0
         self.host_evictable_tokens = 0  # on host, host_lock_ref == 0
         self.host_protected_tokens = 0  # on host, host_lock_ref > 0
+        # On host and not busy (see TreeNode._busy_children): exactly the host tokens
+        # evict_host can take, leaf by leaf, once nothing changes meanwhile.
+        self.host_takeable_tokens = 0
         self.eviction = EvictionPolicy(eviction)
         prio = priority_fn(self.eviction)
         self._device_heap = CandidateHeap(prio, "_dev_seq")
@@ -268,7 +209,7 @@ class RadixTree:
         node.created = self._clock
         self._next_id += 1
         self.num_nodes += 1
-        parent.children[key[: self._page_nbytes]] = node
+        parent.children[key[: self._key_nbytes_per_page]] = node
         return node
 
     # ------------------------------------------------------------ match/split
@@ -293,6 +234,8 @@ class RadixTree:
             child = self._descend(node, key, off)
             if child is None:
                 break
+            if node.host_indices is not None and not node._host_children:
+                self._refresh_inner_host(node)
             node = child
             ck = node.key
             off += len(ck)
@@ -303,8 +246,10 @@ class RadixTree:
                 last_device = node
             else:
                 host_len += len(ck)
-        # Only these two can be candidates: every other matched node has a
-        # device child on the path, and children (so it is no host leaf).
+        # Besides the inner host candidates refreshed above, only these two can be
+        # candidates: every other matched node has a device child on the path and
+        # a host child (or no host copy). last_device is inner only above a
+        # host-only child, which holds its host copy back.
         self._refresh(last_device)
         if node is not last_device:
             self._refresh(node)
@@ -312,7 +257,7 @@ class RadixTree:
 
     def _descend(self, node: TreeNode, key: bytes, off: int) -> TreeNode | None:
         """The child of ``node`` that ``key[off:]`` enters, split to end inside the key."""
-        child = node.children.get(key[off : off + self._page_nbytes])
+        child = node.children.get(key[off : off + self._key_nbytes_per_page])
         if child is not None and not key.startswith(child.key, off):
             child = self._split(child, self._common_pages(child.key, key, off))
         return child
@@ -335,7 +280,7 @@ class RadixTree:
 
     def _probe(self, key: bytes, namespace: str | None, path: list[TreeNode] | None) -> int:
         node = self._roots.get(namespace)
-        pnb = self._page_nbytes
+        pnb = self._key_nbytes_per_page
         off, n = 0, len(key)
         while node is not None and off < n:
             child = node.children.get(key[off : off + pnb])
@@ -352,7 +297,7 @@ class RadixTree:
 
     def _common_pages(self, ck: bytes, key: bytes, off: int) -> int:
         """Whole pages shared by ``ck`` and ``key[off:]``; at least one, fewer than all of ck."""
-        pnb = self._page_nbytes
+        pnb = self._key_nbytes_per_page
         lo, hi = 1, min(len(ck), len(key) - off) // pnb
         while lo < hi:  # largest m with ck[:m pages] == key[off: off + m pages]
             mid = (lo + hi + 1) // 2
@@ -364,16 +309,16 @@ class RadixTree:
 
     def _split(self, node: TreeNode, num_pages: int) -> TreeNode:
         """Split ``node`` after ``num_pages`` pages; return the new prefix node (its parent)."""
-        assert 0 < num_pages < len(node.key) // self._page_nbytes, "split point outside the node"
-        cut = num_pages * self._page_nbytes
+        assert 0 < num_pages < len(node.key) // self._key_nbytes_per_page, "split point outside the node"
+        cut = num_pages * self._key_nbytes_per_page
         parent = node.parent
         prefix = TreeNode(self._next_id, node.key[:cut], parent, node.namespace)
         self._next_id += 1
         self.num_nodes += 1
-        parent.children[node.key[: self._page_nbytes]] = prefix
+        parent.children[node.key[: self._key_nbytes_per_page]] = prefix
         node.key = node.key[cut:]
         node.parent = prefix
-        prefix.children[node.key[: self._page_nbytes]] = node
+        prefix.children[node.key[: self._key_nbytes_per_page]] = node
         if node.device_indices is not None:
             prefix.device_indices = _own(node.device_indices[:num_pages])
             node.device_indices = _own(node.device_indices[num_pages:])
@@ -387,6 +332,11 @@ class RadixTree:
         prefix.last_access = node.last_access
         prefix.created = node.created
         prefix.priority = node.priority
+        # The prefix's only child is ``node``, whose host state and busyness the
+        # prefix shares: the parent's counters and host_takeable_tokens do not change.
+        if node.host_indices is not None:
+            prefix._host_children = 1
+            prefix._busy_children = int(self._host_busy(node))
         if self.on_split is not None:
             self.on_split(prefix, node)
         return prefix
@@ -407,7 +357,7 @@ class RadixTree:
         self, key: bytes, device_indices: torch.Tensor, namespace: str | None = None
     ) -> InsertResult:
         """:meth:`insert` for a key already made by :func:`token_key`."""
-        check_page_count("device_indices", device_indices, len(key) // self._page_nbytes)
+        check_page_count("device_indices", device_indices, len(key) // self._key_nbytes_per_page)
         return self._insert_key(key, device_indices, namespace)
 
     def _insert_key(
@@ -416,13 +366,15 @@ class RadixTree:
         node = self.root(namespace)
         self._clock += 1
         clock = self._clock
-        pnb = self._page_nbytes
+        pnb = self._key_nbytes_per_page
         off, n = 0, len(key)
         num_cached = 0
         while off < n:
             child = self._descend(node, key, off)
             if child is None:
                 break
+            if node.host_indices is not None and not node._host_children:
+                self._refresh_inner_host(node)
             node = child
             ck = node.key
             node.last_access = clock
@@ -433,6 +385,8 @@ class RadixTree:
                 num_cached += len(ck)
             off += len(ck)
         if off < n:
+            if node.host_indices is not None and not node._host_children:
+                self._refresh_inner_host(node)  # touched above: now above a device-only leaf
             node = self._new_node(key[off:], node)
             node.device_indices = _own(device_indices[off // pnb :])
             node.last_access = clock
@@ -452,16 +406,18 @@ class RadixTree:
         tier) and are not taken: the caller frees them. The rest become a host-only leaf.
         """
         key = token_key(tokens, self.page_size)
-        num_pages = len(key) // self._page_nbytes
+        num_pages = len(key) // self._key_nbytes_per_page
         check_page_count("host_indices", host_indices, num_pages)
         node = last_device = self.root(namespace)
         self._clock += 1
-        pnb = self._page_nbytes
+        pnb = self._key_nbytes_per_page
         off, n = 0, len(key)
         while off < n:
             child = self._descend(node, key, off)
             if child is None:
                 break
+            if node.host_indices is not None and not node._host_children:
+                self._refresh_inner_host(node)
             node = child
             ck = node.key
             node.last_access = self._clock
@@ -474,6 +430,7 @@ class RadixTree:
             node.host_indices = _own(host_indices[off // pnb :])
             node.last_access = self._clock
             self.host_evictable_tokens += node.num_tokens
+            self._host_changed(node, False, False)
             if self._events is not None:
                 self._log(True, "host", node)
         # As in match: only the deepest device node and the last node can be candidates.
@@ -520,18 +477,22 @@ class RadixTree:
         if node.host_indices is None or node.parent is None:
             raise ValueError(f"host_lock: expected a non-root node with a host copy, got {node}")
         self._check_live(node, "host_lock")
+        was_busy = self._host_busy(node)
         if node.host_lock_ref == 0:
             self.host_evictable_tokens -= node.num_tokens
             self.host_protected_tokens += node.num_tokens
         node.host_lock_ref += 1
+        self._host_changed(node, True, was_busy)
 
     def host_unlock(self, node: TreeNode) -> None:
         if node.host_lock_ref <= 0:
             raise ValueError(f"host_unlock: node {node.id} is not host-locked")
+        was_busy = self._host_busy(node)
         node.host_lock_ref -= 1
         if node.host_lock_ref == 0:
             self.host_protected_tokens -= node.num_tokens
             self.host_evictable_tokens += node.num_tokens
+            self._host_changed(node, True, was_busy)
             self._refresh(node)
 
     def raise_priority(self, node: TreeNode, priority: int) -> None:
@@ -557,14 +518,53 @@ class RadixTree:
         if node.parent is None:
             if self._roots.get(node.namespace) is not node:
                 raise ValueError(f"{op}: node {node.id} is not a root of this tree")
-        elif node.parent.children.get(node.key[: self._page_nbytes]) is not node:
+        elif node.parent.children.get(node.key[: self._key_nbytes_per_page]) is not node:
             raise ValueError(f"{op}: node {node.id} is no longer in the tree (stale)")
 
     # ------------------------------------------------------- tier membership
+    @staticmethod
+    def _host_busy(node: TreeNode) -> bool:
+        """True if host eviction can never take ``node``'s host copy as things stand."""
+        return node.host_indices is not None and bool(
+            node.host_lock_ref or node.io_status is not IOStatus.NONE or node._busy_children
+        )
+
+    def _host_changed(self, node: TreeNode, was_on_host: bool, was_busy: bool) -> None:
+        """Account a change of ``node``'s host copy, host lock or IO status.
+
+        ``was_on_host`` / ``was_busy``: its state before. Keeps the parent's
+        ``_host_children``, the ancestors' ``_busy_children`` and
+        ``host_takeable_tokens`` exact; a parent left without host children is
+        refreshed (it may have become a host-eviction candidate).
+        """
+        now_on_host = node.host_indices is not None
+        now_busy = self._host_busy(node)
+        if was_on_host and not was_busy:
+            self.host_takeable_tokens -= node.num_tokens
+        if now_on_host and not now_busy:
+            self.host_takeable_tokens += node.num_tokens
+        parent = node.parent
+        if parent is None or parent.parent is None:
+            return
+        if was_on_host != now_on_host:
+            parent._host_children += 1 if now_on_host else -1
+            if not parent._host_children:
+                self._refresh(parent)
+        while was_busy != now_busy and parent.parent is not None:
+            # A parent without a host copy is never busy: the walk stops there.
+            was_busy = self._host_busy(parent)
+            parent._busy_children += 1 if now_busy else -1
+            now_busy = self._host_busy(parent)
+            if parent.host_indices is not None and was_busy != now_busy:
+                self.host_takeable_tokens += -parent.num_tokens if now_busy else parent.num_tokens
+            parent = parent.parent
+
     def set_io_status(self, node: TreeNode, status: IOStatus) -> None:
         if status is not IOStatus.NONE and (node.device_indices is None or node.host_indices is None):
             raise ValueError(f"set_io_status: IO in flight needs both copies, got {node}")
+        was_busy = self._host_busy(node)
         node.io_status = status
+        self._host_changed(node, node.host_indices is not None, was_busy)
         if status is IOStatus.NONE:
             self._refresh(node)
 
@@ -574,7 +574,7 @@ class RadixTree:
             raise ValueError(f"attach_device: expected a host-only node, got {node}")
         if node.parent.device_indices is None:
             raise ValueError("attach_device: the parent must be on the device first")
-        num_pages = len(node.key) // self._page_nbytes
+        num_pages = len(node.key) // self._key_nbytes_per_page
         if device_indices.shape[0] != num_pages:
             raise ValueError(
                 f"attach_device: expected {num_pages} pages, got {device_indices.shape[0]}"
@@ -595,7 +595,9 @@ class RadixTree:
             self._log(False, "device", node)
         pages = node.device_indices
         node.device_indices = None
+        was_busy = self._host_busy(node)
         node.io_status = IOStatus.NONE
+        self._host_changed(node, True, was_busy)
         self.device_evictable_tokens -= node.num_tokens
         self._refresh(node)
         self._refresh(node.parent)
@@ -605,11 +607,12 @@ class RadixTree:
         """Record the host copy of a device node (a backup target)."""
         if node.device_indices is None or node.host_indices is not None or node.parent is None:
             raise ValueError(f"attach_host: expected a device-only node, got {node}")
-        num_pages = len(node.key) // self._page_nbytes
+        num_pages = len(node.key) // self._key_nbytes_per_page
         if host_indices.shape[0] != num_pages:
             raise ValueError(f"attach_host: expected {num_pages} pages, got {host_indices.shape[0]}")
         node.host_indices = _own(host_indices)
         self.host_evictable_tokens += node.num_tokens
+        self._host_changed(node, False, False)
         if self._events is not None:
             self._log(True, "host", node)
         self._refresh(node)
@@ -620,10 +623,12 @@ class RadixTree:
             raise ValueError(f"detach_host: expected a node on both tiers, host-unlocked, got {node}")
         if self._events is not None:
             self._log(False, "host", node)
+        was_busy = self._host_busy(node)
         pages = node.host_indices
         node.host_indices = None
         node.io_status = IOStatus.NONE
         self.host_evictable_tokens -= node.num_tokens
+        self._host_changed(node, True, was_busy)
         self._refresh(node)
         return pages
 
@@ -655,6 +660,9 @@ class RadixTree:
         node.children = child.children
         for grandchild in node.children.values():
             grandchild.parent = node
+        # Both idle and host-only: node was busy exactly when child was.
+        node._host_children = child._host_children
+        node._busy_children = child._busy_children
         node.hit_count = max(node.hit_count, child.hit_count)
         node.last_access = max(node.last_access, child.last_access)
         node.created = min(node.created, child.created)
@@ -665,7 +673,7 @@ class RadixTree:
 
     def _remove(self, node: TreeNode) -> None:
         parent = node.parent
-        del parent.children[node.key[: self._page_nbytes]]
+        del parent.children[node.key[: self._key_nbytes_per_page]]
         node.parent = None
         self.num_nodes -= 1
         self._refresh(parent)
@@ -745,12 +753,17 @@ class RadixTree:
         return 0
 
     def _host_rank(self, node: TreeNode) -> int | None:
-        """0: host-only leaf; 1: leaf also on the device (drop only its host copy); else None."""
+        """0: host-only leaf; 1: also on the device (drop only its host copy); else None.
+
+        A candidate has a host copy, no host lock, no IO in flight and no child with
+        a host copy (children only on the device do not hold it back; a host-only
+        node's children all have host copies, so a host-only candidate is a leaf).
+        """
         if (
             node.host_indices is None
             or node.host_lock_ref
             or node.io_status is not IOStatus.NONE
-            or node.children
+            or node._host_children
             or node.parent is None
         ):
             return None
@@ -771,8 +784,17 @@ class RadixTree:
                     break
             else:
                 self._device_heap.push(node, 0)
-        if node.host_indices is not None and not node.host_lock_ref and not children:
+        if node.host_indices is not None and not node.host_lock_ref and not node._host_children:
             self._host_heap.push(node, 1 if node.device_indices is not None else 0)
+
+    def _refresh_inner_host(self, node: TreeNode) -> None:
+        """Re-key ``node``, a host candidate inside a path whose access time changed.
+
+        A node on both tiers whose children are all device-only is a host
+        candidate although it has children (see :meth:`_host_rank`).
+        """
+        if node.parent is not None and (rank := self._host_rank(node)) is not None:
+            self._host_heap.push(node, rank)
 
     def _maybe_compact(self) -> None:
         """Rebuild the heaps once stale entries outnumber live nodes by far."""
@@ -810,7 +832,7 @@ class RadixTree:
             if node.host_indices is None and node.children and backup is None:
                 skipped.append(node)
                 continue
-            num_pages = len(node.key) // self._page_nbytes
+            num_pages = len(node.key) // self._key_nbytes_per_page
             if num_pages > need:
                 self._split(node, num_pages - need)
                 num_pages = need
@@ -861,7 +883,7 @@ class RadixTree:
             if node.device_indices is not None and not drop_device_resident:
                 self._host_heap.push(node, 1)
                 break
-            num_pages = len(node.key) // self._page_nbytes
+            num_pages = len(node.key) // self._key_nbytes_per_page
             if num_pages > need:
                 self._split(node, num_pages - need)
                 num_pages = need
@@ -870,6 +892,7 @@ class RadixTree:
             freed.append(node.host_indices)
             node.host_indices = None
             self.host_evictable_tokens -= node.num_tokens
+            self._host_changed(node, True, False)  # a candidate is never busy
             num_freed += node.num_tokens
             if node.device_indices is None:
                 self._remove(node)
@@ -940,8 +963,8 @@ class RadixTree:
     # -------------------------------------------------------------- integrity
     def check_integrity(self) -> None:
         """Verify every invariant; raise ``AssertionError`` naming the first violation."""
-        pnb = self._page_nbytes
-        sums = {"dev_ev": 0, "dev_pr": 0, "host_ev": 0, "host_pr": 0}
+        pnb = self._key_nbytes_per_page
+        sums = {"dev_ev": 0, "dev_pr": 0, "host_ev": 0, "host_pr": 0, "host_take": 0}
         dev_pages: list[torch.Tensor] = []
         host_pages: list[torch.Tensor] = []
         dev_live = self._device_heap.live_priorities()
@@ -974,6 +997,17 @@ class RadixTree:
             if node.on_host:
                 host_pages.append(node.host_indices)
                 sums["host_pr" if node.host_lock_ref else "host_ev"] += node.num_tokens
+                if not self._host_busy(node):
+                    sums["host_take"] += node.num_tokens
+            kids = node.children.values()
+            num_host = sum(c.host_indices is not None for c in kids)
+            assert node._host_children == num_host, (
+                f"{where}: counts {node._host_children} children with a host copy, has {num_host}"
+            )
+            num_busy = sum(self._host_busy(c) for c in kids)
+            assert node._busy_children == num_busy, (
+                f"{where}: counts {node._busy_children} busy host children, has {num_busy}"
+            )
             assert node.lock_ref >= 0 and node.host_lock_ref >= 0, f"{where}: negative lock"
             assert node.lock_ref == 0 or node.on_device, f"{where}: locked but not on the device"
             if parent.parent is not None:
@@ -996,6 +1030,7 @@ class RadixTree:
             ("device_protected_tokens", "dev_pr"),
             ("host_evictable_tokens", "host_ev"),
             ("host_protected_tokens", "host_pr"),
+            ("host_takeable_tokens", "host_take"),
         ):
             assert getattr(self, name) == sums[key], (
                 f"{name} is {getattr(self, name)}, nodes sum to {sums[key]}"

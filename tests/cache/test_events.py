@@ -13,7 +13,7 @@ from helpers import serve as serve_request
 from hicache.cache import HiCache
 from hicache.config import CacheConfig
 from hicache.events import AllBlocksCleared, BlockRemoved, BlockStored, Mirror, page_hashes
-from hicache.tree import RadixTree, native, token_key
+from hicache.tree import RadixTree, make_tree, token_key
 
 A = [1, 2, 3, 4, 5, 6]
 
@@ -49,7 +49,7 @@ def test_hashes_chain_over_the_prefix():
 
 @pytest.mark.parametrize("kind", TREE_KINDS)
 def test_tree_logs_nothing_until_enabled_then_node_hashes_match(kind):
-    tree = native.make_tree(kind, P)
+    tree = make_tree(kind, P)
     leaf = tree.insert(A, torch.arange(3)).last_node
     assert tree.take_events() == []
     tree.enable_events()
@@ -214,7 +214,7 @@ def test_python_tree_event_hashes_match_the_reference_function():
 
 @pytest.mark.parametrize("kind", TREE_KINDS)
 def test_node_hashes_bad_input(kind):
-    tree = native.make_tree(kind, P)
+    tree = make_tree(kind, P)
     leaf = tree.insert(A, torch.arange(3)).last_node
     with pytest.raises(TypeError):
         tree.node_hashes("node")

@@ -279,6 +279,35 @@ def test_backup_that_cannot_fit_evicts_nothing_on_the_host():
     assert_no_leaks(cache)
 
 
+@pytest.mark.parametrize(("tree", "lifecycle"), LIFECYCLES)
+def test_backup_that_cannot_fit_keeps_complete_host_copies(tree, lifecycle):
+    # page 2, host 4 pages. P=[1]*4 (2 pages) and L=[5]*2 (1 page) on both tiers; then
+    # P's child C (3 pages) needs 2 pages more than are free. Only L can make room:
+    # P's host copy must stay for C's. It used to be counted as room all the same,
+    # so L was evicted and C's backup skipped anyway.
+    c = bookkeeping(tree, lifecycle, kv=kv(2), device_tokens=32, host_tokens=8)
+    serve(c, [1] * 4)
+    serve(c, [5] * 2)
+    before = c.stats()
+    assert before["host_pages_used"] == 3
+    serve(c, [1] * 4 + [2] * 6)
+    after = c.stats()
+    assert after["backups_skipped"] == before["backups_skipped"] + 1
+    assert after["host_evicted_tokens"] == before["host_evicted_tokens"] == 0, "evicted anyway"
+    assert after["host_pages_used"] == 3 and after["host_cached_tokens"] == 6
+    assert c.tree.match_prefix([5] * 2).last_node.on_host
+    # P's host copy is takeable now (its only child has none), L's too.
+    assert c.tree.host_takeable_tokens == 6
+    # A backup that fits by taking P's host copy (the match above made L more recent).
+    serve(c, [7] * 6)
+    s = c.stats()
+    assert s["host_evicted_tokens"] == 4 and s["host_pages_used"] == 4
+    assert s["backups_skipped"] == after["backups_skipped"]
+    assert not c.tree.match_prefix([1] * 4).last_node.on_host
+    assert c.tree.match_prefix([5] * 2).last_node.on_host
+    assert_no_leaks(c)
+
+
 # ------------------------------------------------------- issue 16 item 5
 class FailFirstBackups:
     """A page copier whose first ``n`` backup calls fail (one layer of a transfer each)."""

@@ -23,7 +23,7 @@ from helpers import assert_no_leaks
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig, EvictionPolicy, KVConfig
-from hicache.tree import RadixTree, native
+from hicache.tree import RadixTree, factory, native
 
 KINDS = ["python"] + (["native"] if native.native_available() else [])
 
@@ -39,7 +39,7 @@ EXPECTED_ORDER = {
 
 
 def make_tree(kind: str, policy: str):
-    return native.make_tree(kind, 1, policy)
+    return factory.make_tree(kind, 1, policy)
 
 
 def scenario(tree) -> list[int]:
@@ -54,7 +54,7 @@ def scenario(tree) -> list[int]:
     for _ in range(4):
         r = tree.evict_device(1)
         assert r.num_evicted_tokens == 1
-        order += r.device_indices.tolist()
+        order += r.page_ids.tolist()
         tree.check_integrity()
     assert tree.device_tokens == 0 and tree.num_nodes == 0
     assert tree.evict_device(1).num_evicted_tokens == 0
@@ -80,7 +80,7 @@ def test_node_records_creation_tick_and_split_keeps_it(kind):
     prefix = a.parent
     assert (a.created, prefix.created, b.created) == (1, 1, 3)
     # FIFO: the older leaf [2] first, then [3], then the prefix (a leaf by then).
-    order = [tree.evict_device(1).device_indices.tolist() for _ in range(3)]
+    order = [tree.evict_device(1).page_ids.tolist() for _ in range(3)]
     assert order == [[1], [2], [0]]
     tree.check_integrity()
 
@@ -95,7 +95,7 @@ def test_priority_only_grows_and_covers_the_path(kind):
     assert [n.priority for n in tree.path_to(leaf)] == [4, 4]
     other = tree.insert([1, 2, 7], torch.tensor([0, 1, 3])).last_node
     assert other.priority == 0  # a new node starts at 0 under a priority-4 parent
-    assert [tree.evict_device(1).device_indices.tolist() for _ in range(3)] == [[3], [2], [1]]
+    assert [tree.evict_device(1).page_ids.tolist() for _ in range(3)] == [[3], [2], [1]]
     tree.check_integrity()
 
 

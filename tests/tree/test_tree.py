@@ -118,9 +118,9 @@ def test_lru_eviction_order_exact(make_tree):
     tree.insert([3, 3], pages(2))
     tree.match_prefix([1, 1])  # now 2 is the least recently used, then 3
     res = tree.evict_device(2)
-    assert res.device_indices.tolist() == [1]
+    assert res.page_ids.tolist() == [1]
     res = tree.evict_device(4)
-    assert res.device_indices.tolist() == [2, 0]
+    assert res.page_ids.tolist() == [2, 0]
     assert res.num_evicted_tokens == 4
     assert sizes(tree) == (0, 0, 0, 0, 0)
     tree.check_integrity()
@@ -133,7 +133,7 @@ def test_lfu_eviction_order_exact(make_tree):
     for _ in range(3):
         tree.match_prefix([1, 1])
     tree.match_prefix([2, 2])  # most recent, but fewer hits
-    assert tree.evict_device(2).device_indices.tolist() == [1]
+    assert tree.evict_device(2).page_ids.tolist() == [1]
     tree.check_integrity()
 
 
@@ -144,7 +144,7 @@ def test_leaf_first_parent_becomes_candidate(make_tree):
     tree.insert([9, 9], pages(3))
     # order of access: [1,1,*] leaves at ticks 1, 2; [9,9] at tick 3
     res = tree.evict_device(6)
-    assert res.device_indices.tolist() == [1, 2, 0]
+    assert res.page_ids.tolist() == [1, 2, 0]
     assert tree.device_tokens == 2
     tree.check_integrity()
 
@@ -157,10 +157,10 @@ def test_locked_path_is_not_evicted(make_tree):
     tree.lock(m.last_node)
     assert sizes(tree)[:2] == (2, 4)
     res = tree.evict_device(100)
-    assert res.device_indices.tolist() == [2]
+    assert res.page_ids.tolist() == [2]
     tree.unlock(m.last_node)
     assert sizes(tree)[:2] == (4, 0)
-    assert tree.evict_device(100).device_indices.tolist() == [0, 1]
+    assert tree.evict_device(100).page_ids.tolist() == [0, 1]
     tree.check_integrity()
 
 
@@ -168,7 +168,7 @@ def test_partial_leaf_eviction_does_not_over_evict(make_tree):
     tree = make_tree(2)
     tree.insert(list(range(20)), pages(*range(10)))
     res = tree.evict_device(3)  # two pages: the tail of the leaf
-    assert res.device_indices.tolist() == [8, 9]
+    assert res.page_ids.tolist() == [8, 9]
     assert res.num_evicted_tokens == 4
     assert tree.device_tokens == 16
     assert tree.match_prefix(list(range(20))).device_len == 16
@@ -178,8 +178,8 @@ def test_partial_leaf_eviction_does_not_over_evict(make_tree):
 def test_evict_zero_and_empty(make_tree):
     tree = make_tree(2)
     assert tree.evict_device(0).num_evicted_tokens == 0
-    assert tree.evict_device(10).device_indices.tolist() == []
-    assert tree.evict_host(10).device_indices.tolist() == []
+    assert tree.evict_device(10).page_ids.tolist() == []
+    assert tree.evict_host(10).page_ids.tolist() == []
     tree.check_integrity()
 
 
@@ -189,7 +189,7 @@ def test_host_copy_keeps_evicted_node_matchable(make_tree):
     tree.attach_host(node, pages(5, 6))
     assert sizes(tree) == (4, 0, 4, 0, 1)
     res = tree.evict_device(4)
-    assert res.device_indices.tolist() == [0, 1]
+    assert res.page_ids.tolist() == [0, 1]
     m = tree.match_prefix([1, 1, 2, 2, 3, 3])
     assert (m.device_len, m.host_len) == (0, 4)
     assert tree.host_only_path(m) == [m.last_node]
@@ -219,7 +219,7 @@ def test_device_node_without_host_copy_but_host_children_is_kept(make_tree):
     tree.attach_host(child, pages(4))
     res = tree.evict_device(4)
     # the child goes host-only; the parent has no host copy and a child, so it stays
-    assert res.device_indices.tolist() == [1]
+    assert res.page_ids.tolist() == [1]
     assert m.last_node.on_device
     tree.check_integrity()
     # write-back hook: offered the parent, it declines -> still kept
@@ -253,10 +253,10 @@ def test_io_in_flight_is_skipped_by_both_tiers(make_tree):
     tree.attach_host(a, pages(0))
     tree.attach_host(b, pages(1))
     tree.set_io_status(a, IOStatus.BACKING_UP)
-    assert tree.evict_device(4).device_indices.tolist() == [1]
-    assert tree.evict_host(4).device_indices.tolist() == [1]  # b host-only, removed
+    assert tree.evict_device(4).page_ids.tolist() == [1]
+    assert tree.evict_host(4).page_ids.tolist() == [1]  # b host-only, removed
     tree.set_io_status(a, IOStatus.NONE)
-    assert tree.evict_device(2).device_indices.tolist() == [0]
+    assert tree.evict_device(2).page_ids.tolist() == [0]
     tree.check_integrity()
 
 
@@ -269,12 +269,82 @@ def test_host_eviction_prefers_host_only_then_drops_device_resident_copies(make_
     tree.evict_device(2)  # a (oldest) goes host-only
     assert tree.match_prefix([2, 2]).device_len == 2
     res = tree.evict_host(2, drop_device_resident=False)
-    assert res.device_indices.tolist() == [10]
+    assert res.page_ids.tolist() == [10]
     assert tree.evict_host(2, drop_device_resident=False).num_evicted_tokens == 0
     res = tree.evict_host(2)
-    assert res.device_indices.tolist() == [11]
+    assert res.page_ids.tolist() == [11]
     assert b.on_device and not b.on_host
     assert sizes(tree) == (2, 0, 0, 0, 1)
+    tree.check_integrity()
+
+
+def test_host_eviction_takes_a_host_copy_whose_children_are_device_only(make_tree):
+    # a is on both tiers, its only child c on the device alone: a's host copy is a
+    # candidate though a has a child (host copies stay closed under ancestors).
+    tree = make_tree(2)
+    a = tree.insert([1, 1, 2, 2], pages(0, 1)).last_node
+    tree.attach_host(a, pages(10, 11))
+    c = tree.insert([1, 1, 2, 2, 3, 3], pages(0, 1, 2)).last_node  # touches a
+    leaf = tree.insert([5, 5], pages(3)).last_node
+    tree.attach_host(leaf, pages(12))
+    assert tree.host_takeable_tokens == 6
+    tree.check_integrity()
+    res = tree.evict_host(2)  # a least recent: its tail page goes (a split)
+    assert res.page_ids.tolist() == [11] and res.num_evicted_tokens == 2
+    head = tree.match_prefix([1, 1]).last_node  # the split's head: host copy kept
+    assert head.on_host and not tree.match_prefix([1, 1, 2, 2]).last_node.on_host
+    assert tree.host_takeable_tokens == 4
+    tree.check_integrity()
+    # The head just became a candidate (its child lost its copy); match touched it last.
+    assert tree.evict_host(4).page_ids.tolist() == [12, 10]
+    assert (tree.host_tokens, tree.host_takeable_tokens) == (0, 0)
+    assert c.on_device and tree.device_tokens == 8  # device copies untouched
+    tree.check_integrity()
+
+
+def test_host_eviction_takes_children_first_and_never_what_a_lock_holds(make_tree):
+    tree = make_tree(2)
+    a = tree.insert([1, 1], pages(0)).last_node
+    tree.attach_host(a, pages(10))
+    b = tree.insert([1, 1, 2, 2], pages(0, 1)).last_node
+    tree.attach_host(b, pages(11))
+    tree.match_prefix([1, 1])  # a most recent: still b first (a has a host child)
+    for hold, release in (
+        (tree.host_lock, tree.host_unlock),
+        (lambda n: tree.set_io_status(n, IOStatus.BACKING_UP),
+         lambda n: tree.set_io_status(n, IOStatus.NONE)),
+    ):
+        hold(b)  # holds b's host copy and a's above it
+        assert tree.host_takeable_tokens == 0
+        assert tree.evict_host(4).num_evicted_tokens == 0
+        tree.check_integrity()
+        release(b)
+        assert tree.host_takeable_tokens == 4
+    assert tree.evict_host(2).page_ids.tolist() == [11]
+    assert tree.host_takeable_tokens == 2  # a: its only child lost its host copy
+    tree.check_integrity()
+    assert tree.evict_host(2).page_ids.tolist() == [10]
+    assert a.on_device and b.on_device and tree.host_tokens == 0
+    tree.check_integrity()
+
+
+def test_host_takeable_tokens_follows_splits_merges_and_detaches(make_tree):
+    tree = make_tree(2)
+    a = tree.insert([1, 1, 2, 2], pages(0, 1)).last_node
+    tree.attach_host(a, pages(10, 11))
+    b = tree.insert([1, 1, 2, 2, 3, 3], pages(0, 1, 2)).last_node
+    tree.attach_host(b, pages(12))
+    tree.set_io_status(b, IOStatus.BACKING_UP)
+    tree.match_prefix([1, 1])  # splits a; both halves held by b's IO
+    assert (tree.host_tokens, tree.host_takeable_tokens) == (6, 0)
+    tree.check_integrity()
+    assert tree.detach_host(b).tolist() == [12]  # the backup failed: IO over
+    assert tree.host_takeable_tokens == 4
+    tree.evict_device(6)  # b removed, then both halves host-only (merged again)
+    assert tree.num_nodes == 1 and tree.host_takeable_tokens == 4
+    tree.check_integrity()
+    tree.host_lock(tree.match_prefix([1, 1, 2, 2]).last_node)
+    assert tree.host_takeable_tokens == 0
     tree.check_integrity()
 
 
@@ -287,7 +357,7 @@ def test_host_lock_protects_host_copy(make_tree):
     assert sizes(tree)[2:4] == (0, 2)
     assert tree.evict_host(2).num_evicted_tokens == 0
     tree.host_unlock(a)
-    assert tree.evict_host(2).device_indices.tolist() == [3]
+    assert tree.evict_host(2).page_ids.tolist() == [3]
     assert tree.num_nodes == 0
     tree.check_integrity()
 
@@ -390,15 +460,32 @@ def test_bad_lock_unlock_and_counts(make_tree):
     tree.check_integrity()
 
 
+def corrupt_counter(tree, name: str, delta: int) -> None:
+    """Change a size counter without bookkeeping (the native tree: through its binding)."""
+    target = getattr(tree, "_impl", tree)
+    setattr(target, name, getattr(target, name) + delta)
+
+
+def corrupt_lock_ref(tree, node, value: int) -> None:
+    """Overwrite a node's lock count without bookkeeping (the binding's test-only entry)."""
+    if hasattr(tree, "_impl"):
+        tree._impl.set_lock_ref(node._h, value)
+    else:
+        node.lock_ref = value
+
+
 def test_check_integrity_catches_corruption(make_tree):
     tree = make_tree(2)
     node = tree.insert([1, 1, 2, 2], pages(0, 1)).last_node
+    tree.attach_host(node, pages(5, 6))
     tree.check_integrity()
-    tree.device_evictable_tokens += 2
-    with pytest.raises(AssertionError, match="device_evictable_tokens"):
-        tree.check_integrity()
-    tree.device_evictable_tokens -= 2
-    node.lock_ref = -1
+    for name in ("device_evictable_tokens", "host_takeable_tokens"):
+        corrupt_counter(tree, name, 2)
+        with pytest.raises(AssertionError, match=name):
+            tree.check_integrity()
+        corrupt_counter(tree, name, -2)
+    tree.check_integrity()
+    corrupt_lock_ref(tree, node, -1)
     with pytest.raises(AssertionError, match="negative lock"):
         tree.check_integrity()
 
@@ -415,7 +502,7 @@ def test_insert_host_adds_host_only_leaf_below_cached_prefix(make_tree):
     assert tree.insert_host([1, 1, 2, 2, 3, 3], pages(20, 21, 22)).num_cached_tokens == 6
     with pytest.raises(ValueError):
         tree.insert_host([5, 5], pages(1, 2))
-    assert tree.evict_host(4).device_indices.tolist() == [13, 12]  # split above: leaf first
+    assert tree.evict_host(4).page_ids.tolist() == [13, 12]  # split above: leaf first
     tree.check_integrity()
 
 
@@ -446,12 +533,12 @@ def test_evicted_chain_merges_into_one_host_only_node(make_tree):
         tree.attach_host(node, pages(host))
     assert tree.num_nodes == 3
     res = tree.evict_device(6)
-    assert res.device_indices.tolist() == [2, 1, 0]  # leaf first
+    assert res.page_ids.tolist() == [2, 1, 0]  # leaf first
     assert tree.num_nodes == 1
     m = tree.match_prefix([1, 1, 2, 2, 3, 3])
     assert (m.device_len, m.host_len) == (0, 6)
     assert m.last_node.host_indices.tolist() == [10, 11, 12]
-    assert tree.evict_host(2).device_indices.tolist() == [12]  # tail of the merged node
+    assert tree.evict_host(2).page_ids.tolist() == [12]  # tail of the merged node
     tree.check_integrity()
 
 

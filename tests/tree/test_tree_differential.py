@@ -19,12 +19,12 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 import torch
-from helpers import FORMS, as_form, snapshot
+from helpers import FORMS, as_form, host_takeable_by_definition, snapshot
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hicache.native import build as jit
-from hicache.tree import IOStatus, RadixTree, native, token_key
+from hicache.tree import IOStatus, RadixTree, factory, native, token_key
 from hicache.tree.protocol import RadixTreeLike
 
 pytestmark = pytest.mark.skipif(
@@ -53,6 +53,7 @@ def sizes(tree) -> tuple:
         tree.device_protected_tokens,
         tree.host_evictable_tokens,
         tree.host_protected_tokens,
+        tree.host_takeable_tokens,
         tree.device_tokens,
         tree.host_tokens,
         tree.num_nodes,
@@ -203,8 +204,8 @@ class PythonVsNative(RuleBasedStateMachine):
     def evict_device(self, num_tokens, hook):
         ra = self.py.evict_device(num_tokens, backup=self._hook(self.py, "py", hook))
         rb = self.nat.evict_device(num_tokens, backup=self._hook(self.nat, "nat", hook))
-        assert ra.device_indices.tolist() == rb.device_indices.tolist()
-        assert ra.device_indices.dtype == rb.device_indices.dtype == torch.int64
+        assert ra.page_ids.tolist() == rb.page_ids.tolist()
+        assert ra.page_ids.dtype == rb.page_ids.dtype == torch.int64
         assert (ra.num_evicted_tokens, ra.num_backup_tokens) == (
             rb.num_evicted_tokens,
             rb.num_backup_tokens,
@@ -231,8 +232,18 @@ class PythonVsNative(RuleBasedStateMachine):
     def evict_host(self, num_tokens, drop):
         ra = self.py.evict_host(num_tokens, drop_device_resident=drop)
         rb = self.nat.evict_host(num_tokens, drop_device_resident=drop)
-        assert ra.device_indices.tolist() == rb.device_indices.tolist()
+        assert ra.page_ids.tolist() == rb.page_ids.tolist()
         assert ra.num_evicted_tokens == rb.num_evicted_tokens
+
+    @rule()
+    def evict_all_takeable_host(self):
+        """host_takeable_tokens is exact: evict_host takes all of it and nothing more."""
+        takeable = self.py.host_takeable_tokens
+        ra = self.py.evict_host(takeable + 2 * P)
+        rb = self.nat.evict_host(takeable + 2 * P)
+        assert ra.page_ids.tolist() == rb.page_ids.tolist()
+        assert ra.num_evicted_tokens == rb.num_evicted_tokens == takeable
+        assert self.py.host_takeable_tokens == self.nat.host_takeable_tokens == 0
 
     @precondition(lambda self: self.pairs)
     @rule(
@@ -267,7 +278,7 @@ class PythonVsNative(RuleBasedStateMachine):
             if ra[0] == "raise":
                 assert ra[1] is rb[1]
             else:
-                assert ra[1].device_indices.tolist() == rb[1].device_indices.tolist()
+                assert ra[1].page_ids.tolist() == rb[1].page_ids.tolist()
 
     def live(self) -> list:
         return list(self.nat.nodes()) + [self.nat.root(ns) for ns in NAMESPACES]
@@ -279,6 +290,7 @@ class PythonVsNative(RuleBasedStateMachine):
         self.nat.check_integrity()
         assert self.splits["py"] == self.splits["nat"]
         assert sizes(self.py) == sizes(self.nat)
+        assert self.py.host_takeable_tokens == host_takeable_by_definition(self.py)
         assert snapshot(self.py) == snapshot(self.nat)
         assert self.py.take_events() == self.nat.take_events()
 
@@ -328,7 +340,7 @@ def test_long_random_run_identical_including_heap_compaction(monkeypatch):
         if step % 1500 == 1499 or op >= 98:
             n = 200 if step % 1500 == 1499 else int(rng.integers(0, 8))
             a, b = (t.evict_device(n) for t in trees)
-            assert a.device_indices.tolist() == b.device_indices.tolist(), f"step {step}"
+            assert a.page_ids.tolist() == b.page_ids.tolist(), f"step {step}"
         elif op < 70:
             results = [t.match_prefix(tokens) for t in trees]
             a, b = results
@@ -431,7 +443,7 @@ def test_tree_kept_view_of_indices_like_the_python_tree():
         pages = torch.tensor([4, 5, 6])
         node = tree.insert([1, 1, 2, 2, 3, 3], pages).last_node
         assert node.device_indices.data_ptr() == pages.data_ptr()
-        assert tree.evict_device(2).device_indices.tolist() == [6]
+        assert tree.evict_device(2).page_ids.tolist() == [6]
         tree.check_integrity()
 
 
@@ -484,20 +496,20 @@ def test_memory_bytes_grows_with_cached_tokens():
 
 
 def test_make_tree_kinds_and_single_fallback_warning(monkeypatch):
-    assert isinstance(native.make_tree("native", 2), native.NativeRadixTree)
-    assert isinstance(native.make_tree("auto", 2), native.NativeRadixTree)
-    assert isinstance(native.make_tree("python", 2), RadixTree)
-    for tree in (native.make_tree("native", 2), native.make_tree("python", 2)):
+    assert isinstance(factory.make_tree("native", 2), native.NativeRadixTree)
+    assert isinstance(factory.make_tree("auto", 2), native.NativeRadixTree)
+    assert isinstance(factory.make_tree("python", 2), RadixTree)
+    for tree in (factory.make_tree("native", 2), factory.make_tree("python", 2)):
         assert isinstance(tree, RadixTreeLike)
     with pytest.raises(ValueError, match="kind"):
-        native.make_tree("cuda", 2)
+        factory.make_tree("cuda", 2)
     failed = jit._LoadResult(None, "no C++ compiler ('c++' not found on PATH; set CXX)", 0.0)
     monkeypatch.setattr(jit, "_load", lambda: failed)
-    native._warn_fallback.cache_clear()
+    factory._warn_fallback.cache_clear()
     with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler") as record:
-        assert isinstance(native.make_tree("auto", 2), RadixTree)
-        assert isinstance(native.make_tree("auto", 2), RadixTree)
+        assert isinstance(factory.make_tree("auto", 2), RadixTree)
+        assert isinstance(factory.make_tree("auto", 2), RadixTree)
     assert len([w for w in record if issubclass(w.category, RuntimeWarning)]) == 1
     with pytest.raises(native.NativeBuildError, match="no C\\+\\+ compiler"):
-        native.make_tree("native", 2)
-    native._warn_fallback.cache_clear()
+        factory.make_tree("native", 2)
+    factory._warn_fallback.cache_clear()

@@ -87,8 +87,8 @@ class TreeVsModel(RuleBasedStateMachine):
         locked = self.locked_prefixes()
         evictable = len(self.cached) - len(locked)
         res = self.tree.evict_device(num_tokens)
-        freed = set(res.device_indices.tolist())
-        assert len(freed) == len(res.device_indices), "a page was returned twice"
+        freed = set(res.page_ids.tolist())
+        assert len(freed) == len(res.page_ids), "a page was returned twice"
         want_pages = min(-(-num_tokens // P), evictable)
         assert len(freed) == want_pages, "evicted more or less than asked"
         assert res.num_evicted_tokens == want_pages * P

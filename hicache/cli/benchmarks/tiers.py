@@ -40,7 +40,7 @@ from hicache.sim.replay import (
     replay_hierarchical,
 )
 from hicache.sim.traces import load_trace, trace_stats
-from hicache.tree.native import make_tree
+from hicache.tree import make_tree
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

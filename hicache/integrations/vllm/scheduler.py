@@ -34,8 +34,7 @@ import torch
 from hicache.integrations.vllm.config import ConnectorConfig
 from hicache.integrations.vllm.plan import LoadOp, SaveOp, StepPlan
 from hicache.memory import PageAllocator
-from hicache.tree import TreeNode, token_key
-from hicache.tree.native import make_tree
+from hicache.tree import TreeNode, make_tree, token_key
 
 _log = logging.getLogger(__name__)
 
@@ -329,8 +328,8 @@ class SchedulerHalf:
         num = self.tree.host_tokens
         result = self.tree.evict_host(num) if num else None
         if result is not None and result.num_evicted_tokens:
-            self._bad.difference_update(result.device_indices.tolist())
-            self.host_allocator.free(result.device_indices)
+            self._bad.difference_update(result.page_ids.tolist())
+            self.host_allocator.free(result.page_ids)
             self.counters.host_evicted_tokens += result.num_evicted_tokens
         for st in self._reqs.values():
             st.num_checked_pages = 0
@@ -396,8 +395,8 @@ class SchedulerHalf:
             result = self.tree.evict_host(short * self.page_size)
             if result.num_evicted_tokens:
                 if self._bad:
-                    self._bad.difference_update(result.device_indices.tolist())
-                alloc.free(result.device_indices)
+                    self._bad.difference_update(result.page_ids.tolist())
+                alloc.free(result.page_ids)
                 self.counters.host_evicted_tokens += result.num_evicted_tokens
         return alloc.alloc(num_pages)
 

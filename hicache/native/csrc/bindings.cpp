@@ -317,6 +317,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("device_protected_tokens", &RadixTree::device_protected_tokens)
       .def_readwrite("host_evictable_tokens", &RadixTree::host_evictable_tokens)
       .def_readwrite("host_protected_tokens", &RadixTree::host_protected_tokens)
+      .def_readwrite("host_takeable_tokens", &RadixTree::host_takeable_tokens)
       .def("set_on_split",
            [](RadixTree& t, py::object fn) {
              if (fn.is_none()) {

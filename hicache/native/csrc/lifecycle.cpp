@@ -7,7 +7,6 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
-#include <unordered_set>
 
 namespace hicache {
 
@@ -143,18 +142,9 @@ std::optional<at::Tensor> Lifecycle::alloc_host(std::int64_t num_pages) {
   const std::int64_t ps = tree_.page_size();
   const std::int64_t missing = num_pages - host_.num_free();
   // HiCache._host_takeable_pages: a host copy being written (a write-back backup
-  // pending in this eviction) is not taken, nor are the host copies above it.
-  std::int64_t takeable = tree_.host_evictable_tokens;
-  if (missing > 0 && !pending_.empty()) {
-    std::unordered_set<const TreeNode*> seen;
-    for (const PendingBackup& rec : pending_) {
-      for (const TreeNode* n = rec.node; n->parent != nullptr && seen.insert(n).second;
-           n = n->parent) {
-        if (n->on_host() && n->host_lock_ref == 0) takeable -= n->num_tokens();
-      }
-    }
-  }
-  if (missing > takeable / ps) return std::nullopt;
+  // pending in this eviction) or host-locked is not taken, nor are the host
+  // copies above it; the tree keeps that figure exact.
+  if (missing > tree_.host_takeable_tokens / ps) return std::nullopt;
   if (missing > 0) {
     const EvictOut r = tree_.evict_host(missing * ps, true);
     if (r.num_evicted_tokens != 0) {
@@ -189,10 +179,21 @@ bool Lifecycle::start_backup(const std::vector<TreeNode*>& nodes, TreeNode* evic
   std::int64_t evict_pages = 0;
   for (std::size_t i = 0; i < nodes.size(); ++i) {
     TreeNode* n = nodes[i];
-    const TreeNode* parent = n->parent;
+    TreeNode* parent = n->parent;
     if (parent->parent != nullptr && !parent->on_host()) break;
     const std::int64_t k = n->num_tokens() / ps;
-    const std::optional<at::Tensor> pages = alloc_host(k);
+    // Making room must not take the parent's host copy (a host-eviction candidate
+    // while its children have none): n's copy needs it.
+    const bool guard = parent->parent != nullptr && k > host_.num_free();
+    if (guard) tree_.host_lock(parent);
+    std::optional<at::Tensor> pages;
+    try {
+      pages = alloc_host(k);
+    } catch (...) {
+      if (guard) tree_.host_unlock(parent);
+      throw;
+    }
+    if (guard) tree_.host_unlock(parent);
     if (!pages) {
       c_.backups_skipped += static_cast<std::int64_t>(nodes.size() - i);
       break;

@@ -137,12 +137,19 @@ struct TreeNode {
   NodeHandle handle;      // see common.h
   TreeNode* parent;       // nullptr for roots and for removed nodes
   std::uint32_t ns;       // index of the namespace (tree.h)
+  // Children with a host copy: a host copy is a host-eviction candidate only
+  // without them (hicache/tree/python.py TreeNode._host_children). The two host
+  // counters sit in padding: the node is no larger for them.
+  std::uint32_t num_host_children = 0;
   TokenRun tokens;        // a whole number of pages
   IndexRun device;        // one device page id per page, or undefined
   IndexRun host;          // one host page id per page, or undefined
   std::int64_t lock_ref = 0;       // running requests using the device pages
   std::int64_t host_lock_ref = 0;  // loads / third-tier writes reading the host pages
   IOStatus io_status = IOStatus::None;
+  // Children whose host copy is busy: host-locked, IO in flight, or above a busy
+  // host child. Host eviction can never take a busy host copy.
+  std::uint32_t num_busy_host_children = 0;
   std::int64_t hit_count = 0;      // matches that went through this node
   std::int64_t last_access = 0;    // tree clock tick of the last match or insert touching it
   std::uint64_t dev_seq = 0;       // seq of this node's newest device-heap entry

@@ -179,6 +179,7 @@ MatchOut RadixTree::match(token_span key, std::uint32_t ns) {
     const token_span rest = key.subspan(off);
     const std::int64_t pages = common_pages(child->tokens.span(), rest);
     if (static_cast<std::size_t>(pages) * ps < child->tokens.len) child = split(child, pages);
+    if (node->on_host() && node->num_host_children == 0) refresh_inner_host(node);
     node = child;
     const auto len = static_cast<std::int64_t>(node->tokens.len);
     off += node->tokens.len;
@@ -191,8 +192,10 @@ MatchOut RadixTree::match(token_span key, std::uint32_t ns) {
       host_len += len;
     }
   }
-  // Only these two can be candidates: every other matched node has a device
-  // child on the path, and children (so it is no host leaf).
+  // Besides the inner host candidates refreshed above, only these two can be
+  // candidates: every other matched node has a device child on the path and a
+  // host child (or no host copy). last_device is inner only above a host-only
+  // child, which holds its host copy back.
   refresh(last_device);
   if (node != last_device) refresh(node);
   return {device_len, host_len, last_device, node};
@@ -237,6 +240,12 @@ TreeNode* RadixTree::split(TreeNode* node, std::int64_t num_pages) {
   prefix->last_access = node->last_access;
   prefix->created = node->created;
   prefix->priority = node->priority;
+  // The prefix's only child is node, whose host state and busyness the prefix
+  // shares: the parent's counters and host_takeable_tokens do not change.
+  if (node->on_host()) {
+    prefix->num_host_children = 1;
+    prefix->num_busy_host_children = host_busy(node) ? 1 : 0;
+  }
   if (on_split) on_split(prefix, node);
   return prefix;
 }
@@ -256,6 +265,7 @@ InsertOut RadixTree::insert(token_span key, const IndexRun& pages, std::uint32_t
     TreeNode* child = it->second.get();
     const std::int64_t common = common_pages(child->tokens.span(), key.subspan(off));
     if (static_cast<std::size_t>(common) * ps < child->tokens.len) child = split(child, common);
+    if (node->on_host() && node->num_host_children == 0) refresh_inner_host(node);
     node = child;
     node->last_access = clock;
     const auto len = static_cast<std::int64_t>(node->tokens.len);
@@ -268,6 +278,8 @@ InsertOut RadixTree::insert(token_span key, const IndexRun& pages, std::uint32_t
   }
   if (off < n) {
     TreeNode* parent = node;
+    // Touched above and now above a device-only leaf: an inner host candidate.
+    if (parent->on_host() && parent->num_host_children == 0) refresh_inner_host(parent);
     node = new_child(parent, TokenRun::copy_of(key.subspan(off)));
     node->device = pages
                        .slice(static_cast<std::int64_t>(off / ps),
@@ -297,6 +309,7 @@ InsertOut RadixTree::insert_host(token_span key, const IndexRun& pages, std::uin
     TreeNode* child = it->second.get();
     const std::int64_t common = common_pages(child->tokens.span(), key.subspan(off));
     if (static_cast<std::size_t>(common) * ps < child->tokens.len) child = split(child, common);
+    if (node->on_host() && node->num_host_children == 0) refresh_inner_host(node);
     node = child;
     node->last_access = clock;
     if (node->on_device()) last_device = node;
@@ -311,6 +324,7 @@ InsertOut RadixTree::insert_host(token_span key, const IndexRun& pages, std::uin
                      .owned();
     node->last_access = clock;
     host_evictable_tokens += node->num_tokens();
+    host_changed(node, false, false);
     if (events_on_) log_event(true, false, node);
   }
   // As in match: only the deepest device node and the last node can be candidates.
@@ -376,21 +390,25 @@ void RadixTree::host_lock(TreeNode* node) {
   if (!node->on_host() || node->parent == nullptr) {
     throw ValueError("host_lock: expected a non-root node with a host copy, got " + node->repr());
   }
+  const bool was_busy = host_busy(node);
   if (node->host_lock_ref == 0) {
     host_evictable_tokens -= node->num_tokens();
     host_protected_tokens += node->num_tokens();
   }
   node->host_lock_ref += 1;
+  host_changed(node, true, was_busy);
 }
 
 void RadixTree::host_unlock(TreeNode* node) {
   if (node->host_lock_ref <= 0) {
     throw ValueError("host_unlock: node " + std::to_string(node->id) + " is not host-locked");
   }
+  const bool was_busy = host_busy(node);
   node->host_lock_ref -= 1;
   if (node->host_lock_ref == 0) {
     host_protected_tokens -= node->num_tokens();
     host_evictable_tokens += node->num_tokens();
+    host_changed(node, true, was_busy);
     refresh(node);
   }
 }
@@ -411,7 +429,9 @@ void RadixTree::set_io_status(TreeNode* node, IOStatus status) {
   if (status != IOStatus::None && (!node->on_device() || !node->on_host())) {
     throw ValueError("set_io_status: IO in flight needs both copies, got " + node->repr());
   }
+  const bool was_busy = host_busy(node);
   node->io_status = status;
+  host_changed(node, node->on_host(), was_busy);
   if (status == IOStatus::None) refresh(node);
 }
 
@@ -445,7 +465,9 @@ at::Tensor RadixTree::detach_device(TreeNode* node) {
   at::Tensor pages = node->device.tensor();
   node->device.reset();
   node->parent->num_device_children -= 1;
+  const bool was_busy = host_busy(node);
   node->io_status = IOStatus::None;
+  host_changed(node, true, was_busy);
   device_evictable_tokens -= node->num_tokens();
   refresh(node);
   refresh(node->parent);
@@ -463,6 +485,7 @@ void RadixTree::attach_host(TreeNode* node, const IndexRun& pages) {
   }
   node->host = pages.owned();
   host_evictable_tokens += node->num_tokens();
+  host_changed(node, false, false);
   if (events_on_) log_event(true, false, node);
   refresh(node);
 }
@@ -473,10 +496,12 @@ at::Tensor RadixTree::detach_host(TreeNode* node) {
                      node->repr());
   }
   if (events_on_) log_event(false, false, node);
+  const bool was_busy = host_busy(node);
   at::Tensor pages = node->host.tensor();
   node->host.reset();
   node->io_status = IOStatus::None;
   host_evictable_tokens -= node->num_tokens();
+  host_changed(node, true, was_busy);
   refresh(node);
   return pages;
 }
@@ -509,6 +534,9 @@ void RadixTree::merge_host_chain(TreeNode* node) {
   for (TreeNode* c = node->first_child; c != nullptr; c = c->next_sibling) c->parent = node;
   node->num_device_children = child->num_device_children;
   child->num_device_children = 0;
+  // Both idle and host-only: node was busy exactly when child was.
+  node->num_host_children = child->num_host_children;
+  node->num_busy_host_children = child->num_busy_host_children;
   node->hit_count = std::max(node->hit_count, child->hit_count);
   node->last_access = std::max(node->last_access, child->last_access);
   node->created = std::min(node->created, child->created);
@@ -580,8 +608,10 @@ int RadixTree::device_rank(const TreeNode* node) const {
 }
 
 int RadixTree::host_rank(const TreeNode* node) const {
+  // No child with a host copy (children only on the device do not hold it back;
+  // a host-only node's children all have host copies, so it must be a leaf).
   if (!node->on_host() || node->host_lock_ref != 0 || node->io_status != IOStatus::None ||
-      node->first_child != nullptr || node->parent == nullptr) {
+      node->num_host_children != 0 || node->parent == nullptr) {
     return -1;
   }
   return node->on_device() ? 1 : 0;
@@ -642,6 +672,39 @@ TreeNode* RadixTree::pop_host() {
 void RadixTree::refresh(TreeNode* node) {
   if (const int rank = device_rank(node); rank >= 0) push_device(node, rank);
   if (const int rank = host_rank(node); rank >= 0) push_host(node, rank);
+}
+
+void RadixTree::refresh_inner_host(TreeNode* node) {
+  if (node->parent == nullptr) return;
+  if (const int rank = host_rank(node); rank >= 0) push_host(node, rank);
+}
+
+bool RadixTree::host_busy(const TreeNode* node) {
+  return node->on_host() && (node->host_lock_ref != 0 || node->io_status != IOStatus::None ||
+                             node->num_busy_host_children != 0);
+}
+
+void RadixTree::host_changed(TreeNode* node, bool was_on_host, bool was_busy) {
+  const bool now_on_host = node->on_host();
+  bool now_busy = host_busy(node);
+  if (was_on_host && !was_busy) host_takeable_tokens -= node->num_tokens();
+  if (now_on_host && !now_busy) host_takeable_tokens += node->num_tokens();
+  TreeNode* parent = node->parent;
+  if (parent == nullptr || parent->parent == nullptr) return;
+  if (was_on_host != now_on_host) {
+    parent->num_host_children += now_on_host ? 1 : -1;
+    if (parent->num_host_children == 0) refresh(parent);
+  }
+  // A parent without a host copy is never busy: the walk stops there.
+  while (was_busy != now_busy && parent->parent != nullptr) {
+    was_busy = host_busy(parent);
+    parent->num_busy_host_children += now_busy ? 1 : -1;
+    now_busy = host_busy(parent);
+    if (parent->on_host() && was_busy != now_busy) {
+      host_takeable_tokens += now_busy ? -parent->num_tokens() : parent->num_tokens();
+    }
+    parent = parent->parent;
+  }
 }
 
 void RadixTree::maybe_compact() {
@@ -759,6 +822,7 @@ EvictOut RadixTree::evict_host(std::int64_t num_tokens, bool drop_device_residen
     freed.push_back(node->host);
     node->host.reset();
     host_evictable_tokens -= node->num_tokens();
+    host_changed(node, true, false);  // a candidate is never busy
     num_freed += node->num_tokens();
     if (!node->on_device()) {
       remove(node);
@@ -869,7 +933,8 @@ std::string RadixTree::check_integrity() const {
   std::unordered_map<std::uint64_t, const HeapEntry*> host_live;
   for (const auto& e : device_heap_.entries()) dev_live.emplace(e.seq, &e);
   for (const auto& e : host_heap_.entries()) host_live.emplace(e.seq, &e);
-  std::int64_t sums[4] = {0, 0, 0, 0};  // device evictable, device protected, host ev., host pr.
+  // device evictable, device protected, host evictable, host protected, host takeable
+  std::int64_t sums[5] = {0, 0, 0, 0, 0};
   std::vector<page_id_t> dev_pages;
   std::vector<page_id_t> host_pages;
   std::int64_t count = 0;
@@ -909,6 +974,7 @@ std::string RadixTree::check_integrity() const {
     if (node->on_host()) {
       host_pages.insert(host_pages.end(), node->host.data(), node->host.data() + num_pages);
       sums[node->host_lock_ref != 0 ? 3 : 2] += node->num_tokens();
+      if (!host_busy(node)) sums[4] += node->num_tokens();
     }
     if (node->lock_ref < 0 || node->host_lock_ref < 0) return where + ": negative lock";
     if (node->lock_ref != 0 && !node->on_device()) return where + ": locked but not on the device";
@@ -919,10 +985,22 @@ std::string RadixTree::check_integrity() const {
       return where + ": IO in flight without both copies";
     }
     std::uint32_t on_device_children = 0;
+    std::uint32_t on_host_children = 0;
+    std::uint32_t busy_children = 0;
     std::size_t num_linked = 0;
     for (const TreeNode* c = node->first_child; c != nullptr; c = c->next_sibling) {
       on_device_children += c->on_device() ? 1 : 0;
+      on_host_children += c->on_host() ? 1 : 0;
+      busy_children += host_busy(c) ? 1 : 0;
       ++num_linked;
+    }
+    if (on_host_children != node->num_host_children) {
+      return where + ": counts " + std::to_string(node->num_host_children) +
+             " children with a host copy, has " + std::to_string(on_host_children);
+    }
+    if (busy_children != node->num_busy_host_children) {
+      return where + ": counts " + std::to_string(node->num_busy_host_children) +
+             " busy host children, has " + std::to_string(busy_children);
     }
     if (num_linked != node->children.size()) return where + ": sibling order lost a child";
     if (on_device_children != node->num_device_children) {
@@ -945,13 +1023,14 @@ std::string RadixTree::check_integrity() const {
   if (count != num_nodes) {
     return "num_nodes is " + std::to_string(num_nodes) + ", tree has " + std::to_string(count);
   }
-  const std::pair<const char*, std::int64_t> counters[4] = {
+  const std::pair<const char*, std::int64_t> counters[5] = {
       {"device_evictable_tokens", device_evictable_tokens},
       {"device_protected_tokens", device_protected_tokens},
       {"host_evictable_tokens", host_evictable_tokens},
       {"host_protected_tokens", host_protected_tokens},
+      {"host_takeable_tokens", host_takeable_tokens},
   };
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < 5; ++i) {
     if (counters[i].second != sums[i]) {
       return std::string(counters[i].first) + " is " + std::to_string(counters[i].second) +
              ", nodes sum to " + std::to_string(sums[i]);

@@ -141,6 +141,9 @@ class RadixTree {
   std::int64_t device_protected_tokens = 0;  // on device, lock_ref > 0
   std::int64_t host_evictable_tokens = 0;    // on host, host_lock_ref == 0
   std::int64_t host_protected_tokens = 0;    // on host, host_lock_ref > 0
+  // On host and not busy (TreeNode::num_busy_host_children): exactly the host
+  // tokens evict_host can take, leaf by leaf, while nothing else changes.
+  std::int64_t host_takeable_tokens = 0;
 
   SplitHook on_split;
 
@@ -165,6 +168,16 @@ class RadixTree {
   TreeNode* pop_device();
   TreeNode* pop_host();
   void refresh(TreeNode* node);
+  // Re-key a host candidate inside a matched or inserted path (on both tiers,
+  // children only on the device): its access time changed.
+  void refresh_inner_host(TreeNode* node);
+  // True if host eviction can never take node's host copy as things stand.
+  static bool host_busy(const TreeNode* node);
+  // Account a change of node's host copy, host lock or IO status (its state
+  // before: was_on_host, was_busy): the parent's num_host_children, the
+  // ancestors' num_busy_host_children and host_takeable_tokens; a parent left
+  // without host children is refreshed.
+  void host_changed(TreeNode* node, bool was_on_host, bool was_busy);
   void maybe_compact();
   void compact();
 

@@ -1,0 +1,52 @@
+"""Pick a radix tree: the C++ one when it builds here, else the Python reference.
+
+Callers that do not care which tree they get (the cache, replay, benchmarks)
+call :func:`make_tree` and type against :class:`hicache.tree.protocol.RadixTreeLike`.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+
+from hicache.config import EvictionPolicy
+from hicache.tree.protocol import RadixTreeLike
+from hicache.tree.python import RadixTree
+
+
+@functools.cache
+def _warn_fallback(reason: str) -> None:
+    warnings.warn(
+        f"hicache: native radix tree unavailable ({reason}); using the Python tree",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def make_tree(
+    kind: str,
+    page_size: int,
+    eviction: EvictionPolicy | str = EvictionPolicy.LRU,
+    on_split: Callable | None = None,
+) -> RadixTreeLike:
+    """A radix tree of ``kind``: ``"python"``, ``"native"`` or ``"auto"``.
+
+    ``"auto"`` is native when it builds here, else the Python tree with one
+    ``RuntimeWarning`` per process naming the reason. ``"native"`` raises
+    :class:`NativeBuildError` instead of falling back.
+    """
+    if kind == "python":
+        return RadixTree(page_size, eviction, on_split=on_split)
+    if kind not in ("native", "auto"):
+        raise ValueError(f"kind: expected 'python', 'native' or 'auto', got {kind!r}")
+    # Imported here: a Python-tree caller never loads the native build machinery.
+    from hicache.native import build as jit
+    from hicache.tree.native import NativeRadixTree
+
+    if kind == "auto":
+        result = jit._load()
+        if result.module is None:
+            _warn_fallback(result.reason)
+            return RadixTree(page_size, eviction, on_split=on_split)
+    return NativeRadixTree(page_size, eviction, on_split=on_split)
