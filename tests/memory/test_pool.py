@@ -244,7 +244,7 @@ def test_layer_and_page_indices_are_checked_like_every_int():
 
 
 def test_the_copier_source_ships_with_the_package():
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     assert copier_module.SOURCE_PATH == root / "hicache" / "memory" / "copier.c"
     assert "int hc_copy_rows(" in copier_module.SOURCE_PATH.read_text()
     assert '"memory/copier.c"' in (root / "pyproject.toml").read_text()  # wheel
