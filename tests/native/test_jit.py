@@ -195,9 +195,9 @@ def test_a_wheel_install_ships_the_compiled_module(tmp_path):
          "--target", str(target), str(root)],
         check=True, timeout=1800, cwd=tmp_path,
     )
-    assert sorted(p.name for p in (target / "hicache").glob("_native*"))[-1] == (
+    assert sorted(p.name for p in (target / "hicache" / "native").glob("_native*"))[-1] == (
         jit.BUILD_INFO_NAME)
-    assert list((target / "hicache").glob(f"{jit._MODULE}.*.so"))
+    assert list((target / "hicache" / "native").glob(f"{jit._MODULE}.*.so"))
     probe = "import hicache; print(hicache.__file__)\n" + _PROBE
     out = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
