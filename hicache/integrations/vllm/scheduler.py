@@ -108,6 +108,7 @@ class SchedulerHalf:
         if bad < host:
             host = bad  # promise nothing from a bad page on
         elif self.storage is not None and host < limit:
+            # only what host memory can take now: after_alloc must keep the promise
             stored = num_promisable_pages(
                 self.storage, self._keys(st, limit)[host:limit], self.tree, self.host_allocator,
                 key, host, P,
