@@ -1,6 +1,7 @@
 """HiCache: the hierarchical KV cache that ties the tree, the pools and the transfers.
 
-Request lifecycle (one :class:`PrefixHandle` per request)::
+Request lifecycle (one :class:`PrefixHandle` per request; the token/page diagram
+and the node IO states are in docs/design.md, "Request lifecycle")::
 
     h = cache.match(tokens)          lock the cached prefix; report device_len, host_len
     cache.load_back(h)               host-only part -> new device pages (async, per layer)
@@ -8,10 +9,6 @@ Request lifecycle (one :class:`PrefixHandle` per request)::
     model(..., load_handle=h)        h.wait_layer(i) before reading layer i of the prefix
     cache.insert(h, tokens)          cache the computed whole pages; write policy runs
     cache.release(h)                 unlock; free pages the tree did not take
-
-    tokens  |<-- device_len -->|<-- host_len -->|<---- computed by the caller ---->|
-    pages   |  tree's pages    | loaded pages   | h's pages (alloc) | partial page |
-            |<-------- h.prefix_len ---------->|
 
 What it guarantees: nothing whose IO is in flight is freed, evicted or reused;
 host pages being loaded are pinned (``host_lock_ref``); a write-back eviction
@@ -23,34 +20,20 @@ never touch the cache's state. Invariants: ``check_integrity`` and
 docs/design.md (a host copy implies host copies of every ancestor).
 The cache is not thread-safe; one engine loop drives it (docs/design.md).
 
-HiCache checks arguments and sequences its parts, each one object with the
-state it owns: :class:`~hicache.cache.space.TierSpace` (allocation, eviction),
-:class:`~hicache.cache.inflight.InFlightTable` (IO in flight),
-:class:`~hicache.cache.loads.Loads` (load-back),
-:class:`~hicache.cache.writes.Writes` (the write policy),
-:class:`~hicache.cache.storage.ThirdTier` (storage),
-:class:`~hicache.cache.pins.Pins`, :class:`~hicache.cache.control.EventLog`
-and, for bookkeeping-only caches,
-:class:`~hicache.cache.native_lifecycle.NativeLifecycle`.
+HiCache checks arguments and sequences its parts, each one object with the state
+it owns (:mod:`hicache.cache.parts` lists them and wires them together).
 """
 
 from __future__ import annotations
 
 import torch
 
-from hicache.cache.control import EventLog, ResetResult, drop_unheld
+from hicache.cache.control import ResetResult, drop_unheld
 from hicache.cache.handle import PrefixHandle
-from hicache.cache.inflight import InFlightTable
 from hicache.cache.integrity import check_cache_integrity
-from hicache.cache.loads import Loads
-from hicache.cache.native_lifecycle import open_native_lifecycle
-from hicache.cache.pins import Pins
-from hicache.cache.python_lifecycle import PythonLifecycle
-from hicache.cache.space import TierSpace
-from hicache.cache.stats import CacheStats, stats_report
-from hicache.cache.storage import ThirdTier
+from hicache.cache.parts import compose_parts
+from hicache.cache.stats import CacheStats, stats_report, tier_occupancy
 from hicache.cache.tiers import build_tiers
-from hicache.cache.writes import Writes
 from hicache.checks import (
     check_bool,
     check_int,
@@ -75,56 +58,19 @@ class HiCache:
         self.page_size = config.page_size
         self.has_host_tier = config.has_host_tier
         tiers = build_tiers(config)
-        self.tree = tiers.tree  # split hook: only while IO or a pin is tracked
-        self.device_allocator = tiers.device_allocator
-        self.host_allocator = tiers.host_allocator
-        self.device_pool = tiers.device_pool
-        self.host_pool = tiers.host_pool
-        self.transfers = tiers.transfers
-        # Bookkeeping only (no KV tensors): loads and write-through backups complete
-        # as they start, so they skip the IO states and transfer records entirely.
-        bookkeeping = self.device_pool is None
-        self._counters = CacheStats()
+        # The tree's split hook is set only while IO or a pin is tracked; the pools are
+        # None for bookkeeping-only caches (host_pool also without a host tier).
+        (self.tree, self.device_allocator, self.host_allocator, self.device_pool,
+         self.host_pool, self.transfers) = tiers
+        parts = compose_parts(config, tiers, poll=self.poll, wait_all=self.wait_all)
+        self._counters = parts.counters
         self._live: set[PrefixHandle] = set()
-        self._inflight = InFlightTable(self.tree)
-        self._space = TierSpace(
-            self.tree, self.device_allocator, self.host_allocator, self.transfers,
-            self._inflight, self._counters, page_size=self.page_size,
-            bookkeeping=bookkeeping, poll=self.poll, wait_all=self.wait_all,
-        )
-        self._pins = Pins(config, self.tree, self._counters)
-        self._events = (
-            EventLog(self.tree, self.page_size, self.has_host_tier) if config.kv_events else None
-        )
-        self.storage = None  # the storage worker (hicache.storage.worker.StorageTier)
-        self._third_tier: ThirdTier | None = None
-        if config.storage is not None:
-            self._third_tier = ThirdTier(
-                config, self.tree, self.host_pool, self._space, self._inflight, self._counters,
-                poll=self.poll,
-                log_stored=None if self._events is None else self._events.log_storage_stored,
-            )
-            self.storage = self._third_tier.worker
-        self._writes = Writes(
-            config, self.tree, self._space, self._inflight, self.transfers, self._counters,
-            bookkeeping=bookkeeping,
-            on_backed_up=None if self._third_tier is None else self._third_tier.store,
-        )
-        self._loads = Loads(
-            config, self.tree, self._space, self._inflight, self.transfers, self._counters,
-            bookkeeping=bookkeeping,
-            # a write-back eviction made room for a load may evict host pages
-            pin_host_pages=not bookkeeping or self._writes.is_write_back,
-        )
-        self._python = PythonLifecycle(
-            self.tree, self._space, self._inflight, self._loads, self._writes, self._third_tier,
-            self._counters, page_size=self.page_size, num_layers=config.kv.num_layers,
-            poll=self.poll,
-        )
-        # The C++ lifecycle takes the hot calls where it applies (bookkeeping only).
-        self._native = open_native_lifecycle(
-            config, self.tree, self.device_allocator, self.host_allocator
-        )
+        self._inflight, self._space, self._pins = parts.inflight, parts.space, parts.pins
+        self._events, self._third_tier = parts.events, parts.third_tier
+        # the storage worker (hicache.storage.worker.StorageTier), None without storage
+        self.storage = None if parts.third_tier is None else parts.third_tier.worker
+        self._writes, self._loads = parts.writes, parts.loads
+        self._python, self._native = parts.python, parts.native
         self._lifecycle = self._python if self._native is None else self._native
 
     # ------------------------------------------------------------- lifecycle
@@ -147,30 +93,19 @@ class HiCache:
         loading into new device pages at once (see :meth:`load_back`); the model
         then waits per layer with ``h.wait_layer(i)``. Never changes cached data;
         may split a node at the match boundary. ``priority`` (an int) raises the
-        eviction priority of the prefix ``h`` holds (see :meth:`_raise_priority`).
+        eviction priority of every node on the path ``h`` holds to at least ``priority``
+        (priorities only grow; only the ``priority`` eviction policy reads them:
+        docs/design.md, "Tiers and policies").
         """
         self._check_open()
         if priority is not None:
             priority = check_priority(priority)
-        h = self._match(tokens, namespace, load_back)
-        if priority is not None:
-            self._raise_priority(h, priority)
-        return h
-
-    def _raise_priority(self, h: PrefixHandle, priority: int) -> None:
-        """Raise the priority of every node on ``h``'s locked path to at least ``priority``.
-
-        Priorities only grow (a shared prefix keeps its most important user's) and
-        order eviction only under the ``priority`` policy: lowest first, least
-        recently used among equals.
-        """
-        self._lifecycle.raise_priority(h, priority)
-
-    def _match(self, tokens: TokenLike, namespace: str | None, load_back: bool) -> PrefixHandle:
         check_bool("load_back", load_back)
         check_namespace(namespace)  # before storage keys are derived from it
         h = self._lifecycle.match(self, tokens, namespace, load_back)
         self._live.add(h)
+        if priority is not None:
+            self._lifecycle.raise_priority(h, priority)
         return h
 
     def load_back(self, h: PrefixHandle):
@@ -241,7 +176,7 @@ class HiCache:
         Pages another request cached meanwhile are freed (the tree keeps its own).
         Afterwards ``h`` holds the inserted path; the write policy runs. Returns the
         number of tokens newly cached. ``priority`` raises the eviction priority of
-        the path ``h`` holds afterwards (see :meth:`_raise_priority`). Raises
+        the path ``h`` holds afterwards, as in :meth:`match`. Raises
         :class:`LoadError` (having cut ``h`` back) when a load of ``h``'s prefix
         failed and ``finish_loads`` has not reported it yet.
         """
@@ -250,7 +185,7 @@ class HiCache:
             priority = check_priority(priority)
         num_new = self._lifecycle.insert(h, tokens)
         if priority is not None:
-            self._raise_priority(h, priority)
+            self._lifecycle.raise_priority(h, priority)
         return num_new
 
     def release(self, h: PrefixHandle) -> None:
@@ -318,16 +253,14 @@ class HiCache:
 
     # ------------------------------------------------------------- controls
     def reset(self, *, storage: bool = False) -> ResetResult:
-        """Drop every cached prefix that no live request holds, in both tiers.
+        """Drop every cached prefix that no live request holds, in both tiers; release every pin.
 
-        Safe with IO in flight: nodes that a live request locks, or that a load, a
-        backup or a storage write is reading, stay; the result says how many
-        tokens that kept. Every pin is released. Storage reads in flight are
-        discarded when they land (their KV would be as stale). With ``storage``
-        the third tier is emptied too, after the transfers and storage writes in
-        flight land (else they would put stale pages back): only then does reset
-        wait. Never raises for what it cannot drop; storage errors propagate as
-        :class:`hicache.storage.base.StorageError`.
+        Safe with IO in flight: what a live request or IO in flight holds stays, and
+        storage reads in flight are discarded when they land (docs/design.md, "Reset").
+        With ``storage`` the third tier is emptied too, after the transfers and storage
+        writes in flight land: only then does reset wait. Returns what was dropped and
+        what was kept; never raises for what it cannot drop; storage errors propagate
+        as :class:`hicache.storage.base.StorageError`.
         """
         self._check_open()
         check_bool("storage", storage)
@@ -352,29 +285,24 @@ class HiCache:
         )
 
     def take_events(self) -> list[KVEvent]:
-        """Every KV event since the last call, in order (see hicache/events.py).
+        """Every KV event since the last call, in order; empty unless ``CacheConfig.kv_events``.
 
-        Empty unless ``CacheConfig.kv_events``. Device and host events come from
-        the tree (also when the C++ lifecycle runs the requests); storage events
-        when a write to the third tier lands; ``AllBlocksCleared`` from
-        :meth:`reset`. Storage that drops pages by itself (a capacity cap) does
-        not report it: a router's storage mirror is an upper bound.
+        Which events and when: hicache/events.py and docs/design.md, "KV events".
+        Storage that drops pages by itself (a capacity cap) does not report it: a
+        router's storage mirror is an upper bound.
         """
         self._check_open()
         return [] if self._events is None else self._events.take()
 
     def pin(self, tokens: TokenLike, namespace: str | None = None, ttl_s: float | None = None) -> int:
-        """Keep the device-resident cached prefix of ``tokens`` from eviction.
+        """Keep the device-resident cached prefix of ``tokens`` from eviction (docs/design.md).
 
-        Returns the number of tokens pinned: the prefix cached on the device now
-        (0 when nothing is, or when pinning it would exceed
-        ``max_pinned_fraction`` of the device tier: counted in
-        ``stats()["pins_refused"]``). Pinning the same tokens again replaces the
-        pin (with the new ``ttl_s`` and whatever is cached by then). ``ttl_s``
-        (seconds, > 0) releases the pin by itself; ``None`` keeps it until
-        :meth:`unpin` or :meth:`reset`. A host-only part is not loaded: match it
-        first to bring it back, then pin. Pinning is a use of the prefix: like a
-        match it counts a hit and refreshes the access time of its nodes.
+        Returns the number of tokens pinned: the prefix cached on the device now (0
+        when nothing is, or when pinning it would exceed ``max_pinned_fraction`` of
+        the device tier: ``stats()["pins_refused"]``). Pinning the same tokens again
+        replaces the pin. ``ttl_s`` (seconds, > 0) releases it by itself; ``None``
+        keeps it until :meth:`unpin` or :meth:`reset`. A host-only part is not loaded
+        (match it first). Like a match, it counts a hit and refreshes its nodes.
         """
         self._check_open()
         ttl_s = check_ttl("ttl_s", ttl_s)
@@ -429,12 +357,7 @@ class HiCache:
         if not self._closed:
             self.poll()
         s = stats_report(self.counters)  # with the C++ lifecycle: its counts added in
-        s["device_pages_used"] = self.device_allocator.num_used_pages
-        s["device_pages_free"] = self.device_allocator.num_free_pages
-        s["host_pages_used"] = self.host_allocator.num_used_pages
-        s["host_pages_free"] = self.host_allocator.num_free_pages
-        s["device_cached_tokens"] = self.tree.device_tokens
-        s["host_cached_tokens"] = self.tree.host_tokens
+        s.update(tier_occupancy(self.tree, self.device_allocator, self.host_allocator))
         s["transfers_in_flight"] = self._inflight.num_transfers
         s["live_requests"] = len(self._live)
         s["pins"] = len(self._pins)

@@ -1,8 +1,9 @@
 """CacheStats: the cache's exact counters, and the stats() report built from them.
 
 The counters are plain integers (and seconds) that the parts of the cache add to
-as they work; :func:`stats_report` adds the derived ratios and bandwidths. Nothing
-here knows the tree or the pools beyond the numbers it is handed.
+as they work; :func:`stats_report` adds the derived ratios and bandwidths, and
+:func:`tier_occupancy` reads what each tier holds now. Nothing here knows the tree
+or the free lists beyond the counts they report.
 """
 
 from __future__ import annotations
@@ -54,3 +55,15 @@ def stats_report(c: CacheStats) -> dict:
     s["load_gbps"] = c.load_bytes / c.load_seconds / 1e9 if c.load_seconds else 0.0
     s["backup_gbps"] = c.backup_bytes / c.backup_seconds / 1e9 if c.backup_seconds else 0.0
     return s
+
+
+def tier_occupancy(tree, device_allocator, host_allocator) -> dict:
+    """Pages used and free in each tier's free list, tokens cached in each tier now."""
+    return {
+        "device_pages_used": device_allocator.num_used_pages,
+        "device_pages_free": device_allocator.num_free_pages,
+        "host_pages_used": host_allocator.num_used_pages,
+        "host_pages_free": host_allocator.num_free_pages,
+        "device_cached_tokens": tree.device_tokens,
+        "host_cached_tokens": tree.host_tokens,
+    }

@@ -1,12 +1,14 @@
-"""Mooncake Store backend (distributed memory pool) and a loopback master launcher.
+"""Mooncake Store backend (distributed memory pool).
 
 Uses the optional extra ``mooncake-transfer-engine-non-cuda`` (CPU build, TCP
 transport). A Mooncake cluster is one ``mooncake_master`` (object metadata, with
 its HTTP metadata server for the transfer engine) plus clients that each lend a
 *segment* of their memory to the pool. A value lives in some client's segment
-and disappears when that client leaves, so :func:`start_mooncake_master` can
-also start a segment holder (the bundled ``mooncake_client``) whose memory
-outlives the processes that write and read pages.
+and disappears when that client leaves, so
+:func:`hicache.storage.mooncake_master.start_mooncake_master` (a loopback cluster
+for tests, benchmarks and one-machine setups) can also start a segment holder
+(the bundled ``mooncake_client``) whose memory outlives the processes that write
+and read pages.
 
 Values are moved with the scatter/gather batch calls: the 32-byte header goes to
 a small staging array and the payload straight to or from the caller's page
@@ -22,17 +24,11 @@ This module knows nothing about keys' meaning, the KV layout or the cache.
 
 from __future__ import annotations
 
-import importlib.util
 import ipaddress
 import os
-import shutil
-import signal
 import socket
-import subprocess
-import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -51,174 +47,19 @@ MiB = 1 << 20
 _CODE_NOT_FOUND = -704  # OBJECT_NOT_FOUND
 _SIZE_CODES = (-600, -800)  # buffer too small / transfer failed: a size mismatch looks so
 _CONNECTION_CODE_MAX = -900  # RPC_FAIL (-900) and below: the master cannot be reached
-_INSTALL_HINT = (
+INSTALL_HINT = (
     "the Mooncake backend needs the 'mooncake' extra "
     "(pip install 'hicache[mooncake]', plus libibverbs1 librdmacm1 libnuma1 on Debian)"
 )
 
 
-def mooncake_binary(name: str) -> Path:
-    """Path of a binary bundled in the mooncake package (``mooncake_master`` ...)."""
-    spec = importlib.util.find_spec("mooncake")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError(_INSTALL_HINT)
-    path = Path(next(iter(spec.submodule_search_locations))) / name
-    if not path.is_file():
-        raise ImportError(f"{path} is missing; {_INSTALL_HINT}")
-    if not os.access(path, os.X_OK):
-        path.chmod(path.stat().st_mode | 0o111)
-    return path
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _port_open(host: str, port: int, timeout_s: float) -> bool:
+def port_open(host: str, port: int, timeout_s: float) -> bool:
+    """True when ``host:port`` accepts a TCP connection within ``timeout_s``."""
     try:
         with socket.create_connection((host, port), timeout=timeout_s):
             return True
     except OSError:
         return False
-
-
-class MooncakeMaster:
-    """A running ``mooncake_master`` (and optional segment holder) started by this process."""
-
-    def __init__(
-        self,
-        host: str,
-        rpc_port: int,
-        metadata_port: int,
-        master: subprocess.Popen,
-        holder: subprocess.Popen | None,
-        log_dir: Path,
-        owns_log_dir: bool = False,
-    ) -> None:
-        self.host = host
-        self.rpc_port = rpc_port
-        self.metadata_port = metadata_port
-        self.master = master
-        self.holder = holder
-        self.log_dir = log_dir
-        self.owns_log_dir = owns_log_dir  # a temp dir made for us: removed by stop()
-
-    @property
-    def master_address(self) -> str:
-        return f"{self.host}:{self.rpc_port}"
-
-    @property
-    def metadata_url(self) -> str:
-        return f"http://{self.host}:{self.metadata_port}/metadata"
-
-    @property
-    def spec(self) -> str:
-        """The ``--storage`` spec that reaches this master."""
-        return f"mooncake://{self.master_address}?metadata={self.metadata_url}"
-
-    def kill_master(self) -> None:
-        """SIGKILL the master only (simulates a crash); the holder is left running."""
-        if self.master.poll() is None:
-            self.master.send_signal(signal.SIGKILL)
-            self.master.wait()
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop the holder, then the master; SIGKILL whatever ignores SIGTERM."""
-        for proc in (self.holder, self.master):
-            if proc is None or proc.poll() is not None:
-                continue
-            proc.terminate()
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if self.owns_log_dir:
-            shutil.rmtree(self.log_dir, ignore_errors=True)
-
-    def __enter__(self) -> MooncakeMaster:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-def _wait_ready(proc: subprocess.Popen, host: str, ports: list[int], log: Path, deadline: float):
-    while True:
-        if proc.poll() is not None:
-            tail = log.read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}:\n{tail}")
-        if all(_port_open(host, p, 0.2) for p in ports):
-            return
-        if time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            raise RuntimeError(f"{proc.args[0]} not listening on {host}:{ports}; see {log}")
-        time.sleep(0.05)
-
-
-def start_mooncake_master(
-    *,
-    host: str = "127.0.0.1",
-    segment_nbytes: int = 0,
-    log_dir: str | os.PathLike[str] | None = None,
-    startup_timeout_s: float = 20.0,
-    extra_args: tuple[str, ...] = (),
-) -> MooncakeMaster:
-    """Start ``mooncake_master`` on free ports of ``host`` with its HTTP metadata server.
-
-    With ``segment_nbytes > 0`` also start a ``mooncake_client`` lending that much
-    memory, so stored pages survive the clients that wrote them. Logs go to
-    ``log_dir`` (by default a temp dir that ``stop()`` removes). Call ``stop()`` (or
-    use ``with``).
-    """
-    master_bin = mooncake_binary("mooncake_master")
-    logs = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="mooncake-"))
-    logs.mkdir(parents=True, exist_ok=True)
-    rpc_port, metadata_port, metrics_port = (_free_port(host) for _ in range(3))
-    master_log = logs / "master.log"
-    cmd = [
-        str(master_bin),
-        f"--rpc_address={host}",
-        f"--rpc_port={rpc_port}",
-        "--enable_http_metadata_server=true",
-        f"--http_metadata_server_host={host}",
-        f"--http_metadata_server_port={metadata_port}",
-        f"--metrics_host={host}",
-        f"--metrics_port={metrics_port}",
-        "--logtostderr",
-        *extra_args,
-    ]
-    deadline = time.monotonic() + startup_timeout_s
-    with open(master_log, "wb") as log:
-        master = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    _wait_ready(master, host, [rpc_port, metadata_port], master_log, deadline)
-    handle = MooncakeMaster(host, rpc_port, metadata_port, master, None, logs, log_dir is None)
-    if segment_nbytes > 0:
-        holder_port = _free_port(host)
-        holder_log = logs / "segment_holder.log"
-        holder_cmd = [
-            str(mooncake_binary("mooncake_client")),
-            f"--host={host}",
-            f"--port={holder_port}",
-            f"--master_server_address={handle.master_address}",
-            f"--metadata_server={handle.metadata_url}",
-            f"--global_segment_size={segment_nbytes}",
-            "--protocol=tcp",
-        ]
-        env = {**os.environ, "MC_TCP_BIND_ADDRESS": host}
-        with open(holder_log, "wb") as log:
-            handle.holder = subprocess.Popen(
-                holder_cmd, stdout=log, stderr=subprocess.STDOUT, env=env
-            )
-        try:
-            _wait_ready(handle.holder, host, [holder_port], holder_log, deadline)
-        except RuntimeError:
-            handle.stop()
-            raise
-    return handle
 
 
 def _address(view: memoryview) -> int:
@@ -246,7 +87,7 @@ class MooncakeStorage(StorageBackend):
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:
-            raise ImportError(f"{_INSTALL_HINT}: {e}") from e
+            raise ImportError(f"{INSTALL_HINT}: {e}") from e
         host, port = _split_host_port(master_address)
         meta = urlsplit(metadata_url)
         if meta.scheme != "http" or not meta.hostname:
@@ -259,7 +100,7 @@ class MooncakeStorage(StorageBackend):
         self._down_until = 0.0
         self._last_failure = ""
         for what, (h, p) in (("master", (host, port)), ("metadata", (meta.hostname, meta.port))):
-            if not _port_open(h, p or 80, connect_timeout_s):
+            if not port_open(h, p or 80, connect_timeout_s):
                 raise StorageError(f"mooncake: {what} at {h}:{p or 80} is unreachable")
         if _is_ip(local_hostname):
             # The transfer engine advertises its first NIC unless told; keep it on our host.

@@ -1,9 +1,9 @@
 """hicache as a vLLM v1 KV connector: ``HiCacheConnector`` (see docs/vllm.md).
 
 ``kv_connector_module_path = "hicache.integrations.vllm"``. The halves
-(:mod:`.scheduler`, :mod:`.worker`, :mod:`.plan`, :mod:`.layout`, :mod:`.config`)
-import no vLLM; only :mod:`.connector` does, and it is imported on first use of
-``HiCacheConnector``, so the halves are usable and testable without vLLM.
+(:mod:`.scheduler` with :mod:`.requests` and :mod:`.third_tier`, :mod:`.worker`,
+:mod:`.plan`, :mod:`.layout`, :mod:`.config`) import no vLLM; only :mod:`.connector`
+does, and it is imported on first use of ``HiCacheConnector``, so the halves are usable and testable without vLLM.
 """
 
 from __future__ import annotations

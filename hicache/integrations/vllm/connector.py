@@ -35,7 +35,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hicache.integrations.vllm.config import ConnectorConfig
 from hicache.integrations.vllm.plan import StepPlan
-from hicache.integrations.vllm.scheduler import ScheduledRequest, SchedulerHalf
+from hicache.integrations.vllm.requests import ScheduledRequest
+from hicache.integrations.vllm.scheduler import SchedulerHalf
 from hicache.integrations.vllm.worker import WorkerHalf
 
 if TYPE_CHECKING:

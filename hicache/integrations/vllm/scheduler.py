@@ -19,7 +19,9 @@ that page. Nodes the current step loads from or saves to are host-pinned until
 the plan is built, so making room for one request never reuses a page another
 request's copy of this step touches; ordering across steps is the workers' job
 (they finish copies into or out of a host page before the next one that touches
-it). Not thread-safe: vLLM's scheduler loop drives it.
+it). Not thread-safe: vLLM's scheduler loop drives it. What a lookup may promise
+from storage is :mod:`~hicache.integrations.vllm.third_tier`'s; the per-request
+state is :mod:`~hicache.integrations.vllm.requests`'.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import torch
 
 from hicache.integrations.vllm.config import ConnectorConfig
 from hicache.integrations.vllm.plan import LoadOp, SaveOp, StepPlan
+from hicache.integrations.vllm.requests import RequestState, ScheduledRequest
+from hicache.integrations.vllm.third_tier import extend_storage_keys, num_promisable_pages
 from hicache.memory import PageAllocator
 from hicache.tree import TreeNode, make_tree, token_key
 
@@ -51,30 +55,6 @@ class SchedulerStats:
     saved_tokens: int = 0  # tokens planned to save to host memory
     save_skipped_tokens: int = 0  # not saved: host tier full of pinned pages
     host_evicted_tokens: int = 0
-
-
-@dataclass
-class ScheduledRequest:
-    """What one request does this step, from vLLM's scheduler output."""
-
-    req_id: str
-    token_ids: Sequence[int]  # every known token of the request (prompt + outputs so far)
-    new_block_ids: list[int] | None  # blocks added this step (all its blocks if resumed/new)
-    resumed: bool  # True: new_block_ids replace the request's blocks (new or resumed)
-    num_computed_tokens: int  # computed before this step
-    num_scheduled_tokens: int  # computed by this step
-
-
-class _Request:
-    __slots__ = ("token_ids", "block_ids", "num_checked_pages", "saved", "keys", "lookup")
-
-    def __init__(self, token_ids: Sequence[int]) -> None:
-        self.token_ids = token_ids
-        self.block_ids: list[int] = []
-        self.num_checked_pages = 0  # leading pages already saved or found in the tree
-        self.saved = False  # a save was planned: its block free waits for the workers
-        self.keys: list[str] = []  # storage keys of the leading pages (computed lazily)
-        self.lookup: tuple[int, int, int] | None = None  # (num_computed, host, storage pages)
 
 
 class SchedulerHalf:
@@ -96,7 +76,7 @@ class SchedulerHalf:
         self.host_allocator = PageAllocator(num_host_pages, "host pages")
         self.storage = storage_backend  # only exists() is called here
         self._root_key = storage_root_key
-        self._reqs: dict[str, _Request] = {}
+        self._reqs: dict[str, RequestState] = {}
         self._pins: dict[TreeNode, int] = {}  # host locks taken this step, released by build_plan
         self._loads: list[LoadOp] = []
         self._delayed: list[str] = []
@@ -110,7 +90,7 @@ class SchedulerHalf:
         on the tree. At least one token is always left for vLLM to compute."""
         st = self._reqs.get(req_id)
         if st is None:
-            st = self._reqs[req_id] = _Request(token_ids)
+            st = self._reqs[req_id] = RequestState(token_ids)
         st.token_ids = token_ids
         st.lookup = None
         P = self.page_size
@@ -127,16 +107,11 @@ class SchedulerHalf:
         if bad < host:
             host = bad  # promise nothing from a bad page on
         elif self.storage is not None and host < limit:
-            from hicache.storage import StorageError
-
-            try:
-                stored = self.storage.exists(self._keys(st, limit)[host:limit])
-            except StorageError:
-                stored = 0  # unreachable store: serve what host memory has
-            # Promise only what host pages can be found for now: update_state_after_alloc
-            # comes right after this lookup, and a promise it cannot keep is a load error
-            # (vLLM's default load-failure policy fails the request).
-            stored = min(stored, self._room_for_fetch(key, host))
+            # only what host memory can take now: after_alloc must keep the promise
+            stored = num_promisable_pages(
+                self.storage, self._keys(st, limit)[host:limit], self.tree, self.host_allocator,
+                key, host, P,
+            )
         num_tokens = (host + stored) * P - num_computed
         if num_tokens <= 0 or num_tokens < self.config.load_threshold_tokens:
             return 0
@@ -150,7 +125,7 @@ class SchedulerHalf:
         ``num_external`` tokens promised by :meth:`num_matched_tokens`."""
         st = self._reqs.get(req_id)
         if st is None:
-            st = self._reqs[req_id] = _Request(token_ids)
+            st = self._reqs[req_id] = RequestState(token_ids)
         st.token_ids = token_ids
         st.block_ids = list(block_ids)
         if num_external <= 0:
@@ -212,7 +187,7 @@ class SchedulerHalf:
             for s in scheduled:
                 st = self._reqs.get(s.req_id)
                 if st is None:
-                    st = self._reqs[s.req_id] = _Request(s.token_ids)
+                    st = self._reqs[s.req_id] = RequestState(s.token_ids)
                 st.token_ids = s.token_ids
                 if s.new_block_ids is not None:
                     if s.resumed:
@@ -227,7 +202,7 @@ class SchedulerHalf:
             self._unpin_all()
         return plan
 
-    def _plan_save(self, req_id: str, st: _Request, num_done: int) -> SaveOp | None:
+    def _plan_save(self, req_id: str, st: RequestState, num_done: int) -> SaveOp | None:
         P = self.page_size
         # Only tokens known now: with async scheduling the last sampled one may not be.
         full = min(num_done, len(st.token_ids), len(st.block_ids) * P) // P
@@ -339,16 +314,9 @@ class SchedulerHalf:
     def _key(self, token_ids: Sequence[int], num_pages: int) -> bytes:
         return token_key(np.asarray(token_ids[: num_pages * self.page_size]), self.page_size)
 
-    def _keys(self, st: _Request, num_pages: int) -> list[str]:
-        """Storage keys of the request's first ``num_pages`` pages (chained, so extended)."""
-        from hicache.storage import extend_keys
-
-        have = len(st.keys)
-        if have < num_pages:
-            P = self.page_size
-            prev = st.keys[-1] if st.keys else self._root_key
-            st.keys.extend(extend_keys(prev, np.asarray(st.token_ids[have * P : num_pages * P]), P))
-        return st.keys[:num_pages]
+    def _keys(self, st: RequestState, num_pages: int) -> list[str]:
+        return extend_storage_keys(st.keys, st.token_ids, num_pages, page_size=self.page_size,
+                                   root_key=self._root_key)
 
     def _insert_extension(self, token_ids: Sequence[int], cached: int, pages: torch.Tensor) -> bool:
         """Cache ``pages`` as the host pages after the first ``cached`` pages of
@@ -370,21 +338,6 @@ class SchedulerHalf:
         inserted = self.tree.insert_host(np.asarray(token_ids[: end * P]), indices)
         self._pin(inserted.last_node)
         return True
-
-    def _room_for_fetch(self, key: bytes, host: int) -> int:
-        """Host pages :meth:`_alloc_host` can provide once :meth:`after_alloc` pinned the
-        first ``host`` cached pages of ``key`` (no longer evictable then)."""
-        P = self.page_size
-        own, left = 0, host
-        for node in self.tree.probe_path(key):
-            if left <= 0:
-                break
-            n = min(node.num_tokens // P, left)
-            if node.host_lock_ref == 0:
-                own += n
-            left -= n
-        evictable = self.tree.host_evictable_tokens // P - own
-        return max(0, self.host_allocator.num_free_pages + evictable)
 
     def _alloc_host(self, num_pages: int) -> torch.Tensor | None:
         alloc = self.host_allocator

@@ -1,0 +1,38 @@
+"""The scheduler half's per-request bookkeeping: what vLLM scheduled, and what is known.
+
+:class:`ScheduledRequest` is one request of vLLM's scheduler output, in plain
+values (the connector converts vLLM's objects); :class:`RequestState` is what
+the scheduler half remembers about a live request between calls. Neither knows
+the tree, the page allocator or storage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass
+class ScheduledRequest:
+    """What one request does this step, from vLLM's scheduler output."""
+
+    req_id: str
+    token_ids: Sequence[int]  # every known token of the request (prompt + outputs so far)
+    new_block_ids: list[int] | None  # blocks added this step (all its blocks if resumed/new)
+    resumed: bool  # True: new_block_ids replace the request's blocks (new or resumed)
+    num_computed_tokens: int  # computed before this step
+    num_scheduled_tokens: int  # computed by this step
+
+
+class RequestState:
+    """One live request, from its first lookup (or first scheduling) until it finishes."""
+
+    __slots__ = ("token_ids", "block_ids", "num_checked_pages", "saved", "keys", "lookup")
+
+    def __init__(self, token_ids: Sequence[int]) -> None:
+        self.token_ids = token_ids
+        self.block_ids: list[int] = []
+        self.num_checked_pages = 0  # leading pages already saved or found in the tree
+        self.saved = False  # a save was planned: its block free waits for the workers
+        self.keys: list[str] = []  # storage keys of the leading pages (computed lazily)
+        self.lookup: tuple[int, int, int] | None = None  # (num_computed, host, storage pages)

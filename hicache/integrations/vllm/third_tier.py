@@ -1,0 +1,73 @@
+"""The scheduler half's third tier: what it may promise from storage, and under which keys.
+
+A lookup (``get_num_new_matched_tokens``) may promise pages that only storage
+holds; ``update_state_after_alloc`` then allocates host pages for them and the
+workers read them from storage into those pages before loading them. A promise
+that cannot be kept is a load error (vLLM's default load-failure policy fails
+the request), so a lookup promises only the stored pages that host memory can
+take at that moment. Storage keys are chained (each page's key covers every
+token before it), so a request's keys are computed once and extended as the
+request grows.
+
+This module only asks the backend ``exists``; reads and writes are the workers'.
+Nothing here changes the tree or the page allocator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def extend_storage_keys(
+    keys: list[str], token_ids: Sequence[int], num_pages: int, *, page_size: int,
+    root_key: str | None,
+) -> list[str]:
+    """The storage keys of the first ``num_pages`` pages of ``token_ids``.
+
+    ``keys`` holds the keys computed so far for these tokens (a leading run); it is
+    extended in place and a copy of its first ``num_pages`` entries returned.
+    """
+    from hicache.storage import extend_keys
+
+    have = len(keys)
+    if have < num_pages:
+        P = page_size
+        prev = keys[-1] if keys else root_key
+        keys.extend(extend_keys(prev, np.asarray(token_ids[have * P : num_pages * P]), P))
+    return keys[:num_pages]
+
+
+def num_promisable_pages(
+    backend, keys: Sequence[str], tree, host_allocator, key: bytes, num_host_pages: int,
+    page_size: int,
+) -> int:
+    """Pages, of those named by ``keys`` (the pages after the ``num_host_pages`` cached
+    in host memory for ``key``), that a lookup may promise: the leading run storage
+    holds, at most as many as host memory can take (:func:`host_room_for_fetch`).
+    An unreachable store promises nothing (host memory still serves what it has)."""
+    from hicache.storage import StorageError
+
+    try:
+        stored = backend.exists(keys)
+    except StorageError:
+        return 0
+    return min(stored, host_room_for_fetch(tree, host_allocator, key, num_host_pages, page_size))
+
+
+def host_room_for_fetch(tree, host_allocator, key: bytes, num_host_pages: int,
+                        page_size: int) -> int:
+    """Host pages that allocation can provide once the first ``num_host_pages`` cached
+    pages of ``key`` are pinned (as ``after_alloc`` pins them: no longer evictable then)."""
+    P = page_size
+    own, left = 0, num_host_pages
+    for node in tree.probe_path(key):
+        if left <= 0:
+            break
+        n = min(node.num_tokens // P, left)
+        if node.host_lock_ref == 0:
+            own += n
+        left -= n
+    evictable = tree.host_evictable_tokens // P - own
+    return max(0, host_allocator.num_free_pages + evictable)
