@@ -828,3 +828,33 @@ def test_finished_request_saves_blocks_its_last_steps_completed(make_vllm):
     m.finish("b")
     m.step()
     m.quiesce()
+
+
+@pytest.mark.parametrize("tree", ["python", "auto"])
+def test_save_that_cannot_fit_evicts_nothing(make_vllm, tree):
+    """A save needing more host pages than eviction can free evicts nothing (vLLM's
+    prepare_store rule). The save extends A -> A' (vLLM's own cache served both), so
+    it pins A', the deepest node of its prefix: A stays unpinned but host eviction
+    cannot take it while its child A' keeps a host copy. Only C's 2 pages can go, and
+    a 3-page save must be skipped without evicting them."""
+    m = make_vllm(num_host_pages=5, tree=tree)
+    a, a2, c = seq(8) + [1], seq(8) + seq(4, 50) + [5], seq(8, 300) + [2]
+    for rid, toks, own in (("a", a, 0), ("a2", a2, 8), ("c", c, 0)):
+        m.add(rid, toks, own=own)
+        m.step()
+        m.finish(rid)
+        m.step()
+    m.quiesce()
+    assert m.sched.stats()["host_pages_used"] == 5  # A (2), A' (1), C (2)
+    b = seq(8) + seq(4, 50) + seq(12, 700) + [4]  # A, A', then 3 new blocks
+    assert m.add("b", b, own=12) == 0
+    plan = m.step()
+    assert plan.saves == []
+    s = m.sched.stats()
+    assert s["host_evicted_tokens"] == 0 and s["save_skipped_tokens"] == 3 * P
+    assert m.sched.num_matched_tokens("q", c, 0) == 8  # C's pages stayed
+    m.sched.request_finished("q")
+    m.check()
+    m.finish("b")
+    m.step()
+    m.quiesce()

@@ -342,8 +342,10 @@ class SchedulerHalf:
     def _alloc_host(self, num_pages: int) -> torch.Tensor | None:
         alloc = self.host_allocator
         short = num_pages - alloc.num_free_pages
-        if short > self.tree.host_evictable_tokens // self.page_size:
-            return None  # evicting could not make room: keep what is cached
+        # host_takeable_tokens: exactly what evict_host can take (not the host copies
+        # above a pinned node, which host eviction cannot reach while it is pinned).
+        if short > self.tree.host_takeable_tokens // self.page_size:
+            return None  # evicting could not make room: evict nothing, keep what is cached
         if short > 0:
             result = self.tree.evict_host(short * self.page_size)
             if result.num_evicted_tokens:

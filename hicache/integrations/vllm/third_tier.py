@@ -69,5 +69,7 @@ def host_room_for_fetch(tree, host_allocator, key: bytes, num_host_pages: int,
         if node.host_lock_ref == 0:
             own += n
         left -= n
-    evictable = tree.host_evictable_tokens // P - own
+    # Pinning takes at most the path's takeable pages out of host_takeable_tokens
+    # (subtracting every unpinned path page errs on the side of promising less).
+    evictable = tree.host_takeable_tokens // P - own
     return max(0, host_allocator.num_free_pages + evictable)
