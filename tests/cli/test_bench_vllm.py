@@ -425,3 +425,45 @@ def test_real_run_connector_configs_serve_from_hicache(real_run):
     assert host["computed_tokens"] < base["computed_tokens"]
     assert storage["external_hit_tokens"] > 0
     assert np.isfinite(summary["comparisons"]["storage_keeps_hits"])
+
+
+def test_every_config_runs_on_the_same_cores(monkeypatch, tmp_path):
+    """vLLM's CPU backend reserves one more core with a KV connector configured, and none
+    where that leaves its worker nothing (2 cores): the connector's worker then computed
+    on every core and the baseline's on one. The bench pins one reserved core for all."""
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    seen = {}
+
+    def fake_run(cmd, cwd, env, stdout, stderr, pass_fds):
+        seen[os.path.basename(cmd[-1])] = env.get("VLLM_CPU_NUM_OF_RESERVED_CPU")
+        return subprocess.CompletedProcess(cmd, 1)
+
+    monkeypatch.setattr(bv.subprocess, "run", fake_run)
+    spec = {"vllm_blocks": 8, "block_size": 32, "kv_nbytes_per_token": 1024}
+    for name in bv.CONFIG_NAMES:
+        with pytest.raises(RuntimeError, match=f"config {name}: the vLLM process exited"):
+            bv.run_config(name, spec, str(tmp_path), sys.stderr.fileno())
+    assert seen == {f"{name}.result.json": "1" for name in bv.CONFIG_NAMES}
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # the caller's choice stands
+    with pytest.raises(RuntimeError):
+        bv.run_config("vllm", spec, str(tmp_path), sys.stderr.fileno())
+    assert seen["vllm.result.json"] == "0"
+
+
+@pytest.mark.parametrize("connector", [False, True])
+def test_every_config_uses_the_same_executor(connector):
+    """With a KV connector vLLM runs its worker in a process of its own; the baseline
+    must too, or the two differ in more than the cache."""
+    if not _vllm_available():
+        if REQUIRE_VLLM:
+            pytest.fail("HICACHE_REQUIRE_VLLM=1 but vLLM is not installed")
+        pytest.skip("vLLM is not installed")
+    from hicache.cli.benchmarks.vllm_engine import _engine_args
+
+    spec = {"model_dir": "m", "dtype": "float32", "enforce_eager": True, "block_size": 32,
+            "vllm_blocks": 8, "max_model_len": 256, "gpu_memory_utilization": 0.5,
+            "seed": 0, "max_num_seqs": 2}
+    if connector:
+        spec["kv_transfer_config"] = {"kv_connector": "HiCacheConnector", "kv_role": "kv_both",
+                                      "kv_connector_module_path": "hicache.integrations.vllm"}
+    assert _engine_args(spec).distributed_executor_backend == "mp"

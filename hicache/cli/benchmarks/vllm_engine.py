@@ -117,6 +117,9 @@ def _engine_args(spec: dict):
         num_gpu_blocks_override=spec["vllm_blocks"], max_model_len=spec["max_model_len"],
         gpu_memory_utilization=spec["gpu_memory_utilization"], enable_prefix_caching=True,
         seed=spec["seed"], max_num_seqs=max(1, spec["max_num_seqs"]),
+        # The same executor for every configuration (with a KV connector vLLM runs its
+        # worker in a process of its own; without one it may run it in-process).
+        distributed_executor_backend="mp",
     )
     if spec.get("kv_transfer_config"):
         from vllm.config import KVTransferConfig
