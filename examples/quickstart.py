@@ -19,8 +19,7 @@ import argparse
 
 import torch
 
-from hicache import CacheConfig, HiCache
-from hicache.sim.model import Model, preset
+from hicache import CacheConfig, HiCache, Model, preset
 
 
 # --8<-- [start:generate]
