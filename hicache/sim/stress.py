@@ -22,6 +22,7 @@ import traceback
 from dataclasses import dataclass
 
 from hicache.cache import HiCache, PrefixHandle
+from hicache.checks import check_fraction, check_int, check_positive_number, check_seconds
 from hicache.config import CacheConfig, KVConfig
 from hicache.sim import kvcheck
 from hicache.sim.faults import EvictionProbe, FaultyCopier, install_copier
@@ -44,6 +45,17 @@ class StressOptions:
     conversations: int = 24  # conversations the requests continue, in three namespaces
     max_tokens: int = 96  # a conversation longer than this starts over
     verify_every: int = 25  # verify every readable page of the cache each N steps
+
+    def __post_init__(self) -> None:
+        # The bounds of the command line's options (write_policy and eviction are
+        # checked by CacheConfig when the run builds its cache).
+        check_positive_number("seconds", self.seconds)
+        check_int("seed", self.seed)
+        for name in ("concurrency", "page_size", "device_pages", "host_pages",
+                     "conversations", "max_tokens", "verify_every"):
+            check_int(name, getattr(self, name), minimum=1)
+        check_fraction("fault_rate", self.fault_rate)
+        check_seconds("max_delay_ms", self.max_delay_ms)
 
 
 class _Request:

@@ -102,3 +102,20 @@ def test_stress_soak_ten_minutes(capsys):
     report = stress(capsys, "--seconds", "600", "--seed", "1")
     assert_clean(report)
     assert report["loads"] > 0 and report["evictions_blocked_by_io"] > 0
+
+
+@pytest.mark.parametrize(("field", "value", "error", "message"), [
+    ("seconds", 0, ValueError, "seconds: expected a finite number > 0, got 0"),
+    ("seconds", "5", TypeError, "seconds: expected a number, got str"),
+    ("seed", -1, ValueError, "seed: expected >= 0, got -1"),
+    ("concurrency", 0, ValueError, "concurrency: expected >= 1, got 0"),
+    ("device_pages", 2.0, TypeError, "device_pages: expected int, got float"),
+    ("verify_every", True, TypeError, "verify_every: expected int, got bool"),
+    ("fault_rate", 1.5, ValueError, r"fault_rate: expected a fraction in \[0, 1\], got 1.5"),
+    ("max_delay_ms", float("nan"), ValueError, "max_delay_ms: expected a finite number >= 0"),
+])
+def test_stress_options_refuse_bad_values(field, value, error, message):
+    """StressOptions is the harness's entry point without the command line: the same
+    bounds as the command's options, one clear error naming the field."""
+    with pytest.raises(error, match=message):
+        StressOptions(**{field: value})
