@@ -28,6 +28,7 @@ from hicache.cli.benchmarks.vllm_report import (
     plot_ttft_cdf,
     report,
     summarize,
+    summarize_runs,
 )
 from hicache.sim.traces import Request
 from hicache.sim.workloads import generate
@@ -61,6 +62,9 @@ def _usage_error(capsys, argv: list[str]) -> str:
     (["--num-requests", "0"], "--num-requests: expected an int >= 1, got 0"),
     (["--vllm-blocks", "-3"], "--vllm-blocks: expected an int >= 1, got -3"),
     (["--max-tokens", "0"], "--max-tokens: expected an int >= 1, got 0"),
+    (["--repeat", "0"], "--repeat: expected an int >= 1, got 0"),
+    (["--repeat", "2", "--storage", "file:/tmp/x"], "--storage with --repeat 2: expected a "
+     "fresh third tier"),
     (["--request-rate", "-1"], "--request-rate: expected a number > 0, got -1.0"),
     (["--request-rate", "nan"], "--request-rate: expected a number > 0, got nan"),
     (["--host-gb", "0"], "--host-gb: expected a number > 0, got 0.0"),
@@ -314,7 +318,8 @@ def test_report_names_failures_and_mismatches(capsys):
     a = _result([0.1, 0.2], [[1], [2]], stats)
     b = _result([0.1], [[7]], stats)
     b["num_failed"], b["errors"] = 1, ["EngineDeadError('boom')"]
-    summary = report({"vllm": a, "vllm+host": b}, {}, {}, out=sys.stdout, plot=None, title="t")
+    summary = report({"vllm": [a], "vllm+host": [b]}, {}, {}, out=sys.stdout, plot=None,
+                     title="t")
     text = capsys.readouterr().out
     assert "vllm+host: 1 requests FAILED, first error: EngineDeadError('boom')" in text
     assert "vllm+host: 1 finished requests generated other tokens than vllm" in text
@@ -323,13 +328,90 @@ def test_report_names_failures_and_mismatches(capsys):
     assert summary["configs"]["vllm+host"]["failed"] == 1
 
 
+def test_repeated_runs_report_medians_and_paired_rounds(capsys):
+    stats = {"computed": 200, "local_cache_hit": 0, "external_kv_transfer": 0, "total": 200}
+    hit = {"computed": 64, "local_cache_hit": 0, "external_kv_transfer": 136, "total": 200}
+    base = [_result([t, t], [[1], [2]], stats, wall_s=w) for t, w in ((0.3, 2.0), (0.5, 4.0),
+                                                                      (0.4, 1.0))]
+    host = [_result([t, t], [[1], [2]], hit, {"host": 136}, wall_s=1.0)
+            for t in (0.1, 0.2, 0.25)]
+    host[1]["prompt_token_stats"] = {**hit, "computed": 96}  # a run that hit less
+    summary = report({"vllm": base, "vllm+host": host}, {}, {}, out=sys.stdout, plot=None,
+                     title="t")
+    text = capsys.readouterr().out
+    b, h = summary["configs"]["vllm"], summary["configs"]["vllm+host"]
+    assert b["ttft_mean_ms"] == 400.0 and h["ttft_mean_ms"] == 200.0  # medians of 3
+    assert b["req_per_s"] == 1.0  # 2 requests in 2 s is the median run
+    assert h["computed_tokens"] == 64  # median_low of 64, 96, 64: a measured count
+    assert [r["ttft_mean_ms"] for r in h["runs"]] == [100.0, 200.0, 250.0]
+    assert summary["comparisons"]["vllm+host"]["ttft_mean_speedup"] == 2.0
+    assert [r["vllm+host"]["ttft_mean_speedup"] for r in summary["comparisons_per_run"]] \
+        == [3.0, 2.5, 1.6]
+    assert "medians of 3 runs per configuration" in text
+    assert "per run: mean TTFT 3.00, 2.50, 1.60x lower" in text
+    assert summary["tokens_identical"] is True and b["tokens_differ_vs_first"] == 0
+    host[2]["requests"][1]["output"] = [9]  # one run of one config generated other tokens
+    summary = report({"vllm": base, "vllm+host": host}, {}, {}, out=sys.stdout, plot=None,
+                     title="t")
+    assert summary["tokens_identical"] is False and summary["requests_differing"] == 1
+    assert summary["configs"]["vllm+host"]["tokens_differ_vs_first"] == 1
+
+
+def test_summarize_runs_of_one_run_is_that_run():
+    stats = {"computed": 200, "local_cache_hit": 0, "external_kv_transfer": 0, "total": 200}
+    r = _result([0.1, 0.3], [[1], [2]], stats)
+    assert summarize_runs([r]) == summarize(r) and "runs" not in summarize_runs([r])
+    with pytest.raises(ValueError, match="expected at least one run, got none"):
+        summarize_runs([])
+
+
+def test_rounds_alternate_their_order():
+    assert bv._schedule(["vllm", "vllm+host"], 3) == [
+        ("vllm", 1), ("vllm+host", 1), ("vllm+host", 2), ("vllm", 2), ("vllm", 3),
+        ("vllm+host", 3)]
+    assert bv._schedule(["vllm"], 1) == [("vllm", 1)]
+
+
+def test_repeat_runs_every_config_n_times_with_a_fresh_third_tier(
+        monkeypatch, capfd, everything_installed, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 4,
+        "intermediate_size": 352, "vocab_size": 32000}))
+    keep = tmp_path / "keep"
+    ran = []
+
+    def fake_run_config(name, spec, workdir, progress_fd, tag=None):
+        storage = os.path.join(workdir, "storage")
+        ran.append((name, tag, spec["config"], os.path.exists(storage)))
+        os.makedirs(storage, exist_ok=True)  # what the run left behind
+        stats = {"computed": 100, "local_cache_hit": 0, "external_kv_transfer": 0,
+                 "total": 100}
+        res = _result([0.1], [[1]], stats)
+        res["requests"][0]["prompt_tokens"] = 100
+        return res
+
+    monkeypatch.setattr(bv, "run_config", fake_run_config)
+    argv = ["bench", "vllm", "--model", str(model), "--num-requests", "1", "--repeat", "2",
+            "--configs", "vllm,vllm+host+storage", "--keep", str(keep), "--json"]
+    assert cli_main.main(argv) == 0
+    assert ran == [("vllm", "vllm.1", "vllm.1", False),
+                   ("vllm+host+storage", "vllm+host+storage.1", "vllm+host+storage.1", False),
+                   ("vllm+host+storage", "vllm+host+storage.2", "vllm+host+storage.2", False),
+                   ("vllm", "vllm.2", "vllm.2", False)]
+    summary = json.loads(capfd.readouterr().out)
+    assert len(summary["configs"]["vllm"]["runs"]) == 2
+    assert len(summary["comparisons_per_run"]) == 2
+
+
 def test_plot_ttft_cdf_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     a = _result([0.1, 0.2, 0.4], [[1], [2], [3]], {})
     b = _result([0.05], [[1]], {})
     b["num_failed"] = 2
     path = tmp_path / "cdf.png"
-    plot_ttft_cdf(str(path), {"vllm": a, "vllm+host": b}, "t")
+    plot_ttft_cdf(str(path), {"vllm": [a, a], "vllm+host": [b]}, "t")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

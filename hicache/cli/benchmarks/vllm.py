@@ -25,11 +25,12 @@ Measured per configuration (vLLM's own metrics): TTFT mean / p50 / p99, prompt
 tokens computed, prompt tokens served by vLLM's prefix cache, by the hicache host
 tier and by storage (the connector's hits per tier, ``CacheHitSource``),
 requests/s over the replay, and the decode step (per request, mean time between
-output tokens). Ends with one JSON line.
+output tokens). With ``--repeat N`` every configuration runs N times in interleaved
+rounds and each figure is the median of its runs. Ends with one JSON line.
 
     hicache bench vllm [--workload agentic|multiturn|longdoc|noreuse | --trace T.jsonl]
-        [--preset small | --model DIR] [--vllm-blocks N] [--host-gb G] [--storage SPEC]
-        [--concurrency C | --request-rate R] [--plot ttft.png] [--json]
+        [--preset medium | --model DIR] [--vllm-blocks N] [--host-gb G] [--storage SPEC]
+        [--concurrency C | --request-rate R] [--repeat N] [--plot ttft.png] [--json]
     (bench/vllm.py runs the same)
 """
 
@@ -49,6 +50,7 @@ import numpy as np
 
 from hicache.cli.benchmarks import standalone_main
 from hicache.cli.benchmarks.vllm_plan import (
+    DEFAULT_PRESET,
     PRESETS,
     WORKLOADS,
     ModelShape,
@@ -77,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="DIR", help="a Llama-style model directory "
                         "(config.json + weights); default: a random one made for the run")
     parser.add_argument("--preset", choices=sorted(PRESETS),
-                        help="shape of the random model (default small)")
+                        help=f"shape of the random model (default {DEFAULT_PRESET})")
     parser.add_argument("--dtype", default="float32", help="vLLM dtype (default float32)")
     parser.add_argument("--block-size", type=int, default=32,
                         help="vLLM block = hicache page, tokens (a multiple of 32 on CPU)")
@@ -94,6 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="closed loop: at most C requests in flight (default 4)")
     parser.add_argument("--request-rate", type=float, metavar="R",
                         help="open loop: Poisson arrivals at R requests/s")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="run every configuration N times, in interleaved rounds, and "
+                        "report each figure's median (default 1)")
     parser.add_argument("--max-tokens", type=int, default=16,
                         help="generate min(len(output), this) tokens per request")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.15,
@@ -131,6 +136,7 @@ def _check_args(args: argparse.Namespace) -> list[str]:
                              ("--num-requests", args.num_requests, 1),
                              ("--vllm-blocks", args.vllm_blocks, 1),
                              ("--max-tokens", args.max_tokens, 1),
+                             ("--repeat", args.repeat, 1),
                              ("--block-size", args.block_size, 1)):
         if value is not None and value < low:
             raise UsageError(f"{name}: expected an int >= {low}, got {value}")
@@ -149,6 +155,10 @@ def _check_args(args: argparse.Namespace) -> list[str]:
                                          or args.storage.startswith("mooncake://")):
         raise UsageError(f"--storage: expected 'file:DIR' or 'mooncake://HOST:PORT?...', "
                          f"got {args.storage!r}")
+    if args.storage is not None and args.repeat > 1 and "vllm+host+storage" in configs:
+        raise UsageError(f"--storage with --repeat {args.repeat}: expected a fresh third tier "
+                         "for every run of vllm+host+storage, got one the runs would share; "
+                         "leave out --storage (each run gets a fresh temporary directory)")
     if args.trace is not None and not os.path.isfile(args.trace):
         raise UsageError(f"--trace: expected a trace file, got {args.trace!r} (no such file)")
     if args.model is not None and not os.path.isfile(os.path.join(args.model, "config.json")):
@@ -190,11 +200,14 @@ def _connector_config(name: str, plan: Plan, args: argparse.Namespace,
             "kv_load_failure_policy": "recompute"}
 
 
-def run_config(name: str, spec: dict, workdir: str, progress_fd: int) -> dict:
-    """Run one configuration in a child process; its vLLM log goes to ``workdir``."""
-    spec_path = os.path.join(workdir, f"{name}.spec.json")
-    out_path = os.path.join(workdir, f"{name}.result.json")
-    log_path = os.path.join(workdir, f"{name}.log")
+def run_config(name: str, spec: dict, workdir: str, progress_fd: int,
+               tag: str | None = None) -> dict:
+    """Run one configuration in a child process; its vLLM log goes to ``workdir``, in
+    files named after ``tag`` (default ``name``: one run of each configuration)."""
+    tag = tag or name
+    spec_path = os.path.join(workdir, f"{tag}.spec.json")
+    out_path = os.path.join(workdir, f"{tag}.result.json")
+    log_path = os.path.join(workdir, f"{tag}.log")
     env = dict(os.environ)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # vLLM's CPU backend sizes its KV allocation from this (GiB), before the block cap.
@@ -234,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         configs = _check_args(args)
         requests = load_requests(args)
-        shape = model_shape_of(args.model) if args.model else PRESETS[args.preset or "small"]
+        shape = model_shape_of(args.model) if args.model else PRESETS[args.preset or DEFAULT_PRESET]
         plan = make_plan(args, requests)
     except UsageError as e:
         print(f"hicache bench vllm: {e}", file=sys.stderr)
@@ -256,13 +269,15 @@ def run(args: argparse.Namespace) -> int:
                                     "prompt": (np.asarray(r.prompt, np.int64) % V).tolist(),
                                     "max_tokens": max_tokens_of(r, args.max_tokens)}) + "\n")
         storage_dir = os.path.join(workdir, "storage")
-        shutil.rmtree(storage_dir, ignore_errors=True)  # a kept DIR's last run must not hit
         concurrency = 0 if args.request_rate is not None else (args.concurrency or 4)
         header = _header(args, shape, plan, requests, concurrency)
         print(header, file=out, flush=True)
-        results = {}
-        for name in configs:
-            spec = {"config": name, "model_dir": model_dir, "dtype": args.dtype,
+        results: dict[str, list[dict]] = {name: [] for name in configs}
+        for name, run_no in _schedule(configs, args.repeat):
+            # a fresh third tier per run (a kept DIR's last run must not hit either)
+            shutil.rmtree(storage_dir, ignore_errors=True)
+            label = name if args.repeat == 1 else f"{name}.{run_no}"
+            spec = {"config": label, "model_dir": model_dir, "dtype": args.dtype,
                     "enforce_eager": True, "block_size": plan.block_size,
                     "vllm_blocks": plan.vllm_blocks, "max_model_len": plan.max_model_len,
                     "gpu_memory_utilization": args.gpu_memory_utilization,
@@ -271,8 +286,8 @@ def run(args: argparse.Namespace) -> int:
                     "request_rate": args.request_rate or 0.0, "vocab_size": V,
                     "kv_nbytes_per_token": shape.kv_nbytes_per_token,
                     "kv_transfer_config": _connector_config(name, plan, args, storage_dir)}
-            results[name] = run_config(name, spec, workdir, out.fileno())
-        model_info = {"source": args.model or f"random Llama, preset {args.preset or 'small'}",
+            results[name].append(run_config(name, spec, workdir, out.fileno(), tag=label))
+        model_info = {"source": args.model or f"random Llama, preset {args.preset or DEFAULT_PRESET}",
                       **shape._asdict(), "dtype": args.dtype}
         summary = report(results, model_info, plan._asdict(), out=out, plot=args.plot,
                          title=f"{args.workload or os.path.basename(args.trace or '')}")
@@ -283,10 +298,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _schedule(configs: list[str], repeat: int) -> list[tuple[str, int]]:
+    """(configuration, run number from 1) in running order: ``repeat`` rounds, each in
+    the reverse order of the previous one, so a drift of the machine's speed over the
+    run weighs on every configuration alike."""
+    order: list[tuple[str, int]] = []
+    for r in range(repeat):
+        order += [(name, r + 1) for name in (configs if r % 2 == 0 else configs[::-1])]
+    return order
+
+
 def _header(args: argparse.Namespace, shape: ModelShape, plan: Plan,
             requests: list[Request], concurrency: int) -> str:
     source = args.trace or f"--workload {args.workload or 'agentic'} (seed {args.seed})"
-    model = args.model or f"random Llama-style, preset {args.preset or 'small'}"
+    model = args.model or f"random Llama-style, preset {args.preset or DEFAULT_PRESET}"
     kv_tokens = plan.vllm_blocks * plan.block_size
     issue = (f"closed loop, at most {concurrency} requests in flight" if concurrency
              else f"open loop, Poisson arrivals at {args.request_rate} req/s")
@@ -306,7 +331,9 @@ def _header(args: argparse.Namespace, shape: ModelShape, plan: Plan,
         f"{args.storage or 'file: a temporary directory'})",
         f"requests issued through vLLM's async engine (AsyncLLM): {issue}, the turns of a "
         "session in order; greedy, ignore_eos, "
-        f"max_tokens min(len(output), {args.max_tokens})",
+        f"max_tokens min(len(output), {args.max_tokens})"
+        + (f"; every configuration {args.repeat} times, rounds interleaved"
+           if args.repeat > 1 else ""),
     ])
 
 

@@ -39,14 +39,20 @@ class ModelShape(NamedTuple):
         return self.num_layers * per_layer + 2 * self.vocab_size * h + h
 
 
-# On this project's 2-core machines (float32, vLLM's CPU backend): "small" computes a
-# 576-token prompt in ~0.3 s and serves it from vLLM's cache in ~0.07 s (measured),
-# so prefill dominates TTFT; "tiny" is for tests (fixed costs dominate it).
+# On this project's 2-core machines (float32, vLLM's CPU backend, the worker on one
+# core; measured): "small" computes a 576-token prompt in ~0.3 s and serves it from
+# vLLM's cache in ~0.07 s; "medium" computes a prompt token in ~1.5 ms. Once hicache
+# serves the prefixes, what is left of a request's time is mostly decode steps, which
+# read every weight, the 32,000-word output layer included (over half of what a decode
+# step of "small" reads): with "small" they outweigh the prefill left, with "medium"
+# they weigh about as much. Hence "medium" by default (a default agentic run takes ~9
+# minutes, "small" ~3); "tiny" is for tests (fixed costs dominate it).
 PRESETS: dict[str, ModelShape] = {
     "tiny": ModelShape(2, 128, 4, 4, 352, 32000),
     "small": ModelShape(4, 512, 8, 8, 1408, 32000),
     "medium": ModelShape(8, 768, 12, 12, 2048, 32000),
 }
+DEFAULT_PRESET = "medium"
 
 # Bench-sized workloads (a 2-core machine computes ~2-3k prompt tokens/s with "small").
 WORKLOADS: dict[str, dict[str, int]] = {

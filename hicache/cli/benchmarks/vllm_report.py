@@ -10,10 +10,15 @@ by who served them, from vLLM's own accounting:
 The external split comes from the connector's hits per tier
 (``get_external_cache_hit_sources``: ``host``, ``disk``); tokens a connector reports
 without a tier are shown as ``unspecified`` rather than guessed.
+
+A configuration may have run several times (``--repeat``): it then shows the median of
+each figure over its runs, the ratios are those of the medians, and the JSON also
+keeps every run's figures and every round's paired ratios.
 """
 
 from __future__ import annotations
 
+import statistics
 from typing import IO
 
 import numpy as np
@@ -62,6 +67,46 @@ def summarize(result: dict) -> dict:
     }
 
 
+# Figures that vary from run to run (a repeated configuration shows their median) and
+# counts (its median_low: a count one of the runs measured).
+TIMED_KEYS = ("ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "req_per_s", "wall_s",
+              "decode_step_ms", "engine_start_s")
+COUNT_KEYS = ("computed_tokens", "vllm_hit_tokens", "external_hit_tokens", "host_hit_tokens",
+              "storage_hit_tokens", "unspecified_hit_tokens", "preemptions")
+
+
+def summarize_runs(runs: list[dict]) -> dict:
+    """One configuration over its runs (at least one): a single run's figures as they
+    are; for several, each figure's median, with every run's figures under ``runs``
+    (and the connector's totals per run there; the top level keeps the first run's)."""
+    if not runs:
+        raise ValueError("summarize_runs: expected at least one run, got none")
+    each = [summarize(r) for r in runs]
+    if len(each) == 1:
+        return each[0]
+    out = dict(each[0])
+    for key in TIMED_KEYS + COUNT_KEYS:
+        values = [s[key] for s in each if s[key] is not None]
+        if not values:
+            out[key] = None
+        elif key in COUNT_KEYS:
+            out[key] = statistics.median_low(values)
+        else:
+            out[key] = round(statistics.median(values), 3)
+    out["failed"] = sum(s["failed"] for s in each)
+    out["errors"] = [e for s in each for e in s["errors"]]
+    out["runs"] = [{k: s[k] for k in ("failed", *TIMED_KEYS, *COUNT_KEYS, "connector_stats")}
+                   for s in each]
+    return out
+
+
+def flatten_runs(results: dict[str, list[dict]]) -> dict[str, dict]:
+    """Every run as a configuration of its own (``name`` for a single run, else
+    ``name#1``, ``name#2``, ...), in order."""
+    return {(name if len(runs) == 1 else f"{name}#{i + 1}"): run
+            for name, runs in results.items() for i, run in enumerate(runs)}
+
+
 def outputs_identical(results: dict[str, dict]) -> tuple[bool, int]:
     """Whether every request generated the same tokens in every configuration.
 
@@ -80,6 +125,15 @@ def differing_vs_first(results: dict[str, dict]) -> dict[str, int]:
     return {name: sum(1 for r in res["requests"] if r["id"] in first
                       and r["output"] != first[r["id"]])
             for name, res in results.items()}
+
+
+def compare_per_run(configs: dict[str, dict]) -> list[dict]:
+    """:func:`compare` for each round of repeated runs (round ``i``: every configuration's
+    ``i``-th run); empty unless every configuration ran the same number of times > 1."""
+    counts = {len(c.get("runs", ())) for c in configs.values()}
+    if len(counts) != 1 or (n := counts.pop()) < 2:
+        return []
+    return [compare({name: c["runs"][i] for name, c in configs.items()}) for i in range(n)]
 
 
 def compare(configs: dict[str, dict]) -> dict:
@@ -124,8 +178,11 @@ def _fmt(v: object) -> str:
 
 
 def print_table(configs: dict[str, dict], comparisons: dict, identical: tuple[bool, int],
-                out: IO[str]) -> None:
+                out: IO[str], per_run: list[dict] | None = None) -> None:
     names = list(configs)
+    if per_run:
+        print(f"\nmedians of {len(per_run)} runs per configuration (rounds interleaved, "
+              "each round's order the reverse of the previous one's)", file=out)
     rows = [
         ("TTFT mean (ms)", "ttft_mean_ms"), ("TTFT p50 (ms)", "ttft_p50_ms"),
         ("TTFT p99 (ms)", "ttft_p99_ms"), ("prompt tokens", "prompt_tokens"),
@@ -164,29 +221,47 @@ def print_table(configs: dict[str, dict], comparisons: dict, identical: tuple[bo
               f"{c['ttft_mean_delta_ms']:+.2f} ms, decode step "
               f"{_fmt(c['decode_step_delta_ms'])} ms (targets <= +{FITS_TTFT_DELTA_MS} and "
               f"<= +{FITS_DECODE_DELTA_MS} when vLLM's cache holds the working set)", file=out)
+        rounds = [r[name] for r in per_run or () if name in r]
+        if rounds:
+            print(f"{'':<{len(name)}}          per run: mean TTFT "
+                  f"{', '.join(_fmt(r['ttft_mean_speedup']) for r in rounds)}x lower; "
+                  f"decode step {', '.join(_fmt(r['decode_step_delta_ms']) for r in rounds)} "
+                  "ms", file=out)
 
 
-def plot_ttft_cdf(path: str, results: dict[str, dict], title: str) -> None:
-    """The TTFT CDF of every configuration (a configuration's label names its failures)."""
+def plot_ttft_cdf(path: str, results: dict[str, list[dict]], title: str) -> None:
+    """The TTFT CDF of every configuration, the requests of all its runs together (a
+    configuration's label names its failures)."""
     ttft_ms = {}
-    for name, res in results.items():
-        failed = res["num_failed"]
+    for name, runs in results.items():
+        failed = sum(res["num_failed"] for res in runs)
         label = f"{name} ({failed} requests failed)" if failed else name
-        ttft_ms[label] = [r["ttft_s"] * 1e3 for r in res["requests"]]
+        ttft_ms[label] = [r["ttft_s"] * 1e3 for res in runs for r in res["requests"]]
     plots.plot_ttft_cdf(path, ttft_ms, title)
 
 
-def report(results: dict[str, dict], model: dict, plan: dict, *, out: IO[str],
+def report(results: dict[str, list[dict]], model: dict, plan: dict, *, out: IO[str],
            plot: str | None, title: str) -> dict:
-    """Print the table (and plot); return the JSON summary of the run."""
-    configs = {name: summarize(res) for name, res in results.items()}
-    for name, n in differing_vs_first(results).items():
-        configs[name]["tokens_differ_vs_first"] = n
+    """Print the table (and plot); return the JSON summary of the run.
+
+    ``results``: per configuration, its runs (one or more), as the engine wrote them.
+    Generated tokens must agree across every run of every configuration.
+    """
+    configs = {name: summarize_runs(runs) for name, runs in results.items()}
+    flat = flatten_runs(results)
+    differ = differing_vs_first(flat)
+    for name, runs in results.items():
+        keys = [name] if len(runs) == 1 else [f"{name}#{i + 1}" for i in range(len(runs))]
+        configs[name]["tokens_differ_vs_first"] = sum(differ[k] for k in keys)
     comparisons = compare(configs)
-    identical = outputs_identical(results)
-    print_table(configs, comparisons, identical, out)
+    per_run = compare_per_run(configs)
+    identical = outputs_identical(flat)
+    print_table(configs, comparisons, identical, out, per_run)
     if plot:
         plot_ttft_cdf(plot, results, f"hicache bench vllm: {title}")
         print(f"TTFT CDF written to {plot}", file=out)
-    return {"model": model, "plan": plan, "configs": configs, "comparisons": comparisons,
-            "tokens_identical": identical[0], "requests_differing": identical[1]}
+    summary = {"model": model, "plan": plan, "configs": configs, "comparisons": comparisons,
+               "tokens_identical": identical[0], "requests_differing": identical[1]}
+    if per_run:
+        summary["comparisons_per_run"] = per_run
+    return summary
