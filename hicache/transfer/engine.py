@@ -22,10 +22,12 @@ Ordering rules (the bugs the field shipped)::
   makes the current stream wait on the layer's event, the host does not block.
 
 Executors: ``"cuda"`` (two side streams, events; :mod:`hicache.transfer.cuda`),
-``"thread"`` (one worker thread per direction, for CPU-only machines), ``"manual"``
-(tests: nothing moves until the test completes a layer; the copy happens at that
-moment), ``"immediate"`` (bookkeeping only: completes at submission, copies nothing,
-pools may be None); the last three in :mod:`hicache.transfer.executors`.
+``"thread"`` (one worker thread per direction, for CPU-only machines), ``"sync"``
+(the submitting thread copies at submission: for callers whose cores all compute
+while a copy thread could run), ``"manual"`` (tests: nothing moves until the test
+completes a layer; the copy happens at that moment), ``"immediate"`` (bookkeeping
+only: completes at submission, copies nothing, pools may be None); the last four in
+:mod:`hicache.transfer.executors`.
 
 A failed transfer reports ``error``; its destination pages hold garbage (layers
 completed before the failure were written, later ones were not) and the caller
@@ -46,16 +48,23 @@ from hicache.memory.copier import PageCopier
 from hicache.memory.pools import DevicePool, HostPool
 from hicache.transfer.base import CudaFence, Executor, Fence, Transfer, TransferKind
 from hicache.transfer.cuda import CudaExecutor
-from hicache.transfer.executors import ImmediateExecutor, ManualExecutor, ThreadExecutor
+from hicache.transfer.executors import (
+    ImmediateExecutor,
+    ManualExecutor,
+    SyncExecutor,
+    ThreadExecutor,
+)
 
 _log = logging.getLogger(__name__)
+
+_CPU_EXECUTORS = {"thread": ThreadExecutor, "sync": SyncExecutor, "manual": ManualExecutor}
 
 
 class TransferEngine:
     """Submits loads and backups between one device pool and one host pool.
 
     ``executor``: ``"auto"`` (cuda if the device pool is on CUDA, else thread),
-    ``"cuda"``, ``"thread"``, ``"manual"`` or ``"immediate"``. ``native`` chooses the
+    ``"cuda"``, ``"thread"``, ``"sync"``, ``"manual"`` or ``"immediate"``. ``native`` chooses the
     CPU copy kernel (see :mod:`hicache.memory.copier`): None tries the native one and falls
     back to torch gather/scatter. ``copier`` replaces the CPU executors' page copier
     (anything with :class:`~hicache.memory.PageCopier`'s ``load``/``backup``): the vLLM
@@ -88,15 +97,14 @@ class TransferEngine:
                 )
             if executor == "cuda":
                 self.executor = CudaExecutor(device_pool, host_pool)
-            elif executor in ("thread", "manual"):
+            elif executor in _CPU_EXECUTORS:
                 if copier is None:
                     copier = PageCopier(device_pool, host_pool, native=native)
-                cls = ThreadExecutor if executor == "thread" else ManualExecutor
-                self.executor = cls(copier)
+                self.executor = _CPU_EXECUTORS[executor](copier)
             else:
                 raise ValueError(
-                    "executor: expected 'auto', 'cuda', 'thread', 'manual' or 'immediate', "
-                    f"got {executor!r}"
+                    "executor: expected 'auto', 'cuda', 'thread', 'sync', 'manual' or "
+                    f"'immediate', got {executor!r}"
                 )
         kv = (device_pool or host_pool).kv if (device_pool or host_pool) else None
         self._num_layers = kv.num_layers if kv else 1

@@ -1,6 +1,7 @@
 """The CPU executors: who moves a transfer's pages when no CUDA stream does.
 
 ``ImmediateExecutor`` (bookkeeping only: completes at submission, copies nothing),
+``SyncExecutor`` (copies every layer at submission, in the submitting thread),
 ``ManualExecutor`` (tests: a layer moves when the test says so) and ``ThreadExecutor``
 (one worker thread per direction, layer by layer). The copying itself is a
 :class:`hicache.memory.copier.PageCopier`'s (or anything with its ``load``/``backup``);
@@ -30,6 +31,38 @@ class ImmediateExecutor(Executor):
     def submit(self, transfer: Transfer) -> None:
         transfer.layers_done = transfer.num_layers
         transfer.seconds = 0.0
+        transfer._finished = True
+        self._completed.append(transfer)
+
+    def close(self) -> None:
+        """Nothing runs in the background."""
+
+
+class SyncExecutor(Executor):
+    """Copies every layer of a transfer at submission, in the submitting thread.
+
+    For a caller whose cores are all busy computing whenever a copy thread could run
+    (vLLM's CPU worker binds a compute thread to each of its cores): a copy thread
+    would only preempt one of them, while a copy made between two forwards runs when
+    they are idle. ``submit`` returns a finished transfer; a backup first waits for its
+    fence, which another thread must pass (on CPU, ``compute_fence()`` has passed).
+    """
+
+    def __init__(self, copier: PageCopier) -> None:
+        super().__init__()
+        self._copier = copier
+
+    def submit(self, transfer: Transfer) -> None:
+        if transfer.fence is not None:
+            transfer.fence.wait()
+        started = time.perf_counter()
+        try:
+            _copy_layers(self._copier, transfer, 0, transfer.num_layers)
+        except Exception as exc:  # noqa: BLE001 - reported through the transfer
+            transfer.error = exc  # the destination holds garbage: the caller frees it
+        else:
+            transfer.layers_done = transfer.num_layers
+        transfer.seconds = time.perf_counter() - started
         transfer._finished = True
         self._completed.append(transfer)
 

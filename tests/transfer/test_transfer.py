@@ -46,7 +46,7 @@ def finish(engine: TransferEngine, handle):
     return handle
 
 
-@pytest.mark.parametrize("executor", ["thread", "manual"])
+@pytest.mark.parametrize("executor", ["thread", "sync", "manual"])
 @pytest.mark.parametrize(
     "shape",
     [
@@ -158,6 +158,55 @@ def test_failed_copy_on_thread_executor_leaves_source_untouched(monkeypatch):
         assert engine.poll() == [handle]
     assert all(torch.equal(a, b) for a, b in zip(before, snapshot(device), strict=True))
     assert not host.buffer.view(torch.uint8).any()
+
+
+def test_sync_executor_copies_in_the_submitting_thread_before_returning():
+    device, host = make_pools()
+    copiers = []
+
+    class Recording(PageCopier):
+        def backup(self, *args):
+            copiers.append(threading.current_thread())
+            super().backup(*args)
+
+    engine = TransferEngine(device, host, "sync", copier=Recording(device, host))
+    handle = engine.backup(ids(4), ids(6))
+    assert handle.done() and handle.error is None and handle.layers_done == 3
+    assert copiers == [threading.current_thread()]  # one call: every layer at once
+    assert torch.equal(host.buffer[6, 1, 0].view(torch.uint8),
+                       device.k_buffers[1][4].view(torch.uint8))
+    assert engine.num_in_flight == 1  # finished, not yet reported
+    assert engine.poll() == [handle] and engine.num_in_flight == 0
+    engine.close()
+
+
+def test_sync_executor_reports_a_failed_copy(monkeypatch):
+    device, host = make_pools()
+
+    def broken(self, *args):
+        raise RuntimeError("injected copy failure")
+
+    monkeypatch.setattr(PageCopier, "load", broken)
+    engine = TransferEngine(device, host, "sync")
+    before = snapshot(device)
+    handle = engine.load(ids(0), ids(1))
+    assert handle.done() and isinstance(handle.error, RuntimeError)
+    assert handle.layers_done == 0 and not handle.wait_layer(0)
+    assert engine.poll() == [handle]
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(device), strict=True))
+
+
+def test_sync_backup_waits_for_a_fence_another_thread_passes():
+    device, host = make_pools()
+    engine = TransferEngine(device, host, "sync")
+    fence = ManualFence()
+    timer = threading.Timer(0.05, fence.set)
+    timer.start()
+    handle = engine.backup(ids(2), ids(3), after=fence)
+    timer.join()
+    assert fence.is_set() and handle.done() and handle.error is None
+    assert torch.equal(host.buffer[3, 2, 1].view(torch.uint8),
+                       device.v_buffers[2][2].view(torch.uint8))
 
 
 def test_manual_fence_blocks_backup_until_set():
