@@ -221,6 +221,11 @@ class HostPool:
     (one index space for gathers). A copy must not span two registrations, so
     ``pin_chunk_pages`` is exported and the transfer engine splits runs at its
     multiples.
+
+    ``prefault=True`` zeroes the buffer now (pinning maps its pages in anyway): the
+    operating system maps a page of a fresh allocation only when it is first written,
+    and without it the first copy into each host page pays that fault (measured with
+    vLLM's CPU worker: ~1 s per GiB, on the cores that compute).
     """
 
     def __init__(
@@ -230,6 +235,7 @@ class HostPool:
         *,
         pin_memory: bool | None = None,
         reserve_nbytes: int = 2 * GiB,
+        prefault: bool = False,
     ) -> None:
         if not isinstance(kv, KVConfig):
             raise TypeError(f"kv: expected KVConfig, got {type(kv).__name__}")
@@ -257,6 +263,8 @@ class HostPool:
         self.pinned = False
         if pin_memory:
             self._pin()
+        elif prefault:
+            self.buffer.view(-1).view(torch.uint8).zero_()
 
     def _pin(self) -> None:
         cudart = torch.cuda.cudart()

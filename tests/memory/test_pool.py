@@ -99,6 +99,25 @@ def test_host_pool_layout_page_first():
     assert torch.equal(pool.pages(ids(3, 1)), pool.buffer[[3, 1]])
 
 
+def test_host_pool_prefault_maps_every_page_at_construction():
+    """A fresh allocation this large is mapped page by page on first write (glibc serves
+    it with mmap); prefault=True writes it all at construction instead."""
+    psutil = pytest.importorskip("psutil")
+    kv = KVConfig(num_layers=1, num_kv_heads=1, head_dim=1024, dtype="float32", page_size=1024)
+    num_pages = 12  # 12 x 8 MiB (K and V) = 96 MiB, above glibc's largest mmap threshold
+    proc = psutil.Process()
+    before = proc.memory_info().rss
+    lazy = HostPool(kv, num_pages, pin_memory=False)
+    grown_lazy = proc.memory_info().rss - before
+    before = proc.memory_info().rss
+    eager = HostPool(kv, num_pages, pin_memory=False, prefault=True)
+    grown_eager = proc.memory_info().rss - before
+    assert grown_lazy < 16 << 20, grown_lazy
+    assert grown_eager >= eager.nbytes - (1 << 20), grown_eager
+    assert not eager.buffer.view(torch.uint8).any()
+    del lazy
+
+
 def test_host_pool_page_bytes_round_trip():
     kv = kv_config("bfloat16")
     pool = HostPool(kv, 3, pin_memory=False)
