@@ -85,8 +85,10 @@ class MiniVllm:
     """Just enough of vLLM's scheduler and model runner to drive both halves."""
 
     def __init__(self, *, num_blocks=16, num_host_pages=8, layout="fused", storage=None,
-                 native=None, tree="python", **extra):
-        cfg = ConnectorConfig(tree=tree, storage=storage, **extra)
+                 native=None, tree="python", executor="thread", **extra):
+        # "thread" (not the CPU default, "sync") unless a test asks: most tests here need
+        # copies still in flight at the next step, which only a copy thread leaves.
+        cfg = ConnectorConfig(tree=tree, storage=storage, executor=executor, **extra)
         self.num_blocks = num_blocks
         self.kv = make_kv(layout, num_blocks)
         self.hook = Hook()
@@ -303,6 +305,42 @@ def test_worker_copies_on_one_native_thread(make_vllm, monkeypatch):
         BlockCopier(copier._layout, m.worker.host_pool, max_threads=0)
 
 
+def test_auto_executor_on_cpu_copies_between_forwards(make_vllm):
+    """On CPU a save is copied in wait_for_save itself (the model runner's thread, while
+    vLLM's compute threads are idle): nothing is in flight after a step, and a block
+    reused at the next step needs no wait."""
+    m = make_vllm(executor="auto")
+    assert m.worker.transfers.executor_name == "sync"
+    a = seq(8) + [1]
+    m.add("a", a)
+    m.step()
+    assert m.worker.num_in_flight == 0 and m.worker.counters.save_blocks == 2
+    assert m.finish("a") is True  # the free is still delayed by one step (scheduler side)
+    m.step()
+    assert m.add("b", a) == 8
+    m.step()
+    assert m.loaded_ok("b") and not m.last_errors
+    m.finish("b")
+    m.step()
+    m.quiesce()
+
+
+def test_worker_host_pool_is_mapped_in_at_start(make_vllm, monkeypatch):
+    """Prefaulted at construction: the first save into a page pays no page fault then."""
+    import hicache.integrations.vllm.worker as worker_module
+
+    made = []
+
+    def recording(*args, **kwargs):
+        made.append(kwargs)
+        return HostPool(*args, **kwargs)
+
+    monkeypatch.setattr(worker_module, "HostPool", recording)
+    m = make_vllm(executor="auto")
+    assert [kw.get("prefault") for kw in made] == [True]
+    assert not m.worker.host_pool.buffer.view(torch.uint8).any()
+
+
 def test_block_planes_rejects_unknown_layouts():
     with pytest.raises(ValueError, match="expected \\(num_blocks=8"):
         block_planes(torch.zeros(4, 8, 2), 8)
@@ -311,8 +349,9 @@ def test_block_planes_rejects_unknown_layouts():
 
 
 # ------------------------------------------------------------ scenarios
-def test_saved_blocks_come_back_after_vllm_dropped_them(make_vllm):
-    m = make_vllm()
+@pytest.mark.parametrize("executor", ["thread", "auto"])
+def test_saved_blocks_come_back_after_vllm_dropped_them(make_vllm, executor):
+    m = make_vllm(executor=executor)
     a = seq(14)  # 3 whole blocks + 2 tokens
     assert m.add("a", a) == 0
     plan = m.step()
@@ -525,8 +564,9 @@ def test_request_without_saves_frees_at_once(make_vllm):
     m.quiesce()
 
 
-def test_failed_load_is_reported_and_its_saves_dropped(make_vllm):
-    m = make_vllm()
+@pytest.mark.parametrize("executor", ["thread", "auto"])
+def test_failed_load_is_reported_and_its_saves_dropped(make_vllm, executor):
+    m = make_vllm(executor=executor)
     a = seq(8)
     m.add("a", a + [9])
     m.step()
@@ -561,8 +601,9 @@ def test_failed_load_is_reported_and_its_saves_dropped(make_vllm):
     m.quiesce()
 
 
-def test_failed_save_pages_are_never_loaded(make_vllm):
-    m = make_vllm()
+@pytest.mark.parametrize("executor", ["thread", "auto"])
+def test_failed_save_pages_are_never_loaded(make_vllm, executor):
+    m = make_vllm(executor=executor)
     m.report_bad = False  # the worker alone: it must not serve the pages
     m.hook.fail_saves = 1
     a = seq(8) + [5]
@@ -633,9 +674,10 @@ def test_reset_drops_every_host_page(make_vllm):
 
 
 @pytest.mark.parametrize("layout", ["fused", "split"])
-def test_third_tier_serves_a_fresh_process(make_vllm, tmp_path, layout):
+@pytest.mark.parametrize("executor", ["thread", "auto"])
+def test_third_tier_serves_a_fresh_process(make_vllm, tmp_path, layout, executor):
     storage = f"file:{tmp_path}"
-    m = make_vllm(storage=storage, layout=layout)
+    m = make_vllm(storage=storage, layout=layout, executor=executor)
     a = seq(12) + [4]
     m.add("a", a)
     m.step()
@@ -643,7 +685,7 @@ def test_third_tier_serves_a_fresh_process(make_vllm, tmp_path, layout):
     m.step()
     m.quiesce()
     assert m.worker.counters.storage_write_bytes == 3 * m.worker.host_pool.page_nbytes
-    fresh = make_vllm(storage=storage, layout=layout)  # new host tier, same directory
+    fresh = make_vllm(storage=storage, layout=layout, executor=executor)  # new host tier
     assert fresh.add("b", a) == 12
     plan = fresh.step()
     assert [len(op.storage_keys) for op in plan.loads] == [3]
@@ -710,9 +752,10 @@ def test_third_tier_read_failure_is_a_load_error(make_vllm, tmp_path):
     fresh.quiesce()
 
 
-def test_many_requests_with_preemptions_keep_both_halves_consistent(make_vllm):
+@pytest.mark.parametrize("executor", ["thread", "auto"])
+def test_many_requests_with_preemptions_keep_both_halves_consistent(make_vllm, executor):
     rng = np.random.default_rng(0)
-    m = make_vllm(num_blocks=24, num_host_pages=6, tree="auto")
+    m = make_vllm(num_blocks=24, num_host_pages=6, tree="auto", executor=executor)
     prefixes = [seq(8, 1000 * i) for i in range(4)]
     live: list[str] = []
     for i in range(40):

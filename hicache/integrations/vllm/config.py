@@ -16,7 +16,7 @@ from hicache.config import GiB
 _WRITE_POLICIES = ("write_through",)
 _EVICTIONS = ("lru", "lfu")
 _TREES = ("auto", "python", "native")
-_EXECUTORS = ("auto", "thread", "cuda", "manual")
+_EXECUTORS = ("auto", "sync", "thread", "cuda", "manual")
 DEFAULT_HOST_GB = 4.0
 
 
@@ -58,7 +58,7 @@ class ConnectorConfig:
     eviction: str = "lru"  # host tier eviction order: "lru" or "lfu"
     load_threshold_tokens: int = 0  # host/storage hits shorter than this are recomputed
     tree: str = "auto"  # radix tree implementation: "auto", "python" or "native"
-    executor: str = "auto"  # worker copies: "auto" (cuda on GPU, else thread), ...
+    executor: str = "auto"  # worker copies: "auto" (cuda on GPU, else sync), ...
     model_id: str | None = None  # storage identity override (default: derived from vLLM)
 
     @classmethod
