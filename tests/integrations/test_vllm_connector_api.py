@@ -116,6 +116,12 @@ def test_save_then_load_through_the_connector_api():
         assert torch.equal(t[5], t[0]) and torch.equal(t[6], t[1])
     stats = worker.get_kv_connector_stats()
     assert stats.data["load_blocks"] == 2 and stats.data["save_blocks"] == 2
+    # three steps ran through the hooks; their time (the copies' included) is counted
+    assert stats.data["steps"] == 3 and stats.data["hook_seconds"] > 0
+    assert stats.data["hook_seconds"] >= stats.data["load_seconds"] + stats.data["save_seconds"]
+    _run_step(worker, sched.build_connector_meta(_output()))  # nothing moves: no report
+    assert worker.get_kv_connector_stats() is None
+    assert worker.worker_half.counters.steps == 1  # kept for the next report
     sched.scheduler_half.check_integrity()
     worker.shutdown()
     sched.shutdown()

@@ -91,4 +91,7 @@ def test_connector_stats_aggregate_and_reduce():
     assert not a.is_empty() and HiCacheConnectorStats().is_empty()
     reduced = a.aggregate(b).reduce()
     assert reduced["load_bytes"] == 6_000_000_000 and reduced["load_gbps"] == 3.0
-    assert reduced["save_gbps"] == 0.0
+    assert reduced["save_gbps"] == 0.0 and reduced["hook_ms_per_step"] == 0.0
+    c = HiCacheConnectorStats(data={"steps": 40, "hook_seconds": 0.02})
+    assert c.aggregate(HiCacheConnectorStats(data={"steps": 10, "hook_seconds": 0.03})) \
+        .reduce()["hook_ms_per_step"] == 1.0

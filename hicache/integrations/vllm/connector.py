@@ -18,8 +18,10 @@ worker reports it in ``get_finished``). See docs/vllm.md.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -87,10 +89,30 @@ class HiCacheConnectorStats(KVConnectorStats):
         for kind in ("load", "save"):
             secs = d.get(f"{kind}_seconds", 0.0)
             out[f"{kind}_gbps"] = d.get(f"{kind}_bytes", 0) / secs / 1e9 if secs else 0.0
+        steps = d.get("steps", 0)
+        out["hook_ms_per_step"] = d.get("hook_seconds", 0.0) / steps * 1e3 if steps else 0.0
         return out
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
+
+
+def _timed(hook):
+    """A worker-side hook whose time is added to the worker's ``hook_seconds``: the
+    connector's share of vLLM's step on the worker (copies made there included)."""
+
+    @functools.wraps(hook)
+    def timed(self: HiCacheConnector, *args: Any, **kwargs: Any) -> Any:
+        half = self.worker_half
+        if half is None:
+            return hook(self, *args, **kwargs)
+        start = time.perf_counter()
+        try:
+            return hook(self, *args, **kwargs)
+        finally:
+            half.counters.hook_seconds += time.perf_counter() - start
+
+    return timed
 
 
 def storage_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
@@ -222,15 +244,18 @@ class HiCacheConnector(KVConnectorBase_V1):
         meta = self._connector_metadata
         return meta if isinstance(meta, StepPlan) else None
 
+    @_timed
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self.worker_half is not None and isinstance(kv_connector_metadata, StepPlan):
             self.worker_half.begin_step(kv_connector_metadata)
 
+    @_timed
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         plan = self._plan()
         if plan is not None and plan.loads and self.worker_half is not None:
             self.worker_half.start_loads(plan)
 
+    @_timed
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.worker_half is not None:
             self.worker_half.wait_layer(layer_name)
@@ -242,17 +267,22 @@ class HiCacheConnector(KVConnectorBase_V1):
         # the whole forward by the compute fence. Nothing to do per layer.
         return
 
-    def wait_for_save(self) -> None:
+    @_timed
+    def wait_for_save(self) -> None:  # once per step
         plan = self._plan()
-        if plan is not None and self.worker_half is not None and not plan.is_empty():
-            self.worker_half.end_step(plan)
+        if self.worker_half is not None:
+            self.worker_half.counters.steps += 1
+            if plan is not None and not plan.is_empty():
+                self.worker_half.end_step(plan)
 
+    @_timed
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.worker_half is None:
             return None, None
         done = self.worker_half.finished(self._plan())
         return (done or None), None
 
+    @_timed
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_half.load_errors() if self.worker_half is not None else set()
 
@@ -262,6 +292,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         data = self.worker_half.take_stats()
         return None if data is None else HiCacheConnectorStats(data=data)
 
+    @_timed
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if self.worker_half is None:
             return None

@@ -59,6 +59,8 @@ class WorkerStats:
     storage_write_bytes: int = 0
     storage_write_seconds: float = 0.0
     storage_errors: int = 0
+    steps: int = 0  # vLLM steps (wait_for_save calls)
+    hook_seconds: float = 0.0  # spent in the connector's worker-side hooks (copies too)
 
 
 class _Save:
@@ -252,9 +254,10 @@ class WorkerHalf:
         return errors
 
     def take_stats(self) -> dict | None:
-        """Counters since the last call, or None when nothing moved."""
+        """Counters since the last call, or None when nothing moved. Steps and hook time
+        alone are not worth a report each step: they ride along with the next one."""
         s = asdict(self.counters)
-        if not any(s.values()):
+        if not any(v for k, v in s.items() if k not in ("steps", "hook_seconds")):
             return None
         self.counters = WorkerStats()
         return s
