@@ -122,6 +122,14 @@ def test_save_then_load_through_the_connector_api():
     _run_step(worker, sched.build_connector_meta(_output()))  # nothing moves: no report
     assert worker.get_kv_connector_stats() is None
     assert worker.worker_half.counters.steps == 1  # kept for the next report
+    # the scheduler half's clock: reported once every 32 planned steps
+    assert sched._scheduler_steps == 4 and sched.get_kv_connector_stats() is None
+    for _ in range(28):
+        sched.build_connector_meta(_output())
+    stats = sched.get_kv_connector_stats()
+    assert stats.data["scheduler_steps"] == 32 and stats.data["scheduler_hook_seconds"] > 0
+    assert stats.reduce()["scheduler_hook_ms_per_step"] > 0
+    assert sched.get_kv_connector_stats() is None and sched._scheduler_steps == 0
     sched.scheduler_half.check_integrity()
     worker.shutdown()
     sched.shutdown()

@@ -44,10 +44,7 @@ def summarize(result: dict) -> dict:
     host = by_source.get("host", 0)
     storage = by_source.get("disk", 0)
     external = p.get("external_kv_transfer", 0)
-    # the connector's worker-side hooks, copies included, per vLLM step
     cstats = result["connector_stats"] or {}
-    num_steps = cstats.get("steps", 0)
-    hook_ms = cstats.get("hook_seconds", 0.0) / num_steps * 1e3 if num_steps else None
     return {
         "requests": len(recs),
         "failed": result["num_failed"],
@@ -65,17 +62,26 @@ def summarize(result: dict) -> dict:
         "req_per_s": round(len(recs) / result["wall_s"], 3),
         "wall_s": round(result["wall_s"], 2),
         "decode_step_ms": round(float(np.mean(steps)) * 1e3, 3) if steps else None,
-        "connector_ms_per_step": round(hook_ms, 3) if hook_ms is not None else None,
+        # the connector's own time per vLLM step: its worker-side hooks (copies
+        # included) and its scheduler-side ones (lookups, plans)
+        "connector_ms_per_step": _per_step_ms(cstats, ""),
+        "connector_scheduler_ms_per_step": _per_step_ms(cstats, "scheduler_"),
         "preemptions": int(sum(r["preemptions"] for r in recs)),
         "engine_start_s": round(result["engine_start_s"], 1),
         "connector_stats": result["connector_stats"] or None,  # the connector's totals
     }
 
 
+def _per_step_ms(cstats: dict, prefix: str) -> float | None:
+    steps = cstats.get(f"{prefix}steps", 0)
+    return round(cstats.get(f"{prefix}hook_seconds", 0.0) / steps * 1e3, 3) if steps else None
+
+
 # Figures that vary from run to run (a repeated configuration shows their median) and
 # counts (its median_low: a count one of the runs measured).
 TIMED_KEYS = ("ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "req_per_s", "wall_s",
-              "decode_step_ms", "connector_ms_per_step", "engine_start_s")
+              "decode_step_ms", "connector_ms_per_step", "connector_scheduler_ms_per_step",
+              "engine_start_s")
 COUNT_KEYS = ("computed_tokens", "vllm_hit_tokens", "external_hit_tokens", "host_hit_tokens",
               "storage_hit_tokens", "unspecified_hit_tokens", "preemptions")
 
@@ -195,13 +201,14 @@ def print_table(configs: dict[str, dict], comparisons: dict, identical: tuple[bo
         ("  hicache host", "host_hit_tokens"), ("  storage", "storage_hit_tokens"),
         ("  connector, tier unknown", "unspecified_hit_tokens"), ("requests/s", "req_per_s"),
         ("decode step (ms)", "decode_step_ms"),
-        ("connector per step (ms)", "connector_ms_per_step"), ("preemptions", "preemptions"),
+        ("connector per step, worker (ms)", "connector_ms_per_step"),
+        ("  scheduler (ms)", "connector_scheduler_ms_per_step"), ("preemptions", "preemptions"),
         ("failed requests", "failed"), ("engine start (s)", "engine_start_s"),
     ]
     width = max(20, *(len(n) + 2 for n in names))
-    print(f"\n{'':<26}" + "".join(f"{n:>{width}}" for n in names), file=out)
+    print(f"\n{'':<32}" + "".join(f"{n:>{width}}" for n in names), file=out)
     for label, key in rows:
-        print(f"{label:<26}" + "".join(f"{_fmt(configs[n][key]):>{width}}" for n in names),
+        print(f"{label:<32}" + "".join(f"{_fmt(configs[n][key]):>{width}}" for n in names),
               file=out)
     same, differ = identical
     print(f"generated tokens identical across configs (greedy): "

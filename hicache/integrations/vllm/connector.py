@@ -71,7 +71,8 @@ class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
 
 @dataclass
 class HiCacheConnectorStats(KVConnectorStats):
-    """Worker counters of one interval (see :class:`~hicache.integrations.vllm.worker.WorkerStats`)."""
+    """Worker counters of one interval (see :class:`~hicache.integrations.vllm.worker.WorkerStats`),
+    and the scheduler half's ``scheduler_steps`` and ``scheduler_hook_seconds``."""
 
     data: dict[str, Any] = field(default_factory=dict)
 
@@ -89,8 +90,11 @@ class HiCacheConnectorStats(KVConnectorStats):
         for kind in ("load", "save"):
             secs = d.get(f"{kind}_seconds", 0.0)
             out[f"{kind}_gbps"] = d.get(f"{kind}_bytes", 0) / secs / 1e9 if secs else 0.0
-        steps = d.get("steps", 0)
-        out["hook_ms_per_step"] = d.get("hook_seconds", 0.0) / steps * 1e3 if steps else 0.0
+        for prefix in ("", "scheduler_"):
+            steps = d.get(f"{prefix}steps", 0)
+            out[f"{prefix}hook_ms_per_step"] = (
+                d.get(f"{prefix}hook_seconds", 0.0) / steps * 1e3 if steps else 0.0
+            )
         return out
 
     def is_empty(self) -> bool:
@@ -113,6 +117,25 @@ def _timed(hook):
             half.counters.hook_seconds += time.perf_counter() - start
 
     return timed
+
+
+def _timed_scheduler(hook):
+    """A scheduler-side hook whose time is added to the connector's scheduler clock:
+    the connector's share of vLLM's scheduling (lookups, plans, request ends)."""
+
+    @functools.wraps(hook)
+    def timed(self: HiCacheConnector, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return hook(self, *args, **kwargs)
+        finally:
+            self._scheduler_seconds += time.perf_counter() - start
+
+    return timed
+
+
+# The scheduler half reports its clock every this many steps (not with every step).
+_SCHEDULER_STATS_EVERY = 32
 
 
 def storage_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
@@ -192,6 +215,8 @@ class HiCacheConnector(KVConnectorBase_V1):
         self._identity = storage_identity(vllm_config, kv_cache_config, self.hc_config)
         self._requests: dict[str, Request] = {}
         self._hit_sources: dict[str, tuple[int, int]] = {}
+        self._scheduler_seconds = 0.0  # in scheduler-side hooks since the last report
+        self._scheduler_steps = 0
         self.scheduler_half: SchedulerHalf | None = None
         self.worker_half: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -287,6 +312,13 @@ class HiCacheConnector(KVConnectorBase_V1):
         return self.worker_half.load_errors() if self.worker_half is not None else set()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.scheduler_half is not None:  # vLLM's scheduler asks too, every step
+            if self._scheduler_steps < _SCHEDULER_STATS_EVERY:
+                return None
+            data = {"scheduler_steps": self._scheduler_steps,
+                    "scheduler_hook_seconds": self._scheduler_seconds}
+            self._scheduler_steps, self._scheduler_seconds = 0, 0.0
+            return HiCacheConnectorStats(data=data)
         if self.worker_half is None:
             return None
         data = self.worker_half.take_stats()
@@ -315,6 +347,7 @@ class HiCacheConnector(KVConnectorBase_V1):
     def on_new_request(self, request: Request) -> None:
         self._requests[request.request_id] = request
 
+    @_timed_scheduler
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler_half is not None, "scheduler-side call on a worker connector"
@@ -324,6 +357,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         )
         return num, False
 
+    @_timed_scheduler
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         assert self.scheduler_half is not None, "scheduler-side call on a worker connector"
@@ -339,14 +373,17 @@ class HiCacheConnector(KVConnectorBase_V1):
                 half.counters.storage_hit_tokens - before[1],
             )
 
+    @_timed_scheduler
     def get_external_cache_hit_sources(self, request: Request,
                                        num_external_tokens: int) -> dict[CacheHitSource, int]:
         host, disk = self._hit_sources.pop(request.request_id, (num_external_tokens, 0))
         out = {CacheHitSource.HOST: host, CacheHitSource.DISK: disk}
         return {k: v for k, v in out.items() if v}
 
+    @_timed_scheduler
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler_half is not None, "scheduler-side call on a worker connector"
+        self._scheduler_steps += 1  # once per step
         scheduled: list[ScheduledRequest] = []
         num_tokens = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -373,11 +410,13 @@ class HiCacheConnector(KVConnectorBase_V1):
             delayed_req_ids=plan.delayed_req_ids,
         )
 
+    @_timed_scheduler
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, HiCacheWorkerMetadata) and self.scheduler_half is not None:
             self.scheduler_half.mark_bad(meta.bad_host_pages)
 
+    @_timed_scheduler
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
