@@ -101,37 +101,37 @@ class HiCacheConnectorStats(KVConnectorStats):
         return not any(self.data.values())
 
 
-def _timed(hook):
-    """A worker-side hook whose time is added to the worker's ``hook_seconds``: the
-    connector's share of vLLM's step on the worker (copies made there included)."""
+def _clocked(add):
+    """A hook decorator: the seconds each call takes go to ``add(connector, seconds)``."""
 
-    @functools.wraps(hook)
-    def timed(self: HiCacheConnector, *args: Any, **kwargs: Any) -> Any:
-        half = self.worker_half
-        if half is None:
-            return hook(self, *args, **kwargs)
-        start = time.perf_counter()
-        try:
-            return hook(self, *args, **kwargs)
-        finally:
-            half.counters.hook_seconds += time.perf_counter() - start
+    def decorate(hook):
+        @functools.wraps(hook)
+        def timed(self: HiCacheConnector, *args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return hook(self, *args, **kwargs)
+            finally:
+                add(self, time.perf_counter() - start)
 
-    return timed
+        return timed
+
+    return decorate
 
 
-def _timed_scheduler(hook):
-    """A scheduler-side hook whose time is added to the connector's scheduler clock:
-    the connector's share of vLLM's scheduling (lookups, plans, request ends)."""
+def _add_worker_seconds(self: HiCacheConnector, seconds: float) -> None:
+    if self.worker_half is not None:
+        self.worker_half.counters.hook_seconds += seconds
 
-    @functools.wraps(hook)
-    def timed(self: HiCacheConnector, *args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return hook(self, *args, **kwargs)
-        finally:
-            self._scheduler_seconds += time.perf_counter() - start
 
-    return timed
+def _add_scheduler_seconds(self: HiCacheConnector, seconds: float) -> None:
+    self._scheduler_seconds += seconds
+
+
+# A worker-side hook's time goes to the worker's ``hook_seconds`` (the connector's share
+# of vLLM's step on the worker, copies made there included); a scheduler-side hook's to
+# the scheduler half's clock (lookups, plans, request ends).
+_timed = _clocked(_add_worker_seconds)
+_timed_scheduler = _clocked(_add_scheduler_seconds)
 
 
 # The scheduler half reports its clock every this many steps (not with every step).
