@@ -23,7 +23,7 @@ import weakref
 import psutil
 import torch
 
-from hicache.checks import check_int, check_page_ids
+from hicache.checks import check_bool, check_int, check_page_ids
 from hicache.config import CacheConfig, GiB, KVConfig, check_device
 
 # Registering host memory with CUDA one chunk at a time: pinning hundreds of GiB in a
@@ -242,6 +242,7 @@ class HostPool:
         self.kv = kv
         self.num_pages = check_int("num_pages", num_pages, minimum=1)
         reserve_nbytes = check_int("reserve_nbytes", reserve_nbytes)
+        prefault = check_bool("prefault", prefault)
         request_nbytes = num_pages * kv.page_nbytes
         available = psutil.virtual_memory().available
         if request_nbytes > available - reserve_nbytes:

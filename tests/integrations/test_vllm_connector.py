@@ -339,6 +339,7 @@ def test_worker_host_pool_is_mapped_in_at_start(make_vllm, monkeypatch):
     m = make_vllm(executor="auto")
     assert [kw.get("prefault") for kw in made] == [True]
     assert not m.worker.host_pool.buffer.view(torch.uint8).any()
+    m.check()
 
 
 def test_block_planes_rejects_unknown_layouts():

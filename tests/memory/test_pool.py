@@ -116,6 +116,8 @@ def test_host_pool_prefault_maps_every_page_at_construction():
     assert grown_eager >= eager.nbytes - (1 << 20), grown_eager
     assert not eager.buffer.view(torch.uint8).any()
     del lazy
+    with pytest.raises(TypeError, match="prefault: expected bool, got str"):
+        HostPool(kv, 1, pin_memory=False, prefault="yes")
 
 
 def test_host_pool_page_bytes_round_trip():
