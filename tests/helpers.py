@@ -417,9 +417,10 @@ def vllm_available() -> bool:
     return True
 
 
-def run_vllm(*args: str) -> subprocess.Popen:
-    """Start ``tests/integrations/vllm_driver.py ARGS`` (stdout and stderr in one pipe)."""
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
+def run_vllm(*args: str, **env_vars: str) -> subprocess.Popen:
+    """Start ``tests/integrations/vllm_driver.py ARGS`` (stdout and stderr in one pipe),
+    with ``env_vars`` added to its environment."""
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1", **env_vars)
     return subprocess.Popen(
         [sys.executable, str(VLLM_DRIVER), *args], stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, env=env,
@@ -427,11 +428,11 @@ def run_vllm(*args: str) -> subprocess.Popen:
 
 
 def vllm_result(proc: subprocess.Popen, timeout: int = 900) -> dict:
-    """The driver's last JSON line, after it exited 0."""
+    """The driver's last JSON line, after it exited 0; its whole output under ``"log"``."""
     out, _ = proc.communicate(timeout=timeout)
     lines = [line for line in out.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and lines, f"vLLM driver failed:\n{out[-6000:]}"
-    return json.loads(lines[-1])
+    return {**json.loads(lines[-1]), "log": out}
 
 
 def host_takeable_by_definition(tree) -> int:

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 
@@ -69,6 +69,7 @@ class TransferEngine:
     back to torch gather/scatter. ``copier`` replaces the CPU executors' page copier
     (anything with :class:`~hicache.memory.PageCopier`'s ``load``/``backup``): the vLLM
     connector copies between vLLM's own KV tensors and a host pool this way.
+    ``copy_cpus`` (thread executor only): the CPUs its copy threads are pinned to.
     """
 
     def __init__(
@@ -79,6 +80,7 @@ class TransferEngine:
         *,
         native: bool | None = None,
         copier: PageCopier | None = None,
+        copy_cpus: Collection[int] | None = None,
     ) -> None:
         if executor == "auto":
             on_cuda = device_pool is not None and device_pool.device.type == "cuda"
@@ -100,7 +102,12 @@ class TransferEngine:
             elif executor in _CPU_EXECUTORS:
                 if copier is None:
                     copier = PageCopier(device_pool, host_pool, native=native)
-                self.executor = _CPU_EXECUTORS[executor](copier)
+                if copy_cpus is not None and executor != "thread":
+                    raise ValueError(
+                        f"copy_cpus: pins the thread executor's threads, got executor {executor!r}"
+                    )
+                extra = {} if copy_cpus is None else {"cpus": copy_cpus}
+                self.executor = _CPU_EXECUTORS[executor](copier, **extra)
             else:
                 raise ValueError(
                     "executor: expected 'auto', 'cuda', 'thread', 'sync', 'manual' or "

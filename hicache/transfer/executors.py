@@ -11,8 +11,10 @@ here is only who copies which layer when, and how finished transfers are reporte
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import time
+from collections.abc import Collection
 
 from hicache.memory.copier import PageCopier
 from hicache.transfer.base import Executor, Transfer, TransferKind, _Drive
@@ -149,21 +151,36 @@ class ThreadExecutor(Executor):
     thread copies a given transfer at any moment, so its layers land in order and one
     transfer never uses more than one core. A caller that waits with a timeout, or on
     a backup whose fence has not passed, only waits.
+
+    ``cpus``: the CPUs the two worker threads run on (Linux affinity), e.g. cores that
+    an engine keeps free of its compute threads; None: wherever the creating thread
+    may run. The constructor returns once both threads are pinned, and raises
+    ``ValueError`` (the threads stopped) if the system refuses the set.
     """
 
-    def __init__(self, copier: PageCopier) -> None:
+    def __init__(self, copier: PageCopier, *, cpus: Collection[int] | None = None) -> None:
         super().__init__()
         self._copier = copier
         self._cond = threading.Condition()
         self._queues = {kind: collections.deque() for kind in TransferKind}
         self._closed = False
+        self.cpus = None if cpus is None else _check_cpus(cpus)
+        self._pin_errors: list[OSError] = []
+        pinned = threading.Barrier(len(TransferKind) + 1)
         self._threads = [
-            threading.Thread(target=self._work, args=(kind,), name=f"hicache-{kind.value}",
-                             daemon=True)
+            threading.Thread(target=self._work, args=(kind, pinned),
+                             name=f"hicache-{kind.value}", daemon=True)
             for kind in TransferKind
         ]
         for t in self._threads:
             t.start()
+        pinned.wait()
+        if self._pin_errors:
+            self.close()
+            raise ValueError(
+                f"cpus: expected CPUs this process may run on, got {sorted(self.cpus)} "
+                f"({self._pin_errors[0]})"
+            )
 
     def driver(self) -> _Drive:
         return self.drive
@@ -176,7 +193,14 @@ class ThreadExecutor(Executor):
             self._queues[transfer.kind].append(transfer)
             self._cond.notify_all()
 
-    def _work(self, kind: TransferKind) -> None:
+    def _work(self, kind: TransferKind, pinned: threading.Barrier) -> None:
+        try:
+            if self.cpus is not None:
+                os.sched_setaffinity(0, self.cpus)  # 0: this thread
+        except OSError as exc:
+            self._pin_errors.append(exc)
+        finally:
+            pinned.wait()
         queue = self._queues[kind]
         while True:
             with self._cond:
@@ -280,3 +304,14 @@ class ThreadExecutor(Executor):
         for t in self._threads:
             t.join()
 
+
+
+def _check_cpus(cpus: Collection[int]) -> frozenset[int]:
+    if isinstance(cpus, str | bytes) or not isinstance(cpus, Collection):
+        raise TypeError(f"cpus: expected a collection of CPU ids, got {type(cpus).__name__}")
+    if not cpus or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0
+                           for c in cpus):
+        raise ValueError(f"cpus: expected one or more CPU ids >= 0, got {sorted(cpus, key=str)}")
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError("cpus: this platform cannot pin threads (no os.sched_setaffinity)")
+    return frozenset(cpus)

@@ -271,10 +271,13 @@ def test_summarize_splits_prompt_tokens_by_tier():
     assert s["ttft_mean_ms"] == 200.0 and s["ttft_p50_ms"] == 200.0
     assert s["decode_step_ms"] == 20.0 and s["connector_ms_per_step"] is None
     r = _result([0.1], [[1]], stats)
-    r["connector_stats"] = {"steps": 4, "hook_seconds": 0.002, "scheduler_steps": 64,
-                            "scheduler_hook_seconds": 0.016}
-    assert summarize(r)["connector_ms_per_step"] == 0.5
-    assert summarize(r)["connector_scheduler_ms_per_step"] == 0.25
+    r["connector_stats"] = {"steps": 4, "hook_seconds": 0.002, "hook_cpu_seconds": 0.001,
+                            "scheduler_steps": 64, "scheduler_hook_seconds": 0.016,
+                            "scheduler_hook_cpu_seconds": 0.008}
+    s = summarize(r)
+    assert (s["connector_ms_per_step"], s["connector_cpu_ms_per_step"]) == (0.5, 0.25)
+    assert s["connector_scheduler_ms_per_step"] == 0.25
+    assert s["connector_scheduler_cpu_ms_per_step"] == 0.125
     # a connector that names no tier: its tokens are shown as such, not guessed
     s = summarize(_result([0.1], [[1]], stats, {"external_unspecified": 96}))
     assert (s["host_hit_tokens"], s["unspecified_hit_tokens"]) == (0, 96)

@@ -9,6 +9,7 @@ that value: stale or foreign KV cannot pass.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import zlib
@@ -24,6 +25,7 @@ from hicache.integrations.vllm.scheduler import ScheduledRequest, SchedulerHalf
 from hicache.integrations.vllm.worker import WorkerHalf
 from hicache.memory import HostPool
 from hicache.memory import copier as copier_module
+from hicache.tree import token_key
 
 P = 4  # tokens per block (= hicache page)
 L = 2  # layers
@@ -237,6 +239,12 @@ def test_config_rejects_bad_fields_by_name():
         ConnectorConfig.from_extra({"storage_options": {"fsync": True}})
     with pytest.raises(ValueError, match="executor: expected one of"):
         ConnectorConfig.from_extra({"executor": "gpu"})
+    for bad in ([], [-1], ["1"], [True], "1"):
+        with pytest.raises(ValueError, match="copy_cpus: expected a non-empty list of CPU ids"):
+            ConnectorConfig.from_extra({"copy_cpus": bad})
+    with pytest.raises(ValueError, match="copy_cpus: .*expected executor 'auto' or 'thread', "
+                                         "got 'sync'"):
+        ConnectorConfig.from_extra({"copy_cpus": [1], "executor": "sync"})
     with pytest.raises(ValueError, match="holds no whole block"):
         ConnectorConfig(host_tokens=3).num_host_pages(4, 1024)
 
@@ -305,10 +313,13 @@ def test_worker_copies_on_one_native_thread(make_vllm, monkeypatch):
         BlockCopier(copier._layout, m.worker.host_pool, max_threads=0)
 
 
-def test_auto_executor_on_cpu_copies_between_forwards(make_vllm):
-    """On CPU a save is copied in wait_for_save itself (the model runner's thread, while
-    vLLM's compute threads are idle): nothing is in flight after a step, and a block
-    reused at the next step needs no wait."""
+def test_auto_executor_on_cpu_copies_between_forwards(make_vllm, monkeypatch):
+    """On CPU with no core free of compute threads, a save is copied in wait_for_save
+    itself (the model runner's thread, while vLLM's compute threads are idle): nothing
+    is in flight after a step, and a block reused at the next step needs no wait."""
+    import hicache.integrations.vllm.worker as worker_module
+
+    monkeypatch.setattr(worker_module, "spare_cpus", lambda: frozenset())
     m = make_vllm(executor="auto")
     assert m.worker.transfers.executor_name == "sync"
     a = seq(8) + [1]
@@ -323,6 +334,57 @@ def test_auto_executor_on_cpu_copies_between_forwards(make_vllm):
     m.finish("b")
     m.step()
     m.quiesce()
+
+
+def _thread_cpus(worker) -> list[set[int]]:
+    return [os.sched_getaffinity(t.native_id) for t in worker.transfers.executor._threads]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs Linux affinity")
+def test_auto_executor_on_cpu_copies_on_the_cores_compute_leaves_free(make_vllm, monkeypatch):
+    """Where the model runner's thread is bound to some cores (vLLM binds its compute
+    threads), the copy threads run on the others, while the forward runs: a save is
+    still in flight after wait_for_save, and lands without the model runner's help."""
+    import hicache.integrations.vllm.worker as worker_module
+
+    cpu = min(os.sched_getaffinity(0))
+    monkeypatch.setattr(worker_module, "spare_cpus", lambda: frozenset({cpu}))
+    m = make_vllm(executor="auto")
+    assert m.worker.transfers.executor_name == "thread"
+    assert _thread_cpus(m.worker) == [{cpu}, {cpu}]
+    m.hook.save_delay_s = 0.05
+    a = seq(8) + [1]
+    m.add("a", a)
+    m.step()
+    assert m.worker.num_in_flight == 1  # copying on its own core, not in wait_for_save
+    m.worker.drain()
+    assert m.worker.counters.save_blocks == 2
+    assert m.finish("a") is True
+    m.step()
+    assert m.add("b", a) == 8
+    m.step()
+    assert m.loaded_ok("b") and not m.last_errors
+    m.finish("b")
+    m.step()
+    m.quiesce()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs Linux affinity")
+def test_copy_cpus_pin_the_copy_threads_and_a_refused_set_is_an_error(make_vllm, monkeypatch):
+    import hicache.integrations.vllm.worker as worker_module
+
+    cpu = max(os.sched_getaffinity(0))
+    m = make_vllm(executor="thread", copy_cpus=[cpu])
+    assert _thread_cpus(m.worker) == [{cpu}, {cpu}]
+    m.check()
+    # No such CPU: named, not ignored.
+    with pytest.raises(ValueError, match=r"cpus: expected CPUs this process may run on, got \[4095\]"):
+        make_vllm(executor="auto", copy_cpus=[4095])
+    # Spare cores found but outside this process's cpuset: auto falls back to "sync".
+    monkeypatch.setattr(worker_module, "spare_cpus", lambda: frozenset({4095}))
+    m2 = make_vllm(executor="auto")
+    assert m2.worker.transfers.executor_name == "sync"
+    m2.check()
 
 
 def test_worker_host_pool_is_mapped_in_at_start(make_vllm, monkeypatch):
@@ -391,6 +453,35 @@ def test_lookup_leaves_a_token_to_compute_and_is_side_effect_free(make_vllm):
     m.sched.request_finished("x")
     m.quiesce()
     assert m.sched.num_live_requests == 0
+
+
+def test_a_requests_tree_key_is_built_once_per_page(make_vllm, monkeypatch):
+    """vLLM hands a request's same token sequence every step and appends to it: the
+    key of its leading pages is converted once, then only the new pages'. Another
+    sequence object under the same request id may hold other tokens: built again."""
+    import hicache.integrations.vllm.scheduler as sched_module
+
+    converted = []
+
+    def counting(tokens, page_size):
+        converted.append(len(tokens))
+        return token_key(tokens, page_size)
+
+    monkeypatch.setattr(sched_module, "token_key", counting)
+    m = make_vllm(num_host_pages=8)
+    a = seq(2 * P) + [1]
+    m.add("a", a)  # the lookup converts the 2 whole pages; the step's save reuses them
+    m.step()
+    assert converted == [2 * P]
+    a += seq(P - 1, 50)  # decoded into the same list: 3 whole pages
+    m.pending.append(ScheduledRequest("a", a, None, False, 2 * P + 1, P - 1))
+    m.step()
+    assert converted == [2 * P, P] and m.sched.stats()["saved_tokens"] == 3 * P
+    assert m.sched.num_matched_tokens("a", seq(2 * P, 100) + [1], 0) == 0  # other tokens
+    assert converted == [2 * P, P, 2 * P]
+    m.finish("a")
+    m.step()
+    m.quiesce()
 
 
 def test_host_eviction_is_lru_and_exact(make_vllm):

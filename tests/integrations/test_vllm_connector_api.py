@@ -119,6 +119,7 @@ def test_save_then_load_through_the_connector_api():
     # three steps ran through the hooks; their time (the copies' included) is counted
     assert stats.data["steps"] == 3 and stats.data["hook_seconds"] > 0
     assert stats.data["hook_seconds"] >= stats.data["load_seconds"] + stats.data["save_seconds"]
+    assert 0 < stats.data["hook_cpu_seconds"] <= stats.data["hook_seconds"] + 0.02  # clock ticks
     _run_step(worker, sched.build_connector_meta(_output()))  # nothing moves: no report
     assert worker.get_kv_connector_stats() is None
     assert worker.worker_half.counters.steps == 1  # kept for the next report
@@ -128,7 +129,9 @@ def test_save_then_load_through_the_connector_api():
         sched.build_connector_meta(_output())
     stats = sched.get_kv_connector_stats()
     assert stats.data["scheduler_steps"] == 32 and stats.data["scheduler_hook_seconds"] > 0
+    assert 0 < stats.data["scheduler_hook_cpu_seconds"] <= stats.data["scheduler_hook_seconds"] + 0.02
     assert stats.reduce()["scheduler_hook_ms_per_step"] > 0
+    assert stats.reduce()["scheduler_hook_cpu_ms_per_step"] > 0
     assert sched.get_kv_connector_stats() is None and sched._scheduler_steps == 0
     sched.scheduler_half.check_integrity()
     worker.shutdown()

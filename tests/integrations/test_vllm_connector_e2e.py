@@ -6,14 +6,20 @@ tests/integrations/vllm_driver.py), on a tiny random Llama saved to a temporary 
 * baseline: vLLM alone, a multi-turn workload whose working set (~90 blocks) is
   several times vLLM's KV cache (24 blocks);
 * connector: the same workload with hicache's host tier and a ``file:`` third
-  tier, then a prompt, ``reset_prefix_cache()`` and the prompt again;
-* replay: a second process on the same ``file:`` directory.
+  tier, then a prompt, ``reset_prefix_cache()`` and the prompt again; vLLM keeps a
+  core off its worker here (on a machine with two or more), so the connector copies
+  on a copy thread pinned to it;
+* replay: a second process on the same ``file:`` directory, no core kept off the
+  worker, so the connector copies between forwards.
 
 Skipped without vLLM, unless ``HICACHE_REQUIRE_VLLM=1`` (CI), where a missing or
 broken install fails instead.
 """
 
 from __future__ import annotations
+
+import os
+import re
 
 import pytest
 from helpers import VLLM_REQUIRED, run_vllm, vllm_available, vllm_result
@@ -33,10 +39,21 @@ def runs(tmp_path_factory):
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-4000:]
     baseline = run_vllm("run", model, "multiturn", "--no-connector")
-    connector = run_vllm("run", model, "multiturn,reset", "--storage", storage)
+    spare = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"} if (os.cpu_count() or 1) >= 2 else {}
+    connector = run_vllm("run", model, "multiturn,reset", "--storage", storage,
+                         HICACHE_LOG_LEVEL="INFO", **spare)
     results = {"baseline": vllm_result(baseline), "connector": vllm_result(connector)}
-    results["replay"] = vllm_result(run_vllm("run", model, "replay", "--storage", storage))
+    results["replay"] = vllm_result(run_vllm("run", model, "replay", "--storage", storage,
+                                             HICACHE_LOG_LEVEL="INFO",
+                                             VLLM_CPU_NUM_OF_RESERVED_CPU="0"))
     return results
+
+
+def test_copies_run_on_the_core_vllm_keeps_free_else_between_forwards(runs):
+    if (os.cpu_count() or 1) >= 2:
+        assert re.search(r"hicache worker: thread executor on CPUs \[\d+\]",
+                         runs["connector"]["log"])
+    assert "hicache worker: sync executor" in runs["replay"]["log"]
 
 
 def _reachable_hits(prompts: list[list[int]], outputs: list[list[int]]) -> list[int]:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -516,3 +517,36 @@ def test_cuda_load_plan_lands_each_layer_with_its_own_copies():
                 assert layer * layer_nbytes <= off and off + c.width <= (layer + 1) * layer_nbytes
         got = stage[region].reshape(n, layer_nbytes)
         assert np.array_equal(got, host[host_ids.numpy(), layer])
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs Linux affinity")
+def test_thread_executor_pins_its_threads_to_the_cpus_given():
+    device, host = make_pools()
+    own = os.sched_getaffinity(0)
+    cpu = max(own)
+    with TransferEngine(device, host, "thread", copy_cpus=[cpu]) as engine:
+        threads = engine.executor._threads
+        assert [os.sched_getaffinity(t.native_id) for t in threads] == [{cpu}, {cpu}]
+        assert engine.executor.cpus == {cpu}
+        handle = finish(engine, engine.backup(ids(1), ids(2)))
+        assert handle.error is None
+        assert torch.equal(host.buffer[2, 0, 0].view(torch.uint8),
+                           device.k_buffers[0][1].view(torch.uint8))
+    assert os.sched_getaffinity(0) == own  # the caller stays where it was
+
+
+def test_thread_executor_rejects_cpus_it_cannot_run_on():
+    device, host = make_pools()
+    before = threading.active_count()
+    with pytest.raises(ValueError, match="cpus: expected CPUs this process may run on, got \\[4095\\]"):
+        TransferEngine(device, host, "thread", copy_cpus=[4095])
+    assert threading.active_count() == before  # its threads stopped
+    with pytest.raises(ValueError, match="cpus: expected one or more CPU ids >= 0, got \\[-1\\]"):
+        TransferEngine(device, host, "thread", copy_cpus=[-1])
+    with pytest.raises(ValueError, match="cpus: expected one or more CPU ids >= 0, got \\[\\]"):
+        TransferEngine(device, host, "thread", copy_cpus=[])
+    with pytest.raises(TypeError, match="cpus: expected a collection of CPU ids, got str"):
+        TransferEngine(device, host, "thread", copy_cpus="0")
+    with pytest.raises(ValueError, match="copy_cpus: pins the thread executor's threads, got "
+                                         "executor 'sync'"):
+        TransferEngine(device, host, "sync", copy_cpus=[0])

@@ -66,21 +66,28 @@ def summarize(result: dict) -> dict:
         # included) and its scheduler-side ones (lookups, plans)
         "connector_ms_per_step": _per_step_ms(cstats, ""),
         "connector_scheduler_ms_per_step": _per_step_ms(cstats, "scheduler_"),
+        # of that, the CPU time of the hooks' own thread (wall time also counts waits
+        # for a core, e.g. the scheduler process sharing one with the front end)
+        "connector_cpu_ms_per_step": _per_step_ms(cstats, "", "cpu_"),
+        "connector_scheduler_cpu_ms_per_step": _per_step_ms(cstats, "scheduler_", "cpu_"),
         "preemptions": int(sum(r["preemptions"] for r in recs)),
         "engine_start_s": round(result["engine_start_s"], 1),
         "connector_stats": result["connector_stats"] or None,  # the connector's totals
     }
 
 
-def _per_step_ms(cstats: dict, prefix: str) -> float | None:
+def _per_step_ms(cstats: dict, prefix: str, clock: str = "") -> float | None:
     steps = cstats.get(f"{prefix}steps", 0)
-    return round(cstats.get(f"{prefix}hook_seconds", 0.0) / steps * 1e3, 3) if steps else None
+    if not steps or f"{prefix}hook_{clock}seconds" not in cstats:
+        return None
+    return round(cstats[f"{prefix}hook_{clock}seconds"] / steps * 1e3, 3)
 
 
 # Figures that vary from run to run (a repeated configuration shows their median) and
 # counts (its median_low: a count one of the runs measured).
 TIMED_KEYS = ("ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "req_per_s", "wall_s",
               "decode_step_ms", "connector_ms_per_step", "connector_scheduler_ms_per_step",
+              "connector_cpu_ms_per_step", "connector_scheduler_cpu_ms_per_step",
               "engine_start_s")
 COUNT_KEYS = ("computed_tokens", "vllm_hit_tokens", "external_hit_tokens", "host_hit_tokens",
               "storage_hit_tokens", "unspecified_hit_tokens", "preemptions")
@@ -202,7 +209,10 @@ def print_table(configs: dict[str, dict], comparisons: dict, identical: tuple[bo
         ("  connector, tier unknown", "unspecified_hit_tokens"), ("requests/s", "req_per_s"),
         ("decode step (ms)", "decode_step_ms"),
         ("connector per step, worker (ms)", "connector_ms_per_step"),
-        ("  scheduler (ms)", "connector_scheduler_ms_per_step"), ("preemptions", "preemptions"),
+        ("  its CPU time (ms)", "connector_cpu_ms_per_step"),
+        ("  scheduler (ms)", "connector_scheduler_ms_per_step"),
+        ("  its CPU time (ms)", "connector_scheduler_cpu_ms_per_step"),
+        ("preemptions", "preemptions"),
         ("failed requests", "failed"), ("engine start (s)", "engine_start_s"),
     ]
     width = max(20, *(len(n) + 2 for n in names))

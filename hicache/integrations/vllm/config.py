@@ -58,7 +58,8 @@ class ConnectorConfig:
     eviction: str = "lru"  # host tier eviction order: "lru" or "lfu"
     load_threshold_tokens: int = 0  # host/storage hits shorter than this are recomputed
     tree: str = "auto"  # radix tree implementation: "auto", "python" or "native"
-    executor: str = "auto"  # worker copies: "auto" (cuda on GPU, else sync), ...
+    executor: str = "auto"  # worker copies: "auto" (cuda on GPU; on CPU see worker.py), ...
+    copy_cpus: list[int] | None = None  # CPU: pin the copy threads here (executor thread/auto)
     model_id: str | None = None  # storage identity override (default: derived from vLLM)
 
     @classmethod
@@ -107,6 +108,19 @@ class ConnectorConfig:
         _int("load_threshold_tokens", self.load_threshold_tokens, minimum=0)
         _choice("tree", self.tree, _TREES)
         _choice("executor", self.executor, _EXECUTORS)
+        if self.copy_cpus is not None:
+            if not isinstance(self.copy_cpus, list | tuple) or not self.copy_cpus or not all(
+                isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in self.copy_cpus
+            ):
+                raise ValueError(
+                    "kv_connector_extra_config.copy_cpus: expected a non-empty list of CPU ids "
+                    f">= 0, got {self.copy_cpus!r}"
+                )
+            if self.executor not in ("auto", "thread"):
+                raise ValueError(
+                    "kv_connector_extra_config.copy_cpus: pins the thread executor's copies; "
+                    f"expected executor 'auto' or 'thread', got {self.executor!r}"
+                )
         if self.model_id is not None and (not isinstance(self.model_id, str) or not self.model_id):
             raise ValueError(
                 f"kv_connector_extra_config.model_id: expected a non-empty str, got {self.model_id!r}"

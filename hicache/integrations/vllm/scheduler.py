@@ -91,7 +91,7 @@ class SchedulerHalf:
         st = self._reqs.get(req_id)
         if st is None:
             st = self._reqs[req_id] = RequestState(token_ids)
-        st.token_ids = token_ids
+        st.set_tokens(token_ids)
         st.lookup = None
         P = self.page_size
         limit = (len(token_ids) - 1) // P  # pages that may be loaded
@@ -100,7 +100,7 @@ class SchedulerHalf:
         if limit * P <= num_computed:
             return 0
         c.lookup_tokens += limit * P - num_computed
-        key = self._key(token_ids, limit)
+        key = self._key(st, limit)
         host = self.tree.probe_key(key) // P
         bad = self._first_bad(key, host)
         stored = 0
@@ -126,7 +126,7 @@ class SchedulerHalf:
         st = self._reqs.get(req_id)
         if st is None:
             st = self._reqs[req_id] = RequestState(token_ids)
-        st.token_ids = token_ids
+        st.set_tokens(token_ids)
         st.block_ids = list(block_ids)
         if num_external <= 0:
             return
@@ -148,7 +148,7 @@ class SchedulerHalf:
                 f"update_state_after_alloc: expected at least {b} blocks for request {req_id!r}, "
                 f"got {len(st.block_ids)}"
             )
-        result = self.tree.match_key(self._key(token_ids, b))
+        result = self.tree.match_key(self._key(st, b))
         nodes = self.tree.host_only_path(result)
         for node in nodes:
             self._pin(node)
@@ -162,7 +162,7 @@ class SchedulerHalf:
             c.load_failed_tokens += (b - a) * P
         elif have < b:
             fetched = self._alloc_host(b - have) if self.storage is not None else None
-            if fetched is not None and not self._insert_extension(token_ids, have, fetched):
+            if fetched is not None and not self._insert_extension(st, have, fetched):
                 fetched = None
             if fetched is None:
                 op.failed_block_ids = st.block_ids[have:b]
@@ -188,7 +188,7 @@ class SchedulerHalf:
                 st = self._reqs.get(s.req_id)
                 if st is None:
                     st = self._reqs[s.req_id] = RequestState(s.token_ids)
-                st.token_ids = s.token_ids
+                st.set_tokens(s.token_ids)
                 if s.new_block_ids is not None:
                     if s.resumed:
                         st.block_ids = list(s.new_block_ids)
@@ -209,7 +209,7 @@ class SchedulerHalf:
         if full <= st.num_checked_pages:
             return None
         st.num_checked_pages = full
-        key = self._key(st.token_ids, full)
+        key = self._key(st, full)
         cached = self.tree.probe_key(key) // P
         # Bad pages this request computed again: saved again, into the same host pages.
         repair_from = self._first_bad(key, cached)
@@ -232,7 +232,7 @@ class SchedulerHalf:
                 # Pinning the deepest node protects its ancestors (eviction takes leaves).
                 self._pin(self.tree.probe_path(key)[-1])
             pages = self._alloc_host(full - cached)
-            if pages is not None and not self._insert_extension(st.token_ids, cached, pages):
+            if pages is not None and not self._insert_extension(st, cached, pages):
                 pages = None
             if pages is None:
                 self.counters.save_skipped_tokens += (full - cached) * P
@@ -311,16 +311,23 @@ class SchedulerHalf:
         return self.tree.host_tokens == 0
 
     # ------------------------------------------------------------- internals
-    def _key(self, token_ids: Sequence[int], num_pages: int) -> bytes:
-        return token_key(np.asarray(token_ids[: num_pages * self.page_size]), self.page_size)
+    def _key(self, st: RequestState, num_pages: int) -> bytes:
+        """The tree key of the request's first ``num_pages`` pages. Built once per page:
+        a request's token ids only grow (vLLM appends the sampled ones to the same
+        sequence), so the key of its leading pages never changes."""
+        P = self.page_size
+        have = len(st.key) // (4 * P)  # token_key: 4 bytes (int32) a token
+        if num_pages > have:
+            st.key += token_key(np.asarray(st.token_ids[have * P: num_pages * P]), P)
+        return st.key[: num_pages * P * 4]
 
     def _keys(self, st: RequestState, num_pages: int) -> list[str]:
         return extend_storage_keys(st.keys, st.token_ids, num_pages, page_size=self.page_size,
                                    root_key=self._root_key)
 
-    def _insert_extension(self, token_ids: Sequence[int], cached: int, pages: torch.Tensor) -> bool:
-        """Cache ``pages`` as the host pages after the first ``cached`` pages of
-        ``token_ids``, which the tree holds, and pin the new leaf; True if done.
+    def _insert_extension(self, st: RequestState, cached: int, pages: torch.Tensor) -> bool:
+        """Cache ``pages`` as the host pages after the request's first ``cached`` pages,
+        which the tree holds, and pin the new leaf; True if done.
 
         The caller pinned the cached prefix before allocating ``pages``, so it is still
         there; should the tree disagree anyway, ``pages`` are freed and False is
@@ -329,13 +336,14 @@ class SchedulerHalf:
         """
         P = self.page_size
         end = cached + len(pages)
-        if self.tree.probe_key(self._key(token_ids, end)) // P != cached:
+        key = self._key(st, end)
+        if self.tree.probe_key(key) // P != cached:
             _log.warning("hicache: the host tree changed under a plan; %d pages not cached",
                          len(pages))
             self.host_allocator.free(pages)
             return False
         indices = torch.cat((torch.zeros(cached, dtype=torch.int64), pages))
-        inserted = self.tree.insert_host(np.asarray(token_ids[: end * P]), indices)
+        inserted = self.tree.insert_host(np.frombuffer(key, dtype=np.int32), indices)
         self._pin(inserted.last_node)
         return True
 

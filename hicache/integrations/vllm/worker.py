@@ -3,8 +3,9 @@
 It runs in each vLLM worker process and carries out the scheduler's
 :class:`~hicache.integrations.vllm.plan.StepPlan`: it owns the host pool
 (hicache's :class:`~hicache.memory.HostPool`, pinned on CUDA), hicache's transfer
-engine (thread executor on CPU, CUDA executor on GPU) and, with a third tier, a
-storage backend. It knows host page ids and block ids, not tokens or the tree.
+engine (CUDA executor on GPU; on CPU copy threads on the cores vLLM keeps free of
+compute, or copies between forwards) and, with a third tier, a storage backend. It
+knows host page ids and block ids, not tokens or the tree.
 
 One step, as vLLM calls it::
 
@@ -28,6 +29,7 @@ nothing but check for finished copies.
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from dataclasses import dataclass
 
@@ -38,6 +40,9 @@ from hicache.integrations.vllm.layout import BlockCopier, BlockLayout, BlockPool
 from hicache.integrations.vllm.plan import StepPlan
 from hicache.memory import HostPool
 from hicache.transfer import Transfer, TransferEngine
+from hicache.transfer.affinity import spare_cpus
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -61,6 +66,7 @@ class WorkerStats:
     storage_errors: int = 0
     steps: int = 0  # vLLM steps (wait_for_save calls)
     hook_seconds: float = 0.0  # spent in the connector's worker-side hooks (copies too)
+    hook_cpu_seconds: float = 0.0  # of which the model runner's thread was on a core
 
 
 class _Save:
@@ -110,8 +116,25 @@ class WorkerHalf:
                                   prefault=True)
         pool = BlockPool(self.layout, kv)
         executor = config.executor
+        copy_cpus = None if config.copy_cpus is None else frozenset(config.copy_cpus)
+        detected = False
         if executor == "auto":
-            executor = "cuda" if self.layout.device.type == "cuda" else "sync"
+            if self.layout.device.type == "cuda":
+                executor = "cuda"
+            elif copy_cpus is None:
+                # vLLM's CPU worker binds one compute thread to each of its cores, and a
+                # thread started here inherits the model runner's single-core affinity: a
+                # copy thread left there can only preempt a compute thread, and the others
+                # then wait for it at the next barrier of the forward (measured on 2 cores:
+                # decode steps ~10% slower while saving). So the copy threads go to the
+                # cores vLLM keeps off its workers (for the scheduler and KV connectors)
+                # and copy while the forward runs; with none, "sync" copies between two
+                # forwards, in the model runner's thread.
+                copy_cpus = spare_cpus() or None
+                detected = copy_cpus is not None
+                executor = "thread" if detected else "sync"
+            else:
+                executor = "thread"
         copier = None
         if executor == "cuda":
             if pool.k_buffers is None:
@@ -120,16 +143,22 @@ class WorkerHalf:
                     f"...); got {self.layout.planes_per_layer} plane(s) per block"
                 )
         else:
-            # On CPU the copies are made by the model runner's thread between two forwards
-            # ("sync"): vLLM's CPU worker binds one compute thread to each of its cores, so
-            # a copy thread (or a copy fanned out to more threads: they inherit the main
-            # thread's single-core affinity) can only preempt a compute thread, and the
-            # others then wait for it at the next barrier of the forward. Measured with
-            # the thread executor on 2 cores: decode steps ~10% slower while saving.
             copier = BlockCopier(self.layout, self.host_pool, native=native, max_threads=1)
             if copier_hook is not None:
                 copier = copier_hook(copier)
-        self.transfers = TransferEngine(pool, self.host_pool, executor, copier=copier)
+        try:
+            self.transfers = TransferEngine(pool, self.host_pool, executor, copier=copier,
+                                            copy_cpus=copy_cpus)
+        except ValueError:
+            if not detected:
+                raise
+            # The spare cores are outside this process's cpuset (taskset, containers).
+            self.transfers = TransferEngine(pool, self.host_pool, "sync", copier=copier)
+        cpus = getattr(self.transfers.executor, "cpus", None)
+        _log.info("hicache worker: %s executor%s, %d host pages of %d bytes",
+                  self.transfers.executor_name,
+                  f" on CPUs {sorted(cpus)}" if cpus else "", num_host_pages,
+                  self.host_pool.page_nbytes)
         self._layer_index = {name: i for i, name in enumerate(self.layout.layer_names)}
         self.storage = None
         if storage_backend is not None:
@@ -189,6 +218,11 @@ class WorkerHalf:
         if block_ids:
             self._load = self.transfers.load(_ids(host_ids), _ids(block_ids))
             self._load_blocks = block_ids
+
+    @property
+    def loading(self) -> bool:
+        """A load of this step is in flight (``wait_layer`` may block)."""
+        return self._load is not None
 
     def wait_layer(self, layer_name: str) -> None:
         """Block until this step's load of ``layer_name`` landed (no-op without a load)."""
@@ -257,7 +291,7 @@ class WorkerHalf:
         """Counters since the last call, or None when nothing moved. Steps and hook time
         alone are not worth a report each step: they ride along with the next one."""
         s = vars(self.counters)  # flat numbers: no deep copy (asdict) on every step
-        if not any(v for k, v in s.items() if k not in ("steps", "hook_seconds")):
+        if not any(v for k, v in s.items() if k not in _CLOCKS):
             return None
         self.counters = WorkerStats()
         return dict(s)
@@ -390,6 +424,9 @@ class WorkerHalf:
         self.transfers.close()
         if self.storage is not None:
             self.storage.close()
+
+
+_CLOCKS = ("steps", "hook_seconds", "hook_cpu_seconds")
 
 
 def _ids(ids: list[int]) -> torch.Tensor:

@@ -1,0 +1,50 @@
+"""spare_cpus: the cores a copy thread may use without taking one from compute threads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hicache.transfer.affinity import parse_cpu_list, spare_cpus
+
+
+def fake_sysfs(root: Path, online: str, nodes: list[str], siblings: dict[int, str]) -> Path:
+    (root / "cpu").mkdir(parents=True)
+    (root / "cpu" / "online").write_text(online + "\n")
+    for cpu, text in siblings.items():
+        d = root / "cpu" / f"cpu{cpu}" / "topology"
+        d.mkdir(parents=True)
+        (d / "thread_siblings_list").write_text(text + "\n")
+    for i, text in enumerate(nodes):
+        d = root / "node" / f"node{i}"
+        d.mkdir(parents=True)
+        (d / "cpulist").write_text(text + "\n")
+    return root
+
+
+def test_parse_cpu_list():
+    assert parse_cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert parse_cpu_list("") == set()
+    with pytest.raises(ValueError, match="cpu list: expected ranges like '0-3,8', got 'x'"):
+        parse_cpu_list("x")
+
+
+def test_the_cores_vllm_reserved_are_spare(tmp_path):
+    # 4 cores, no SMT: vLLM computes on 0-2 and keeps 3 for its scheduler.
+    sysfs = fake_sysfs(tmp_path, "0-3", ["0-3"], {c: str(c) for c in range(4)})
+    assert spare_cpus({0, 1, 2}, sysfs=sysfs) == {3}
+    assert spare_cpus({0, 1, 2, 3}, sysfs=sysfs) == frozenset()  # bound nowhere: none
+
+
+def test_smt_siblings_and_other_numa_nodes_are_not_spare(tmp_path):
+    # 2 nodes of 2 cores x 2 threads: cpu c and c+4 share a core; node 0 = 0,1,4,5.
+    siblings = {0: "0,4", 1: "1,5", 2: "2,6", 3: "3,7", 4: "0,4", 5: "1,5", 6: "2,6", 7: "3,7"}
+    sysfs = fake_sysfs(tmp_path, "0-7", ["0-1,4-5", "2-3,6-7"], siblings)
+    # Rank 0 computes on cpu 0: its sibling 4 shares the core, node 1 is rank 1's.
+    assert spare_cpus({0}, sysfs=sysfs) == {1, 5}
+    assert spare_cpus({0, 1}, sysfs=sysfs) == frozenset()
+
+
+def test_unreadable_topology_means_no_spare_cpus(tmp_path):
+    assert spare_cpus({0}, sysfs=tmp_path / "missing") == frozenset()
