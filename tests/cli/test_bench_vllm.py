@@ -278,9 +278,25 @@ def test_summarize_splits_prompt_tokens_by_tier():
     assert (s["connector_ms_per_step"], s["connector_cpu_ms_per_step"]) == (0.5, 0.25)
     assert s["connector_scheduler_ms_per_step"] == 0.25
     assert s["connector_scheduler_cpu_ms_per_step"] == 0.125
+    assert s["steps_in_ttft"] is None and s["connector_ttft_ms"] is None  # no step times
     # a connector that names no tier: its tokens are shown as such, not guessed
     s = summarize(_result([0.1], [[1]], stats, {"external_unspecified": 96}))
     assert (s["host_hit_tokens"], s["unspecified_hit_tokens"]) == (0, 96)
+
+
+def test_steps_within_a_ttft_count_the_first_tokens_step():
+    stats = {"computed": 40, "local_cache_hit": 0, "external_kv_transfer": 0, "total": 40}
+    r = _result([0.25, 0.05], [[1], [2]], stats)
+    r["requests"][0]["arrival_s"] = 100.0  # first token at 100.25: steps 100.1-100.25
+    r["requests"][1]["arrival_s"] = 100.25  # first token at 100.3: that step only
+    r["step_times"] = [99.9, 100.0, 100.1, 100.2, 100.25, 100.3, 100.4]
+    r["connector_stats"] = {"steps": 10, "hook_seconds": 0.002, "hook_cpu_seconds": 0.001,
+                            "scheduler_steps": 10, "scheduler_hook_seconds": 0.003,
+                            "scheduler_hook_cpu_seconds": 0.002}
+    s = summarize(r)
+    assert s["steps_in_ttft"] == 2.0  # (3 + 1) / 2
+    assert s["connector_ttft_ms"] == 1.0  # 2 steps x (0.2 + 0.3) ms
+    assert s["connector_ttft_cpu_ms"] == 0.6  # 2 steps x (0.1 + 0.2) ms
 
 
 def test_connector_stats_are_summed_over_steps():
@@ -495,6 +511,7 @@ def test_real_run_accounts_every_prompt_token(real_run):
             == c["external_hit_tokens"], name
         assert 0 < c["ttft_p50_ms"] <= c["ttft_p99_ms"], name
         assert c["decode_step_ms"] > 0, name
+        assert c["steps_in_ttft"] >= 1, name  # the first token's step at least
     base = summary["configs"]["vllm"]
     assert base["external_hit_tokens"] == 0
     # 16 agentic requests replayed on a cache of a quarter of their working set still
@@ -516,6 +533,9 @@ def test_real_run_connector_configs_serve_from_hicache(real_run):
     assert host["computed_tokens"] < base["computed_tokens"]
     assert storage["external_hit_tokens"] > 0
     assert np.isfinite(summary["comparisons"]["storage_keeps_hits"])
+    for c in (host, storage):  # both halves' clocks reached the report, CPU time too
+        assert c["connector_ms_per_step"] > 0 and c["connector_cpu_ms_per_step"] > 0
+        assert c["connector_ttft_ms"] > 0 and c["connector_ttft_cpu_ms"] > 0
 
 
 def test_every_config_runs_on_the_same_cores(monkeypatch, tmp_path):

@@ -56,11 +56,13 @@ class StatsSink:
         self.connector_hits = 0  # tokens it said it had
         self.connector_stats: dict = {}  # kv_connector_stats summed over steps (numbers only)
         self.num_preempted = 0
+        self.step_times: list[float] = []  # wall clock (time.time) of each step's outputs
 
     def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         if not self.recording:
             return
         if iteration_stats is not None:
+            self.step_times.append(iteration_stats.iteration_timestamp)
             p = iteration_stats.prompt_token_stats
             self.prompt_tokens["computed"] += p.computed
             self.prompt_tokens["local_cache_hit"] += p.local_cache_hit
@@ -150,6 +152,7 @@ def _request_record(req: dict, out: Any) -> dict:
         "prompt_tokens": len(req["prompt"]),
         "cached_tokens": int(out.num_cached_tokens or 0),
         "ttft_s": m.first_token_latency,
+        "arrival_s": m.arrival_time,  # time.time(), like the steps' output times
         "decode_step_s": decode_s / (num_generated - 1) if num_generated > 1 else None,
         "output": list(completion.token_ids),
         "preemptions": m.num_preemptions,
@@ -291,6 +294,7 @@ async def _run(spec: dict) -> dict:
         "connector_hits_by_source": dict(sink.connector_hits_by_source),
         "connector_stats": sink.connector_stats,
         "num_preempted": sink.num_preempted,
+        "step_times": sink.step_times,
     }
 
 

@@ -45,6 +45,9 @@ def summarize(result: dict) -> dict:
     storage = by_source.get("disk", 0)
     external = p.get("external_kv_transfer", 0)
     cstats = result["connector_stats"] or {}
+    worker_ms, sched_ms = _per_step_ms(cstats, ""), _per_step_ms(cstats, "scheduler_")
+    worker_cpu, sched_cpu = _per_step_ms(cstats, "", "cpu_"), _per_step_ms(cstats, "scheduler_", "cpu_")
+    in_ttft = _steps_in_ttft(recs, result.get("step_times"))
     return {
         "requests": len(recs),
         "failed": result["num_failed"],
@@ -64,16 +67,40 @@ def summarize(result: dict) -> dict:
         "decode_step_ms": round(float(np.mean(steps)) * 1e3, 3) if steps else None,
         # the connector's own time per vLLM step: its worker-side hooks (copies
         # included) and its scheduler-side ones (lookups, plans)
-        "connector_ms_per_step": _per_step_ms(cstats, ""),
-        "connector_scheduler_ms_per_step": _per_step_ms(cstats, "scheduler_"),
+        "connector_ms_per_step": worker_ms,
+        "connector_scheduler_ms_per_step": sched_ms,
         # of that, the CPU time of the hooks' own thread (wall time also counts waits
         # for a core, e.g. the scheduler process sharing one with the front end)
-        "connector_cpu_ms_per_step": _per_step_ms(cstats, "", "cpu_"),
-        "connector_scheduler_cpu_ms_per_step": _per_step_ms(cstats, "scheduler_", "cpu_"),
+        "connector_cpu_ms_per_step": worker_cpu,
+        "connector_scheduler_cpu_ms_per_step": sched_cpu,
+        # vLLM steps that ended within a request's TTFT (mean over requests), and what
+        # the connector's time per step (both halves) comes to over that many steps
+        "steps_in_ttft": None if in_ttft is None else round(in_ttft, 2),
+        "connector_ttft_ms": _times(in_ttft, worker_ms, sched_ms),
+        "connector_ttft_cpu_ms": _times(in_ttft, worker_cpu, sched_cpu),
         "preemptions": int(sum(r["preemptions"] for r in recs)),
         "engine_start_s": round(result["engine_start_s"], 1),
         "connector_stats": result["connector_stats"] or None,  # the connector's totals
     }
+
+
+def _steps_in_ttft(recs: list[dict], step_times: list[float] | None) -> float | None:
+    """Mean over requests of the steps whose outputs vLLM handled after the request
+    arrived and up to its first token (that step included): the steps it waited for."""
+    if not step_times or not recs or any("arrival_s" not in r for r in recs):
+        return None
+    ts = np.sort(np.asarray(step_times))
+    arrival = np.array([r["arrival_s"] for r in recs])
+    first = arrival + np.array([r["ttft_s"] for r in recs])
+    # vLLM's TTFT is the first token's step time minus arrival: that step is counted
+    counts = np.searchsorted(ts, first + 1e-6, "right") - np.searchsorted(ts, arrival, "right")
+    return float(counts.mean())
+
+
+def _times(steps: float | None, *per_step_ms: float | None) -> float | None:
+    if steps is None or any(ms is None for ms in per_step_ms):
+        return None
+    return round(steps * sum(per_step_ms), 3)
 
 
 def _per_step_ms(cstats: dict, prefix: str, clock: str = "") -> float | None:
@@ -88,6 +115,7 @@ def _per_step_ms(cstats: dict, prefix: str, clock: str = "") -> float | None:
 TIMED_KEYS = ("ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "req_per_s", "wall_s",
               "decode_step_ms", "connector_ms_per_step", "connector_scheduler_ms_per_step",
               "connector_cpu_ms_per_step", "connector_scheduler_cpu_ms_per_step",
+              "steps_in_ttft", "connector_ttft_ms", "connector_ttft_cpu_ms",
               "engine_start_s")
 COUNT_KEYS = ("computed_tokens", "vllm_hit_tokens", "external_hit_tokens", "host_hit_tokens",
               "storage_hit_tokens", "unspecified_hit_tokens", "preemptions")
@@ -212,6 +240,9 @@ def print_table(configs: dict[str, dict], comparisons: dict, identical: tuple[bo
         ("  its CPU time (ms)", "connector_cpu_ms_per_step"),
         ("  scheduler (ms)", "connector_scheduler_ms_per_step"),
         ("  its CPU time (ms)", "connector_scheduler_cpu_ms_per_step"),
+        ("steps within a TTFT (mean)", "steps_in_ttft"),
+        ("connector within a TTFT (ms)", "connector_ttft_ms"),
+        ("  its CPU time (ms)", "connector_ttft_cpu_ms"),
         ("preemptions", "preemptions"),
         ("failed requests", "failed"), ("engine start (s)", "engine_start_s"),
     ]
