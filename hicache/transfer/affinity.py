@@ -1,10 +1,11 @@
 """Which CPUs a copy thread may use without taking a core from compute threads.
 
-An engine that binds its compute threads one per core (vLLM's CPU worker does) leaves
-the thread that calls :func:`spare_cpus` bound to those cores, and keeps others free
-for its scheduler and for KV transfers. A copy thread belongs on those: on a compute
-core it can only preempt a compute thread. This module reads Linux's CPU topology
-(``/sys/devices/system``) and knows nothing of transfers.
+An engine that binds its compute threads one per core (vLLM's CPU worker does: one
+OpenMP thread per core of its list) keeps other cores free for its scheduler and for
+KV transfers. A copy thread belongs on those: on a compute core it can only preempt a
+compute thread. The compute cores are found from the threads of this process: those
+bound to fewer CPUs than the process may use. This module reads Linux's ``/proc`` and
+CPU topology (``/sys/devices/system``) and knows nothing of transfers.
 """
 
 from __future__ import annotations
@@ -28,17 +29,45 @@ def parse_cpu_list(text: str) -> set[int]:
     return cpus
 
 
-def spare_cpus(own: set[int] | None = None, *, sysfs: Path = SYSFS) -> frozenset[int]:
-    """The online CPUs on the NUMA nodes of ``own`` (default: the calling thread's
-    affinity) that are neither in ``own`` nor SMT siblings of a CPU in it.
+def bound_cpus(masks: list[set[int]]) -> set[int]:
+    """The CPUs compute threads are bound to, from every thread's affinity ``masks``: the
+    union of the masks narrower than the widest (the process's), or that widest one
+    where no thread is bound (then nothing is spare)."""
+    allowed = set().union(*masks) if masks else set()
+    bound = [m for m in masks if m != allowed]
+    return set().union(*bound) if bound else allowed
 
-    Empty where the thread may run on every online CPU, where the topology cannot be
+
+def thread_masks() -> list[set[int]]:
+    """The affinity of every thread of this process (empty where it cannot be read)."""
+    masks = []
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return []
+    for tid in tids:
+        try:
+            masks.append(set(os.sched_getaffinity(tid)))
+        except OSError:  # the thread exited meanwhile
+            continue
+    return masks
+
+
+def spare_cpus(own: set[int] | None = None, *, sysfs: Path = SYSFS) -> frozenset[int]:
+    """The online CPUs on the NUMA nodes of ``own`` that are neither in ``own`` nor SMT
+    siblings of a CPU in it. ``own`` defaults to the cores this process's compute
+    threads are bound to (:func:`bound_cpus` of :func:`thread_masks`): call it once the
+    engine has bound them (vLLM: when the KV caches are registered).
+
+    Empty where no thread is bound (or all CPUs are), where the topology cannot be
     read, or where threads cannot be pinned (no ``os.sched_getaffinity``).
     """
     if own is None:
         if not hasattr(os, "sched_getaffinity"):
             return frozenset()
-        own = os.sched_getaffinity(0)
+        own = bound_cpus(thread_masks())
+        if not own:
+            return frozenset()
     online = _read(sysfs / "cpu" / "online")
     if not online:
         return frozenset()

@@ -313,53 +313,38 @@ def test_worker_copies_on_one_native_thread(make_vllm, monkeypatch):
         BlockCopier(copier._layout, m.worker.host_pool, max_threads=0)
 
 
-def test_auto_executor_on_cpu_copies_between_forwards(make_vllm, monkeypatch):
-    """On CPU with no core free of compute threads, a save is copied in wait_for_save
-    itself (the model runner's thread, while vLLM's compute threads are idle): nothing
-    is in flight after a step, and a block reused at the next step needs no wait."""
-    import hicache.integrations.vllm.worker as worker_module
-
-    monkeypatch.setattr(worker_module, "spare_cpus", lambda: frozenset())
-    m = make_vllm(executor="auto")
-    assert m.worker.transfers.executor_name == "sync"
-    a = seq(8) + [1]
-    m.add("a", a)
-    m.step()
-    assert m.worker.num_in_flight == 0 and m.worker.counters.save_blocks == 2
-    assert m.finish("a") is True  # the free is still delayed by one step (scheduler side)
-    m.step()
-    assert m.add("b", a) == 8
-    m.step()
-    assert m.loaded_ok("b") and not m.last_errors
-    m.finish("b")
-    m.step()
-    m.quiesce()
-
-
 def _thread_cpus(worker) -> list[set[int]]:
     return [os.sched_getaffinity(t.native_id) for t in worker.transfers.executor._threads]
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs Linux affinity")
-def test_auto_executor_on_cpu_copies_on_the_cores_compute_leaves_free(make_vllm, monkeypatch):
+@pytest.mark.parametrize("spare", [False, True])
+def test_auto_executor_on_cpu_copies_beside_or_between_forwards(make_vllm, monkeypatch, spare):
     """Where the model runner's thread is bound to some cores (vLLM binds its compute
-    threads), the copy threads run on the others, while the forward runs: a save is
-    still in flight after wait_for_save, and lands without the model runner's help."""
+    threads), the copy threads run on the others while the forward runs: a save is
+    still in flight after wait_for_save, and lands without the model runner's help.
+    With no core free, a save is copied in wait_for_save itself (the model runner's
+    thread, while vLLM's compute threads are idle): nothing is in flight after a step.
+    Either way a block reused at the next step holds its page."""
     import hicache.integrations.vllm.worker as worker_module
 
     cpu = min(os.sched_getaffinity(0))
-    monkeypatch.setattr(worker_module, "spare_cpus", lambda: frozenset({cpu}))
+    monkeypatch.setattr(worker_module, "spare_cpus",
+                        lambda: frozenset({cpu} if spare else ()))
     m = make_vllm(executor="auto")
-    assert m.worker.transfers.executor_name == "thread"
-    assert _thread_cpus(m.worker) == [{cpu}, {cpu}]
-    m.hook.save_delay_s = 0.05
+    if spare:
+        assert m.worker.transfers.executor_name == "thread"
+        assert _thread_cpus(m.worker) == [{cpu}, {cpu}]
+        m.hook.save_delay_s = 0.05
+    else:
+        assert m.worker.transfers.executor_name == "sync"
     a = seq(8) + [1]
     m.add("a", a)
     m.step()
-    assert m.worker.num_in_flight == 1  # copying on its own core, not in wait_for_save
+    assert m.worker.num_in_flight == (1 if spare else 0)
     m.worker.drain()
     assert m.worker.counters.save_blocks == 2
-    assert m.finish("a") is True
+    assert m.finish("a") is True  # the free is still delayed by one step (scheduler side)
     m.step()
     assert m.add("b", a) == 8
     m.step()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import threading
 from pathlib import Path
 
 import pytest
 
-from hicache.transfer.affinity import parse_cpu_list, spare_cpus
+from hicache.transfer.affinity import bound_cpus, parse_cpu_list, spare_cpus, thread_masks
 
 
 def fake_sysfs(root: Path, online: str, nodes: list[str], siblings: dict[int, str]) -> Path:
@@ -48,3 +50,21 @@ def test_smt_siblings_and_other_numa_nodes_are_not_spare(tmp_path):
 
 def test_unreadable_topology_means_no_spare_cpus(tmp_path):
     assert spare_cpus({0}, sysfs=tmp_path / "missing") == frozenset()
+
+
+def test_compute_cores_are_the_bound_threads_cores():
+    # vLLM computes on cores 0 and 1 of 4, an OpenMP thread bound to each; the others
+    # (Python's, gloo's) may run anywhere: cores 2 and 3 are spare.
+    assert bound_cpus([{0, 1, 2, 3}, {0}, {1}, {0, 1, 2, 3}]) == {0, 1}
+    # A worker process confined to core 0 as a whole: every thread there.
+    assert bound_cpus([{0}, {0}]) == {0}
+    # Nothing bound: every CPU counts as taken, none is spare.
+    assert bound_cpus([{0, 1}, {0, 1}]) == {0, 1}
+    assert bound_cpus([]) == set()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs Linux affinity")
+def test_thread_masks_of_this_process():
+    masks = thread_masks()
+    assert os.sched_getaffinity(0) in masks
+    assert len(masks) >= threading.active_count()
