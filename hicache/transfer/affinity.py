@@ -59,8 +59,11 @@ def spare_cpus(own: set[int] | None = None, *, sysfs: Path = SYSFS) -> frozenset
     threads are bound to (:func:`bound_cpus` of :func:`thread_masks`): call it once the
     engine has bound them (vLLM: when the KV caches are registered).
 
-    Empty where no thread is bound (or all CPUs are), where the topology cannot be
-    read, or where threads cannot be pinned (no ``os.sched_getaffinity``).
+    Empty where the process may use every online CPU and none of its threads is bound,
+    where the topology cannot be read, or where threads cannot be pinned (no
+    ``os.sched_getaffinity``). A process confined to some CPUs (taskset, a container's
+    cpuset) with no thread bound gets the CPUs outside its reach: pinning a thread
+    there fails (:class:`~hicache.transfer.executors.ThreadExecutor` says so).
     """
     if own is None:
         if not hasattr(os, "sched_getaffinity"):
