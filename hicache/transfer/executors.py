@@ -309,9 +309,10 @@ class ThreadExecutor(Executor):
 def _check_cpus(cpus: Collection[int]) -> frozenset[int]:
     if isinstance(cpus, str | bytes) or not isinstance(cpus, Collection):
         raise TypeError(f"cpus: expected a collection of CPU ids, got {type(cpus).__name__}")
-    if not cpus or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0
-                           for c in cpus):
-        raise ValueError(f"cpus: expected one or more CPU ids >= 0, got {sorted(cpus, key=str)}")
+    if not all(isinstance(c, int) and not isinstance(c, bool) for c in cpus):
+        raise TypeError(f"cpus: expected int CPU ids, got {list(cpus)!r}")
+    if not cpus or min(cpus) < 0:
+        raise ValueError(f"cpus: expected one or more CPU ids >= 0, got {sorted(cpus)}")
     if not hasattr(os, "sched_setaffinity"):
         raise ValueError("cpus: this platform cannot pin threads (no os.sched_setaffinity)")
     return frozenset(cpus)

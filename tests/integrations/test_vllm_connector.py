@@ -239,8 +239,11 @@ def test_config_rejects_bad_fields_by_name():
         ConnectorConfig.from_extra({"storage_options": {"fsync": True}})
     with pytest.raises(ValueError, match="executor: expected one of"):
         ConnectorConfig.from_extra({"executor": "gpu"})
-    for bad in ([], [-1], ["1"], [True], "1"):
-        with pytest.raises(ValueError, match="copy_cpus: expected a non-empty list of CPU ids"):
+    for bad in (["1"], [True], "1", 1):
+        with pytest.raises(TypeError, match="copy_cpus: expected a list of int CPU ids"):
+            ConnectorConfig.from_extra({"copy_cpus": bad})
+    for bad in ([], [-1]):
+        with pytest.raises(ValueError, match="copy_cpus: expected one or more CPU ids >= 0"):
             ConnectorConfig.from_extra({"copy_cpus": bad})
     with pytest.raises(ValueError, match="copy_cpus: .*expected executor 'auto' or 'thread', "
                                          "got 'sync'"):

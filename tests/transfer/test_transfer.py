@@ -547,6 +547,8 @@ def test_thread_executor_rejects_cpus_it_cannot_run_on():
         TransferEngine(device, host, "thread", copy_cpus=[])
     with pytest.raises(TypeError, match="cpus: expected a collection of CPU ids, got str"):
         TransferEngine(device, host, "thread", copy_cpus="0")
+    with pytest.raises(TypeError, match="cpus: expected int CPU ids, got \\[1.5\\]"):
+        TransferEngine(device, host, "thread", copy_cpus=[1.5])
     with pytest.raises(ValueError, match="copy_cpus: pins the thread executor's threads, got "
                                          "executor 'sync'"):
         TransferEngine(device, host, "sync", copy_cpus=[0])

@@ -109,12 +109,17 @@ class ConnectorConfig:
         _choice("tree", self.tree, _TREES)
         _choice("executor", self.executor, _EXECUTORS)
         if self.copy_cpus is not None:
-            if not isinstance(self.copy_cpus, list | tuple) or not self.copy_cpus or not all(
-                isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in self.copy_cpus
+            if not isinstance(self.copy_cpus, list | tuple) or not all(
+                isinstance(c, int) and not isinstance(c, bool) for c in self.copy_cpus
             ):
+                raise TypeError(
+                    "kv_connector_extra_config.copy_cpus: expected a list of int CPU ids, "
+                    f"got {self.copy_cpus!r}"
+                )
+            if not self.copy_cpus or min(self.copy_cpus) < 0:
                 raise ValueError(
-                    "kv_connector_extra_config.copy_cpus: expected a non-empty list of CPU ids "
-                    f">= 0, got {self.copy_cpus!r}"
+                    "kv_connector_extra_config.copy_cpus: expected one or more CPU ids >= 0, "
+                    f"got {self.copy_cpus!r}"
                 )
             if self.executor not in ("auto", "thread"):
                 raise ValueError(
