@@ -305,7 +305,6 @@ class ThreadExecutor(Executor):
             t.join()
 
 
-
 def _check_cpus(cpus: Collection[int]) -> frozenset[int]:
     if isinstance(cpus, str | bytes) or not isinstance(cpus, Collection):
         raise TypeError(f"cpus: expected a collection of CPU ids, got {type(cpus).__name__}")
