@@ -11,9 +11,9 @@ it with::
         "kv_connector_extra_config": {"host_gb": 64, "storage": "file:/var/cache/hicache"}}'
 
 Loads are synchronous to the step that needs them (they land layer by layer
-while the model runs); saves are asynchronous, and a finished request's blocks
-are freed once its saves have landed (``request_finished`` returns True, the
-worker reports it in ``get_finished``). See docs/vllm.md.
+while the model runs); saves are asynchronous. A finished request's blocks are
+freed at once: its last saves run at the start of the next step, before any
+load or forward of that step. See docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -62,10 +63,13 @@ class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
     """Worker -> scheduler: host pages that turned bad this step (union over workers)."""
 
     bad_host_pages: set[int] = field(default_factory=set)
+    # vLLM blocks found to hold wrong KV (a failed load, or computed over one)
+    poisoned_blocks: set[int] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, HiCacheWorkerMetadata):
             self.bad_host_pages |= other.bad_host_pages
+            self.poisoned_blocks |= other.poisoned_blocks
         return self
 
 
@@ -223,6 +227,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         self._scheduler_seconds = 0.0  # in scheduler-side hooks since the last report
         self._scheduler_cpu_seconds = 0.0
         self._scheduler_steps = 0
+        self._block_pool: BlockPool | None = None  # vLLM's (scheduler side)
         self.scheduler_half: SchedulerHalf | None = None
         self.worker_half: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -315,8 +320,8 @@ class HiCacheConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.worker_half is None:
             return None, None
-        done = self.worker_half.finished(self._plan())
-        return (done or None), None
+        self.worker_half.finished(finished_req_ids)
+        return None, None
 
     @_timed
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -342,7 +347,10 @@ class HiCacheConnector(KVConnectorBase_V1):
         if self.worker_half is None:
             return None
         bad = self.worker_half.take_bad_pages()
-        return HiCacheWorkerMetadata(bad_host_pages=bad) if bad else None
+        poisoned = self.worker_half.take_poisoned_blocks()
+        if not (bad or poisoned):
+            return None
+        return HiCacheWorkerMetadata(bad_host_pages=bad, poisoned_blocks=poisoned)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
@@ -357,6 +365,9 @@ class HiCacheConnector(KVConnectorBase_V1):
             self.scheduler_half.storage = None
 
     # ========================================================= scheduler side
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        self._block_pool = gpu_block_pool
+
     def on_new_request(self, request: Request) -> None:
         self._requests[request.request_id] = request
 
@@ -419,8 +430,8 @@ class HiCacheConnector(KVConnectorBase_V1):
             ))
         plan = self.scheduler_half.build_plan(scheduled)
         return HiCacheConnectorMetadata(
-            loads=plan.loads, saves=plan.saves, new_block_ids=plan.new_block_ids,
-            delayed_req_ids=plan.delayed_req_ids,
+            loads=plan.loads, saves=plan.saves, early_saves=plan.early_saves,
+            new_block_ids=plan.new_block_ids, blocks=plan.blocks, computes=plan.computes,
         )
 
     @_timed_scheduler
@@ -428,18 +439,24 @@ class HiCacheConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, HiCacheWorkerMetadata) and self.scheduler_half is not None:
             self.scheduler_half.mark_bad(meta.bad_host_pages)
+            if meta.poisoned_blocks and self._block_pool is not None:
+                # No later request may hit them in vLLM's prefix cache: a request that
+                # still holds one is recomputed by vLLM (a load error) or was computed
+                # over one (its saves were dropped); the block itself is not freed.
+                self._block_pool.evict_blocks(meta.poisoned_blocks)
 
     @_timed_scheduler
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
         self._hit_sources.pop(request.request_id, None)
-        if self.scheduler_half is None:
-            return False, None
-        delay = self.scheduler_half.request_finished(
-            request.request_id, request.num_computed_tokens, block_ids
-        )
-        return delay, None
+        if self.scheduler_half is not None:
+            self.scheduler_half.request_finished(
+                request.request_id, request.num_computed_tokens, block_ids
+            )
+        # Never delays the free: the last blocks are saved before the next forward can
+        # write a block vLLM hands out again (see StepPlan.early_saves).
+        return False, None
 
     def reset_cache(self) -> bool | None:
         if self.scheduler_half is None:

@@ -36,15 +36,22 @@ class SaveOp:
 
 @dataclass
 class StepPlan:
-    """One step's transfers. Empty (``is_empty``) on most decode steps: workers do nothing."""
+    """One step's transfers, and what the step computes (the workers track which blocks
+    hold valid KV from it). ``is_empty`` on most decode steps: no copies to make."""
 
     loads: list[LoadOp] = field(default_factory=list)
     saves: list[SaveOp] = field(default_factory=list)
+    # Saves of blocks computed in earlier steps (a finished request's last blocks, vLLM's
+    # own prefix hit copied into the host tier): copied before this step's loads, which
+    # may read the same host pages, and before this step's forward reuses a freed block.
+    early_saves: list[SaveOp] = field(default_factory=list)
     # Blocks (re)allocated to requests this step: a save still reading one must land
-    # before the forward writes it (the block was freed by a preemption).
+    # before the forward writes it (the block was freed by a preemption or a finish).
     new_block_ids: list[int] = field(default_factory=list)
-    # Requests whose block free waits for their saves (request_finished returned True).
-    delayed_req_ids: list[str] = field(default_factory=list)
+    # Block table changes, in vLLM's order: (req_id, new block ids, replace the table).
+    blocks: list[tuple[str, list[int], bool]] = field(default_factory=list)
+    # What the forward computes: (req_id, first token, end token) of every request.
+    computes: list[tuple[str, int, int]] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.saves or self.delayed_req_ids)
+        return not (self.loads or self.saves or self.early_saves)

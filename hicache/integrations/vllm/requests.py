@@ -27,14 +27,12 @@ class ScheduledRequest:
 class RequestState:
     """One live request, from its first lookup (or first scheduling) until it finishes."""
 
-    __slots__ = ("token_ids", "block_ids", "num_checked_pages", "saved", "key", "keys",
-                 "lookup")
+    __slots__ = ("token_ids", "block_ids", "num_checked_pages", "key", "keys", "lookup")
 
     def __init__(self, token_ids: Sequence[int]) -> None:
         self.token_ids = token_ids
         self.block_ids: list[int] = []
         self.num_checked_pages = 0  # leading pages already saved or found in the tree
-        self.saved = False  # a save was planned: its block free waits for the workers
         self.key = b""  # tree key of the leading whole pages (built lazily, see _key)
         self.keys: list[str] = []  # storage keys of the leading pages (computed lazily)
         self.lookup: tuple[int, int, int] | None = None  # (num_computed, host, storage pages)

@@ -79,8 +79,9 @@ class SchedulerHalf:
         self._reqs: dict[str, RequestState] = {}
         self._pins: dict[TreeNode, int] = {}  # host locks taken this step, released by build_plan
         self._loads: list[LoadOp] = []
-        self._delayed: list[str] = []
-        self._finish_saves: list[SaveOp] = []  # planned by request_finished, sent next step
+        # Saves of blocks computed before the next plan (request_finished's, and vLLM's own
+        # hit copied in by after_alloc): the workers copy them before that plan's loads.
+        self._early_saves: list[SaveOp] = []
         self._bad: set[int] = set()  # host pages the workers reported bad, still in the tree
         self.counters = SchedulerStats()
 
@@ -101,18 +102,18 @@ class SchedulerHalf:
             return 0
         c.lookup_tokens += limit * P - num_computed
         key = self._key(st, limit)
-        host = self.tree.probe_key(key) // P
-        bad = self._first_bad(key, host)
+        cached = self.tree.probe_key(key) // P
+        host = self._first_bad(key, cached)  # promise nothing from a bad page on
+        # Storage pages continue whichever hit is longer: the host tier's or vLLM's own
+        # (pages vLLM holds are copied from its blocks into the host tier, not read).
+        start = max(host, num_computed // P)
         stored = 0
-        if bad < host:
-            host = bad  # promise nothing from a bad page on
-        elif self.storage is not None and host < limit:
-            # only what host memory can take now: after_alloc must keep the promise
+        if self.storage is not None and host == cached and start < limit:
             stored = num_promisable_pages(
-                self.storage, self._keys(st, limit)[host:limit], self.tree, self.host_allocator,
-                key, host, P,
+                self.storage, self._keys(st, limit)[start:limit], self.tree,
+                self.host_allocator, key, host, P, extra_pages=start - host,
             )
-        num_tokens = (host + stored) * P - num_computed
+        num_tokens = ((start + stored) if stored else host) * P - num_computed
         if num_tokens <= 0 or num_tokens < self.config.load_threshold_tokens:
             return 0
         st.lookup = (num_computed, host, stored)
@@ -156,22 +157,27 @@ class SchedulerHalf:
         host_pages = torch.cat([n.host_indices for n in nodes]).tolist() if nodes else []
         op = LoadOp(req_id, st.block_ids[a:b], host_pages[a:have] if have > a else [])
         c = self.counters
-        if have < a:  # cannot happen while nothing else changes the tree in a step
-            op.failed_block_ids = st.block_ids[a:b]
-            op.block_ids = []
-            c.load_failed_tokens += (b - a) * P
-        elif have < b:
+        if have < b:
+            # The rest comes from storage; pages between the host hit and vLLM's own
+            # (have < a) are copied from vLLM's blocks, so that the tree has no gap.
             fetched = self._alloc_host(b - have) if self.storage is not None else None
             if fetched is not None and not self._insert_extension(st, have, fetched):
                 fetched = None
-            if fetched is None:
-                op.failed_block_ids = st.block_ids[have:b]
-                op.block_ids = st.block_ids[a:have]
-                c.load_failed_tokens += (b - have) * P
+            if fetched is None:  # the lookup's room check makes this rare
+                op.failed_block_ids = st.block_ids[max(a, have):b]
+                op.block_ids = st.block_ids[a:max(a, have)]
+                c.load_failed_tokens += (b - max(a, have)) * P
             else:
-                op.host_pages += fetched.tolist()
-                op.storage_keys = self._keys(st, b)[have:b]
-                c.storage_hit_tokens += (b - have) * P
+                pages = fetched.tolist()
+                gap = max(0, a - have)
+                if gap:
+                    self._early_saves.append(
+                        SaveOp(req_id, st.block_ids[have:a], pages[:gap]))
+                    c.saved_tokens += gap * P
+                op.host_pages += pages[gap:]
+                first = max(a, have)
+                op.storage_keys = self._keys(st, b)[first:b]
+                c.storage_hit_tokens += (b - first) * P
         c.host_hit_tokens += max(0, min(have, b) - a) * P
         st.num_checked_pages = max(st.num_checked_pages, b)
         self._loads.append(op)
@@ -180,9 +186,8 @@ class SchedulerHalf:
     def build_plan(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
         """This step's plan: the loads planned since the last call, and the saves of every
         block this step completes. Releases the step's pins."""
-        plan = StepPlan(loads=self._loads, saves=self._finish_saves,
-                        delayed_req_ids=self._delayed)
-        self._loads, self._delayed, self._finish_saves = [], [], []
+        plan = StepPlan(loads=self._loads, early_saves=self._early_saves)
+        self._loads, self._early_saves = [], []
         try:
             for s in scheduled:
                 st = self._reqs.get(s.req_id)
@@ -195,7 +200,10 @@ class SchedulerHalf:
                     else:
                         st.block_ids.extend(s.new_block_ids)
                     plan.new_block_ids.extend(s.new_block_ids)
-                save = self._plan_save(s.req_id, st, s.num_computed_tokens + s.num_scheduled_tokens)
+                    plan.blocks.append((s.req_id, list(s.new_block_ids), s.resumed))
+                end = s.num_computed_tokens + s.num_scheduled_tokens
+                plan.computes.append((s.req_id, s.num_computed_tokens, end))
+                save = self._plan_save(s.req_id, st, end)
                 if save is not None:
                     plan.saves.append(save)
         finally:
@@ -242,7 +250,6 @@ class SchedulerHalf:
         if not repair and not new_pages:
             return None
         first = repair_from if repair else cached
-        st.saved = True
         self.counters.saved_tokens += (full - first) * P
         keys = self._keys(st, full)[first:full] if self.storage is not None else []
         return SaveOp(req_id, st.block_ids[first:full], repair + new_pages, keys)
@@ -273,32 +280,28 @@ class SchedulerHalf:
     def request_finished(
         self, req_id: str, num_computed_tokens: int | None = None,
         block_ids: Sequence[int] | None = None,
-    ) -> bool:
-        """Forget the request; True when its blocks must wait for its saves (reported by the
-        workers through ``get_finished``).
+    ) -> None:
+        """Forget the request.
 
         With ``num_computed_tokens`` and ``block_ids`` (vLLM's at finish), the blocks
         completed in the last steps, whose tokens were not all known when those steps
-        were planned (async scheduling), are saved in the next plan.
+        were planned (async scheduling), are saved at the start of the next plan: before
+        that plan's loads (which may be promised these pages) and before its forward
+        writes a block vLLM freed and handed out again. vLLM frees the blocks at once.
         """
         st = self._reqs.pop(req_id, None)
-        if st is None:
-            return False
-        if num_computed_tokens is not None and block_ids is not None:
-            st.block_ids = list(block_ids)
-            save = self._plan_save(req_id, st, num_computed_tokens)
-            if save is not None:
-                self._finish_saves.append(save)  # pinned until that plan is built
-        if not st.saved:
-            return False
-        self._delayed.append(req_id)
-        return True
+        if st is None or num_computed_tokens is None or block_ids is None:
+            return
+        st.block_ids = list(block_ids)
+        save = self._plan_save(req_id, st, num_computed_tokens)
+        if save is not None:
+            self._early_saves.append(save)  # pinned until that plan is built
 
     def reset(self) -> bool:
         """Drop every cached host page (vLLM's ``reset_prefix_cache(reset_connector=True)``).
 
-        Pages pinned by a step being planned (or by a finished request's last save, sent
-        with the next plan) stay; returns False then.
+        Pages pinned by a step being planned (or by a save sent with the next plan) stay;
+        returns False then.
         """
         num = self.tree.host_tokens
         result = self.tree.evict_host(num) if num else None

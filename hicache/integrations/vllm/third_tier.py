@@ -41,11 +41,12 @@ def extend_storage_keys(
 
 def num_promisable_pages(
     backend, keys: Sequence[str], tree, host_allocator, key: bytes, num_host_pages: int,
-    page_size: int,
+    page_size: int, *, extra_pages: int = 0,
 ) -> int:
     """Pages, of those named by ``keys`` (the pages after the ``num_host_pages`` cached
-    in host memory for ``key``), that a lookup may promise: the leading run storage
-    holds, at most as many as host memory can take (:func:`host_room_for_fetch`).
+    in host memory for ``key``, and ``extra_pages`` more that host memory must also
+    take), that a lookup may promise: the leading run storage holds, at most as many as
+    host memory can take (:func:`host_room_for_fetch`) besides ``extra_pages``.
     An unreachable store promises nothing (host memory still serves what it has)."""
     from hicache.storage import StorageError
 
@@ -53,7 +54,8 @@ def num_promisable_pages(
         stored = backend.exists(keys)
     except StorageError:
         return 0
-    return min(stored, host_room_for_fetch(tree, host_allocator, key, num_host_pages, page_size))
+    room = host_room_for_fetch(tree, host_allocator, key, num_host_pages, page_size)
+    return max(0, min(stored, room - extra_pages))
 
 
 def host_room_for_fetch(tree, host_allocator, key: bytes, num_host_pages: int,

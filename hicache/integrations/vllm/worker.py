@@ -9,11 +9,13 @@ knows host page ids and block ids, not tokens or the tree.
 
 One step, as vLLM calls it::
 
-    handle_preemptions  begin_step   saves still reading a block reallocated now land
+    handle_preemptions  begin_step   block tables; saves of earlier steps' blocks start;
+                                     saves still reading a block reallocated now land
     start_load_kv       start_loads  storage -> host pages (sync), host -> blocks (async)
     (each layer)        wait_layer   the load of that layer has landed
-    wait_for_save       end_step     load finished; saves of this step submitted (async)
-    get_finished        finished     delayed requests whose saves landed
+    wait_for_save       end_step     load finished; which blocks hold wrong KV; saves
+                                     of this step's right blocks submitted (async)
+    get_finished        finished     finished requests' block tables dropped
                         load_errors  blocks vLLM must recompute
 
 Ordering across steps: a copy into or out of a host page waits for the copies
@@ -22,8 +24,15 @@ reused it meanwhile). A host page whose content is not what the scheduler's
 tree says (a save or a storage read failed, or a save was dropped because the
 request's load failed) is *bad*: a load from it is reported as a load error
 until a later save or read fills it again, and it is reported to the scheduler
-(``take_bad_pages``), which stops promising it and has it saved again. A step without transfers does
-nothing but check for finished copies.
+(``take_bad_pages``), which stops promising it and has it saved again.
+
+A *block* whose load failed holds wrong KV, and so does every block a forward
+computes over it (attention read it), whichever request computes it: the worker
+follows vLLM's block tables and what each step computes (the plan carries both)
+and never saves such a block; a block rewritten over right KV is right again.
+Such blocks are reported to the scheduler (``take_poisoned_blocks``), which takes
+them out of vLLM's prefix cache. A step without transfers does little more than
+follow the block tables.
 """
 
 from __future__ import annotations
@@ -172,13 +181,25 @@ class WorkerHalf:
         self._bad_pages: set[int] = set()
         self._newly_bad: set[int] = set()  # not yet reported to the scheduler
         self._errors: set[int] = set()
-        self._delayed: set[str] = set()
+        self._tables: dict[str, list[int]] = {}  # vLLM's block table of each live request
+        self._poisoned: set[int] = set()  # blocks whose content is not their tokens' KV
+        self._newly_poisoned: set[int] = set()  # not yet reported to the scheduler
         self.counters = WorkerStats()
 
     # ------------------------------------------------------------------ steps
     def begin_step(self, plan: StepPlan) -> None:
-        """Before the forward writes any block: saves reading a reallocated block land."""
+        """Before this step's loads and forward: block tables follow vLLM's, saves of
+        blocks computed in earlier steps start, and saves reading a block reallocated
+        now land."""
         self._poll()
+        tables = self._tables
+        for req_id, ids, replace in plan.blocks:
+            if replace:
+                tables[req_id] = list(ids)
+            else:
+                tables.setdefault(req_id, []).extend(ids)
+        if plan.early_saves:
+            self._submit_saves(plan.early_saves)
         if self._saves and plan.new_block_ids:
             reused = set(plan.new_block_ids)
             for rec in list(self._saves):
@@ -233,24 +254,30 @@ class WorkerHalf:
             self._load.wait_layer(i)  # a failure is seen when the load is applied
 
     def end_step(self, plan: StepPlan) -> None:
-        """Finish this step's load, then submit this step's saves (they land later)."""
-        failed_reqs: set[str] = set()
+        """Finish this step's load, follow which blocks now hold wrong KV, then submit
+        this step's saves of blocks that hold the right KV (they land later)."""
         if self._load is not None:
             self._load.wait()
             self._poll()
-        if self._errors:
-            for op in plan.loads:
-                if not self._errors.isdisjoint(op.block_ids) or op.failed_block_ids:
-                    failed_reqs.add(op.req_id)
-        if not plan.saves:
-            return
+        loaded = [b for op in plan.loads for b in op.block_ids]
+        if loaded or self._errors:
+            self._poisoned.difference_update(loaded)
+            self._poison(self._errors)
+        if self._poisoned:
+            self._follow_computes(plan.computes)
+        if plan.saves:
+            self._submit_saves(plan.saves)
+
+    def _submit_saves(self, saves) -> None:
+        """Copy blocks to host pages. A save reading a block that holds wrong KV (a load
+        into it failed, or it was computed over such a block) is dropped: its pages are
+        bad, so they are never served."""
         host_ids: list[int] = []
         block_ids: list[int] = []
         keys: list[str] = []
         req_ids: set[str] = set()
-        for op in plan.saves:
-            if op.req_id in failed_reqs:
-                # Computed on top of a failed load: the pages keep whatever they held.
+        for op in saves:
+            if self._poisoned and not self._poisoned.isdisjoint(op.block_ids):
                 self._mark_bad(op.host_pages)
                 self.counters.save_failed_blocks += len(op.block_ids)
                 continue
@@ -265,22 +292,50 @@ class WorkerHalf:
         self._saves.append(_Save(handle, req_ids, block_ids, host_ids, keys))
         self._poll()
 
-    def finished(self, plan: StepPlan | None) -> set[str]:
-        """Requests whose block free was delayed and whose saves have all landed.
+    def _poison(self, block_ids) -> None:
+        new = set(block_ids) - self._poisoned
+        self._poisoned |= new
+        self._newly_poisoned |= new
 
-        Waits for those saves: a delayed request's saves were submitted a step ago,
-        and reporting it now keeps vLLM from stepping again just to free its blocks.
+    def _follow_computes(self, computes) -> None:
+        """Blocks this step wrote hold wrong KV when the request's earlier tokens did
+        (attention read them), and the right KV again when they did not.
+
+        A request may read a block another request rewrites in the same forward (vLLM
+        recomputes a shared block once): repeated until nothing changes.
         """
-        if plan is not None:
-            self._delayed.update(plan.delayed_req_ids)
-        if not self._delayed:
-            return set()
-        for rec in list(self._saves):
-            if rec.handle is not None and not rec.req_ids.isdisjoint(self._delayed):
-                rec.handle.wait()
-        self._poll()
-        done, self._delayed = self._delayed, set()
-        return done
+        P = self.layout.block_size
+        for _ in range(len(computes) + 1):
+            changed = False
+            for req_id, start, end in computes:
+                table = self._tables.get(req_id)
+                if not table or end <= start:
+                    continue
+                first, last = start // P, min((end - 1) // P, len(table) - 1)
+                prefix = table[: (start + P - 1) // P]
+                if not self._poisoned.isdisjoint(prefix):
+                    written = set(table[first:last + 1]) - self._poisoned
+                    if written:
+                        self._poison(written)
+                        changed = True
+                else:
+                    clean = self._poisoned.intersection(table[(start + P - 1) // P:last + 1])
+                    if clean:
+                        self._poisoned -= clean
+                        changed = True
+            if not changed:
+                return
+
+    def finished(self, finished_req_ids: set[str]) -> None:
+        """Forget the block tables of requests vLLM finished."""
+        for req_id in finished_req_ids:
+            self._tables.pop(req_id, None)
+
+    def take_poisoned_blocks(self) -> set[int]:
+        """Blocks found to hold wrong KV since the last call: the scheduler takes them out
+        of vLLM's prefix cache, so that no later request is served them."""
+        new, self._newly_poisoned = self._newly_poisoned, set()
+        return new
 
     def load_errors(self) -> set[int]:
         """Block ids whose load failed since the last call (vLLM recomputes them)."""

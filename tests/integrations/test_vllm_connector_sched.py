@@ -1,0 +1,159 @@
+"""HiCacheConnector under vLLM's own Scheduler and AsyncScheduler (see vllm_sched.py).
+
+Regression scenarios for wrong KV and failed requests found by driving the connector
+with vLLM's real schedulers, then random multi-turn workloads with injected load
+failures, aborts and a third tier, under both schedulers and both load-failure
+policies. Skipped without vLLM unless ``HICACHE_REQUIRE_VLLM=1``.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from helpers import VLLM_REQUIRED, vllm_available
+
+pytestmark = pytest.mark.skipif(
+    not VLLM_REQUIRED and not vllm_available(),
+    reason="vllm (pip install -e '.[vllm]') not installed",
+)
+
+
+@pytest.fixture(scope="module")
+def sched():
+    import vllm_sched
+
+    return vllm_sched
+
+
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1, 500) for _ in range(n)]
+
+
+def _vllm_evict(e, req_id_blocks: list[int]) -> None:
+    """Take blocks out of vLLM's prefix cache (as its LRU would), not out of hicache."""
+    e.scheduler.kv_cache_manager.block_pool.evict_blocks(set(req_id_blocks))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_storage_hit_behind_vllms_longer_hit_is_kept(sched, tmp_path, async_scheduling):
+    """vLLM's own hit is longer than the host tier's: storage pages are promised from the
+    end of vLLM's hit, and loaded; under the default policy no request fails."""
+    B = sched.B
+    e = sched.Engine(async_scheduling=async_scheduling, policy="fail", num_blocks=24,
+                     extra={"host_tokens": 8 * B, "storage": f"file:{tmp_path}"})
+    rng = random.Random(0)
+    prompt = _prompt(rng, 8 * B + 1)
+    e.add("a", prompt, max_tokens=1)
+    e.run()
+    e.quiesce()
+    # The host tier lost the prompt (storage keeps it); vLLM keeps its first 4 blocks.
+    assert e.connector.reset_cache()
+    _vllm_evict(e, e.last_tables["a"][4:8])
+    e.add("b", prompt, max_tokens=2)
+    e.run()
+    e.check()
+    assert not e.failed
+    c = e.connector.scheduler_half.counters
+    assert c.storage_hit_tokens == 4 * B and c.load_failed_tokens == 0
+    # vLLM's 4 blocks were copied into the host tier in front of the 4 read from storage.
+    assert e.connector.scheduler_half.tree.host_tokens >= 8 * B
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_save_over_a_shared_failed_load_is_dropped(sched, async_scheduling):
+    """Two requests of one step share the blocks of a synchronous load that fails: the
+    second computes over them, and none of its saves may reach the host tier."""
+    B = sched.B
+    e = sched.Engine(async_scheduling=async_scheduling, policy="recompute", num_blocks=24,
+                     extra={"host_tokens": 16 * B}, max_num_batched_tokens=256)
+    rng = random.Random(1)
+    prefix = _prompt(rng, 4 * B)
+    e.add("warm", prefix + _prompt(rng, 3), max_tokens=1)
+    e.run()
+    e.quiesce()
+    assert e.scheduler.reset_prefix_cache()  # vLLM forgets; the host tier keeps the prefix
+    e.faults.fail_next_loads = 1
+    e.add("a", prefix + _prompt(rng, 2 * B + 3), max_tokens=2)
+    e.add("b", prefix + _prompt(rng, 2 * B + 5), max_tokens=2)
+    e.run()
+    e.check()
+    assert e.faults.failed_loads == 1
+    assert e.connector.scheduler_half.counters.host_hit_tokens >= 4 * B
+
+
+def test_follow_up_right_after_finish_is_served_the_finished_turn(sched):
+    """Async scheduling: a turn's last blocks are saved by the plan after it finished;
+    a follow-up admitted in that plan and promised those pages loads them only after
+    the save filled them."""
+    B = sched.B
+    e = sched.Engine(async_scheduling=True, num_blocks=24, extra={"host_tokens": 16 * B})
+    rng = random.Random(2)
+    prompt = _prompt(rng, 3 * B + B // 2)
+    e.add("t0", prompt, max_tokens=B)  # the turn's last block completes at its finish
+    while "t0" not in e.finished_ids:
+        e.step()
+    follow = sched.extend(prompt, B) + _prompt(rng, 5)
+    _vllm_evict(e, e.last_tables.get("t0") or e.tables["t0"])  # the host tier must serve it
+    e.add("t1", follow, max_tokens=2)
+    e.run()
+    e.check()
+    assert e.connector.scheduler_half.counters.host_hit_tokens >= 4 * B
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_reset_with_running_requests_after_a_finish_with_saves(sched, async_scheduling):
+    """reset_prefix_cache(reset_running_requests=True) right after a request whose saves
+    are still to come finished: vLLM's reset succeeds, as it does without a connector."""
+    B = sched.B
+    e = sched.Engine(async_scheduling=async_scheduling, num_blocks=24,
+                     extra={"host_tokens": 16 * B})
+    rng = random.Random(3)
+    e.add("a", _prompt(rng, 2 * B + 3), max_tokens=B)
+    e.add("b", _prompt(rng, 5 * B), max_tokens=8)
+    while "a" not in e.finished_ids:
+        e.step()
+    assert e.scheduler.reset_prefix_cache(reset_running_requests=True)
+    e.run()
+    e.check()
+
+
+def _multiturn(e, sched, seed: int, *, convs: int = 8, turns: int = 3,
+               abort_rate: float = 0.1) -> None:
+    """Conversations sharing a system prompt, turns interleaved, random steps between
+    arrivals, random aborts: a working set several times vLLM's cache."""
+    rng = random.Random(seed)
+    system = _prompt(rng, 40)
+    history = {c: system + _prompt(rng, 10) for c in range(convs)}
+    for t in range(turns):
+        for c in range(convs):
+            n = rng.randrange(1, 12)
+            e.add(f"c{c}t{t}", history[c], max_tokens=n)
+            history[c] = sched.extend(history[c], n) + _prompt(rng, rng.randrange(1, 24))
+            for _ in range(rng.randrange(0, 4)):
+                if e.scheduler.has_requests():
+                    e.step()
+            if rng.random() < abort_rate and e.scheduler.requests:
+                e.abort(rng.choice(sorted(e.scheduler.requests)))
+    e.run()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+@pytest.mark.parametrize("storage", [False, True])
+def test_random_multiturn_with_faults(sched, tmp_path, async_scheduling, policy, storage):
+    """Loads fail at random (30%): nothing wrong is read or kept, nothing leaks, and
+    with ``fail`` only requests that shared a failed block fail."""
+    B = sched.B
+    extra = {"host_tokens": 24 * B}
+    if storage:
+        extra["storage"] = f"file:{tmp_path}"
+    for seed in range(2):
+        e = sched.Engine(async_scheduling=async_scheduling, policy=policy, num_blocks=14,
+                         extra=extra, seed=seed)
+        e.faults.load_rate = 0.3
+        _multiturn(e, sched, seed)
+        e.check()
+        if policy == "recompute":
+            assert not e.failed
+        assert e.faults.failed_loads == 0 or e.connector.scheduler_half.counters.host_hit_tokens

@@ -1,0 +1,449 @@
+"""vLLM's own ``Scheduler`` / ``AsyncScheduler`` driving HiCacheConnector, without a model.
+
+The scheduler is vLLM 0.32's, with the connector it builds itself (role SCHEDULER);
+the worker half is a second connector (role WORKER) over CPU KV tensors in vLLM's CPU
+layout. The "model" is a forward that writes each token's KV as a function of the
+token prefix it ends (a CRC of those tokens, one value per layer), and reads the
+request's earlier blocks first: a token computed over a block that does not hold the
+KV of its prefix writes a poison value instead, so wrong KV propagates exactly as it
+would through attention. Sampled tokens are a function of the prefix too, so a
+follow-up turn built from a previous turn's output extends it.
+
+Steps run in the engine's order: ``schedule -> execute -> update_from_output``, or
+for async scheduling (the engine's batch queue) ``schedule N+1`` before
+``update_from_output(N)``. Checks, recorded as they happen and asserted by
+:meth:`Engine.check`:
+
+- every block a forward reads holds its prefix's KV, unless the reader's blocks include
+  one reported a load error in this step or the one before (vLLM then recomputes it),
+  or the worker knows the block is wrong (it never saves it, and vLLM stops serving it);
+- at the end, every host page the scheduler's tree offers holds its prefix's KV;
+- no pin, host page, copy in flight or delayed block free is leaked.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from hicache.tree import token_key
+
+B = 16  # tokens per block
+L = 2  # layers
+H, D = 1, 4
+VOCAB = 509
+POISON = -1.0
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+
+_MODEL_DIR: str | None = None
+
+
+def model_dir() -> str:
+    """A tiny model config (no weights: the scheduler only reads the config)."""
+    global _MODEL_DIR
+    if _MODEL_DIR is None:
+        from transformers import LlamaConfig
+
+        path = tempfile.mkdtemp(prefix="hicache-sched-model-")
+        LlamaConfig(vocab_size=VOCAB + 1, hidden_size=16, intermediate_size=32,
+                    num_hidden_layers=L, num_attention_heads=1, num_key_value_heads=H,
+                    head_dim=D, max_position_embeddings=8192).save_pretrained(path)
+        _MODEL_DIR = path
+    return _MODEL_DIR
+
+
+def prefix_values(tokens: Sequence[int]) -> np.ndarray:
+    """KV value of every position: a CRC of the tokens up to and including it."""
+    out = np.empty(len(tokens), dtype=np.float64)
+    crc = 0
+    for i, t in enumerate(tokens):
+        crc = zlib.crc32(int(t).to_bytes(4, "little"), crc)
+        out[i] = crc % 1_000_003 + 1
+    return out
+
+
+def next_token(tokens: Sequence[int]) -> int:
+    """What the model "samples" after ``tokens``: a function of the prefix."""
+    return zlib.crc32(np.asarray(tokens, dtype=np.int32).tobytes()) % VOCAB + 1
+
+
+def extend(tokens: list[int], n: int) -> list[int]:
+    """``tokens`` followed by the model's next ``n`` tokens."""
+    out = list(tokens)
+    for _ in range(n):
+        out.append(next_token(out))
+    return out
+
+
+class Faults:
+    """Wraps the worker's block copier: fails loads or saves at a given rate."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = random.Random(seed)
+        self.load_rate = 0.0
+        self.save_rate = 0.0
+        self.fail_next_loads = 0
+        self.inner = None
+        self.failed_loads = 0
+        self.failed_saves = 0
+
+    def __call__(self, copier):
+        self.inner = copier
+        return self
+
+    @property
+    def num_layers(self) -> int:
+        return self.inner.num_layers
+
+    def load(self, host_ids, block_ids, first, last):
+        if self.fail_next_loads or self.rng.random() < self.load_rate:
+            self.fail_next_loads = max(0, self.fail_next_loads - 1)
+            self.failed_loads += 1
+            raise RuntimeError("injected load failure")
+        self.inner.load(host_ids, block_ids, first, last)
+
+    def backup(self, block_ids, host_ids, first, last):
+        if self.rng.random() < self.save_rate:
+            self.failed_saves += 1
+            raise RuntimeError("injected save failure")
+        self.inner.backup(block_ids, host_ids, first, last)
+
+
+@dataclass
+class Violation:
+    step: int
+    what: str
+
+    def __str__(self) -> str:
+        return f"step {self.step}: {self.what}"
+
+
+@dataclass
+class Engine:
+    """One vLLM scheduler and one worker connector, stepped by hand."""
+
+    async_scheduling: bool = False
+    policy: str = "recompute"
+    num_blocks: int = 24
+    extra: dict = field(default_factory=dict)
+    max_num_batched_tokens: int = 64
+    max_num_seqs: int = 4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        from vllm.config import (
+            CacheConfig,
+            DeviceConfig,
+            KVTransferConfig,
+            ModelConfig,
+            SchedulerConfig,
+            VllmConfig,
+        )
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import init_none_hash
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        from hicache.integrations.vllm import HiCacheConnector
+        from hicache.integrations.vllm.worker import WorkerHalf
+
+        init_none_hash(sha256)
+        extra = {"host_tokens": 8 * B, "executor": "sync", **self.extra}
+        mc = ModelConfig(model=model_dir(), skip_tokenizer_init=True, dtype="float32", seed=0,
+                         max_model_len=4096)
+        sc = SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                             max_num_batched_tokens=self.max_num_batched_tokens,
+                             max_model_len=4096, enable_chunked_prefill=True,
+                             is_encoder_decoder=False, async_scheduling=self.async_scheduling)
+        transfer = KVTransferConfig(
+            kv_connector="HiCacheConnector", kv_connector_module_path="hicache.integrations.vllm",
+            kv_role="kv_both", kv_connector_extra_config=extra,
+            kv_load_failure_policy=self.policy,
+        )
+        self.vllm_config = VllmConfig(
+            model_config=mc, scheduler_config=sc,
+            cache_config=CacheConfig(block_size=B, enable_prefix_caching=True),
+            kv_transfer_config=transfer, device_config=DeviceConfig("cpu"),
+        )
+        spec = FullAttentionSpec(block_size=B, num_kv_heads=H, head_size=D, dtype=torch.float32)
+        self.kv_cache_config = KVCacheConfig(
+            num_blocks=self.num_blocks, kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
+        )
+        self.vllm_config.cache_config.num_gpu_blocks = self.num_blocks
+        cls = AsyncScheduler if self.async_scheduling else Scheduler
+        self.scheduler = cls(
+            vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config, log_stats=True,
+            structured_output_manager=StructuredOutputManager(self.vllm_config), block_size=B,
+        )
+        self.connector = self.scheduler.connector
+        # vLLM's CPU layout: (num_blocks, H, block_size, 2 * D) per layer.
+        self.kv = {name: torch.zeros(self.num_blocks, H, B, 2 * D) for name in LAYERS}
+        self.worker = HiCacheConnector(self.vllm_config, KVConnectorRole.WORKER,
+                                       self.kv_cache_config)
+        self.faults = Faults(self.seed)
+        cfg = self.worker.hc_config
+        backend = self.worker._open_storage() if cfg.storage else None
+        self.worker.worker_half = WorkerHalf(
+            cfg, self.kv, num_blocks=self.num_blocks, block_size=B,
+            num_host_pages=self.worker.num_host_pages, storage_backend=backend,
+            copier_hook=self.faults,
+        )
+        self.step_no = 0
+        self.prompts: dict[str, list[int]] = {}  # req id -> prompt
+        self.tables: dict[str, list[int]] = {}  # the model runner's block tables
+        self.num_sampled: dict[str, int] = {}
+        self.sequences: list[list[int]] = []  # every token sequence seen (for the final check)
+        self.outputs: dict[str, list[int]] = {}  # finished requests' output tokens
+        self.failed: set[str] = set()  # finished with FINISHED_ERROR
+        self.finished_ids: set[str] = set()  # finished, as the engine reported them
+        self.last_tables: dict[str, list[int]] = {}  # finished requests' last block tables
+        self.invalid_by_step: dict[int, set[int]] = {}
+        self.violations: list[Violation] = []
+        self.loaded_by_step: dict[int, set[int]] = {}
+        self._pending = None  # async: (scheduler output, model runner output) not yet updated
+
+    # ------------------------------------------------------------ requests
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 4) -> None:
+        from vllm import SamplingParams
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+        from vllm.v1.request import Request
+
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        req = Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=params,
+                      pooling_params=None, block_hasher=get_request_block_hasher(B, sha256))
+        self.prompts[req_id] = list(prompt)
+        self.sequences.append(extend(prompt, max_tokens))
+        self.scheduler.add_request(req)
+
+    def abort(self, req_id: str) -> None:
+        from vllm.v1.request import RequestStatus
+
+        self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+
+    # --------------------------------------------------------------- steps
+    def step(self) -> None:
+        """One engine step (with async scheduling: schedule N+1, then update N)."""
+        out = self.scheduler.schedule()
+        result = self._execute(out)
+        if not self.async_scheduling:
+            self._update(out, result)
+            return
+        if self._pending is not None:
+            self._update(*self._pending)
+        self._pending = (out, result)
+
+    def _update(self, out, result) -> None:
+        from vllm.v1.engine import FinishReason
+
+        outputs = self.scheduler.update_from_output(out, result)
+        for eco in outputs.values():
+            for o in eco.outputs:
+                self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finish_reason == FinishReason.ERROR:
+                    self.failed.add(o.request_id)
+                if o.finish_reason is not None:
+                    self.finished_ids.add(o.request_id)
+
+    def run(self, max_steps: int = 400) -> None:
+        """Step until nothing is left (the scheduler and the connector idle)."""
+        for _ in range(max_steps):
+            if not self.scheduler.has_requests() and self._pending is None:
+                return
+            if not self.scheduler.has_requests():
+                self._update(*self._pending)
+                self._pending = None
+                continue
+            self.step()
+        raise AssertionError(f"not done after {max_steps} steps: a request hangs")
+
+    def _execute(self, out):
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        self.step_no += 1
+        n = self.step_no
+        w = self.worker
+        meta = out.kv_connector_metadata
+        scheduled: list[tuple[str, int, int]] = []
+        for new in out.scheduled_new_reqs:
+            self.tables[new.req_id] = list(new.block_ids[0])
+            scheduled.append((new.req_id, new.num_computed_tokens,
+                              out.num_scheduled_tokens[new.req_id]))
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                self.tables[rid] = list(ids[0])
+            elif ids is not None:
+                self.tables[rid].extend(ids[0])
+            scheduled.append((rid, cached.num_computed_tokens[i], out.num_scheduled_tokens[rid]))
+        for rid in out.finished_req_ids:
+            if rid in self.tables:
+                self.last_tables[rid] = self.tables.pop(rid)
+        # The model runner's order (vLLM 0.32, kv_connector_model_runner_mixin.py).
+        w.handle_preemptions(meta)
+        w.bind_connector_metadata(meta)
+        if out.has_sync_kv_loads:
+            w.start_load_kv(None)
+        for name in LAYERS:
+            w.wait_for_layer_load(name)
+        reads = self._forward(scheduled)
+        if not out.has_sync_kv_loads:
+            w.start_load_kv(None)
+        w.wait_for_save()
+        finished_sending, finished_recving = w.get_finished(out.finished_req_ids)
+        invalid = w.get_block_ids_with_load_errors()
+        self.invalid_by_step[n] = set(invalid)
+        # vLLM rolls back (or fails) every running request whose computed blocks include
+        # a load error, once it sees the error: in this step, or with async scheduling the
+        # next one too. What such a request reads meanwhile is discarded.
+        # Blocks the connector knows hold wrong KV (computed over a failed load) are
+        # vLLM's to recompute; vLLM 0.32's async rollback of a request that shared a
+        # failed block keeps the token it computed in the next step.
+        reported = invalid | self.invalid_by_step.get(n - 1, set())
+        known = getattr(w.worker_half, "_poisoned", set())
+        for rid, wrong, done in reads:
+            if wrong - known and reported.isdisjoint(self.tables[rid][: (done + B - 1) // B]):
+                self.violations.append(Violation(
+                    n, f"{rid} read wrong KV in blocks {sorted(wrong)} "
+                    f"(table {self.tables[rid][: (done + B - 1) // B]}, computed {done})"))
+        worker_meta = w.build_connector_worker_meta()
+        w.clear_connector_metadata()
+        req_ids = [rid for rid, _, _ in scheduled]
+        sampled = []
+        for rid, done, num in scheduled:
+            req = self.scheduler.requests.get(rid)
+            if req is None or req.is_prefill_chunk:
+                sampled.append([])
+            else:
+                sampled.append([next_token(self._tokens(rid, done + num))])
+        kv_out = KVConnectorOutput(
+            finished_sending=finished_sending, finished_recving=finished_recving,
+            invalid_block_ids=invalid, kv_connector_worker_meta=worker_meta,
+        )
+        return ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+            pooler_output=[], kv_connector_output=kv_out,
+        )
+
+    def _tokens(self, req_id: str, n: int) -> list[int]:
+        prompt = self.prompts[req_id]
+        return extend(prompt, max(0, n - len(prompt)))[:n]
+
+    def _forward(self, scheduled) -> list[tuple[str, set[int], int]]:
+        """Write the KV of every scheduled token; returns what each request read wrong."""
+        # Requests of one step may read blocks another rewrites in the same forward (a
+        # recompute of a shared block): writes are repeated until they settle.
+        for _ in range(len(scheduled) + 1):
+            changed = False
+            for rid, done, num in scheduled:
+                changed |= self._compute(rid, done, num)
+            if not changed:
+                break
+        return [(rid, self._wrong_blocks(rid, done), done) for rid, done, _ in scheduled]
+
+    def _expected(self, rid: str, start: int, end: int) -> np.ndarray:
+        return prefix_values(self._tokens(rid, end))[start:end]
+
+    def _slots(self, rid: str, start: int, end: int) -> tuple[list[int], list[int]]:
+        table = self.tables[rid]
+        pos = range(start, end)
+        return [table[p // B] for p in pos], [p % B for p in pos]
+
+    def _read(self, blocks, slots) -> np.ndarray:
+        k = self.kv[LAYERS[0]]
+        return k[torch.tensor(blocks), 0, torch.tensor(slots), 0].double().numpy()
+
+    def _wrong_blocks(self, rid: str, done: int) -> set[int]:
+        if done == 0:
+            return set()
+        blocks, slots = self._slots(rid, 0, done)
+        got = self._read(blocks, slots)
+        bad = np.nonzero(got != self._expected(rid, 0, done))[0]
+        return {blocks[i] for i in bad}
+
+    def _compute(self, rid: str, done: int, num: int) -> bool:
+        ok = not self._wrong_blocks(rid, done)
+        values = self._expected(rid, done, done + num) if ok else np.full(num, POISON)
+        blocks, slots = self._slots(rid, done, done + num)
+        b, s = torch.tensor(blocks), torch.tensor(slots)
+        changed = False
+        for layer, name in enumerate(LAYERS):
+            v = torch.tensor(values + (0 if not ok else 2_000_000 * layer), dtype=torch.float32)
+            kv = self.kv[name]
+            if not torch.equal(kv[b, 0, s, 0], v):
+                changed = True
+            kv[b, :, s, :] = v[:, None, None]
+        return changed
+
+    # -------------------------------------------------------------- checks
+    def host_page_errors(self) -> list[str]:
+        """Host pages the scheduler's tree offers (not known bad) whose content is not the
+        KV of their prefix."""
+        half = self.connector.scheduler_half
+        pool = self.worker.worker_half.host_pool
+        errors = []
+        seen: set[int] = set()
+        for tokens in self.sequences:
+            key = token_key(np.asarray(tokens), B)
+            num_pages = half.tree.probe_key(key) // B
+            if not num_pages:
+                continue
+            path = half.tree.probe_path(key)
+            pages = torch.cat([nd.host_indices for nd in path]).tolist()[:num_pages]
+            values = prefix_values(tokens)
+            for i, page in enumerate(pages):
+                if page in seen or page in half._bad:
+                    continue
+                seen.add(page)
+                got = pool.buffer[page].reshape(L, H, B, 2 * D)[0, 0, :, 0].double().numpy()
+                want = values[i * B:(i + 1) * B]
+                if not np.array_equal(got, want):
+                    errors.append(f"host page {page} (page {i} of a {len(tokens)}-token "
+                                  f"sequence) holds wrong KV")
+        return errors
+
+    def quiesce(self) -> None:
+        """Finish the last async update, land every copy, hand bad pages to the scheduler."""
+        from vllm.v1.outputs import KVConnectorOutput
+
+        if self._pending is not None:
+            self._update(*self._pending)
+            self._pending = None
+        half = self.worker.worker_half
+        half.drain()
+        bad = half.take_bad_pages()
+        if bad:
+            from hicache.integrations.vllm.connector import HiCacheWorkerMetadata
+
+            self.connector.update_connector_output(KVConnectorOutput(
+                kv_connector_worker_meta=HiCacheWorkerMetadata(bad_host_pages=bad)))
+
+    def check(self) -> None:
+        """Every recorded violation, the host tier's content, and leaks."""
+        self.quiesce()
+        assert not self.violations, "\n".join(map(str, self.violations[:10]))
+        errors = self.host_page_errors()
+        assert not errors, "\n".join(errors[:10])
+        half = self.connector.scheduler_half
+        half.check_integrity()
+        if not self.scheduler.has_requests():
+            assert half.num_live_requests == 0, f"{half.num_live_requests} requests leaked"
+            assert self.worker.worker_half.num_in_flight == 0
+            assert not getattr(self.worker.worker_half, "_tables", None), "a block table leaked"
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name) == "1"
