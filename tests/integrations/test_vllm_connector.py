@@ -112,7 +112,7 @@ class MiniVllm:
         self.free = list(range(num_blocks))
         self.reqs: dict[str, dict] = {}
         self.pending: list[ScheduledRequest] = []
-        self.delayed: set[str] = set()
+        self.finished_ids: set[str] = set()  # since the last step
         self.last_errors: set[int] = set()
         self.plans: list[StepPlan] = []
         self.report_bad = True
@@ -137,15 +137,13 @@ class MiniVllm:
         self.free = r["blocks"] + self.free
         r["blocks"] = []
 
-    def finish(self, rid: str, num_computed: int | None = None) -> bool:
+    def finish(self, rid: str, num_computed: int | None = None) -> None:
+        """vLLM frees a finished request's blocks at once (the connector never delays it)."""
         r = self.reqs[rid]
         blocks = r["blocks"] if num_computed is not None else None
-        delay = self.sched.request_finished(rid, num_computed, blocks)
-        if delay:
-            self.delayed.add(rid)
-        else:
-            self.free += self.reqs.pop(rid)["blocks"]
-        return delay
+        self.sched.request_finished(rid, num_computed, blocks)
+        self.free += self.reqs.pop(rid)["blocks"]
+        self.finished_ids.add(rid)
 
     def step(self) -> StepPlan:
         plan = self.sched.build_plan(self.pending)
@@ -161,10 +159,8 @@ class MiniVllm:
             for page in range(s.num_computed_tokens // P, len(r["blocks"])):
                 self.fill(r["tokens"], r["blocks"][page], page)
         w.end_step(plan)
-        for rid in w.finished(plan):
-            assert rid in self.delayed, f"{rid} reported finished but its free was not delayed"
-            self.delayed.discard(rid)
-            self.free += self.reqs.pop(rid)["blocks"]
+        w.finished(self.finished_ids)
+        self.finished_ids = set()
         self.last_errors = w.load_errors()
         if self.report_bad:  # vLLM hands the worker metadata to the scheduler
             self.sched.mark_bad(w.take_bad_pages())
@@ -190,11 +186,13 @@ class MiniVllm:
 
     def check(self) -> None:
         self.sched.check_integrity()
-        if not self.sched._finish_saves:
+        if not self.sched._early_saves:
             assert self.sched._pins == {}, "pins must not outlive a step"
 
     def quiesce(self) -> None:
         self.worker.drain()
+        if self.report_bad:
+            self.sched.mark_bad(self.worker.take_bad_pages())
         self.check()
         assert self.worker.num_in_flight == 0
         assert self.worker.transfers.num_in_flight == 0
@@ -347,7 +345,7 @@ def test_auto_executor_on_cpu_copies_beside_or_between_forwards(make_vllm, monke
     assert m.worker.num_in_flight == (1 if spare else 0)
     m.worker.drain()
     assert m.worker.counters.save_blocks == 2
-    assert m.finish("a") is True  # the free is still delayed by one step (scheduler side)
+    m.finish("a")
     m.step()
     assert m.add("b", a) == 8
     m.step()
@@ -407,9 +405,9 @@ def test_saved_blocks_come_back_after_vllm_dropped_them(make_vllm, executor):
     assert m.add("a", a) == 0
     plan = m.step()
     assert [len(s.block_ids) for s in plan.saves] == [3]
-    assert m.finish("a") is True  # its blocks wait for the save
-    m.step()  # empty step: the worker reports "a" once the save landed
+    m.finish("a")  # its blocks are free at once
     assert "a" not in m.reqs and len(m.free) == 16
+    m.step()
     m.check()
     assert m.sched.stats()["host_pages_used"] == 3
     b = a[:12] + seq(6, 100)
@@ -619,19 +617,30 @@ def test_save_in_flight_when_blocks_are_reused_after_preemption(make_vllm):
     m.quiesce()
 
 
-def test_finished_request_keeps_blocks_until_save_landed(make_vllm):
+def test_finished_requests_blocks_reused_at_once_wait_for_its_save(make_vllm):
+    """A finished request's blocks are free at once; the next forward that writes one
+    of them waits for the save still reading it."""
     m = make_vllm()
     m.hook.save_delay_s = 0.05
-    m.add("a", seq(8) + [3])
+    a = seq(8) + [3]
+    m.add("a", a)
     m.step()
     blocks = list(m.reqs["a"]["blocks"])
-    assert m.finish("a") is True
-    assert not set(blocks) & set(m.free)  # not freed yet
-    saves_before = m.hook.saves_done
-    m.step()  # reports "a": only after its save landed
-    assert m.hook.saves_done == saves_before + 1
+    m.finish("a")
     assert set(blocks) <= set(m.free)
+    m.free = blocks + [b for b in m.free if b not in blocks]  # handed out first
+    m.add("b", seq(8, 300) + [3])
+    assert m.reqs["b"]["blocks"][:2] == blocks[:2]
+    saves_before = m.hook.saves_done
+    m.step()  # b's forward overwrites a's blocks only after a's save landed
+    assert m.hook.saves_done >= saves_before + 1
     m.hook.save_delay_s = 0.0
+    m.finish("b")
+    m.add("c", a)
+    m.step()
+    assert m.reqs["c"]["ext"] == 8 and m.loaded_ok("c")
+    m.finish("c")
+    m.step()
     m.quiesce()
 
 
@@ -639,7 +648,7 @@ def test_request_without_saves_frees_at_once(make_vllm):
     m = make_vllm()
     m.add("a", [1, 2, 3])  # no whole block
     m.step()
-    assert m.finish("a") is False
+    m.finish("a")
     assert len(m.free) == 16
     m.quiesce()
 
@@ -862,7 +871,7 @@ def test_many_requests_with_preemptions_keep_both_halves_consistent(make_vllm, e
     m.step()
     m.step()
     m.quiesce()
-    assert not m.delayed and len(m.free) == 24
+    assert len(m.free) == 24
     assert m.sched.stats()["host_hit_tokens"] > 0
 
 
@@ -941,9 +950,9 @@ def test_finished_request_saves_blocks_its_last_steps_completed(make_vllm):
     m.sched._reqs["a"].token_ids = full
     for page in range(2):
         m.fill(full, m.reqs["a"]["blocks"][page], page)
-    assert m.finish("a", num_computed=8) is True  # KV of 8 tokens computed: 2 blocks
+    m.finish("a", num_computed=8)  # KV of 8 tokens computed: 2 blocks
     plan = m.step()
-    assert [op.block_ids for op in plan.saves] == [[m.plans[0].saves[0].block_ids[0] + 1]]
+    assert [op.block_ids for op in plan.early_saves] == [[m.plans[0].saves[0].block_ids[0] + 1]]
     m.quiesce()
     assert m.add("b", full + [1]) == 8
     m.step()

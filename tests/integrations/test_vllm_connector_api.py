@@ -99,10 +99,12 @@ def test_save_then_load_through_the_connector_api():
     assert [op.block_ids for op in meta.saves] == [[0, 1]]
     assert _run_step(worker, meta) == ((None, None), set())
     a.num_computed_tokens = 69
-    assert sched.request_finished(a, [0, 1, 2]) == (True, None)  # blocks wait for the save
+    # Blocks are freed at once: the save of the block the last step completed runs
+    # first thing in the next step.
+    assert sched.request_finished(a, [0, 1, 2]) == (False, None)
     meta = sched.build_connector_meta(_output())
-    assert meta.delayed_req_ids == ["a"]
-    assert _run_step(worker, meta)[0] == ({"a"}, None)
+    assert meta.early_saves == [] and not meta.saves  # both blocks were saved already
+    assert _run_step(worker, meta)[0] == (None, None)
 
     b = SimpleNamespace(request_id="b", all_token_ids=tokens, num_computed_tokens=0)
     sched.on_new_request(b)
