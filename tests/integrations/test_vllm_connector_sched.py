@@ -157,3 +157,77 @@ def test_random_multiturn_with_faults(sched, tmp_path, async_scheduling, policy,
         if policy == "recompute":
             assert not e.failed
         assert e.faults.failed_loads == 0 or e.connector.scheduler_half.counters.host_hit_tokens
+
+
+def _warm_host_prefix(sched, e, rng, num_blocks: int) -> list[int]:
+    """A prefix the host tier holds and vLLM's cache does not."""
+    prefix = _prompt(rng, num_blocks * sched.B)
+    e.add("warm", prefix + _prompt(rng, 3), max_tokens=1)
+    e.run()
+    e.quiesce()
+    assert e.scheduler.reset_prefix_cache()
+    return prefix
+
+
+def test_async_request_admitted_after_a_failed_load_keeps_nothing_wrong(sched):
+    """Async scheduling: step N+1 is scheduled before vLLM sees that N's load failed; a
+    request admitted in N+1 shares the failed blocks from vLLM's prefix cache and
+    computes over them. None of what it computes may reach the host tier."""
+    B = sched.B
+    e = sched.Engine(async_scheduling=True, num_blocks=24, extra={"host_tokens": 16 * B},
+                     max_num_batched_tokens=256)
+    rng = random.Random(4)
+    prefix = _warm_host_prefix(sched, e, rng, 4)
+    e.faults.fail_next_loads = 1
+    e.add("a", prefix + _prompt(rng, 3), max_tokens=2)
+    e.step()  # N: a's load fails
+    e.add("b", prefix + _prompt(rng, 2 * B + 5), max_tokens=2)
+    e.run()  # N+1 schedules b on a's blocks, then vLLM learns of the failure
+    e.check()
+    assert e.faults.failed_loads == 1
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_abort_in_the_step_a_load_failed_leaves_no_wrong_block_to_hit(sched,
+                                                                      async_scheduling):
+    """The request whose load failed is aborted before vLLM sees the failure: vLLM does
+    not roll it back, so the failed blocks would stay in its prefix cache. The connector
+    takes them out: a later request with the same prefix is served right KV."""
+    B = sched.B
+    e = sched.Engine(async_scheduling=async_scheduling, num_blocks=24,
+                     extra={"host_tokens": 16 * B}, max_num_batched_tokens=256)
+    rng = random.Random(5)
+    prefix = _warm_host_prefix(sched, e, rng, 4)
+    e.faults.fail_next_loads = 1
+    e.add("a", prefix + _prompt(rng, B + 3), max_tokens=4)
+    e.step(hold=True)  # a's load fails; the engine has not seen the output yet
+    e.abort("a")
+    e.update_held()
+    if async_scheduling:
+        e.step()
+    e.add("c", prefix + _prompt(rng, 5), max_tokens=2)
+    e.run()
+    e.check()
+    assert e.faults.failed_loads == 1
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_resumed_request_whose_load_fails_as_it_finishes_saves_nothing_wrong(
+        sched, async_scheduling):
+    """Preempted (by a reset with running requests), resumed with a host hit whose load
+    fails in the step that finishes it: every save of what that step computed, the
+    finish-time one included, is dropped."""
+    B = sched.B
+    e = sched.Engine(async_scheduling=async_scheduling, num_blocks=24,
+                     extra={"host_tokens": 16 * B}, max_num_batched_tokens=256)
+    rng = random.Random(6)
+    e.add("r", _prompt(rng, 3 * B - 2), max_tokens=3)
+    while len(e.outputs.get("r", [])) < (1 if async_scheduling else 2):
+        e.step()  # async: the step in flight samples the second token
+    e.update_held()
+    assert len(e.outputs["r"]) == 2
+    assert e.scheduler.reset_prefix_cache(reset_running_requests=True)
+    e.faults.fail_next_loads = 1
+    e.run()
+    e.check()
+    assert e.faults.failed_loads == 1 and "r" in e.finished_ids

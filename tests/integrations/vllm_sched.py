@@ -233,16 +233,27 @@ class Engine:
         self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
 
     # --------------------------------------------------------------- steps
-    def step(self) -> None:
-        """One engine step (with async scheduling: schedule N+1, then update N)."""
+    def step(self, *, hold: bool = False) -> None:
+        """One engine step (with async scheduling: schedule N+1, then update N).
+
+        ``hold``: the step's output is not handed to the scheduler yet (as while the
+        engine waits for the forward): :meth:`update_held` or the next step does it.
+        """
+        if not self.async_scheduling:
+            self.update_held()
         out = self.scheduler.schedule()
         result = self._execute(out)
-        if not self.async_scheduling:
+        if not self.async_scheduling and not hold:
             self._update(out, result)
             return
-        if self._pending is not None:
-            self._update(*self._pending)
+        self.update_held()
         self._pending = (out, result)
+
+    def update_held(self) -> None:
+        """Hand the held step's output to the scheduler (``update_from_output``)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._update(*pending)
 
     def _update(self, out, result) -> None:
         from vllm.v1.engine import FinishReason
@@ -262,8 +273,7 @@ class Engine:
             if not self.scheduler.has_requests() and self._pending is None:
                 return
             if not self.scheduler.has_requests():
-                self._update(*self._pending)
-                self._pending = None
+                self.update_held()
                 continue
             self.step()
         raise AssertionError(f"not done after {max_steps} steps: a request hangs")
@@ -419,9 +429,7 @@ class Engine:
         """Finish the last async update, land every copy, hand bad pages to the scheduler."""
         from vllm.v1.outputs import KVConnectorOutput
 
-        if self._pending is not None:
-            self._update(*self._pending)
-            self._pending = None
+        self.update_held()
         half = self.worker.worker_half
         half.drain()
         bad = half.take_bad_pages()
