@@ -29,6 +29,7 @@ class StorageJob:
     __slots__ = (
         "kind", "keys", "host_pages", "nodes", "num_done", "error", "seconds", "done",
         "token_key", "namespace", "start_page", "committed", "stale", "event_pages",
+        "cancelled", "started",
     )
 
     def __init__(self, kind: str, keys: list[str], host_pages: torch.Tensor) -> None:
@@ -48,6 +49,9 @@ class StorageJob:
         self.stale = False  # read jobs: a reset came meanwhile, throw the pages away
         # write jobs with KV events on: (namespace, parent hash, page hashes) per node
         self.event_pages: list[tuple] = []
+        # StorageTier.cancel before the job started: it finishes moving nothing (num_done 0)
+        self.cancelled = False
+        self.started = False
 
 
 class StorageTier:
@@ -58,6 +62,7 @@ class StorageTier:
         self.host_pool = host_pool
         backend.register_memory(host_pool.buffer)
         self._finished: deque[StorageJob] = deque()
+        self._lock = threading.Lock()  # a job starts or is cancelled, never both
         self._queues = {"write": queue.SimpleQueue(), "read": queue.SimpleQueue()}
         self._threads = [
             threading.Thread(target=self._work, args=(kind,), name=f"hicache-storage-{kind}",
@@ -72,6 +77,14 @@ class StorageTier:
         self.num_in_flight += 1
         self._queues[job.kind].put(job)
         return job
+
+    def cancel(self, job: StorageJob) -> bool:
+        """Cancel ``job`` if it has not started: True then, and it will touch no page (it
+        still finishes, through :meth:`poll`, with ``num_done == 0``)."""
+        with self._lock:
+            if not job.started:
+                job.cancelled = True
+            return job.cancelled
 
     def poll(self) -> list[StorageJob]:
         """Jobs finished since the last poll, each once, in completion order."""
@@ -92,14 +105,24 @@ class StorageTier:
         q = self._queues[kind]
         while (job := q.get()) is not None:
             start = time.perf_counter()
+            with self._lock:
+                job.started = not job.cancelled
             try:
+                if job.cancelled:
+                    raise _Cancelled()
                 views = [self.host_pool.page(int(p)) for p in job.host_pages]
                 if job.kind == "write":
                     job.num_done = self.backend.set(job.keys, views)
                 else:
                     job.num_done = self.backend.get_into(job.keys, views)
+            except _Cancelled:
+                pass
             except Exception as exc:  # noqa: BLE001 - any failure finishes the job as failed
                 job.error = exc
             job.seconds = time.perf_counter() - start
             self._finished.append(job)
             job.done.set()
+
+
+class _Cancelled(Exception):
+    """A job cancelled before it started."""

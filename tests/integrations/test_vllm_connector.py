@@ -841,6 +841,140 @@ def test_third_tier_read_failure_is_a_load_error(make_vllm, tmp_path):
     fresh.quiesce()
 
 
+class _Gate:
+    """Wraps a storage backend: ``get_into`` / ``set`` block while the gate is closed."""
+
+    def __init__(self, backend, *, reads: bool, writes: bool) -> None:
+        self.inner, self.reads, self.writes = backend, reads, writes
+        self.open = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def get_into(self, keys, views):
+        if self.reads:
+            self.open.wait(30)
+        return self.inner.get_into(keys, views)
+
+    def set(self, keys, views):
+        if self.writes:
+            self.open.wait(30)
+        return self.inner.set(keys, views)
+
+
+def _stored(make_vllm, tmp_path, tokens) -> str:
+    storage = f"file:{tmp_path}"
+    m = make_vllm(storage=storage)
+    m.add("a", tokens)
+    m.step()
+    m.finish("a")
+    m.step()
+    m.quiesce()
+    return storage
+
+
+def test_hung_storage_read_times_out_as_a_load_error(make_vllm, tmp_path):
+    """A third-tier read waits at most storage_timeout_s inside vLLM's step; its blocks
+    are recomputed, its host pages stay out of use until the read ends, then the next
+    request computing those blocks saves them again and is served."""
+    a = seq(12) + [4]
+    storage = _stored(make_vllm, tmp_path, a)
+    m = make_vllm(storage=storage, storage_timeout_s=0.2)
+    gate = _Gate(m.worker.storage.backend, reads=True, writes=False)
+    m.worker.storage.backend = gate
+    assert m.add("b", a) == 12
+    start = time.monotonic()
+    m.step()
+    assert time.monotonic() - start < 5
+    assert m.last_errors == set(m.reqs["b"]["blocks"][:3])
+    assert m.worker.counters.storage_timeouts == 1
+    quarantined = set(m.plans[-1].loads[0].host_pages)
+    assert m.worker._quarantine == quarantined and m.worker.num_in_flight == 1
+    m.finish("b")
+    m.step()
+    gate.open.set()  # the store answers at last: the pages come back into use
+    m.quiesce()
+    assert not m.worker._quarantine and m.worker.num_in_flight == 0
+    assert m.sched.num_matched_tokens("c", a, 0) == 0  # bad pages are not promised
+    m.sched.request_finished("c")
+    assert m.add("c", a) == 0
+    m.step()  # computed again, saved into the same pages
+    m.finish("c")
+    m.step()
+    m.quiesce()
+    assert m.add("d", a) == 12
+    m.step()
+    assert m.loaded_ok("d") and not m.last_errors
+    m.finish("d")
+    m.step()
+    m.quiesce()
+
+
+def test_host_hit_load_does_not_wait_for_storage_writes(make_vllm, tmp_path):
+    """A load from host pages waits for copies writing them, not for the third-tier
+    writes reading them (a hung store must not stall a host hit)."""
+    m = make_vllm(storage=f"file:{tmp_path}", storage_timeout_s=0.2)
+    gate = _Gate(m.worker.storage.backend, reads=False, writes=True)
+    m.worker.storage.backend = gate
+    a = seq(12) + [4]
+    m.add("a", a)
+    m.step()
+    m.finish("a")
+    m.step()
+    for rec in list(m.worker._saves):
+        if rec.handle is not None:
+            rec.handle.wait()
+    m.worker._poll()
+    assert any(rec.job is not None for rec in m.worker._saves)  # storage write hangs
+    assert m.add("b", a) == 12
+    start = time.monotonic()
+    m.step()
+    assert time.monotonic() - start < 5
+    assert m.loaded_ok("b") and not m.last_errors
+    gate.open.set()
+    m.finish("b")
+    m.step()
+    m.quiesce()
+
+
+def test_storage_read_cancels_queued_writes_of_its_pages(make_vllm, tmp_path):
+    """Host pages reused for a storage read while their old content still waits to be
+    written behind: the queued write is cancelled, the read does not wait for it."""
+    a = seq(12) + [4]
+    storage = _stored(make_vllm, tmp_path, a)
+    m = make_vllm(storage=storage, num_host_pages=4, storage_timeout_s=5.0)
+    gate = _Gate(m.worker.storage.backend, reads=False, writes=True)
+    m.worker.storage.backend = gate
+    x1 = seq(4, 900) + [1]
+    m.add("x1", x1)  # 1 page: its storage write starts and hangs in the gate
+    m.step()
+    m.finish("x1")
+    m.step()
+    m.add("x2", seq(12, 500) + [4])  # 3 pages: their write queues behind x1's
+    m.step()
+    m.finish("x2")
+    m.step()
+    assert m.add("t", x1) == 4  # x1's page is the most recently used now
+    m.step()
+    m.finish("t")
+    m.step()
+    for rec in list(m.worker._saves):
+        if rec.handle is not None:
+            rec.handle.wait()
+    m.worker._poll()
+    assert sum(rec.job is not None for rec in m.worker._saves) == 2
+    start = time.monotonic()
+    assert m.add("b", a) == 12  # read from storage into x2's pages
+    m.step()
+    assert time.monotonic() - start < 4
+    assert m.loaded_ok("b") and not m.last_errors
+    gate.open.set()
+    m.finish("b")
+    m.step()
+    m.quiesce()
+    assert m.worker.counters.storage_write_bytes == m.worker.host_pool.page_nbytes  # x1's
+
+
 @pytest.mark.parametrize("executor", ["thread", "auto"])
 def test_many_requests_with_preemptions_keep_both_halves_consistent(make_vllm, executor):
     rng = np.random.default_rng(0)

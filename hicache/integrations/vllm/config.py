@@ -61,6 +61,9 @@ class ConnectorConfig:
     executor: str = "auto"  # worker copies: "auto" (cuda on GPU; on CPU see worker.py), ...
     copy_cpus: list[int] | None = None  # CPU: pin the copy threads here (executor thread/auto)
     model_id: str | None = None  # storage identity override (default: derived from vLLM)
+    # A third-tier read in vLLM's step waits at most this long (a hung store or NFS mount
+    # must not hang the engine): what has not arrived is a load error, recomputed.
+    storage_timeout_s: float = 5.0
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -103,6 +106,10 @@ class ConnectorConfig:
             raise ValueError(
                 "kv_connector_extra_config.storage_options: given without storage"
             )
+        _number("storage_timeout_s", self.storage_timeout_s, minimum=0, strict=True)
+        if self.storage_timeout_s == float("inf"):
+            raise ValueError("kv_connector_extra_config.storage_timeout_s: expected a finite "
+                             "number of seconds, got inf")
         _choice("write_policy", self.write_policy, _WRITE_POLICIES)
         _choice("eviction", self.eviction, _EVICTIONS)
         _int("load_threshold_tokens", self.load_threshold_tokens, minimum=0)

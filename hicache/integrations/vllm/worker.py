@@ -73,6 +73,7 @@ class WorkerStats:
     storage_write_bytes: int = 0
     storage_write_seconds: float = 0.0
     storage_errors: int = 0
+    storage_timeouts: int = 0  # reads that did not finish within storage_timeout_s
     steps: int = 0  # vLLM steps (wait_for_save calls)
     hook_seconds: float = 0.0  # spent in the connector's worker-side hooks (copies too)
     hook_cpu_seconds: float = 0.0  # of which the model runner's thread was on a core
@@ -95,7 +96,7 @@ class _Save:
     def wait(self) -> None:
         if self.handle is not None:
             self.handle.wait()
-        if self.job is not None:
+        if self.job is not None and not self.job.cancelled:
             self.job.done.wait()
 
 
@@ -181,6 +182,8 @@ class WorkerHalf:
         self._bad_pages: set[int] = set()
         self._newly_bad: set[int] = set()  # not yet reported to the scheduler
         self._errors: set[int] = set()
+        self._quarantine: set[int] = set()  # host pages a timed-out storage read may write
+        self._reads_in_flight: list = []  # those reads (StorageJob)
         self._tables: dict[str, list[int]] = {}  # vLLM's block table of each live request
         self._poisoned: set[int] = set()  # blocks whose content is not their tokens' KV
         self._newly_poisoned: set[int] = set()  # not yet reported to the scheduler
@@ -225,10 +228,12 @@ class WorkerHalf:
                     f"many storage keys, got {len(op.block_ids)} blocks, {len(op.host_pages)} "
                     f"pages, {len(op.storage_keys)} keys"
                 )
-            self._wait_pages(op.host_pages)
+            num_stored = len(op.storage_keys)
+            # Copying out of a host page only waits for copies writing into it.
+            self._wait_pages(op.host_pages[: len(op.host_pages) - num_stored], readers=False)
             if op.storage_keys:
-                self._read_storage(op.storage_keys, op.host_pages[-len(op.storage_keys):])
-                c.load_storage_blocks += len(op.storage_keys)
+                self._read_storage(op.storage_keys, op.host_pages[-num_stored:])
+                c.load_storage_blocks += num_stored
             c.load_host_blocks += len(op.host_pages) - len(op.storage_keys)
             for block, page in zip(op.block_ids, op.host_pages, strict=True):
                 if page in self._bad_pages:
@@ -276,8 +281,14 @@ class WorkerHalf:
         block_ids: list[int] = []
         keys: list[str] = []
         req_ids: set[str] = set()
+        busy: set[int] = set()
+        if self.storage is not None and self._saves:
+            deadline = time.monotonic() + self.config.storage_timeout_s
+            busy = self._settle_pages([p for op in saves for p in op.host_pages], deadline)
         for op in saves:
-            if self._poisoned and not self._poisoned.isdisjoint(op.block_ids):
+            if (self._poisoned and not self._poisoned.isdisjoint(op.block_ids)) or (
+                busy and not busy.isdisjoint(op.host_pages)
+            ):
                 self._mark_bad(op.host_pages)
                 self.counters.save_failed_blocks += len(op.block_ids)
                 continue
@@ -370,29 +381,74 @@ class WorkerHalf:
         self._errors.update(block_ids)
         self.counters.load_failed_blocks += len(block_ids)
 
-    def _wait_pages(self, host_pages: list[int]) -> None:
-        """Let every copy in flight that touches one of ``host_pages`` land first."""
+    def _wait_pages(self, host_pages: list[int], *, readers: bool = True) -> None:
+        """Let every copy in flight that touches one of ``host_pages`` land first.
+
+        ``readers=False``: only copies writing into them (a copy out of a page may run
+        beside a storage write reading it).
+        """
         pages = set(host_pages)
         while True:
             # A landed save becomes a storage write only when polled: look again after.
-            busy = [rec for rec in self._saves if not rec.pages.isdisjoint(pages)]
+            busy = [rec for rec in self._saves if not rec.pages.isdisjoint(pages) and (
+                rec.handle is not None or (readers and not rec.job.cancelled))]
             if not busy:
                 return
             for rec in busy:
-                rec.wait()
+                if readers:
+                    rec.wait()
+                else:
+                    rec.handle.wait()
+            self._poll()
+
+    def _settle_pages(self, host_pages: list[int], deadline: float) -> set[int]:
+        """Before writing into ``host_pages``: let the copies writing them land, cancel the
+        storage writes of their old content not started yet, and wait until ``deadline``
+        (``time.monotonic``) for those running. Returns the pages still in use then (a
+        hung store): the caller must not write them."""
+        pages = set(host_pages)
+        for rec in self._saves:
+            if rec.job is not None and not rec.pages.isdisjoint(pages):
+                self.storage.cancel(rec.job)
+        while True:
+            busy = [rec for rec in self._saves if not rec.pages.isdisjoint(pages)
+                    and (rec.handle is not None or not rec.job.cancelled)]
+            if not busy:
+                return pages & self._quarantine
+            for rec in busy:
+                if rec.handle is not None:
+                    rec.handle.wait()  # a block -> host copy: bounded, no I/O
+                elif not rec.job.done.wait(max(0.0, deadline - time.monotonic())):
+                    self._poll()
+                    running = {p for r in self._saves if r.job is not None
+                               and not r.job.cancelled for p in r.pages}
+                    return pages & (running | self._quarantine)
             self._poll()
 
     def _read_storage(self, keys: list[str], host_pages: list[int]) -> None:
+        """Storage -> host pages, waiting at most ``storage_timeout_s`` in all. Pages not
+        read by then are bad (their blocks are load errors); a read still running keeps
+        its pages out of use until it ends."""
         from hicache.storage.worker import StorageJob
 
         c = self.counters
-        if self.storage is None:
-            self._mark_bad(host_pages)  # nothing can fill them
+        deadline = time.monotonic() + self.config.storage_timeout_s
+        if self.storage is None or self._settle_pages(host_pages, deadline):
+            self._mark_bad(host_pages)  # nothing can fill them now
             c.storage_errors += 1
             return
         job = StorageJob("read", self._salted(keys), _ids(host_pages))
         self.storage.submit(job)
-        job.done.wait()
+        if not job.done.wait(max(0.0, deadline - time.monotonic())):
+            # The backend hangs: the job may still write into these pages later.
+            self._quarantine.update(host_pages)
+            self._reads_in_flight.append(job)
+            self._mark_bad(host_pages)
+            c.storage_errors += 1
+            c.storage_timeouts += 1
+            _log.warning("hicache worker: storage read of %d pages timed out after %.1f s",
+                         len(keys), self.config.storage_timeout_s)
+            return
         self._poll()
         num_done = 0 if job.error is not None else job.num_done
         if job.error is not None or num_done < len(keys):
@@ -445,7 +501,10 @@ class WorkerHalf:
         if self.storage is not None:
             for job in self.storage.poll():
                 if job.kind != "write":
-                    continue  # reads are waited for where they are submitted
+                    if job in self._reads_in_flight:  # a timed-out read ended at last
+                        self._reads_in_flight.remove(job)
+                        self._quarantine.difference_update(job.host_pages.tolist())
+                    continue  # the others are waited for where they are submitted
                 rec = next(r for r in self._saves if r.job is job)
                 self._saves.remove(rec)
                 c.storage_write_seconds += job.seconds
@@ -458,7 +517,7 @@ class WorkerHalf:
     @property
     def num_in_flight(self) -> int:
         """Saves (and their storage writes) not yet landed; loads never outlive a step."""
-        return len(self._saves) + (self._load is not None)
+        return len(self._saves) + (self._load is not None) + len(self._reads_in_flight)
 
     def drain(self, timeout_s: float = 60.0) -> None:
         """Wait until every copy in flight has landed and been applied."""
@@ -468,6 +527,8 @@ class WorkerHalf:
                 rec.wait()
             if self._load is not None:
                 self._load.wait()
+            for job in self._reads_in_flight:
+                job.done.wait(max(0.0, deadline - time.monotonic()))
             self._poll()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.num_in_flight} copies still in flight")
