@@ -50,9 +50,15 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[name]
 
 
+# Every int field stays inside int64 with room to spare: the native tree and the
+# page allocators take them as int64, and a typo (10**30) should fail here, by name.
+MAX_INT_FIELD = 1 << 62
+
+
 def _set_int(obj: object, name: str, minimum: int) -> None:
     """Check the int field ``name`` of a frozen config; store it as a Python int."""
-    object.__setattr__(obj, name, check_int(name, getattr(obj, name), minimum))
+    value = check_int(name, getattr(obj, name), minimum, maximum=MAX_INT_FIELD)
+    object.__setattr__(obj, name, value)
 
 
 def check_device(device: str) -> None:

@@ -3,8 +3,10 @@ before any pool or page allocator is built, and configs from dicts, files and HI
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import typing
 
 import numpy as np
 import psutil
@@ -38,7 +40,8 @@ def cfg(**kw) -> CacheConfig:
     ({"storage": 3}, TypeError, "storage: expected str or None, got int"),
     ({"prefetch_timeout_s": math.inf}, ValueError, "prefetch_timeout_s: expected a finite"),
     ({"prefetch_timeout_s": "1"}, TypeError, "prefetch_timeout_s: expected seconds, got str"),
-    ({"device_tokens": 10**30}, ValueError, "device pool: expected fewer than"),
+    ({"device_tokens": 1 << 60}, ValueError, "device pool: expected fewer than"),
+    ({"device_tokens": 10**30}, ValueError, "device_tokens: expected < 4611686018427387904"),
 ])
 def test_bad_config_values_are_refused_by_name(kw, error, match):
     with pytest.raises(error, match=match.replace("(", r"\(").replace(")", r"\)")):
@@ -259,3 +262,45 @@ def test_integer_fields_take_numpy_integers_and_store_python_ints():
 def test_host_size_numbers_name_the_same_expected_type(field):
     with pytest.raises(TypeError, match=f"{field}: expected a number, got str"):
         CacheConfig(kv=KVConfig(2, 1, 8, page_size=4), device_tokens=64, **{field: "2"})
+
+
+# ------------------------------------------------- non-finite numbers, every field (issue 25.4)
+def _fields_of_type(cls, kinds: set) -> list[str]:
+    """The fields of ``cls`` whose declared type admits one of ``kinds``."""
+    hints = typing.get_type_hints(cls)
+    return [f.name for f in dataclasses.fields(cls)
+            if kinds & set(typing.get_args(hints[f.name]) or (hints[f.name],))]
+
+
+NUMBER_FIELDS = _fields_of_type(CacheConfig, {int, float}) + _fields_of_type(KVConfig, {int})
+INT_FIELDS = _fields_of_type(CacheConfig, {int}) + _fields_of_type(KVConfig, {int})
+
+
+def _build(field: str, value) -> None:
+    """A config with ``field`` set to ``value`` and every other field valid."""
+    if field in {f.name for f in dataclasses.fields(KVConfig)}:
+        KVConfig(**{"num_layers": 2, "num_kv_heads": 1, "head_dim": 4, field: value})
+    else:
+        size = {"device_tokens": None} if field == "device_nbytes" else {}
+        CacheConfig(KV, **{"device_tokens": 64, **size, field: value})
+
+
+def test_number_fields_are_found():
+    floats = {"host_ratio", "host_gb", "prefetch_timeout_s", "max_pinned_fraction"}
+    assert set(NUMBER_FIELDS) - set(INT_FIELDS) == floats
+    assert len(INT_FIELDS) == 7 + 4  # 7 of CacheConfig (sizes, thresholds), 4 of KVConfig
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("field", NUMBER_FIELDS)
+def test_every_number_field_refuses_non_finite_values_by_name(field, value):
+    with pytest.raises((ValueError, TypeError)) as exc:
+        _build(field, value)
+    assert str(exc.value).startswith(f"{field}: expected"), str(exc.value)
+
+
+@pytest.mark.parametrize("field", INT_FIELDS)
+def test_every_int_field_is_bounded_inside_int64_by_name(field):
+    """10**30 passed every check once and failed later in the native tree (TypeError)."""
+    with pytest.raises(ValueError, match=f"^{field}: expected < {1 << 62}, got {10**30}$"):
+        _build(field, 10**30)
