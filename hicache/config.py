@@ -169,7 +169,7 @@ class CacheConfig:
     tokens, bytes, GB or as a ratio of the device capacity (at most one; none
     means no host tier). Sizes are rounded down to whole pages. Configs also
     come from plain data, files and the environment: :meth:`from_dict`,
-    :meth:`from_file` (``docs/configuration.md``).
+    :meth:`from_file` (README, "Configuration"; :mod:`hicache.configfile`).
     """
 
     kv: KVConfig

@@ -16,6 +16,7 @@ from helpers import assert_no_leaks
 
 from hicache import CacheConfig, HiCache, KVConfig
 from hicache.cache import tiers as tiers_module
+from hicache.config import EvictionPolicy, PrefetchPolicy, WritePolicy
 from hicache.configfile import apply_env
 
 KV = KVConfig(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_size=4)
@@ -207,10 +208,72 @@ def test_env_overrides_fields_and_replace_a_tiers_size_option(tmp_path, monkeypa
     ("HICACHE_HOST_RATIO", "x", "HICACHE_HOST_RATIO: host_ratio: expected a number"),
     ("HICACHE_ALLOCATE_KV", "maybe", "HICACHE_ALLOCATE_KV: allocate_kv: expected true or false"),
     ("HICACHE_EXTRA", "{", "HICACHE_EXTRA: extra: expected JSON"),
+    ("HICACHE_MAX_PINNED_FRACTION", "half",
+     "HICACHE_MAX_PINNED_FRACTION: max_pinned_fraction: expected a number"),
+    ("HICACHE_KV_EVENTS", "2", "HICACHE_KV_EVENTS: kv_events: expected true or false"),
+    ("HICACHE_KV_PAGE_SIZE", "8.5", "HICACHE_KV_PAGE_SIZE: page_size: expected an integer"),
 ])
 def test_bad_env_values_name_the_variable_and_the_field(name, value, match):
     with pytest.raises(ValueError, match=match):
         apply_env(DATA, {name: value})
+
+
+# Every field: (HICACHE_* value, the field's value in the config, other variables it needs).
+# test_every_field_has_an_env_case fails when a field is added without a case here.
+ENV_CASES = {
+    "device_tokens": ("1_024", 1024, {}),
+    "device_nbytes": ("4096", 4096, {}),
+    "host_tokens": ("256", 256, {}),
+    "host_nbytes": ("8_192", 8192, {}),
+    "host_ratio": ("2.5", 2.5, {}),
+    "host_gb": ("0.001", 0.001, {}),
+    "device": ("cpu", "cpu", {}),
+    "host_reserve_nbytes": ("0", 0, {}),
+    "write_policy": ("write_through_selective", WritePolicy.WRITE_THROUGH_SELECTIVE, {}),
+    "backup_hit_threshold": ("3", 3, {}),
+    "load_threshold_tokens": ("16", 16, {}),
+    "eviction": ("lfu", EvictionPolicy.LFU, {}),
+    "allocate_kv": ("false", False, {}),
+    "executor": ("thread", "thread", {}),
+    "tree": ("python", "python", {}),
+    "lifecycle": ("python", "python", {}),
+    "storage": ("file:/tmp/hicache-env-test", "file:/tmp/hicache-env-test",
+                {"HICACHE_MODEL_ID": "m@r1"}),
+    "model_id": ("m@r2", "m@r2", {}),
+    "prefetch_policy": ("timeout", PrefetchPolicy.TIMEOUT, {}),
+    "prefetch_timeout_s": ("0.25", 0.25, {}),
+    "max_pinned_fraction": ("0.25", 0.25, {}),  # refused with a TypeError once (issue 25.5)
+    "kv_events": ("on", True, {}),  # likewise
+    "extra": ('{"x": [1, 2]}', {"x": [1, 2]}, {}),
+    "kv.num_layers": ("3", 3, {}),
+    "kv.num_kv_heads": ("2", 2, {}),
+    "kv.head_dim": ("8", 8, {}),
+    "kv.dtype": ("bfloat16", torch.bfloat16, {}),
+    "kv.page_size": ("8", 8, {}),
+}
+
+
+def test_every_field_has_an_env_case():
+    fields = [f.name for f in dataclasses.fields(CacheConfig) if f.name != "kv"]
+    fields += [f"kv.{f.name}" for f in dataclasses.fields(KVConfig)]
+    assert sorted(ENV_CASES) == sorted(fields)
+
+
+@pytest.mark.parametrize("field", sorted(ENV_CASES))
+def test_every_field_is_parsed_from_the_environment_by_its_type(field):
+    text, want, others = ENV_CASES[field]
+    name = "HICACHE_" + field.replace(".", "_").upper()
+    c = CacheConfig.from_dict(apply_env(DATA, {name: text, **others}))
+    got = getattr(c.kv, field[3:]) if field.startswith("kv.") else getattr(c, field)
+    assert got == want and type(got) is type(want)
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(CacheConfig)
+                                   if type(None) in typing.get_args(
+                                       typing.get_type_hints(CacheConfig)[f.name])])
+def test_every_optional_field_takes_none_from_the_environment(field):
+    name = "HICACHE_" + field.upper()
+    assert apply_env(DATA, {name: "none"})[field] is None
 
 
 def test_env_none_clears_an_optional_field():
@@ -304,3 +367,20 @@ def test_every_int_field_is_bounded_inside_int64_by_name(field):
     """10**30 passed every check once and failed later in the native tree (TypeError)."""
     with pytest.raises(ValueError, match=f"^{field}: expected < {1 << 62}, got {10**30}$"):
         _build(field, 10**30)
+
+
+def test_env_kinds_follow_declared_types_and_refuse_an_unknown_one():
+    from hicache.configfile import _env_kind
+
+    @dataclasses.dataclass
+    class Fields:
+        mode: typing.Literal["a", "b"]
+        level: typing.Literal[1, 2] | None
+        flag: bool | None
+        ids: list[int]
+
+    assert _env_kind(Fields, "mode") == (str, False)
+    assert _env_kind(Fields, "level") == (int, True)
+    assert _env_kind(Fields, "flag") == (bool, True)
+    with pytest.raises(TypeError, match=r"^Fields.ids: no HICACHE_\* parser for its type"):
+        _env_kind(Fields, "ids")
