@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 try:
@@ -102,6 +102,8 @@ class CacheMetrics:
         self.registry = CollectorRegistry() if registry is None else registry
         self._lock = threading.Lock()  # snapshots: written by owners, read by the exporter
         self._caches: dict[str, HiCache] = {}
+        # name -> the transfer observer track() installed on that cache (untrack removes it)
+        self._observers: dict[str, Callable[[Transfer], None]] = {}
         self._snapshots: dict[str, dict] = {}
         self._server = None
         self.transfer_seconds = Histogram(
@@ -133,6 +135,7 @@ class CacheMetrics:
                 self.transfer_bytes.labels(name, direction).observe(handle.nbytes)
 
         cache.transfers.on_complete.append(observe)
+        self._observers[name] = observe
         self.update(name)
 
     def update(self, name: str | None = None) -> None:
@@ -148,10 +151,14 @@ class CacheMetrics:
                 self._snapshots[n] = snapshot
 
     def untrack(self, name: str) -> None:
-        """Stop following a cache (before closing it); its last snapshot stays exported."""
+        """Stop following a cache (before closing it); its last snapshot stays exported.
+
+        Its transfers are no longer observed: a later :meth:`track` starts counting
+        them again, once each."""
         self.update(name)
         with self._lock:
-            del self._caches[name]
+            cache = self._caches.pop(name)
+        cache.transfers.on_complete.remove(self._observers.pop(name))
 
     # ------------------------------------------------------------- exporter side
     def collect(self) -> Iterator[Metric]:
