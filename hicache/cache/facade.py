@@ -102,6 +102,7 @@ class HiCache:
             priority = check_priority(priority)
         check_bool("load_back", load_back)
         check_namespace(namespace)  # before storage keys are derived from it
+        self._pins.expire()  # the native lifecycle does not poll
         h = self._lifecycle.match(self, tokens, namespace, load_back)
         self._live.add(h)
         if priority is not None:
@@ -161,7 +162,7 @@ class HiCache:
         self._check_handle(h)
         num_tokens = check_int("num_tokens", num_tokens)
         num_pages = -(-num_tokens // self.page_size)
-        self._pins.expire()  # an expired pin's pages are evictable again
+        self._pins.expire()  # the native lifecycle does not poll
         if num_pages > self.device_allocator.num_pages:
             return None  # more than the whole device tier: evicting cannot help
         pages = self._lifecycle.alloc(h, num_pages)
@@ -183,6 +184,7 @@ class HiCache:
         self._check_handle(h)
         if priority is not None:
             priority = check_priority(priority)
+        self._pins.expire()  # the native lifecycle does not poll
         num_new = self._lifecycle.insert(h, tokens)
         if priority is not None:
             self._lifecycle.raise_priority(h, priority)
@@ -199,8 +201,14 @@ class HiCache:
 
     # -------------------------------------------------------------- transfers
     def poll(self) -> int:
-        """Apply every transfer that finished since the last call; return how many."""
+        """Apply every transfer that finished since the last call; return how many.
+
+        Also releases the pins whose time-to-live has passed: every public call polls
+        (or, where nothing else is polled, expires pins) first, so an expired pin holds
+        no lock and is not counted by ``stats()`` past its deadline.
+        """
         self._check_open()
+        self._pins.expire()
         storage = self.storage
         if not self._inflight.records and (storage is None or not storage.num_in_flight):
             return 0  # nothing can have finished
@@ -292,6 +300,7 @@ class HiCache:
         router's storage mirror is an upper bound.
         """
         self._check_open()
+        self._pins.expire()
         return [] if self._events is None else self._events.take()
 
     def pin(self, tokens: TokenLike, namespace: str | None = None, ttl_s: float | None = None) -> int:
@@ -324,6 +333,8 @@ class HiCache:
 
     def pinned_device_tokens(self) -> int:
         """Device tokens that pins hold (each node counted once, however many pins share it)."""
+        if not self._closed:
+            self._pins.expire()
         return self._pins.pinned_device_tokens()
 
     # ------------------------------------------------------------ inspection
