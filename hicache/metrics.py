@@ -59,6 +59,8 @@ _COUNTERS = [
     ("hicache_backup_failures", "backups_failed", "backups that failed"),
     ("hicache_backups_skipped", "backups_skipped",
      "nodes not backed up: host tier full and nothing evictable"),
+    ("hicache_unbacked_dropped_tokens", "unbacked_dropped_tokens",
+     "device tokens dropped with no host copy: write-back backups kept failing"),
     ("hicache_backup_bytes", "backup_bytes", "bytes backed up from device to host"),
     ("hicache_backup_seconds", "backup_seconds", "copy time of finished backups"),
     ("hicache_inserted_tokens", "inserted_tokens", "tokens newly cached by insert"),
