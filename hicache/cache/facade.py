@@ -260,18 +260,25 @@ class HiCache:
         return self._third_tier.start_prefetch(key, namespace)
 
     # ------------------------------------------------------------- controls
-    def reset(self, *, storage: bool = False) -> ResetResult:
+    def reset(self, *, storage: bool = False, new_epoch: bool = False) -> ResetResult:
         """Drop every cached prefix that no live request holds, in both tiers; release every pin.
 
         Safe with IO in flight: what a live request or IO in flight holds stays, and
         storage reads in flight are discarded when they land (docs/design.md, "Reset").
         With ``storage`` the third tier is emptied too, after the transfers and storage
-        writes in flight land: only then does reset wait. Returns what was dropped and
-        what was kept; never raises for what it cannot drop; storage errors propagate
-        as :class:`hicache.storage.base.StorageError`.
+        writes in flight land: only then does reset wait. With ``new_epoch`` (after
+        the model's weights changed in place) the third tier's epoch is bumped and
+        every later storage key salted with it: no page stored before is read again,
+        by this cache or by any cache that opens the tier later; the old pages stay
+        for caches still on the old weights until evicted (docs/storage.md). Reset
+        with no live request then: what one holds was computed by the old weights.
+        Returns what was dropped and what was kept; never raises for what it cannot
+        drop; storage errors propagate as :class:`hicache.storage.base.StorageError`.
+        Without a third tier ``storage`` and ``new_epoch`` do nothing.
         """
         self._check_open()
         check_bool("storage", storage)
+        check_bool("new_epoch", new_epoch)
         clear_storage = storage and self._third_tier is not None
         if clear_storage:
             # Backups that land later would write stale pages to storage: let them land
@@ -285,11 +292,12 @@ class HiCache:
         discarded = 0 if self._third_tier is None else self._third_tier.discard_prefetches()
         num_device, num_host = drop_unheld(self.tree, self.device_allocator, self.host_allocator)
         deleted = self.storage.backend.clear() if clear_storage else None
-        if self._events is not None:
-            self._events.note_reset(clear_storage)
+        epoch = self._third_tier.new_epoch() if new_epoch and self._third_tier else None
+        if self._events is not None:  # a new epoch retires every stored page, as a clear does
+            self._events.note_reset(clear_storage or epoch is not None)
         return ResetResult(
             num_device, num_host, self.tree.device_tokens, self.tree.host_tokens, dropped_pins,
-            discarded, deleted,
+            discarded, deleted, epoch,
         )
 
     def take_events(self) -> list[KVEvent]:
