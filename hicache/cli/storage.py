@@ -70,14 +70,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         with _open(args.spec) as store:
             if args.storage_command == "info":
-                usage = store.usage()
-                epoch = store.epoch()
-                pages = "?" if usage is None else usage.num_pages
-                nbytes = "?" if usage is None else usage.nbytes
-                _report(args, {"epoch": epoch, "pages": None if usage is None else pages,
-                               "bytes": None if usage is None else nbytes},
-                        f"{args.spec}\n  epoch  {epoch}\n  pages  {pages}\n  bytes  {nbytes}"
-                        + ("\n  (this backend cannot count its pages)" if usage is None else ""))
+                usage, epoch = store.usage(), store.epoch()
+                pages, nbytes = (None, None) if usage is None else usage
+                text = f"{args.spec}\n  epoch  {epoch}"
+                if usage is None:
+                    text += "\n  pages  ? (this backend cannot count its pages)"
+                else:
+                    text += f"\n  pages  {pages}\n  bytes  {nbytes}"
+                _report(args, {"epoch": epoch, "pages": pages, "bytes": nbytes}, text)
             elif args.storage_command == "clear":
                 num = store.clear()
                 epoch = store.epoch()

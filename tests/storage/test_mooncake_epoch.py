@@ -58,3 +58,17 @@ def test_mooncake_damaged_epoch_record_is_a_storage_error(master):
         assert store._client.upsert(EPOCH_KEY, b"7\n") == 0
         assert store.bump_epoch() == 8
         store.clear()
+
+
+def test_the_storage_command_on_a_mooncake_tier(master, capsys):
+    import json
+
+    from hicache.cli import app as cli
+
+    with make_storage(master.spec, page_nbytes=PAGE_NBYTES, segment_nbytes=0) as store:
+        before = store.epoch()
+    assert cli.main(["storage", "bump-epoch", master.spec, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"spec": master.spec, "epoch": before + 1}
+    assert cli.main(["storage", "info", master.spec, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {
+        "spec": master.spec, "epoch": before + 1, "pages": None, "bytes": None}
