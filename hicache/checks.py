@@ -19,12 +19,15 @@ INTEGERS = (int, np.integer)
 MIN_PRIORITY, MAX_PRIORITY = -(2**62), 2**62  # inside C++'s int64 with room to negate
 
 
-def check_int(name: str, value: object, minimum: int = 0) -> int:
-    """``value`` as an int >= ``minimum`` (Python or numpy integer, never a bool)."""
+def check_int(name: str, value: object, minimum: int = 0, maximum: int | None = None) -> int:
+    """``value`` as an int >= ``minimum`` and, if given, < ``maximum`` (Python or numpy
+    integer, never a bool)."""
     if type(value) is not int and (isinstance(value, bool) or not isinstance(value, INTEGERS)):
         raise TypeError(f"{name}: expected int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name}: expected >= {minimum}, got {value}")
+    if maximum is not None and value >= maximum:
+        raise ValueError(f"{name}: expected < {maximum}, got {value}")
     return int(value)
 
 

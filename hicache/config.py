@@ -50,9 +50,15 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[name]
 
 
+# Every int field stays inside int64 with room to spare: the native tree and the
+# page allocators take them as int64, and a typo (10**30) should fail here, by name.
+MAX_INT_FIELD = 1 << 62
+
+
 def _set_int(obj: object, name: str, minimum: int) -> None:
     """Check the int field ``name`` of a frozen config; store it as a Python int."""
-    object.__setattr__(obj, name, check_int(name, getattr(obj, name), minimum))
+    value = check_int(name, getattr(obj, name), minimum, maximum=MAX_INT_FIELD)
+    object.__setattr__(obj, name, value)
 
 
 def check_device(device: str) -> None:
@@ -163,7 +169,7 @@ class CacheConfig:
     tokens, bytes, GB or as a ratio of the device capacity (at most one; none
     means no host tier). Sizes are rounded down to whole pages. Configs also
     come from plain data, files and the environment: :meth:`from_dict`,
-    :meth:`from_file` (``docs/configuration.md``).
+    :meth:`from_file` (README, "Configuration"; :mod:`hicache.configfile`).
     """
 
     kv: KVConfig

@@ -13,8 +13,9 @@ Environment variables override single fields, as deployments set them:
 ``HICACHE_KV_<FIELD>`` for a KV field (``HICACHE_KV_PAGE_SIZE=32``). Setting one
 size option of a tier replaces whichever size option the file gave that tier
 (``HICACHE_HOST_GB`` replaces a file's ``host_tokens``). Values are parsed by
-the field's type: integers (``_`` separators allowed), numbers, ``true``/``false``,
-``none`` for an optional field, JSON for ``extra``. Every mistake is a
+the field's declared type, so every field has its variable: integers (``_``
+separators allowed), numbers, ``true``/``false``, ``none`` for an optional field,
+JSON for ``extra``, the string itself for names (enums, dtypes). Every mistake is a
 ``ValueError`` or ``TypeError`` naming the field (and the variable or file).
 
 This module knows only configuration: it allocates nothing.
@@ -25,49 +26,71 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import types
+import typing
 from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from hicache.config import DEVICE_SIZE_FIELDS, HOST_SIZE_FIELDS, CacheConfig, KVConfig
 
 ENV_PREFIX = "HICACHE_"
-
-# Field kinds, for parsing environment strings.
-_INT = {"device_tokens", "device_nbytes", "host_tokens", "host_nbytes", "host_reserve_nbytes",
-        "backup_hit_threshold", "load_threshold_tokens", "num_layers", "num_kv_heads",
-        "head_dim", "page_size"}
-_FLOAT = {"host_ratio", "host_gb", "prefetch_timeout_s"}
-_BOOL = {"allocate_kv"}
-_JSON = {"extra"}
-
 
 def _fields(cls: type) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls)}
 
 
-def _parse_env(name: str, field: str, text: str) -> Any:
+def _env_kind(cls: type, field: str) -> tuple[type, bool]:
+    """How ``HICACHE_*`` strings for ``field`` of ``cls`` parse, from its declared type:
+    (kind, optional). ``kind`` is bool, int, float, dict (JSON) or str (strings, enums,
+    string literals, dtype names: the config checks the value); ``optional`` when the
+    type admits ``None``. A type none of these fits is a ``TypeError`` here, so a new
+    field cannot go unparsed."""
+    hint = typing.get_type_hints(cls)[field]
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    members: set = set()
+    for member in typing.get_args(hint) if union else (hint,):
+        if typing.get_origin(member) is typing.Literal:  # a literal parses as its values' type
+            members |= {type(v) for v in typing.get_args(member)}
+        else:
+            members.add(member)
+    optional = type(None) in members
+    members.discard(type(None))
+    for kind in (bool, int, float, dict):  # bool first: a bool is an int too
+        if kind in members:
+            return kind, optional
+    if all(m in (str, torch.dtype) or isinstance(m, type) and issubclass(m, Enum)
+           for m in members):
+        return str, optional
+    raise TypeError(f"{cls.__name__}.{field}: no HICACHE_* parser for its type {hint}")
+
+
+_KIND_NAMES = {int: "an integer", float: "a number", dict: "JSON"}
+
+
+def _parse_env(name: str, cls: type, field: str, text: str) -> Any:
+    kind, optional = _env_kind(cls, field)
     value = text.strip()
-    optional = field in DEVICE_SIZE_FIELDS or field in HOST_SIZE_FIELDS or field == "storage"
     if optional and value.lower() in ("", "none", "null"):
         return None
-    try:
-        if field in _INT:
-            return int(value.replace("_", ""))
-        if field in _FLOAT:
-            return float(value)
-        if field in _JSON:
-            return json.loads(value)
-    except ValueError:
-        kind = "an integer" if field in _INT else "a number" if field in _FLOAT else "JSON"
-        raise ValueError(f"{name}: {field}: expected {kind}, got {text!r}") from None
-    if field in _BOOL:
+    if kind is bool:
         if value.lower() in ("1", "true", "yes", "on"):
             return True
         if value.lower() in ("0", "false", "no", "off"):
             return False
         raise ValueError(f"{name}: {field}: expected true or false, got {text!r}")
+    try:
+        if kind is int:
+            return int(value.replace("_", ""))
+        if kind is float:
+            return float(value.replace("_", ""))
+        if kind is dict:
+            return json.loads(value)
+    except ValueError:
+        raise ValueError(f"{name}: {field}: expected {_KIND_NAMES[kind]}, got {text!r}") from None
     return value
 
 
@@ -82,7 +105,7 @@ def apply_env(data: Mapping[str, Any], environ: Mapping[str, str] | None = None)
         name = ENV_PREFIX + field.upper()
         if name not in environ:
             continue
-        value = _parse_env(name, field, environ[name])
+        value = _parse_env(name, CacheConfig, field, environ[name])
         for group in (DEVICE_SIZE_FIELDS, HOST_SIZE_FIELDS):
             if field in group:  # one size option per tier: the variable replaces the file's
                 for other in group:
@@ -93,7 +116,7 @@ def apply_env(data: Mapping[str, Any], environ: Mapping[str, str] | None = None)
         if name in environ:
             if not isinstance(kv, dict):
                 raise TypeError(f"kv: expected a mapping of KV fields, got {type(kv).__name__}")
-            kv[field] = _parse_env(name, field, environ[name])
+            kv[field] = _parse_env(name, KVConfig, field, environ[name])
     if kv or "kv" in out:
         out["kv"] = kv
     return out

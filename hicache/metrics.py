@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 try:
@@ -59,6 +59,8 @@ _COUNTERS = [
     ("hicache_backup_failures", "backups_failed", "backups that failed"),
     ("hicache_backups_skipped", "backups_skipped",
      "nodes not backed up: host tier full and nothing evictable"),
+    ("hicache_unbacked_dropped_tokens", "unbacked_dropped_tokens",
+     "device tokens dropped with no host copy: write-back backups kept failing"),
     ("hicache_backup_bytes", "backup_bytes", "bytes backed up from device to host"),
     ("hicache_backup_seconds", "backup_seconds", "copy time of finished backups"),
     ("hicache_inserted_tokens", "inserted_tokens", "tokens newly cached by insert"),
@@ -102,6 +104,8 @@ class CacheMetrics:
         self.registry = CollectorRegistry() if registry is None else registry
         self._lock = threading.Lock()  # snapshots: written by owners, read by the exporter
         self._caches: dict[str, HiCache] = {}
+        # name -> the transfer observer track() installed on that cache (untrack removes it)
+        self._observers: dict[str, Callable[[Transfer], None]] = {}
         self._snapshots: dict[str, dict] = {}
         self._server = None
         self.transfer_seconds = Histogram(
@@ -133,6 +137,7 @@ class CacheMetrics:
                 self.transfer_bytes.labels(name, direction).observe(handle.nbytes)
 
         cache.transfers.on_complete.append(observe)
+        self._observers[name] = observe
         self.update(name)
 
     def update(self, name: str | None = None) -> None:
@@ -148,10 +153,14 @@ class CacheMetrics:
                 self._snapshots[n] = snapshot
 
     def untrack(self, name: str) -> None:
-        """Stop following a cache (before closing it); its last snapshot stays exported."""
+        """Stop following a cache (before closing it); its last snapshot stays exported.
+
+        Its transfers are no longer observed: a later :meth:`track` starts counting
+        them again, once each."""
         self.update(name)
         with self._lock:
-            del self._caches[name]
+            cache = self._caches.pop(name)
+        cache.transfers.on_complete.remove(self._observers.pop(name))
 
     # ------------------------------------------------------------- exporter side
     def collect(self) -> Iterator[Metric]:

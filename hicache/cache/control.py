@@ -28,6 +28,7 @@ class ResetResult(NamedTuple):
     dropped_pins: int  # pins released (a reset drops every pin)
     discarded_prefetches: int  # storage reads in flight whose pages will be thrown away
     storage_pages_deleted: int | None  # pages cleared from the third tier; None: not asked
+    storage_epoch: int | None = None  # the third tier's new epoch (new_epoch); None: not asked
 
     @property
     def complete(self) -> bool:

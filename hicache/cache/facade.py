@@ -102,6 +102,7 @@ class HiCache:
             priority = check_priority(priority)
         check_bool("load_back", load_back)
         check_namespace(namespace)  # before storage keys are derived from it
+        self._pins.expire()  # the native lifecycle does not poll
         h = self._lifecycle.match(self, tokens, namespace, load_back)
         self._live.add(h)
         if priority is not None:
@@ -161,7 +162,7 @@ class HiCache:
         self._check_handle(h)
         num_tokens = check_int("num_tokens", num_tokens)
         num_pages = -(-num_tokens // self.page_size)
-        self._pins.expire()  # an expired pin's pages are evictable again
+        self._pins.expire()  # the native lifecycle does not poll
         if num_pages > self.device_allocator.num_pages:
             return None  # more than the whole device tier: evicting cannot help
         pages = self._lifecycle.alloc(h, num_pages)
@@ -183,6 +184,7 @@ class HiCache:
         self._check_handle(h)
         if priority is not None:
             priority = check_priority(priority)
+        self._pins.expire()  # the native lifecycle does not poll
         num_new = self._lifecycle.insert(h, tokens)
         if priority is not None:
             self._lifecycle.raise_priority(h, priority)
@@ -199,8 +201,14 @@ class HiCache:
 
     # -------------------------------------------------------------- transfers
     def poll(self) -> int:
-        """Apply every transfer that finished since the last call; return how many."""
+        """Apply every transfer that finished since the last call; return how many.
+
+        Also releases the pins whose time-to-live has passed: every public call polls
+        (or, where nothing else is polled, expires pins) first, so an expired pin holds
+        no lock and is not counted by ``stats()`` past its deadline.
+        """
         self._check_open()
+        self._pins.expire()
         storage = self.storage
         if not self._inflight.records and (storage is None or not storage.num_in_flight):
             return 0  # nothing can have finished
@@ -252,18 +260,25 @@ class HiCache:
         return self._third_tier.start_prefetch(key, namespace)
 
     # ------------------------------------------------------------- controls
-    def reset(self, *, storage: bool = False) -> ResetResult:
+    def reset(self, *, storage: bool = False, new_epoch: bool = False) -> ResetResult:
         """Drop every cached prefix that no live request holds, in both tiers; release every pin.
 
         Safe with IO in flight: what a live request or IO in flight holds stays, and
         storage reads in flight are discarded when they land (docs/design.md, "Reset").
         With ``storage`` the third tier is emptied too, after the transfers and storage
-        writes in flight land: only then does reset wait. Returns what was dropped and
-        what was kept; never raises for what it cannot drop; storage errors propagate
-        as :class:`hicache.storage.base.StorageError`.
+        writes in flight land: only then does reset wait. With ``new_epoch`` (after
+        the model's weights changed in place) the third tier's epoch is bumped and
+        every later storage key salted with it: no page stored before is read again,
+        by this cache or by any cache that opens the tier later; the old pages stay
+        for caches still on the old weights until evicted (docs/storage.md). Reset
+        with no live request then: what one holds was computed by the old weights.
+        Returns what was dropped and what was kept; never raises for what it cannot
+        drop; storage errors propagate as :class:`hicache.storage.base.StorageError`.
+        Without a third tier ``storage`` and ``new_epoch`` do nothing.
         """
         self._check_open()
         check_bool("storage", storage)
+        check_bool("new_epoch", new_epoch)
         clear_storage = storage and self._third_tier is not None
         if clear_storage:
             # Backups that land later would write stale pages to storage: let them land
@@ -277,11 +292,12 @@ class HiCache:
         discarded = 0 if self._third_tier is None else self._third_tier.discard_prefetches()
         num_device, num_host = drop_unheld(self.tree, self.device_allocator, self.host_allocator)
         deleted = self.storage.backend.clear() if clear_storage else None
-        if self._events is not None:
-            self._events.note_reset(clear_storage)
+        epoch = self._third_tier.new_epoch() if new_epoch and self._third_tier else None
+        if self._events is not None:  # a new epoch retires every stored page, as a clear does
+            self._events.note_reset(clear_storage or epoch is not None)
         return ResetResult(
             num_device, num_host, self.tree.device_tokens, self.tree.host_tokens, dropped_pins,
-            discarded, deleted,
+            discarded, deleted, epoch,
         )
 
     def take_events(self) -> list[KVEvent]:
@@ -292,6 +308,7 @@ class HiCache:
         router's storage mirror is an upper bound.
         """
         self._check_open()
+        self._pins.expire()
         return [] if self._events is None else self._events.take()
 
     def pin(self, tokens: TokenLike, namespace: str | None = None, ttl_s: float | None = None) -> int:
@@ -324,6 +341,8 @@ class HiCache:
 
     def pinned_device_tokens(self) -> int:
         """Device tokens that pins hold (each node counted once, however many pins share it)."""
+        if not self._closed:
+            self._pins.expire()
         return self._pins.pinned_device_tokens()
 
     # ------------------------------------------------------------ inspection

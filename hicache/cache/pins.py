@@ -10,6 +10,7 @@ hit reads), so the host tier needs no pin budget of its own.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -41,6 +42,9 @@ class Pins:
         pages = int(config.max_pinned_fraction * config.num_device_pages)
         self.max_pinned_tokens = pages * config.page_size
         self.now = time.monotonic  # the pin clock (tests replace it)
+        # No pin expires before this (inf: none has a time-to-live). May be early after
+        # an unpin; expire() then recomputes it. Lets the cache's every call skip the scan.
+        self._next_expiry = math.inf
 
     def __len__(self) -> int:
         return len(self._pins)
@@ -64,6 +68,7 @@ class Pins:
         node = result.last_device_node
         tree.lock(node)
         self._pins[ident] = _Pin(node, result.device_len, now + ttl_s)
+        self._next_expiry = min(self._next_expiry, now + ttl_s)
         if self.pinned_device_tokens() > self.max_pinned_tokens:
             tree.unlock(node)
             if old is None:
@@ -91,6 +96,7 @@ class Pins:
         for pin in self._pins.values():
             self._tree.unlock(pin.node)
         self._pins.clear()
+        self._next_expiry = math.inf
         return num
 
     def pinned_device_tokens(self) -> int:
@@ -106,13 +112,16 @@ class Pins:
         return total
 
     def expire(self, now: float | None = None) -> None:
-        """Release pins whose time-to-live has passed."""
-        if not self._pins:
+        """Release pins whose time-to-live has passed (cheap when none can have)."""
+        if not self._pins or self._next_expiry == math.inf:
             return
         now = self.now() if now is None else now
+        if now < self._next_expiry:
+            return
         expired = [ident for ident, pin in self._pins.items() if pin.expires_at <= now]
         for ident in expired:
             self._tree.unlock(self._pins.pop(ident).node)
+        self._next_expiry = min((pin.expires_at for pin in self._pins.values()), default=math.inf)
 
     def check(self, want_locks: dict) -> None:
         """Integrity: add the pins' locks to ``want_locks``; pins are live and within budget."""

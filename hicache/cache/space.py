@@ -6,7 +6,10 @@ checks that eviction can free enough (the *takeable* pages: evictable pages
 less those that IO in flight or a pin holds), so that a refused allocation
 evicts nothing. Under write-back a device eviction hands each leaf to a backup
 first (the hook the write policy installs with :meth:`set_eviction_backup`);
-its pages come free when that backup lands. It knows nothing of requests.
+its pages come free when that backup lands; when those backups fail round after
+round, it drops the unbacked leaves instead (:meth:`TierSpace.drop_unbacked`), so a
+broken host tier degrades write-back to recompute, never to refusal. It knows
+nothing of requests.
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ class TierSpace:
             self._wait_all()
             if num_pages > alloc.num_free_pages + self.device_takeable_pages():
                 return None
+        failed_before = self._counters.backups_failed
         stalls = 0
         while num_pages > alloc.num_free_pages and stalls < 3:
             before = alloc.num_free_pages
@@ -93,7 +97,35 @@ class TierSpace:
                 break  # nothing lands until the test completes it / nothing is left
             else:
                 stalls += 1
+        if (num_pages > alloc.num_free_pages and self._backup_for_eviction is not None
+                and self._counters.backups_failed > failed_before):
+            # Write-back: the eviction backups failed on every round (a host tier whose
+            # copies keep failing). Refusing would refuse every request once the device
+            # is full; drop unbacked leaves instead, as eviction without a host tier does,
+            # and let their tokens be recomputed.
+            self.drop_unbacked(num_pages - alloc.num_free_pages)
         return alloc.alloc(num_pages)
+
+    def drop_unbacked(self, num_pages: int) -> None:
+        """Evict device leaves for about ``num_pages`` pages without backing any up.
+
+        A leaf with a host copy becomes host-only; one without is dropped (counted in
+        ``unbacked_dropped_tokens``): its KV is gone from every tier and is recomputed
+        when requested again. Inner nodes without a host copy are kept, as always.
+        """
+        dropped = 0
+
+        def decline(node: TreeNode) -> bool:  # evict_device drops a declined leaf
+            nonlocal dropped
+            if not node.children:
+                dropped += node.num_tokens
+            return False
+
+        result = self.tree.evict_device(num_pages * self.page_size, decline)
+        if result.num_evicted_tokens:
+            self.device_allocator.free(result.page_ids)
+            self._counters.device_evicted_tokens += result.num_evicted_tokens
+        self._counters.unbacked_dropped_tokens += dropped
 
     def device_takeable_pages(self) -> int:
         """Device pages eviction can free now: unlocked ones, less those IO pins.

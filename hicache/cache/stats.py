@@ -34,6 +34,9 @@ class CacheStats:
     backup_bytes: int = 0
     backup_seconds: float = 0.0
     device_evicted_tokens: int = 0
+    # device tokens dropped with no host copy because write-back backups kept failing
+    # (also in device_evicted_tokens); recomputed when requested again
+    unbacked_dropped_tokens: int = 0
     host_evicted_tokens: int = 0
     inserted_tokens: int = 0  # tokens newly cached by insert
     storage_prefetches: int = 0  # reads from the third tier started

@@ -59,6 +59,9 @@ class ThirdTier:
         self._fingerprint = config.kv.fingerprint()
         assert config.model_id is not None, "CacheConfig refuses storage without model_id"
         self._model_id = config.model_id
+        # The tier's epoch, read once: this cache's pages are those of its own weights,
+        # so it moves to a new epoch only when it retires them (new_epoch).
+        self.epoch = backend.epoch()
         self._prefetch_policy = config.prefetch_policy
         self._prefetch_timeout_s = config.prefetch_timeout_s
         self.tree = tree
@@ -93,7 +96,14 @@ class ThirdTier:
         tokens = np.frombuffer(key, dtype=np.int32)
         # The model identity is in the salt: a store shared by several models (same
         # KV layout, other weights) never hands one model another's pages.
-        return page_keys(tokens, self.page_size, namespace, self._fingerprint, self._model_id)
+        return page_keys(tokens, self.page_size, namespace, self._fingerprint, self._model_id,
+                         epoch=self.epoch)
+
+    def new_epoch(self) -> int:
+        """Bump the tier's epoch and salt every later key with it: no page stored before
+        is read again (weights changed in place). Returns the new epoch."""
+        self.epoch = self.worker.backend.bump_epoch()
+        return self.epoch
 
     def start_prefetch(self, key: bytes, namespace: str | None):
         from hicache.storage.worker import StorageJob

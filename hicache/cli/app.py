@@ -1,4 +1,4 @@
-"""The hicache command: demo, replay, trace, bench, stress.
+"""The hicache command: demo, replay, trace, bench, stress, storage.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 ``run(args) -> int``; this file only wires them up, importing a module when its
@@ -17,7 +17,8 @@ from hicache.cli.args import Parser, run_guarded
 
 DESCRIPTION = (
     "hicache: a hierarchical GPU/CPU KV-cache manager. Run a workload through it (demo), "
-    "replay request traces (replay, trace), measure it (bench) or attack it (stress)."
+    "replay request traces (replay, trace), measure it (bench), attack it (stress) or manage "
+    "a storage tier (storage)."
 )
 
 # (command, module, help)
@@ -29,6 +30,8 @@ _COMMANDS = [
     ("trace", "hicache.cli.trace", "make synthetic traces, or summarize one"),
     ("stress", "hicache.cli.stress", "concurrent requests with random delays and faults; verifies "
      "every KV read"),
+    ("storage", "hicache.cli.storage", "inspect a third tier (epoch, pages, bytes), clear it, or "
+     "bump its epoch to retire every stored page"),
 ]
 
 # (bench name, module, help)
@@ -90,7 +93,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def _prog(args: argparse.Namespace) -> str:
     parts = ["hicache", getattr(args, "command", None), getattr(args, "bench", None),
-             getattr(args, "trace_command", None)]
+             getattr(args, "trace_command", None), getattr(args, "storage_command", None)]
     return " ".join(p for p in parts if p)
 
 

@@ -14,6 +14,11 @@ Ops take sequences of keys whose order is a page chain (see ``keys.py``), so
 ``exists``, ``get_into`` and ``set`` answer how many LEADING pages they covered:
 a page past a miss is useless to a prefix cache.
 
+A tier also keeps its *epoch* (:meth:`StorageBackend.epoch`): a generation number
+stored in the tier itself and salted into every page key (``keys.root_key``), so
+:meth:`StorageBackend.bump_epoch` invalidates every page stored before, for this
+process and for every process that opens the tier afterwards (docs/storage.md).
+
 Buffers are anything with the buffer protocol (bytes, bytearray, memoryview,
 numpy arrays) or CPU torch tensors, contiguous, of exactly ``page_nbytes`` bytes;
 backends read into and write from them directly, so the cache can hand over
@@ -46,6 +51,13 @@ assert _HEADER.size == VALUE_HEADER_NBYTES, "header layout must stay 32 bytes"
 
 class StorageError(Exception):
     """The backend failed (unreachable, gone, I/O error); the cache counts it and carries on."""
+
+
+class StorageUsage(NamedTuple):
+    """What a tier holds now, over every process that writes it."""
+
+    num_pages: int  # stored values
+    nbytes: int  # their size on the store, headers included
 
 
 class StorageCounters(NamedTuple):
@@ -182,6 +194,30 @@ class StorageBackend(ABC):
         self._count(num_deleted_pages=num_deleted)
         return num_deleted
 
+    def epoch(self) -> int:
+        """The tier's epoch, read from the tier (0 when never bumped): part of every page
+        key (``keys.root_key(..., epoch=...)``)."""
+        epoch = self._run(self._read_epoch)
+        assert isinstance(epoch, int) and epoch >= 0, f"backend returned epoch {epoch!r}"
+        return epoch
+
+    def bump_epoch(self) -> int:
+        """Advance the tier's epoch by one and return the new one.
+
+        Keys salted with the new epoch miss every page stored before, in this process
+        and in every process that reads the epoch afterwards (a process keeps the
+        epoch it read until it asks again: one still on old weights keeps its pages).
+        The old pages stay until the tier evicts them or :meth:`clear` removes them.
+        """
+        epoch = self._run(self._bump_epoch)
+        assert isinstance(epoch, int) and epoch >= 1, f"backend returned epoch {epoch!r}"
+        return epoch
+
+    def usage(self) -> StorageUsage | None:
+        """Pages and bytes the tier holds now (all processes' writes); None when the
+        backend cannot tell without reading every value."""
+        return self._run(self._usage)
+
     def register_memory(self, buffer: Any) -> None:
         """Announce a long-lived region (the host pool) that get/set buffers live in.
 
@@ -231,6 +267,19 @@ class StorageBackend(ABC):
 
     @abstractmethod
     def _close(self) -> None: ...
+
+    # The epoch record and usage. Backends whose tier outlives the process (files,
+    # a shared store) override these; the defaults keep the epoch in this object,
+    # so it is shared by nothing but this backend instance.
+    def _read_epoch(self) -> int:
+        return getattr(self, "_local_epoch", 0)
+
+    def _bump_epoch(self) -> int:
+        self._local_epoch = self._read_epoch() + 1
+        return self._local_epoch
+
+    def _usage(self) -> StorageUsage | None:
+        return None
 
     def _count(self, **deltas: int) -> None:
         with self._counter_lock:

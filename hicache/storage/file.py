@@ -2,7 +2,11 @@
 
 Layout: ``ROOT/<key[:2]>/<key>``, each file a 32-byte header plus the page
 payload (see ``base.py``). File names come from validated hex keys only, so no
-key can escape the directory.
+key can escape the directory. The tier's epoch is ``ROOT/EPOCH`` (a decimal
+number; absent: 0), advanced under an ``flock`` of ``ROOT/.epoch.lock`` so that
+concurrent bumps from several processes each get their own epoch; ``clear``
+removes pages only, never the epoch (a process still salting with an old epoch
+must not meet a reused one).
 
 Safety across threads and processes that share a directory:
 
@@ -27,6 +31,7 @@ This module knows nothing about keys' meaning, KV layout or the cache.
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import os
 import stat
@@ -39,11 +44,13 @@ from hicache.storage.base import (
     VALUE_HEADER_NBYTES,
     StorageBackend,
     StorageError,
+    StorageUsage,
     check_value,
     encode_header,
 )
 
 _STALE_TEMP_AGE_S = 600.0  # temp files this old belong to a writer that died mid-write
+EPOCH_FILE = "EPOCH"  # the tier's epoch, in ROOT (values live in two-hex-digit folders)
 
 
 class FileStorage(StorageBackend):
@@ -190,6 +197,47 @@ class FileStorage(StorageBackend):
     def _close(self) -> None:
         """Nothing is held open between calls."""
 
+    def _read_epoch(self) -> int:
+        path = self.root / EPOCH_FILE
+        try:
+            text = path.read_text(encoding="ascii")
+        except FileNotFoundError:
+            return 0
+        except (OSError, UnicodeDecodeError) as e:
+            raise StorageError(f"file storage: read {path}: {e}") from e
+        if not text.strip().isdigit():
+            raise StorageError(
+                f"file storage: {path} holds {text[:40]!r}, expected a decimal epoch"
+            )
+        return int(text)
+
+    def _bump_epoch(self) -> int:
+        path = self.root / EPOCH_FILE
+        try:
+            lock_fd = os.open(self.root / ".epoch.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise StorageError(f"file storage: bump the epoch in {self.root}: {e}") from e
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)  # read-advance-write, one process at a time
+            epoch = self._read_epoch() + 1
+            temp = path.with_name(f".{EPOCH_FILE}.{os.getpid()}.{threading.get_ident()}.tmp")
+            try:
+                with open(temp, "w", encoding="ascii") as f:
+                    f.write(f"{epoch}\n")
+                    f.flush()
+                    os.fsync(f.fileno())  # an epoch that went back would serve stale pages
+                os.replace(temp, path)
+            except OSError as e:
+                _unlink_quietly_any(temp)
+                raise StorageError(f"file storage: write {path}: {e}") from e
+            return epoch
+        finally:
+            os.close(lock_fd)  # releases the flock
+
+    def _usage(self) -> StorageUsage:
+        entries = self._scan()
+        return StorageUsage(len(entries), sum(nbytes for _, nbytes, _ in entries))
+
     # ---- internals --------------------------------------------------------------
 
     def _path(self, key: str) -> Path:
@@ -324,3 +372,10 @@ def _unlink_quietly(path: str) -> bool:
         return True
     except FileNotFoundError:
         return False
+
+
+def _unlink_quietly_any(path: os.PathLike[str] | str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

@@ -4,7 +4,7 @@ A page's key covers its whole prefix and the model that computed it, so equal
 keys mean equal KV, and the keys of a prefix are exactly the leading keys of any
 longer sequence that starts with it::
 
-    root   = H(version, namespace, fingerprint, model_id)   # the salt
+    root   = H(version, namespace, fingerprint, model_id[, epoch])   # the salt
     key_0  = H(root  || tokens[0 : P])
     key_1  = H(key_0 || tokens[P : 2P])
     ...                                                     # a partial last page has no key
@@ -14,7 +14,10 @@ layers, KV heads, head dim, KV dtype, page size) and models (``model_id``) apart
 The layout alone is not enough: two models with the same shapes and different
 weights (a fine-tune, another revision, another tensor-parallel rank's heads)
 compute different KV for the same tokens. :func:`model_identity` builds a
-``model_id`` from what identifies a model's KV. Tokens are hashed as
+``model_id`` from what identifies a model's KV. The tier's ``epoch``
+(``StorageBackend.epoch``; salted in when > 0, so epoch 0 keeps the keys of
+stores written before epochs existed) retires every page stored before a bump:
+after an in-place weight update the same model name computes other KV. Tokens are hashed as
 little-endian int64 bytes whatever the input type, so a list, an int32 array and
 an int64 tensor of the same ids give the same keys.
 
@@ -107,19 +110,26 @@ def check_model_id(model_id: object) -> str:
     return model_id
 
 
-def root_key(namespace: str | None, fingerprint: str, model_id: str) -> str:
-    """The chain seed of one tenant, one KV layout and one model, as a hex key.
+def root_key(namespace: str | None, fingerprint: str, model_id: str, *, epoch: int = 0) -> str:
+    """The chain seed of one tenant, one KV layout, one model and one storage epoch,
+    as a hex key.
 
-    ``namespace=None`` and ``namespace=""`` are different tenants.
+    ``namespace=None`` and ``namespace=""`` are different tenants. ``epoch`` is the
+    tier's (``StorageBackend.epoch``): keys of different epochs never meet.
     """
     check_namespace(namespace)
     if not isinstance(fingerprint, str) or not fingerprint:
         raise ValueError(f"fingerprint: expected a non-empty str, got {fingerprint!r}")
     check_model_id(model_id)
-    # Length-prefixed fields: no choice of strings can make two salts collide.
+    epoch = check_int("epoch", epoch)
+    # Length-prefixed fields: no choice of strings can make two salts collide (and a
+    # salt with an epoch has one field more than one without).
     parts = [_KEY_VERSION]
     ns = b"\x00" if namespace is None else b"\x01" + namespace.encode()
-    for field in (ns, fingerprint.encode(), model_id.encode()):
+    fields = [ns, fingerprint.encode(), model_id.encode()]
+    if epoch:
+        fields.append(b"epoch:%d" % epoch)
+    for field in fields:
         parts.append(len(field).to_bytes(8, "little"))
         parts.append(field)
     return _hash(b"".join(parts)).hex()
@@ -166,13 +176,15 @@ def extend_keys(prefix_key: str, tokens: TokenSeq, page_size: int) -> list[str]:
 
 
 def page_keys(
-    tokens: TokenSeq, page_size: int, namespace: str | None, fingerprint: str, model_id: str
+    tokens: TokenSeq, page_size: int, namespace: str | None, fingerprint: str, model_id: str,
+    *, epoch: int = 0,
 ) -> list[str]:
     """Keys of the whole pages of a token sequence from its start.
 
     ``page_keys(t[:n*P], ...) == page_keys(t, ...)[:n]`` for every ``n``.
     """
-    return extend_keys(root_key(namespace, fingerprint, model_id), tokens, page_size)
+    return extend_keys(root_key(namespace, fingerprint, model_id, epoch=epoch), tokens,
+                       page_size)
 
 
 def check_key(key: object) -> str:

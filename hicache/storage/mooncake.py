@@ -19,6 +19,11 @@ master gone, each call takes a few seconds of internal retries). A
 connection-class code raises :class:`StorageError` and opens a short breaker:
 for ``retry_after_s`` every op raises at once instead of waiting again.
 
+The tier's epoch is the object ``hicache-epoch`` (a decimal number; absent: 0;
+not a hex page key, so no page can take its place). The store has no
+compare-and-swap: two processes bumping at the same instant may both get the same
+new epoch. ``clear`` keeps it.
+
 This module knows nothing about keys' meaning, the KV layout or the cache.
 """
 
@@ -47,6 +52,7 @@ MiB = 1 << 20
 _CODE_NOT_FOUND = -704  # OBJECT_NOT_FOUND
 _SIZE_CODES = (-600, -800)  # buffer too small / transfer failed: a size mismatch looks so
 _CONNECTION_CODE_MAX = -900  # RPC_FAIL (-900) and below: the master cannot be reached
+EPOCH_KEY = "hicache-epoch"
 INSTALL_HINT = (
     "the Mooncake backend needs the 'mooncake' extra "
     "(pip install 'hicache[mooncake]', plus libibverbs1 librdmacm1 libnuma1 on Debian)"
@@ -196,10 +202,36 @@ class MooncakeStorage(StorageBackend):
 
     def _clear(self) -> int:
         # The store's remove_all: the number of objects removed, or a negative error code.
-        code = self._call("remove_all")
+        # It takes the epoch record too: put it back (an epoch must never go back).
+        # force: without it objects under a lease (read or written in the last few
+        # seconds) stay, and a clear right after a run removed nothing.
+        epoch = self._read_epoch()
+        code = self._call("remove_all", True)
         if code < 0:
             self._fail(f"remove_all: code {code}")
-        return code
+        if epoch:
+            self._write_epoch(epoch)
+            code -= 1
+        return max(code, 0)
+
+    def _read_epoch(self) -> int:
+        if self._call("is_exist", EPOCH_KEY) != 1:
+            return 0
+        text = bytes(self._call("get", EPOCH_KEY)).decode("ascii", "replace")
+        if not text.strip().isdigit():
+            raise StorageError(f"mooncake: {EPOCH_KEY} holds {text[:40]!r}, expected a "
+                               "decimal epoch")
+        return int(text)
+
+    def _bump_epoch(self) -> int:
+        epoch = self._read_epoch() + 1
+        self._write_epoch(epoch)
+        return epoch
+
+    def _write_epoch(self, epoch: int) -> None:
+        code = self._call("upsert", EPOCH_KEY, f"{epoch}\n".encode())
+        if code != 0:
+            self._fail(f"upsert {EPOCH_KEY}: code {code}")
 
     def _close(self) -> None:
         # With the master gone this takes seconds (measured 1-13 s): the library

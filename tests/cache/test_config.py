@@ -3,8 +3,10 @@ before any pool or page allocator is built, and configs from dicts, files and HI
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import typing
 
 import numpy as np
 import psutil
@@ -14,6 +16,7 @@ from helpers import assert_no_leaks
 
 from hicache import CacheConfig, HiCache, KVConfig
 from hicache.cache import tiers as tiers_module
+from hicache.config import EvictionPolicy, PrefetchPolicy, WritePolicy
 from hicache.configfile import apply_env
 
 KV = KVConfig(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_size=4)
@@ -38,7 +41,8 @@ def cfg(**kw) -> CacheConfig:
     ({"storage": 3}, TypeError, "storage: expected str or None, got int"),
     ({"prefetch_timeout_s": math.inf}, ValueError, "prefetch_timeout_s: expected a finite"),
     ({"prefetch_timeout_s": "1"}, TypeError, "prefetch_timeout_s: expected seconds, got str"),
-    ({"device_tokens": 10**30}, ValueError, "device pool: expected fewer than"),
+    ({"device_tokens": 1 << 60}, ValueError, "device pool: expected fewer than"),
+    ({"device_tokens": 10**30}, ValueError, "device_tokens: expected < 4611686018427387904"),
 ])
 def test_bad_config_values_are_refused_by_name(kw, error, match):
     with pytest.raises(error, match=match.replace("(", r"\(").replace(")", r"\)")):
@@ -204,10 +208,72 @@ def test_env_overrides_fields_and_replace_a_tiers_size_option(tmp_path, monkeypa
     ("HICACHE_HOST_RATIO", "x", "HICACHE_HOST_RATIO: host_ratio: expected a number"),
     ("HICACHE_ALLOCATE_KV", "maybe", "HICACHE_ALLOCATE_KV: allocate_kv: expected true or false"),
     ("HICACHE_EXTRA", "{", "HICACHE_EXTRA: extra: expected JSON"),
+    ("HICACHE_MAX_PINNED_FRACTION", "half",
+     "HICACHE_MAX_PINNED_FRACTION: max_pinned_fraction: expected a number"),
+    ("HICACHE_KV_EVENTS", "2", "HICACHE_KV_EVENTS: kv_events: expected true or false"),
+    ("HICACHE_KV_PAGE_SIZE", "8.5", "HICACHE_KV_PAGE_SIZE: page_size: expected an integer"),
 ])
 def test_bad_env_values_name_the_variable_and_the_field(name, value, match):
     with pytest.raises(ValueError, match=match):
         apply_env(DATA, {name: value})
+
+
+# Every field: (HICACHE_* value, the field's value in the config, other variables it needs).
+# test_every_field_has_an_env_case fails when a field is added without a case here.
+ENV_CASES = {
+    "device_tokens": ("1_024", 1024, {}),
+    "device_nbytes": ("4096", 4096, {}),
+    "host_tokens": ("256", 256, {}),
+    "host_nbytes": ("8_192", 8192, {}),
+    "host_ratio": ("2.5", 2.5, {}),
+    "host_gb": ("0.001", 0.001, {}),
+    "device": ("cpu", "cpu", {}),
+    "host_reserve_nbytes": ("0", 0, {}),
+    "write_policy": ("write_through_selective", WritePolicy.WRITE_THROUGH_SELECTIVE, {}),
+    "backup_hit_threshold": ("3", 3, {}),
+    "load_threshold_tokens": ("16", 16, {}),
+    "eviction": ("lfu", EvictionPolicy.LFU, {}),
+    "allocate_kv": ("false", False, {}),
+    "executor": ("thread", "thread", {}),
+    "tree": ("python", "python", {}),
+    "lifecycle": ("python", "python", {}),
+    "storage": ("file:/tmp/hicache-env-test", "file:/tmp/hicache-env-test",
+                {"HICACHE_MODEL_ID": "m@r1"}),
+    "model_id": ("m@r2", "m@r2", {}),
+    "prefetch_policy": ("timeout", PrefetchPolicy.TIMEOUT, {}),
+    "prefetch_timeout_s": ("0.25", 0.25, {}),
+    "max_pinned_fraction": ("0.25", 0.25, {}),  # refused with a TypeError once (issue 25.5)
+    "kv_events": ("on", True, {}),  # likewise
+    "extra": ('{"x": [1, 2]}', {"x": [1, 2]}, {}),
+    "kv.num_layers": ("3", 3, {}),
+    "kv.num_kv_heads": ("2", 2, {}),
+    "kv.head_dim": ("8", 8, {}),
+    "kv.dtype": ("bfloat16", torch.bfloat16, {}),
+    "kv.page_size": ("8", 8, {}),
+}
+
+
+def test_every_field_has_an_env_case():
+    fields = [f.name for f in dataclasses.fields(CacheConfig) if f.name != "kv"]
+    fields += [f"kv.{f.name}" for f in dataclasses.fields(KVConfig)]
+    assert sorted(ENV_CASES) == sorted(fields)
+
+
+@pytest.mark.parametrize("field", sorted(ENV_CASES))
+def test_every_field_is_parsed_from_the_environment_by_its_type(field):
+    text, want, others = ENV_CASES[field]
+    name = "HICACHE_" + field.replace(".", "_").upper()
+    c = CacheConfig.from_dict(apply_env(DATA, {name: text, **others}))
+    got = getattr(c.kv, field[3:]) if field.startswith("kv.") else getattr(c, field)
+    assert got == want and type(got) is type(want)
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(CacheConfig)
+                                   if type(None) in typing.get_args(
+                                       typing.get_type_hints(CacheConfig)[f.name])])
+def test_every_optional_field_takes_none_from_the_environment(field):
+    name = "HICACHE_" + field.upper()
+    assert apply_env(DATA, {name: "none"})[field] is None
 
 
 def test_env_none_clears_an_optional_field():
@@ -259,3 +325,62 @@ def test_integer_fields_take_numpy_integers_and_store_python_ints():
 def test_host_size_numbers_name_the_same_expected_type(field):
     with pytest.raises(TypeError, match=f"{field}: expected a number, got str"):
         CacheConfig(kv=KVConfig(2, 1, 8, page_size=4), device_tokens=64, **{field: "2"})
+
+
+# ------------------------------------------------- non-finite numbers, every field (issue 25.4)
+def _fields_of_type(cls, kinds: set) -> list[str]:
+    """The fields of ``cls`` whose declared type admits one of ``kinds``."""
+    hints = typing.get_type_hints(cls)
+    return [f.name for f in dataclasses.fields(cls)
+            if kinds & set(typing.get_args(hints[f.name]) or (hints[f.name],))]
+
+
+NUMBER_FIELDS = _fields_of_type(CacheConfig, {int, float}) + _fields_of_type(KVConfig, {int})
+INT_FIELDS = _fields_of_type(CacheConfig, {int}) + _fields_of_type(KVConfig, {int})
+
+
+def _build(field: str, value) -> None:
+    """A config with ``field`` set to ``value`` and every other field valid."""
+    if field in {f.name for f in dataclasses.fields(KVConfig)}:
+        KVConfig(**{"num_layers": 2, "num_kv_heads": 1, "head_dim": 4, field: value})
+    else:
+        size = {"device_tokens": None} if field == "device_nbytes" else {}
+        CacheConfig(KV, **{"device_tokens": 64, **size, field: value})
+
+
+def test_number_fields_are_found():
+    floats = {"host_ratio", "host_gb", "prefetch_timeout_s", "max_pinned_fraction"}
+    assert set(NUMBER_FIELDS) - set(INT_FIELDS) == floats
+    assert len(INT_FIELDS) == 7 + 4  # 7 of CacheConfig (sizes, thresholds), 4 of KVConfig
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("field", NUMBER_FIELDS)
+def test_every_number_field_refuses_non_finite_values_by_name(field, value):
+    with pytest.raises((ValueError, TypeError)) as exc:
+        _build(field, value)
+    assert str(exc.value).startswith(f"{field}: expected"), str(exc.value)
+
+
+@pytest.mark.parametrize("field", INT_FIELDS)
+def test_every_int_field_is_bounded_inside_int64_by_name(field):
+    """10**30 passed every check once and failed later in the native tree (TypeError)."""
+    with pytest.raises(ValueError, match=f"^{field}: expected < {1 << 62}, got {10**30}$"):
+        _build(field, 10**30)
+
+
+def test_env_kinds_follow_declared_types_and_refuse_an_unknown_one():
+    from hicache.configfile import _env_kind
+
+    @dataclasses.dataclass
+    class Fields:
+        mode: typing.Literal["a", "b"]
+        level: typing.Literal[1, 2] | None
+        flag: bool | None
+        ids: list[int]
+
+    assert _env_kind(Fields, "mode") == (str, False)
+    assert _env_kind(Fields, "level") == (int, True)
+    assert _env_kind(Fields, "flag") == (bool, True)
+    with pytest.raises(TypeError, match=r"^Fields.ids: no HICACHE_\* parser for its type"):
+        _env_kind(Fields, "ids")

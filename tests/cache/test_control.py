@@ -235,6 +235,75 @@ def test_pin_again_replaces_and_ttl_expires(tree):
     assert_no_leaks(cache)
 
 
+# Every public call that may change state, as (name, call(cache, h)); h is a live handle
+# matched on other tokens before the pin expired.
+PUBLIC_CALLS = [
+    ("match", lambda c, h: c.release(c.match(B))),
+    ("load_back", lambda c, h: c.load_back(h)),
+    ("finish_loads", lambda c, h: c.finish_loads(h)),
+    ("alloc", lambda c, h: c.alloc(h, 2)),
+    ("insert", lambda c, h: c.insert(h, B[:0])),
+    ("release", lambda c, h: c.release(h)),
+    ("poll", lambda c, h: c.poll()),
+    ("wait_all", lambda c, h: c.wait_all()),
+    ("prefetch", lambda c, h: c.prefetch(B)),
+    ("take_events", lambda c, h: c.take_events()),
+    ("pin", lambda c, h: c.pin(B)),
+    ("unpin", lambda c, h: c.unpin(B)),
+    ("pinned_device_tokens", lambda c, h: c.pinned_device_tokens()),
+    ("stats", lambda c, h: c.stats()),
+]
+
+
+@pytest.mark.parametrize(("tree", "lifecycle"), CONFIGS)
+@pytest.mark.parametrize("call", [c for _, c in PUBLIC_CALLS], ids=[n for n, _ in PUBLIC_CALLS])
+def test_an_expired_pin_is_released_by_every_public_call(tree, lifecycle, call):
+    """Expired pins were released only by alloc/pin/unpin: until then they held their lock
+    and stats()["pins"] counted them (issue 25.10)."""
+    cache = bookkeeping(tree, lifecycle)
+    clock = [100.0]
+    cache._pins.now = lambda: clock[0]
+    serve(cache, A)
+    assert cache.pin(A, ttl_s=5) == 6
+    node = cache.tree.match_prefix(A).last_device_node
+    h = cache.match(B)
+    clock[0] = 104.9
+    cache.poll()
+    assert len(cache._pins) == 1 and node.lock_ref == 1  # not yet
+    clock[0] = 105.0
+    call(cache, h)
+    assert len(cache._pins) == 0 and node.lock_ref == 0  # released by the call itself
+    assert cache.tree.device_protected_tokens == (0 if h.released else h.prefix_len)
+    cache.check_integrity()
+    if not h.released:
+        cache.release(h)
+    s = cache.stats()
+    assert s["pins"] == 0 and s["pinned_device_tokens"] == 0
+    assert s["device_pages_used"] == 3  # A's 3 pages, unpinned and still cached
+    assert_no_leaks(cache)
+
+
+@pytest.mark.parametrize("tree", TREE_KINDS)
+def test_pins_expire_in_deadline_order_and_unpin_keeps_the_rest(tree):
+    cache = bookkeeping(tree)
+    clock = [0.0]
+    cache._pins.now = lambda: clock[0]
+    serve(cache, A)
+    serve(cache, B)
+    assert cache.pin(A[:4], ttl_s=10) == 4 and cache.pin(B[:2], ttl_s=2) == 2
+    assert cache.pin(A[:2]) == 2  # no time-to-live: stays
+    assert cache.pinned_device_tokens() == 6  # A[:2] shares A[:4]'s first page
+    assert cache.unpin(B[:2])  # the earliest deadline goes; the next one still holds
+    clock[0] = 9.9
+    assert cache.stats()["pins"] == 2
+    clock[0] = 10.0
+    assert cache.stats()["pins"] == 1 and cache.pinned_device_tokens() == 2
+    clock[0] = 1e9
+    assert cache.stats()["pins"] == 1
+    assert cache.unpin(A[:2])
+    assert_no_leaks(cache)
+
+
 @pytest.mark.parametrize("tree", TREE_KINDS)
 def test_pin_of_nothing_cached_and_namespaces(tree):
     cache = bookkeeping(tree)

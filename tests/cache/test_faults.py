@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 from helpers import (
     KV_F16,
+    TREE_KINDS,
     P,
+    assert_no_leaks,
     complete,
     evict_all_device,
     host_only,
@@ -25,7 +27,7 @@ from helpers import (
 from hicache.cache import HiCache
 from hicache.config import CacheConfig
 from hicache.sim import kvcheck
-from hicache.sim.faults import FaultyCopier, install_copier
+from hicache.sim.faults import FaultyCopier, InjectedFault, install_copier
 from hicache.transfer import TransferKind
 from hicache.tree import IOStatus
 
@@ -272,3 +274,77 @@ def test_failed_loads_on_the_thread_executor_recover():
         cache.wait_all()
         cache.check_integrity()
         assert kvcheck.verify_cache(cache) == []
+
+
+@pytest.mark.parametrize("tree", TREE_KINDS)
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_a_host_tier_whose_copies_always_fail_degrades_to_recompute(policy, tree):
+    """Write-back refused every request once the device was full: each eviction started a
+    backup that failed, so no page came free (issue 25.7). Now, as under write-through,
+    every request is served; the unbacked pages are dropped, counted, and recomputed."""
+    cfg = CacheConfig(KV_F16, device_tokens=8 * P, host_tokens=16 * P, executor="thread",
+                      host_reserve_nbytes=0, write_policy=policy, tree=tree)
+    with HiCache(cfg) as cache:
+        copier = install_copier(cache, FaultyCopier.wrap(cache, seed=0, fault_rate=1.0))
+        prompts = [seq(100 * (i + 1), 3) for i in range(6)] + [seq(100, 3)]  # the first again
+        for i, tokens in enumerate(prompts):
+            h = cache.match(tokens)
+            assert h.prefix_len == 0, "a dropped prefix must miss (its KV is gone)"
+            pages = cache.alloc(h, len(tokens))
+            assert pages is not None, f"request {i} refused ({policy})"
+            kvcheck.write_kv(cache.device_pool, h.page_table(), tokens, 0, len(tokens))
+            assert cache.insert(h, tokens) == len(tokens)
+            cache.release(h)
+            cache.wait_all()
+            cache.check_integrity()
+        s = cache.stats()
+        # 7 requests of 3 pages each; the device holds the last 8 pages, the host nothing.
+        assert s["device_pages_used"] == 8 and s["device_cached_tokens"] == 8 * P
+        assert s["host_pages_used"] == 0 and s["host_cached_tokens"] == 0
+        assert s["device_evicted_tokens"] == (7 * 3 - 8) * P
+        if policy == "write_back":  # the evicted tokens are exactly the dropped ones
+            assert s["unbacked_dropped_tokens"] == (7 * 3 - 8) * P
+            assert s["backups_failed"] == copier.num_faults["backup"] > 0
+        else:  # write-through drops device-only leaves as plain eviction does
+            assert s["unbacked_dropped_tokens"] == 0 and s["backups_failed"] == 7
+        assert copier.num_faults["load"] == 0 and s["loads"] == 0
+        assert kvcheck.verify_cache(cache) == []
+        assert_no_leaks(cache)
+
+
+@pytest.mark.parametrize("tree", TREE_KINDS)
+def test_a_transient_write_back_failure_drops_nothing(tree):
+    """One failed eviction backup is offered again by the next round and lands: the
+    evicted pages keep their host copy and nothing is dropped."""
+    cfg = CacheConfig(KV_F16, device_tokens=6 * P, host_tokens=16 * P, executor="thread",
+                      host_reserve_nbytes=0, write_policy="write_back", tree=tree)
+    with HiCache(cfg) as cache:
+        copier = install_copier(cache, FaultyCopier.wrap(cache, seed=0))
+        a, b = seq(100, 3), seq(200, 3)
+        for tokens in (a, b):
+            h = cache.match(tokens)
+            assert cache.alloc(h, len(tokens)) is not None
+            kvcheck.write_kv(cache.device_pool, h.page_table(), tokens, 0, len(tokens))
+            cache.insert(h, tokens)
+            cache.release(h)
+        fail_once = copier.backup
+
+        def backup(*args):
+            copier.backup = fail_once
+            raise InjectedFault("one failed backup")
+
+        copier.backup = backup
+        h = cache.match(seq(300, 3))
+        assert cache.alloc(h, 3 * P) is not None
+        cache.release(h)
+        cache.wait_all()
+        s = cache.stats()
+        assert s["backups_failed"] == 1 and s["unbacked_dropped_tokens"] == 0
+        assert s["device_evicted_tokens"] == 3 * P and s["host_cached_tokens"] == 3 * P
+        h = cache.match(a)  # back from the host tier
+        assert h.prefix_len == len(a) and cache.finish_loads(h)
+        verify_prefix(cache, h, a)
+        cache.release(h)
+        cache.wait_all()
+        assert kvcheck.verify_cache(cache) == []
+        assert_no_leaks(cache)

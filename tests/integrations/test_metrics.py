@@ -112,6 +112,34 @@ def test_track_refuses_a_second_cache_under_one_name():
         assert_no_leaks(cache)
 
 
+def test_untrack_stops_observing_transfers_and_track_again_counts_each_once():
+    """untrack left its observer installed: an untracked cache was still counted, and
+    track/untrack/track counted every transfer twice (issue 25.6)."""
+    metrics = CacheMetrics()
+    config = CacheConfig(KV, device_tokens=32, host_tokens=256, executor="immediate")
+    with HiCache(config) as cache:
+
+        def backups() -> float:
+            return metrics.registry.get_sample_value(
+                "hicache_transfer_bytes_count", {"cache": "c", "direction": "backup"}) or 0
+
+        metrics.track(cache, "c")
+        _request(cache, list(range(8)))  # 2 pages, backed up in one transfer (write-through)
+        assert backups() == 1 == cache.stats()["backups"]
+        metrics.untrack("c")
+        assert cache.transfers.on_complete == []
+        _request(cache, list(range(100, 108)))  # untracked: not observed
+        assert backups() == 1 and cache.stats()["backups"] == 2
+        metrics.track(cache, "c")
+        _request(cache, list(range(200, 208)))
+        assert backups() == 2 and cache.stats()["backups"] == 3  # once, not twice
+        assert len(cache.transfers.on_complete) == 1
+        metrics.untrack("c")
+        with pytest.raises(ValueError, match="name: expected a tracked cache"):
+            metrics.untrack("c")
+        assert_no_leaks(cache)
+
+
 def test_transfer_failures_are_logged_under_the_hicache_hierarchy(caplog):
     from hicache.transfer import TransferEngine
 

@@ -8,6 +8,7 @@ the first request. This module imports neither vLLM nor torch tensors.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,21 +21,69 @@ _EXECUTORS = ("auto", "sync", "thread", "cuda", "manual")
 DEFAULT_HOST_GB = 4.0
 
 
-def _number(name: str, value: object, *, minimum: float, strict: bool) -> float:
+# Upper bounds: far beyond any machine, and inside int64 once turned into bytes or
+# pages, so a typo (1e30) is refused here rather than overflowing in a worker.
+MAX_GB = 4.0 * 2**30  # 4 EiB
+MAX_INT = 1 << 62
+MAX_CPU = 1 << 16  # CPU ids: Linux's NR_CPUS is at most 8192
+
+
+def _plain(x: float) -> str:
+    """A bound as written: ``4294967296``, not ``4.29497e+09``; ``0.5`` as is."""
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def _number(name: str, value: object, *, minimum: float, strict: bool,
+            maximum: float = MAX_GB, max_included: bool = False) -> float:
+    """``value`` as a finite number between ``minimum`` (excluded when ``strict``) and
+    ``maximum`` (included when ``max_included``). NaN and infinities, valid in the
+    JSON vLLM parses, are refused here, not in a worker."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"kv_connector_extra_config.{name}: expected a number, got {value!r}")
-    if value < minimum or (strict and value == minimum):
-        op = ">" if strict else ">="
-        raise ValueError(f"kv_connector_extra_config.{name}: expected {op} {minimum}, got {value}")
+    if not math.isfinite(value):
+        raise ValueError(f"kv_connector_extra_config.{name}: expected a finite number, "
+                         f"got {value}")
+    if not (value > minimum if strict else value >= minimum):
+        raise ValueError(f"kv_connector_extra_config.{name}: expected {'>' if strict else '>='} "
+                         f"{_plain(minimum)}, got {value}")
+    if not (value <= maximum if max_included else value < maximum):
+        raise ValueError(f"kv_connector_extra_config.{name}: expected "
+                         f"{'<=' if max_included else '<'} {_plain(maximum)}, got {value}")
     return value
 
 
-def _int(name: str, value: object, *, minimum: int) -> int:
+def _int(name: str, value: object, *, minimum: int, maximum: int = MAX_INT) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"kv_connector_extra_config.{name}: expected an int, got {value!r}")
     if value < minimum:
         raise ValueError(f"kv_connector_extra_config.{name}: expected >= {minimum}, got {value}")
+    if value >= maximum:
+        raise ValueError(f"kv_connector_extra_config.{name}: expected < {maximum}, got {value}")
     return value
+
+
+# Number options of the storage backends (hicache/storage/__init__.py lists them): the
+# int ones, and the float ones with their range (keywords of _number). Checked
+# here so a bad one stops the scheduler at start-up, not a worker when it opens the
+# backend; the backends check names and the other types.
+_STORAGE_INTS = ("capacity_nbytes", "segment_nbytes", "local_buffer_nbytes")
+_STORAGE_FLOATS: dict[str, dict[str, Any]] = {
+    "low_watermark": {"minimum": 0, "strict": True, "maximum": 1, "max_included": True},
+    "connect_timeout_s": {"minimum": 0, "strict": True},
+    "retry_after_s": {"minimum": 0, "strict": False},
+}
+
+
+def _storage_options(options: dict) -> None:
+    for key, value in options.items():
+        name = f"storage_options.{key}"
+        if key in _STORAGE_INTS:
+            _int(name, value, minimum=1)
+        elif key in _STORAGE_FLOATS:
+            _number(name, value, **_STORAGE_FLOATS[key])
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"kv_connector_extra_config.{name}: expected a finite "
+                             f"number, got {value}")
 
 
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> str:
@@ -106,10 +155,9 @@ class ConnectorConfig:
             raise ValueError(
                 "kv_connector_extra_config.storage_options: given without storage"
             )
-        _number("storage_timeout_s", self.storage_timeout_s, minimum=0, strict=True)
-        if self.storage_timeout_s == float("inf"):
-            raise ValueError("kv_connector_extra_config.storage_timeout_s: expected a finite "
-                             "number of seconds, got inf")
+        _storage_options(self.storage_options)
+        _number("storage_timeout_s", self.storage_timeout_s, minimum=0, strict=True,
+                maximum=3600, max_included=True)
         _choice("write_policy", self.write_policy, _WRITE_POLICIES)
         _choice("eviction", self.eviction, _EVICTIONS)
         _int("load_threshold_tokens", self.load_threshold_tokens, minimum=0)
@@ -123,9 +171,10 @@ class ConnectorConfig:
                     "kv_connector_extra_config.copy_cpus: expected a list of int CPU ids, "
                     f"got {self.copy_cpus!r}"
                 )
-            if not self.copy_cpus or min(self.copy_cpus) < 0:
+            if not self.copy_cpus or not 0 <= min(self.copy_cpus) <= max(self.copy_cpus) < MAX_CPU:
                 raise ValueError(
-                    "kv_connector_extra_config.copy_cpus: expected one or more CPU ids >= 0, "
+                    "kv_connector_extra_config.copy_cpus: expected one or more CPU ids >= 0 "
+                    f"and < {MAX_CPU}, "
                     f"got {self.copy_cpus!r}"
                 )
             if self.executor not in ("auto", "thread"):

@@ -1,0 +1,89 @@
+"""The connector's ``kv_connector_extra_config``: every number finite and in range, refused
+by name at construction (the scheduler process, at start-up). Needs no vLLM."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+
+import pytest
+
+from hicache.integrations.vllm.config import ConnectorConfig
+
+NON_FINITE = ["NaN", "Infinity", "-Infinity"]  # as vLLM's JSON parser reads them
+
+
+def _number_fields() -> list[str]:
+    hints = typing.get_type_hints(ConnectorConfig)
+    return [f.name for f in dataclasses.fields(ConnectorConfig)
+            if {int, float} & set(typing.get_args(hints[f.name]) or (hints[f.name],))]
+
+
+def test_the_number_fields_are_all_tested():
+    assert _number_fields() == ["host_gb", "host_tokens", "host_reserve_gb",
+                                "load_threshold_tokens", "storage_timeout_s"]
+
+
+def _refused(extra_json: str, name: str) -> None:
+    with pytest.raises((ValueError, TypeError)) as exc:
+        ConnectorConfig.from_extra(json.loads(extra_json))
+    message = str(exc.value)
+    assert message.startswith(f"kv_connector_extra_config.{name}: expected"), message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("text", NON_FINITE)
+@pytest.mark.parametrize("name", _number_fields())
+def test_every_number_field_refuses_non_finite_values_by_name(name, text):
+    _refused(f'{{"{name}": {text}}}', name)
+
+
+@pytest.mark.parametrize("text", NON_FINITE)
+def test_copy_cpus_refuses_non_finite_values(text):
+    _refused(f'{{"copy_cpus": [0, {text}]}}', "copy_cpus")
+
+
+@pytest.mark.parametrize("text", NON_FINITE)
+@pytest.mark.parametrize("name", ["capacity_nbytes", "low_watermark", "segment_nbytes",
+                                  "local_buffer_nbytes", "connect_timeout_s", "retry_after_s",
+                                  "some_future_option"])
+def test_number_storage_options_refuse_non_finite_values(name, text):
+    storage = "mooncake://m:1?metadata=http://m:2/metadata"
+    _refused(f'{{"storage": "{storage}", "storage_options": {{"{name}": {text}}}}}',
+             f"storage_options.{name}")
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"host_gb": 1e30}, "host_gb: expected < 4294967296, got 1e+30"),
+    ({"host_gb": 0}, "host_gb: expected > 0, got 0"),
+    ({"storage_timeout_s": 0}, "storage_timeout_s: expected > 0, got 0"),
+    ({"storage_timeout_s": 1e9}, "storage_timeout_s: expected <= 3600, got 1000000000.0"),
+    ({"host_reserve_gb": -0.5}, "host_reserve_gb: expected >= 0, got -0.5"),
+    ({"host_reserve_gb": 2.0**40}, "host_reserve_gb: expected < 4294967296, got 1099511627776.0"),
+    ({"host_tokens": 1 << 62}, f"host_tokens: expected < {1 << 62}, got {1 << 62}"),
+    ({"host_tokens": 0}, "host_tokens: expected >= 1, got 0"),
+    ({"load_threshold_tokens": -1}, "load_threshold_tokens: expected >= 0, got -1"),
+    ({"load_threshold_tokens": 1 << 62}, f"load_threshold_tokens: expected < {1 << 62}"),
+    ({"copy_cpus": [0, 1 << 16]}, "copy_cpus: expected one or more CPU ids >= 0 and < 65536"),
+    ({"storage": "file:/x", "storage_options": {"low_watermark": 1.5}},
+     "storage_options.low_watermark: expected <= 1, got 1.5"),
+    ({"storage": "file:/x", "storage_options": {"low_watermark": 0}},
+     "storage_options.low_watermark: expected > 0, got 0"),
+    ({"storage": "file:/x", "storage_options": {"capacity_nbytes": 0}},
+     "storage_options.capacity_nbytes: expected >= 1, got 0"),
+    ({"storage": "file:/x", "storage_options": {"capacity_nbytes": 1.5}},
+     "storage_options.capacity_nbytes: expected an int, got 1.5"),
+])
+def test_numbers_out_of_range_are_refused_by_name(extra, message):
+    with pytest.raises((ValueError, TypeError)) as exc:
+        ConnectorConfig.from_extra(extra)
+    assert str(exc.value).startswith(f"kv_connector_extra_config.{message}"), str(exc.value)
+
+
+def test_the_bounds_themselves_are_accepted():
+    c = ConnectorConfig.from_extra({"host_gb": 0.5, "host_reserve_gb": 0, "load_threshold_tokens":
+                                    (1 << 62) - 1, "storage": "file:/x",
+                                    "storage_options": {"low_watermark": 1, "fsync": True}})
+    assert c.host_reserve_nbytes == 0 and c.num_host_pages(16, 1 << 20) == 512
+    assert ConnectorConfig(host_tokens=(1 << 62) - 1).host_tokens == (1 << 62) - 1
