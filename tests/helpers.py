@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from hicache.cache import HiCache, PrefixHandle
@@ -450,3 +451,44 @@ def host_takeable_by_definition(tree) -> int:
         return any(held(c) for c in node.children.values())
 
     return sum(n.num_tokens for n in tree.nodes() if n.host_indices is not None and not held(n))
+
+
+# ------------------------------------------------------------------------ CUDA
+
+
+CUDA_AVAILABLE = torch.cuda.is_available()
+# Parametrize a test over the devices its tensors live on: "cpu" always runs; "cuda" is
+# marked `cuda` (bench/gpu_suite.sh selects those) and skips without a GPU.
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+        not CUDA_AVAILABLE, reason="needs a CUDA device")]),
+]
+
+
+def stall_stream(stream, seconds: float) -> None:
+    """Queue ``seconds`` of spinning on a CUDA ``stream``: what is queued after it waits.
+
+    Holds a copy in flight on purpose (a CUDA stream has no "pause"); the spin counts
+    GPU clock cycles, so its length follows the clock: callers assert what must still
+    be in flight rather than trust the duration.
+    """
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(int(seconds * _cycles_per_s(stream.device)))
+
+
+_CYCLES_PER_S: dict = {}
+
+
+def _cycles_per_s(device) -> float:
+    if device not in _CYCLES_PER_S:
+        cycles = 20_000_000
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.device(device):
+            torch.cuda._sleep(cycles)  # warm-up: clocks ramp up from idle
+            start.record()
+            torch.cuda._sleep(cycles)
+            end.record()
+            end.synchronize()
+        _CYCLES_PER_S[device] = cycles / (start.elapsed_time(end) / 1e3)
+    return _CYCLES_PER_S[device]
