@@ -179,10 +179,12 @@ def assert_quiescent(cache: HiCache) -> None:
 
 
 def make_cache(device_pages: int = 8, host_pages: int = 16, policy: str = "write_through",
-               **kw) -> HiCache:
-    """A :data:`KV_F16` cache on the manual executor: a copy runs only when a test says so."""
+               executor: str = "manual", **kw) -> HiCache:
+    """A :data:`KV_F16` cache on the manual executor: a copy runs only when a test says so.
+
+    (``executor``: another one, for the race scenarios run on real threads or streams.)"""
     cfg = CacheConfig(
-        KV_F16, device_tokens=device_pages * P, host_tokens=host_pages * P, executor="manual",
+        KV_F16, device_tokens=device_pages * P, host_tokens=host_pages * P, executor=executor,
         host_reserve_nbytes=0, write_policy=policy, **kw,
     )
     return HiCache(cfg)
