@@ -469,14 +469,17 @@ DEVICES = [
 
 
 def stall_stream(stream, seconds: float) -> None:
-    """Queue ``seconds`` of spinning on a CUDA ``stream``: what is queued after it waits.
+    """Queue at least ``seconds`` of spinning on a CUDA ``stream``: what is queued after
+    it waits.
 
-    Holds a copy in flight on purpose (a CUDA stream has no "pause"); the spin counts
-    GPU clock cycles, so its length follows the clock: callers assert what must still
-    be in flight rather than trust the duration.
+    Holds a copy in flight on purpose (a CUDA stream has no "pause"). The spin counts
+    GPU clock cycles; they are converted at the faster of the measured clock and 2 GHz,
+    so a clock still ramping up from idle makes the spin longer, never shorter. Callers
+    assert what must still be in flight rather than trust the duration.
     """
+    cycles = int(seconds * _cycles_per_s(stream.device))
     with torch.cuda.stream(stream):
-        torch.cuda._sleep(int(seconds * _cycles_per_s(stream.device)))
+        torch.cuda._sleep(cycles)
 
 
 _CYCLES_PER_S: dict = {}
@@ -484,7 +487,7 @@ _CYCLES_PER_S: dict = {}
 
 def _cycles_per_s(device) -> float:
     if device not in _CYCLES_PER_S:
-        cycles = 20_000_000
+        cycles = 50_000_000
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.device(device):
             torch.cuda._sleep(cycles)  # warm-up: clocks ramp up from idle
@@ -492,5 +495,6 @@ def _cycles_per_s(device) -> float:
             torch.cuda._sleep(cycles)
             end.record()
             end.synchronize()
-        _CYCLES_PER_S[device] = cycles / (start.elapsed_time(end) / 1e3)
+        measured = cycles / (start.elapsed_time(end) / 1e3)
+        _CYCLES_PER_S[device] = max(measured, 2.0e9)
     return _CYCLES_PER_S[device]
