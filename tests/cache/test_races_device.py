@@ -31,7 +31,7 @@ from hicache.transfer import TransferKind
 LOAD, BACKUP = TransferKind.LOAD, TransferKind.BACKUP
 # A held CUDA copy's spin. A scenario's host steps take milliseconds; a load must stay
 # in flight while the backups submitted after it land, so loads are held longer.
-HOLD_S = {TransferKind.LOAD: 3.0, TransferKind.BACKUP: 0.5}
+HOLD_S = {TransferKind.LOAD: 2.0, TransferKind.BACKUP: 0.5}
 GATE_TIMEOUT_S = 30.0  # a CPU copy held longer than this fails instead of hanging the test
 
 
