@@ -257,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     # Not fatal: without the extension every step runs on the Python tree.
     native = suite.run(Step("native", ["PY", "-c", _NATIVE_SCRIPT], 180, min_s=30, fatal=False))
     if native.get("status") != "ok":
-        reason = next((line for line in reversed(native.get("tail", []))
+        reason = next((line.removeprefix("native extension: ")
+                       for line in reversed(native.get("tail", []))
                        if line.startswith("native extension:")), native.get("status"))
         suite.say(f"native extension unavailable ({reason}): the rest runs with the Python tree")
         suite.env["HICACHE_NATIVE"] = "prebuilt"  # no second build attempt in later steps

@@ -283,20 +283,26 @@ def test_write_back_frees_device_pages_only_after_the_backup_landed(gated):
 
 
 def test_backup_never_reads_device_pages_before_the_compute_that_writes_them(gated):
-    """On CUDA the compute stream is held while it writes A's KV: the backup, queued on
-    its own stream at insert, must wait for that write (the compute fence)."""
+    """On CUDA the compute stream is held, then writes A's KV (a device-to-device copy,
+    so the host does not wait for it): the backup, submitted at insert on its own
+    stream, must wait for that write (the compute fence), not read the stale KV."""
     cache, gate = gated()
+    pool = cache.device_pool
     a = seq(100, 3)
     h = cache.match(a)
     cache.alloc(h, len(a))
-    kvcheck.write_kv(cache.device_pool, h.page_table(), seq(700, 3), 0, len(a))  # stale
+    kvcheck.write_kv(pool, h.page_table(), a, 0, len(a))
+    computed = [b.clone() for b in pool.k_buffers + pool.v_buffers]
+    kvcheck.write_kv(pool, h.page_table(), seq(700, 3), 0, len(a))  # stale
     if gate.device == "cuda":
         stall_stream(torch.cuda.current_stream(), HOLD_S[BACKUP])
-    kvcheck.write_kv(cache.device_pool, h.page_table(), a, 0, len(a))  # queued behind it
+    for buf, kv in zip(pool.k_buffers + pool.v_buffers, computed, strict=True):
+        buf.copy_(kv)  # "the forward": queued behind the hold on CUDA
     cache.insert(h, a)
     (backup,) = gate.pending(BACKUP)
     cache.release(h)
     gate.complete(BACKUP)
+    assert backup.error is None
     evict_all_device(cache, gate)
     serve(cache, gate, a)  # from the host copy: A's KV, not the stale one
     assert cache.stats()["host_hit_tokens"] == len(a)
