@@ -332,3 +332,20 @@ def test_many_requests_with_preemptions_and_saves_in_flight(make_vllm, device):
     m.quiesce()
     assert not m.delayed and len(m.free) == 24
     assert m.sched.stats()["host_hit_tokens"] > 0
+
+
+def test_a_layout_the_device_executor_cannot_copy_is_refused_by_name(make_vllm, device):
+    """vLLM's CPU layout (K and V fused in one plane per block) is copied by the CPU
+    copier; the CUDA executor copies the split K/V layout only, and says so."""
+    if device == "cuda":
+        with pytest.raises(ValueError, match="the CUDA executor copies the split K/V layout"):
+            make_vllm(layout="fused")
+        return
+    m, _ = make_vllm(layout="fused")
+    save_and_drop(m, "a", seq(8) + [1])
+    assert m.add("b", seq(8) + [1]) == 8
+    m.step()
+    assert m.loaded_ok("b")
+    m.finish("b")
+    m.step()
+    m.quiesce()
