@@ -179,6 +179,7 @@ class Suite:
             _kill_group(proc)
             rc = proc.wait()
         reader.join(timeout=5)
+        proc.stdout.close()
         seconds = time.monotonic() - started
         record = {"name": step.name, "command": shown, "rc": rc, "seconds": round(seconds, 1),
                   "timed_out": timed_out, "tail": lines[-_TAIL_LINES:]}

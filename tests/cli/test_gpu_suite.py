@@ -55,6 +55,7 @@ def test_a_step_past_its_timeout_is_killed_with_its_children_and_recorded(gpu_su
     assert "child" in (tmp_path / "suite.log").read_text()
     after = suite.run(gpu_suite.Step("next", ["PY", "-c", "print('ran')"], 30, min_s=0))
     assert after["status"] == "ok" and after["tail"] == ["ran"]
+    suite.close()
 
 
 def test_budget_bounds_each_step_and_a_spent_budget_skips(gpu_suite, tmp_path):
@@ -67,6 +68,7 @@ def test_budget_bounds_each_step_and_a_spent_budget_skips(gpu_suite, tmp_path):
     assert skipped == {"status": "skipped"}
     steps = summary(tmp_path)["steps"]
     assert steps[-1]["status"] == "skipped" and "budget spent" in steps[-1]["reason"]
+    suite.close()
 
 
 def test_a_bench_step_needs_a_json_last_line(gpu_suite, tmp_path):
@@ -82,6 +84,8 @@ def test_a_bench_step_needs_a_json_last_line(gpu_suite, tmp_path):
     rec = soft.run(gpu_suite.Step("n", ["PY", "-c", "raise SystemExit(3)"], 30, min_s=0,
                                   fatal=False))
     assert rec["status"] == "failed" and not soft.failed  # recorded, not the run's failure
+    suite.close()
+    soft.close()
 
 
 def test_command_line_errors_exit_2(gpu_suite, monkeypatch, capsys):
