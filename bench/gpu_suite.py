@@ -251,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     gpu = bool(info.get("cuda_available"))
     suite.summary["gpu"] = gpu
     if env.get("status") != "ok":
-        suite.say("gpu_suite: torch does not import here; nothing else can run")
+        suite.say(f"gpu_suite: the env step {env.get('status')} (does torch import here?); "
+                  "nothing else can run")
         suite.close()
         return 1
 
