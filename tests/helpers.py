@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from hicache.cache import HiCache, PrefixHandle
@@ -178,10 +179,12 @@ def assert_quiescent(cache: HiCache) -> None:
 
 
 def make_cache(device_pages: int = 8, host_pages: int = 16, policy: str = "write_through",
-               **kw) -> HiCache:
-    """A :data:`KV_F16` cache on the manual executor: a copy runs only when a test says so."""
+               executor: str = "manual", **kw) -> HiCache:
+    """A :data:`KV_F16` cache on the manual executor: a copy runs only when a test says so.
+
+    (``executor``: another one, for the race scenarios run on real threads or streams.)"""
     cfg = CacheConfig(
-        KV_F16, device_tokens=device_pages * P, host_tokens=host_pages * P, executor="manual",
+        KV_F16, device_tokens=device_pages * P, host_tokens=host_pages * P, executor=executor,
         host_reserve_nbytes=0, write_policy=policy, **kw,
     )
     return HiCache(cfg)
@@ -450,3 +453,48 @@ def host_takeable_by_definition(tree) -> int:
         return any(held(c) for c in node.children.values())
 
     return sum(n.num_tokens for n in tree.nodes() if n.host_indices is not None and not held(n))
+
+
+# ------------------------------------------------------------------------ CUDA
+
+
+CUDA_AVAILABLE = torch.cuda.is_available()
+# Parametrize a test over the devices its tensors live on: "cpu" always runs; "cuda" is
+# marked `cuda` (bench/gpu_suite.sh selects those) and skips without a GPU.
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+        not CUDA_AVAILABLE, reason="needs a CUDA device")]),
+]
+
+
+def stall_stream(stream, seconds: float) -> None:
+    """Queue at least ``seconds`` of spinning on a CUDA ``stream``: what is queued after
+    it waits.
+
+    Holds a copy in flight on purpose (a CUDA stream has no "pause"). The spin counts
+    GPU clock cycles; they are converted at the faster of the measured clock and 2 GHz,
+    so a clock still ramping up from idle makes the spin longer, never shorter. Callers
+    assert what must still be in flight rather than trust the duration.
+    """
+    cycles = int(seconds * _cycles_per_s(stream.device))
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(cycles)
+
+
+_CYCLES_PER_S: dict = {}
+
+
+def _cycles_per_s(device) -> float:
+    if device not in _CYCLES_PER_S:
+        cycles = 50_000_000
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.device(device):
+            torch.cuda._sleep(cycles)  # warm-up: clocks ramp up from idle
+            start.record()
+            torch.cuda._sleep(cycles)
+            end.record()
+            end.synchronize()
+        measured = cycles / (start.elapsed_time(end) / 1e3)
+        _CYCLES_PER_S[device] = max(measured, 2.0e9)
+    return _CYCLES_PER_S[device]

@@ -37,12 +37,13 @@ def page_value(tokens, page: int, layer: int) -> float:
     return float(zlib.crc32(data) % 100_003 + 1 + 200_000 * layer)
 
 
-def make_kv(layout: str, num_blocks: int) -> dict[str, torch.Tensor]:
+def make_kv(layout: str, num_blocks: int, device: str = "cpu") -> dict[str, torch.Tensor]:
     if layout == "fused":  # vLLM's CPU backend: (num_blocks, H, block_size, 2 * D)
         shape = (num_blocks, H, P, 2 * D)
     else:  # split K/V: (2, num_blocks, block_size, H, D)
         shape = (2, num_blocks, P, H, D)
-    return {f"model.layers.{i}.self_attn.attn": torch.zeros(shape) for i in range(L)}
+    return {f"model.layers.{i}.self_attn.attn": torch.zeros(shape, device=device)
+            for i in range(L)}
 
 
 def block_of(kv: torch.Tensor, block: int, num_blocks: int) -> list[torch.Tensor]:
@@ -87,12 +88,12 @@ class MiniVllm:
     """Just enough of vLLM's scheduler and model runner to drive both halves."""
 
     def __init__(self, *, num_blocks=16, num_host_pages=8, layout="fused", storage=None,
-                 native=None, tree="python", executor="thread", **extra):
+                 native=None, tree="python", executor="thread", device="cpu", **extra):
         # "thread" (not the CPU default, "sync") unless a test asks: most tests here need
         # copies still in flight at the next step, which only a copy thread leaves.
         cfg = ConnectorConfig(tree=tree, storage=storage, executor=executor, **extra)
         self.num_blocks = num_blocks
-        self.kv = make_kv(layout, num_blocks)
+        self.kv = make_kv(layout, num_blocks, device)  # device: test_vllm_connector_device.py
         self.hook = Hook()
         fingerprint, model_id = "test-layout", "tiny"
         root = None

@@ -213,6 +213,9 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
         "preset": cfg.name,
         "dtype": str(cfg.torch_dtype).removeprefix("torch."),
         "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "executor": engine.executor_name,
+        "host_pinned": host_pool.pinned,  # a reload from pageable memory is not the link's
         "page_size": page_size,
         "torch_threads": torch.get_num_threads(),
         # Other processes on the machine skew CPU timings; record how busy it was.
