@@ -96,17 +96,16 @@ class MiniVllm:
         self.kv = make_kv(layout, num_blocks, device)  # device: test_vllm_connector_device.py
         self.hook = Hook()
         fingerprint, model_id = "test-layout", "tiny"
-        root = None
         s_backend = w_backend = None
         if storage is not None:
-            from hicache.storage import make_storage, root_key
+            from hicache.storage import make_storage
 
             nbytes = L * 2 * H * D * P * 4
             s_backend = make_storage(storage, page_nbytes=nbytes)
             w_backend = make_storage(storage, page_nbytes=nbytes)
-            root = root_key(None, fingerprint, model_id)
         self.sched = SchedulerHalf(cfg, block_size=P, num_host_pages=num_host_pages,
-                                   storage_backend=s_backend, storage_root_key=root)
+                                   storage_backend=s_backend,
+                                   storage_identity=(fingerprint, model_id))
         self.worker = WorkerHalf(cfg, self.kv, num_blocks=num_blocks, block_size=P,
                                  num_host_pages=num_host_pages, storage_backend=w_backend,
                                  native=native, copier_hook=self.hook)

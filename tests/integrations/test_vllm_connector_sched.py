@@ -41,7 +41,8 @@ def test_storage_hit_behind_vllms_longer_hit_is_kept(sched, tmp_path, async_sche
     end of vLLM's hit, and loaded; under the default policy no request fails."""
     B = sched.B
     e = sched.Engine(async_scheduling=async_scheduling, policy="fail", num_blocks=24,
-                     extra={"host_tokens": 8 * B, "storage": f"file:{tmp_path}"})
+                     extra={"host_tokens": 8 * B, "storage": f"file:{tmp_path}",
+                            "storage_epoch_on_reset": False})
     rng = random.Random(0)
     prompt = _prompt(rng, 8 * B + 1)
     e.add("a", prompt, max_tokens=1)
@@ -116,6 +117,62 @@ def test_reset_with_running_requests_after_a_finish_with_saves(sched, async_sche
     assert e.scheduler.reset_prefix_cache(reset_running_requests=True)
     e.run()
     e.check()
+
+
+def test_reset_connector_invalidates_the_third_tier(sched, tmp_path):
+    """reset_prefix_cache(reset_connector=True), as after a weight update: the host tier
+    is emptied and the third tier's epoch bumped, so pages stored before miss, here and
+    in an engine started afterwards on the same tier."""
+    B = sched.B
+    extra = {"host_tokens": 8 * B, "storage": f"file:{tmp_path}"}
+    e = sched.Engine(num_blocks=24, extra=extra)
+    rng = random.Random(7)
+    prompt = _prompt(rng, 4 * B + 1)
+    e.add("a", prompt, max_tokens=1)
+    e.run()
+    e.quiesce()
+    half = e.connector.scheduler_half
+    assert half.tree.host_tokens == 4 * B
+    assert e.scheduler.reset_prefix_cache(reset_connector=True)
+    assert half.tree.host_tokens == 0 and half.storage.epoch() == 1
+    e.add("b", prompt, max_tokens=1)
+    e.run()
+    e.check()
+    assert half.counters.storage_hit_tokens == 0
+    later = sched.Engine(num_blocks=24, extra=extra)  # a process started after the reset
+    later.add("c", prompt, max_tokens=1)
+    later.run()
+    later.check()
+    assert later.connector.scheduler_half.counters.storage_hit_tokens == 4 * B  # b's pages
+
+
+@pytest.mark.parametrize("storage", [False, True])
+def test_cache_salt_keeps_tenants_apart(sched, tmp_path, storage):
+    """vLLM's cache_salt: pages computed under one salt never serve another (nor a
+    request without a salt), in the host tier and in the third tier; the same salt hits."""
+    B = sched.B
+    extra = {"host_tokens": 16 * B}
+    if storage:
+        extra.update(storage=f"file:{tmp_path}", storage_epoch_on_reset=False)
+    e = sched.Engine(num_blocks=24, extra=extra)
+    half = e.connector.scheduler_half
+    prompt = _prompt(random.Random(8), 4 * B + 1)
+    e.add("a1", prompt, max_tokens=1, cache_salt="tenant-a")
+    e.run()
+    e.quiesce()
+    if storage:
+        assert e.connector.reset_cache()  # only the third tier holds tenant a's pages now
+    for rid, salt in (("b", "tenant-b"), ("none", None)):
+        assert e.scheduler.reset_prefix_cache()
+        e.add(rid, prompt, max_tokens=1, cache_salt=salt)
+        e.run()
+        assert half.counters.host_hit_tokens == half.counters.storage_hit_tokens == 0, rid
+    assert e.scheduler.reset_prefix_cache()
+    e.add("a2", prompt, max_tokens=1, cache_salt="tenant-a")
+    e.run()
+    e.check()
+    hit = half.counters.storage_hit_tokens if storage else half.counters.host_hit_tokens
+    assert hit == 4 * B
 
 
 def _multiturn(e, sched, seed: int, *, convs: int = 8, turns: int = 3,

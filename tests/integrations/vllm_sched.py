@@ -214,7 +214,8 @@ class Engine:
         self._pending = None  # async: (scheduler output, model runner output) not yet updated
 
     # ------------------------------------------------------------ requests
-    def add(self, req_id: str, prompt: list[int], max_tokens: int = 4) -> None:
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 4,
+            cache_salt: str | None = None) -> None:
         from vllm import SamplingParams
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher
@@ -222,7 +223,8 @@ class Engine:
 
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
         req = Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=params,
-                      pooling_params=None, block_hasher=get_request_block_hasher(B, sha256))
+                      pooling_params=None, block_hasher=get_request_block_hasher(B, sha256),
+                      cache_salt=cache_salt)
         self.prompts[req_id] = list(prompt)
         self.sequences.append(extend(prompt, max_tokens))
         self.scheduler.add_request(req)

@@ -113,6 +113,9 @@ class ConnectorConfig:
     # A third-tier read in vLLM's step waits at most this long (a hung store or NFS mount
     # must not hang the engine): what has not arrived is a load error, recomputed.
     storage_timeout_s: float = 5.0
+    # reset_prefix_cache(reset_connector=True) bumps the third tier's epoch (its pages of
+    # the old weights miss from then on, for every process sharing the tier)
+    storage_epoch_on_reset: bool = True
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -158,6 +161,9 @@ class ConnectorConfig:
         _storage_options(self.storage_options)
         _number("storage_timeout_s", self.storage_timeout_s, minimum=0, strict=True,
                 maximum=3600, max_included=True)
+        if not isinstance(self.storage_epoch_on_reset, bool):
+            raise TypeError("kv_connector_extra_config.storage_epoch_on_reset: expected a bool, "
+                            f"got {self.storage_epoch_on_reset!r}")
         _choice("write_policy", self.write_policy, _WRITE_POLICIES)
         _choice("eviction", self.eviction, _EVICTIONS)
         _int("load_threshold_tokens", self.load_threshold_tokens, minimum=0)

@@ -231,12 +231,10 @@ class HiCacheConnector(KVConnectorBase_V1):
         self.scheduler_half: SchedulerHalf | None = None
         self.worker_half: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
-            from hicache.storage import root_key
-
             backend = self._open_storage() if self.hc_config.storage else None
             self.scheduler_half = SchedulerHalf(
                 self.hc_config, block_size=self.block_size, num_host_pages=self.num_host_pages,
-                storage_backend=backend, storage_root_key=root_key(None, *self._identity),
+                storage_backend=backend, storage_identity=self._identity,
             )
 
     @classmethod
@@ -377,7 +375,8 @@ class HiCacheConnector(KVConnectorBase_V1):
         assert self.scheduler_half is not None, "scheduler-side call on a worker connector"
         self._requests[request.request_id] = request
         num = self.scheduler_half.num_matched_tokens(
-            request.request_id, request.all_token_ids, num_computed_tokens
+            request.request_id, request.all_token_ids, num_computed_tokens,
+            getattr(request, "cache_salt", None),
         )
         return num, False
 
@@ -389,7 +388,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         before = (half.counters.host_hit_tokens, half.counters.storage_hit_tokens)
         half.after_alloc(
             request.request_id, request.all_token_ids, blocks.get_block_ids()[0],
-            num_external_tokens,
+            num_external_tokens, getattr(request, "cache_salt", None),
         )
         if num_external_tokens:
             self._hit_sources[request.request_id] = (
@@ -415,7 +414,7 @@ class HiCacheConnector(KVConnectorBase_V1):
             tokens = req.all_token_ids if req is not None else (new.prompt_token_ids or [])
             scheduled.append(ScheduledRequest(
                 new.req_id, tokens, list(new.block_ids[0]), True, new.num_computed_tokens,
-                num_tokens.get(new.req_id, 0),
+                num_tokens.get(new.req_id, 0), getattr(req, "cache_salt", None),
             ))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -426,7 +425,7 @@ class HiCacheConnector(KVConnectorBase_V1):
             scheduled.append(ScheduledRequest(
                 req_id, req.all_token_ids, list(new_ids[0]) if new_ids is not None else None,
                 req_id in cached.resumed_req_ids, cached.num_computed_tokens[i],
-                num_tokens.get(req_id, 0),
+                num_tokens.get(req_id, 0), getattr(req, "cache_salt", None),
             ))
         plan = self.scheduler_half.build_plan(scheduled)
         return HiCacheConnectorMetadata(

@@ -22,15 +22,18 @@ class ScheduledRequest:
     resumed: bool  # True: new_block_ids replace the request's blocks (new or resumed)
     num_computed_tokens: int  # computed before this step
     num_scheduled_tokens: int  # computed by this step
+    namespace: str | None = None  # vLLM's cache_salt: pages are shared within one only
 
 
 class RequestState:
     """One live request, from its first lookup (or first scheduling) until it finishes."""
 
-    __slots__ = ("token_ids", "block_ids", "num_checked_pages", "key", "keys", "lookup")
+    __slots__ = ("token_ids", "namespace", "block_ids", "num_checked_pages", "key", "keys",
+                 "lookup")
 
-    def __init__(self, token_ids: Sequence[int]) -> None:
+    def __init__(self, token_ids: Sequence[int], namespace: str | None = None) -> None:
         self.token_ids = token_ids
+        self.namespace = namespace  # vLLM's cache_salt (tree namespace, storage tenant)
         self.block_ids: list[int] = []
         self.num_checked_pages = 0  # leading pages already saved or found in the tree
         self.key = b""  # tree key of the leading whole pages (built lazily, see _key)

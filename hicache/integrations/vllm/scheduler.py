@@ -67,15 +67,19 @@ class SchedulerHalf:
         block_size: int,
         num_host_pages: int,
         storage_backend=None,
-        storage_root_key: str | None = None,
+        storage_identity: tuple[str, str] | None = None,
     ) -> None:
+        """``storage_identity``: ``(KV layout fingerprint, model_id)`` that third-tier keys
+        are salted with (with the request's ``cache_salt`` and the tier's epoch)."""
         self.config = config
         self.page_size = block_size
         self.tree = make_tree(config.tree, block_size, config.eviction)
         self.tree.on_split = self._on_split
         self.host_allocator = PageAllocator(num_host_pages, "host pages")
         self.storage = storage_backend  # only exists() is called here
-        self._root_key = storage_root_key
+        self._identity = storage_identity
+        self._epoch = storage_backend.epoch() if storage_backend is not None else 0
+        self._roots: dict[str | None, str] = {}  # storage chain seed per cache_salt
         self._reqs: dict[str, RequestState] = {}
         self._pins: dict[TreeNode, int] = {}  # host locks taken this step, released by build_plan
         self._loads: list[LoadOp] = []
@@ -86,13 +90,23 @@ class SchedulerHalf:
         self.counters = SchedulerStats()
 
     # ---------------------------------------------------------------- lookups
-    def num_matched_tokens(self, req_id: str, token_ids: Sequence[int], num_computed: int) -> int:
-        """Tokens after ``num_computed`` that hicache can load (whole pages); no side effect
-        on the tree. At least one token is always left for vLLM to compute."""
+    def _state(self, req_id: str, token_ids: Sequence[int],
+               namespace: str | None) -> RequestState:
         st = self._reqs.get(req_id)
         if st is None:
-            st = self._reqs[req_id] = RequestState(token_ids)
+            st = self._reqs[req_id] = RequestState(token_ids, namespace)
         st.set_tokens(token_ids)
+        return st
+
+    def num_matched_tokens(self, req_id: str, token_ids: Sequence[int], num_computed: int,
+                           namespace: str | None = None) -> int:
+        """Tokens after ``num_computed`` that hicache can load (whole pages); no side effect
+        on the tree. At least one token is always left for vLLM to compute.
+
+        ``namespace`` (vLLM's ``cache_salt``): pages are shared only between requests of
+        the same namespace, in the host tier and in the third tier (no salt is a
+        namespace of its own)."""
+        st = self._state(req_id, token_ids, namespace)
         st.lookup = None
         P = self.page_size
         limit = (len(token_ids) - 1) // P  # pages that may be loaded
@@ -102,8 +116,8 @@ class SchedulerHalf:
             return 0
         c.lookup_tokens += limit * P - num_computed
         key = self._key(st, limit)
-        cached = self.tree.probe_key(key) // P
-        host = self._first_bad(key, cached)  # promise nothing from a bad page on
+        cached = self.tree.probe_key(key, st.namespace) // P
+        host = self._first_bad(st, key, cached)  # promise nothing from a bad page on
         # Storage pages continue whichever hit is longer: the host tier's or vLLM's own
         # (pages vLLM holds are copied from its blocks into the host tier, not read).
         start = max(host, num_computed // P)
@@ -112,6 +126,7 @@ class SchedulerHalf:
             stored = num_promisable_pages(
                 self.storage, self._keys(st, limit)[start:limit], self.tree,
                 self.host_allocator, key, host, P, extra_pages=start - host,
+                namespace=st.namespace,
             )
         num_tokens = ((start + stored) if stored else host) * P - num_computed
         if num_tokens <= 0 or num_tokens < self.config.load_threshold_tokens:
@@ -120,14 +135,12 @@ class SchedulerHalf:
         return num_tokens
 
     def after_alloc(
-        self, req_id: str, token_ids: Sequence[int], block_ids: Sequence[int], num_external: int
+        self, req_id: str, token_ids: Sequence[int], block_ids: Sequence[int], num_external: int,
+        namespace: str | None = None,
     ) -> None:
         """vLLM allocated ``block_ids`` (all of the request's blocks); plan the load of the
         ``num_external`` tokens promised by :meth:`num_matched_tokens`."""
-        st = self._reqs.get(req_id)
-        if st is None:
-            st = self._reqs[req_id] = RequestState(token_ids)
-        st.set_tokens(token_ids)
+        st = self._state(req_id, token_ids, namespace)
         st.block_ids = list(block_ids)
         if num_external <= 0:
             return
@@ -149,7 +162,7 @@ class SchedulerHalf:
                 f"update_state_after_alloc: expected at least {b} blocks for request {req_id!r}, "
                 f"got {len(st.block_ids)}"
             )
-        result = self.tree.match_key(self._key(st, b))
+        result = self.tree.match_key(self._key(st, b), st.namespace)
         nodes = self.tree.host_only_path(result)
         for node in nodes:
             self._pin(node)
@@ -190,10 +203,7 @@ class SchedulerHalf:
         self._loads, self._early_saves = [], []
         try:
             for s in scheduled:
-                st = self._reqs.get(s.req_id)
-                if st is None:
-                    st = self._reqs[s.req_id] = RequestState(s.token_ids)
-                st.set_tokens(s.token_ids)
+                st = self._state(s.req_id, s.token_ids, s.namespace)
                 if s.new_block_ids is not None:
                     if s.resumed:
                         st.block_ids = list(s.new_block_ids)
@@ -218,13 +228,14 @@ class SchedulerHalf:
             return None
         st.num_checked_pages = full
         key = self._key(st, full)
-        cached = self.tree.probe_key(key) // P
+        ns = st.namespace
+        cached = self.tree.probe_key(key, ns) // P
         # Bad pages this request computed again: saved again, into the same host pages.
-        repair_from = self._first_bad(key, cached)
+        repair_from = self._first_bad(st, key, cached)
         repair: list[int] = []
         path: list[TreeNode] = []
         if repair_from < cached:
-            path = self.tree.probe_path(key)
+            path = self.tree.probe_path(key, ns)
             repair = torch.cat([n.host_indices for n in path]).tolist()[repair_from:cached]
             for node in path:
                 self._pin(node)
@@ -238,7 +249,7 @@ class SchedulerHalf:
                 # could evict it (nothing else pins it when vLLM's own cache served the
                 # request) and the insert would then adopt placeholder pages for it.
                 # Pinning the deepest node protects its ancestors (eviction takes leaves).
-                self._pin(self.tree.probe_path(key)[-1])
+                self._pin(self.tree.probe_path(key, ns)[-1])
             pages = self._alloc_host(full - cached)
             if pages is not None and not self._insert_extension(st, cached, pages):
                 pages = None
@@ -264,13 +275,13 @@ class SchedulerHalf:
         return {int(p) for n in self.tree.nodes() if n.host_indices is not None
                 for p in n.host_indices.tolist()}
 
-    def _first_bad(self, key: bytes, num_cached_tokens_pages: int) -> int:
+    def _first_bad(self, st: RequestState, key: bytes, num_cached_tokens_pages: int) -> int:
         """Index of the first bad page among the first ``num_cached_tokens_pages`` cached
         pages of ``key`` (that count when none is bad)."""
         n = num_cached_tokens_pages
         if not self._bad or n == 0:
             return n
-        path = self.tree.probe_path(key)
+        path = self.tree.probe_path(key, st.namespace)
         ids = torch.cat([node.host_indices for node in path]).tolist()[:n]
         for i, page in enumerate(ids):
             if page in self._bad:
@@ -298,10 +309,14 @@ class SchedulerHalf:
             self._early_saves.append(save)  # pinned until that plan is built
 
     def reset(self) -> bool:
-        """Drop every cached host page (vLLM's ``reset_prefix_cache(reset_connector=True)``).
+        """Drop every cached host page (vLLM's ``reset_prefix_cache(reset_connector=True)``,
+        which RL frameworks call after a weight update).
 
-        Pages pinned by a step being planned (or by a save sent with the next plan) stay;
-        returns False then.
+        With a third tier and ``storage_epoch_on_reset``, the tier's epoch is bumped too:
+        pages stored before miss from now on, here and in every process that opens the
+        tier afterwards (see docs/storage.md). Pages pinned by a step being planned (or by
+        a save sent with the next plan) stay; returns False then, or when the tier could
+        not be reached.
         """
         num = self.tree.host_tokens
         result = self.tree.evict_host(num) if num else None
@@ -311,7 +326,19 @@ class SchedulerHalf:
             self.counters.host_evicted_tokens += result.num_evicted_tokens
         for st in self._reqs.values():
             st.num_checked_pages = 0
-        return self.tree.host_tokens == 0
+        ok = self.tree.host_tokens == 0
+        if self.storage is not None and self.config.storage_epoch_on_reset:
+            from hicache.storage import StorageError
+
+            try:
+                self._epoch = self.storage.bump_epoch()
+            except StorageError as exc:
+                _log.warning("hicache: the third tier's epoch could not be bumped: %s", exc)
+                return False
+            self._roots.clear()
+            for st in self._reqs.values():
+                st.keys = []  # rebuilt under the new epoch
+        return ok
 
     # ------------------------------------------------------------- internals
     def _key(self, st: RequestState, num_pages: int) -> bytes:
@@ -325,8 +352,15 @@ class SchedulerHalf:
         return st.key[: num_pages * P * 4]
 
     def _keys(self, st: RequestState, num_pages: int) -> list[str]:
+        root = self._roots.get(st.namespace)
+        if root is None:
+            from hicache.storage import root_key
+
+            fingerprint, model_id = self._identity or ("vllm", "unknown")
+            root = self._roots[st.namespace] = root_key(st.namespace, fingerprint, model_id,
+                                                        epoch=self._epoch)
         return extend_storage_keys(st.keys, st.token_ids, num_pages, page_size=self.page_size,
-                                   root_key=self._root_key)
+                                   root_key=root)
 
     def _insert_extension(self, st: RequestState, cached: int, pages: torch.Tensor) -> bool:
         """Cache ``pages`` as the host pages after the request's first ``cached`` pages,
@@ -340,13 +374,14 @@ class SchedulerHalf:
         P = self.page_size
         end = cached + len(pages)
         key = self._key(st, end)
-        if self.tree.probe_key(key) // P != cached:
+        if self.tree.probe_key(key, st.namespace) // P != cached:
             _log.warning("hicache: the host tree changed under a plan; %d pages not cached",
                          len(pages))
             self.host_allocator.free(pages)
             return False
         indices = torch.cat((torch.zeros(cached, dtype=torch.int64), pages))
-        inserted = self.tree.insert_host(np.frombuffer(key, dtype=np.int32), indices)
+        inserted = self.tree.insert_host(np.frombuffer(key, dtype=np.int32), indices,
+                                         st.namespace)
         self._pin(inserted.last_node)
         return True
 

@@ -41,7 +41,7 @@ def extend_storage_keys(
 
 def num_promisable_pages(
     backend, keys: Sequence[str], tree, host_allocator, key: bytes, num_host_pages: int,
-    page_size: int, *, extra_pages: int = 0,
+    page_size: int, *, extra_pages: int = 0, namespace: str | None = None,
 ) -> int:
     """Pages, of those named by ``keys`` (the pages after the ``num_host_pages`` cached
     in host memory for ``key``, and ``extra_pages`` more that host memory must also
@@ -54,17 +54,18 @@ def num_promisable_pages(
         stored = backend.exists(keys)
     except StorageError:
         return 0
-    room = host_room_for_fetch(tree, host_allocator, key, num_host_pages, page_size)
+    room = host_room_for_fetch(tree, host_allocator, key, num_host_pages, page_size,
+                               namespace)
     return max(0, min(stored, room - extra_pages))
 
 
 def host_room_for_fetch(tree, host_allocator, key: bytes, num_host_pages: int,
-                        page_size: int) -> int:
+                        page_size: int, namespace: str | None = None) -> int:
     """Host pages that allocation can provide once the first ``num_host_pages`` cached
     pages of ``key`` are pinned (as ``after_alloc`` pins them: no longer evictable then)."""
     P = page_size
     own, left = 0, num_host_pages
-    for node in tree.probe_path(key):
+    for node in tree.probe_path(key, namespace):
         if left <= 0:
             break
         n = min(node.num_tokens // P, left)
