@@ -83,12 +83,15 @@ def extend(tokens: list[int], n: int) -> list[int]:
 
 
 class Faults:
-    """Wraps the worker's block copier: fails loads or saves at a given rate."""
+    """Wraps the worker's block copier (fails loads or saves at a given rate) and its
+    third-tier backend (fails reads at ``read_rate``)."""
 
     def __init__(self, seed: int = 0) -> None:
         self.rng = random.Random(seed)
         self.load_rate = 0.0
         self.save_rate = 0.0
+        self.read_rate = 0.0
+        self.failed_reads = 0
         self.fail_next_loads = 0
         self.inner = None
         self.failed_loads = 0
@@ -114,6 +117,21 @@ class Faults:
             self.failed_saves += 1
             raise RuntimeError("injected save failure")
         self.inner.backup(block_ids, host_ids, first, last)
+
+    def wrap_backend(self, backend):
+        faults = self
+
+        class FaultyBackend:
+            def __getattr__(self, name):
+                return getattr(backend, name)
+
+            def get_into(self, keys, views):
+                if faults.rng.random() < faults.read_rate:
+                    faults.failed_reads += 1
+                    raise OSError("injected storage read failure")
+                return backend.get_into(keys, views)
+
+        return FaultyBackend()
 
 
 @dataclass
@@ -199,6 +217,9 @@ class Engine:
             num_host_pages=self.worker.num_host_pages, storage_backend=backend,
             copier_hook=self.faults,
         )
+        if self.worker.worker_half.storage is not None:
+            tier = self.worker.worker_half.storage
+            tier.backend = self.faults.wrap_backend(tier.backend)
         self.step_no = 0
         self.prompts: dict[str, list[int]] = {}  # req id -> prompt
         self.tables: dict[str, list[int]] = {}  # the model runner's block tables
@@ -440,6 +461,10 @@ class Engine:
 
             self.connector.update_connector_output(KVConnectorOutput(
                 kv_connector_worker_meta=HiCacheWorkerMetadata(bad_host_pages=bad)))
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.connector.shutdown()
 
     def check(self) -> None:
         """Every recorded violation, the host tier's content, and leaks."""
