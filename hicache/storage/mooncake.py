@@ -35,12 +35,11 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from hicache.storage.base import (
+    INTACT,
     VALUE_HEADER_NBYTES,
     StorageBackend,
     StorageError,
     byte_view,
-    check_value,
-    encode_header,
 )
 
 MiB = 1 << 20
@@ -82,8 +81,9 @@ class MooncakeStorage(StorageBackend):
         device_name: str = "",
         connect_timeout_s: float = 2.0,
         retry_after_s: float = 1.0,
+        secret: str | bytes | None = None,
     ) -> None:
-        super().__init__(page_nbytes)
+        super().__init__(page_nbytes, secret=secret)
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:
@@ -147,9 +147,9 @@ class MooncakeStorage(StorageBackend):
         codes = self._call("batch_get_into_multi_buffers", keys, ptrs, sizes)
         for i, (key, view, code) in enumerate(zip(keys, views, codes, strict=True)):
             if code == self.value_nbytes:
-                if check_value(key, memoryview(headers[i]), view):
+                if self._verify(key, memoryview(headers[i]), view) == INTACT:
                     continue
-                self._drop_corrupt(key)
+                self._drop_bad(key)  # counted by _verify
                 return i
             if code == _CODE_NOT_FOUND:
                 return i
@@ -158,7 +158,8 @@ class MooncakeStorage(StorageBackend):
             if code in _SIZE_CODES or code >= 0:
                 size = self._call("get_size", key)
                 if size >= 0 and size != self.value_nbytes:
-                    self._drop_corrupt(key)
+                    self._count(num_corrupt_values=1)
+                    self._drop_bad(key)
                     return i
                 if size == _CODE_NOT_FOUND:
                     return i
@@ -168,7 +169,7 @@ class MooncakeStorage(StorageBackend):
 
     def _set(self, keys: list[str], views: list[memoryview]) -> int:
         headers = np.frombuffer(
-            b"".join(encode_header(k, v) for k, v in zip(keys, views, strict=True)),
+            b"".join(self._header(k, v) for k, v in zip(keys, views, strict=True)),
             dtype=np.uint8,
         )
         base = headers.ctypes.data
@@ -227,8 +228,8 @@ class MooncakeStorage(StorageBackend):
             self._last_failure = what
         raise StorageError(f"mooncake: {self.master_address}: {what}")
 
-    def _drop_corrupt(self, key: str) -> None:
-        self._count(num_corrupt_values=1)
+    def _drop_bad(self, key: str) -> None:
+        """Remove a value that failed verification (the caller counted it)."""
         code = self._call("remove", key, True)
         if code <= _CONNECTION_CODE_MAX:
             self._fail(f"remove corrupt {key}: code {code}")
