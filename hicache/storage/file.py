@@ -56,6 +56,7 @@ from hicache.storage.base import (
     VALUE_HEADER_NBYTES,
     StorageBackend,
     StorageError,
+    verify_value,
 )
 
 _log = logging.getLogger(__name__)
@@ -204,10 +205,31 @@ class FileStorage(StorageBackend):
             return False
         return True
 
+    def _authentic(self, sub: int, key: str, scratch: bytearray) -> bool:
+        """True when the value stored under ``key`` is intact and tagged under our secret."""
+        try:
+            fd = os.open(key, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         dir_fd=sub)
+        except OSError:
+            return False
+        try:
+            view = memoryview(scratch)
+            return (
+                os.fstat(fd).st_size == self.value_nbytes
+                and os.readv(fd, [view]) == self.value_nbytes
+                and verify_value(key, view[:VALUE_HEADER_NBYTES], view[VALUE_HEADER_NBYTES:],
+                                 self._auth) == INTACT
+            )
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+
     def _set(self, keys: list[str], views: list[memoryview]) -> int:
         num_written = 0
         num_stored = len(keys)
         dirs = _Subdirs(self, create=True)
+        scratch = bytearray(self.value_nbytes) if self._auth is not None else bytearray()
         try:
             for i, (key, view) in enumerate(zip(keys, views, strict=True)):
                 sub = dirs.fd(key)
@@ -223,8 +245,12 @@ class FileStorage(StorageBackend):
                 except OSError as e:
                     raise StorageError(f"file storage: stat {key}: {e}") from e
                 if st is not None and stat.S_ISREG(st.st_mode):
-                    self._stamp_name(sub, key)  # a re-offered page is a recent page
-                    continue
+                    if self._auth is None or self._authentic(sub, key, scratch):
+                        self._stamp_name(sub, key)  # a re-offered page is a recent page
+                        continue
+                    # With a secret, a value we cannot verify (planted, or another
+                    # secret's) must not stand in for ours: it is replaced below.
+                    self._count(num_unauthentic_values=1)
                 if st is not None and stat.S_ISDIR(st.st_mode):
                     # Not ours to remove, and os.replace cannot go over it: the pages
                     # from here on cannot be stored (a FIFO, socket or symlink is replaced).
