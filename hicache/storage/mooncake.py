@@ -36,10 +36,12 @@ import numpy as np
 
 from hicache.storage.base import (
     INTACT,
+    UNAUTHENTIC,
     VALUE_HEADER_NBYTES,
     StorageBackend,
     StorageError,
     byte_view,
+    verify_value,
 )
 
 MiB = 1 << 20
@@ -147,9 +149,13 @@ class MooncakeStorage(StorageBackend):
         codes = self._call("batch_get_into_multi_buffers", keys, ptrs, sizes)
         for i, (key, view, code) in enumerate(zip(keys, views, codes, strict=True)):
             if code == self.value_nbytes:
-                if self._verify(key, memoryview(headers[i]), view) == INTACT:
+                verdict = self._verify(key, memoryview(headers[i]), view)  # counts a failure
+                if verdict == INTACT:
                     continue
-                self._drop_bad(key)  # counted by _verify
+                self._drop_bad(key)
+                if verdict == UNAUTHENTIC:
+                    self._drop_unauthentic(keys[i + 1:], headers[i + 1:], views[i + 1:],
+                                           codes[i + 1:])
                 return i
             if code == _CODE_NOT_FOUND:
                 return i
@@ -227,6 +233,18 @@ class MooncakeStorage(StorageBackend):
             self._down_until = time.monotonic() + self.retry_after_s
             self._last_failure = what
         raise StorageError(f"mooncake: {self.master_address}: {what}")
+
+    def _drop_unauthentic(self, keys: list[str], headers: np.ndarray, views: list[memoryview],
+                          codes: list[int]) -> None:
+        """Remove the planted values among the rest of a batch already fetched (past a miss
+        they are not served anyway): a put does not replace an existing object, so each
+        would otherwise keep our own page out for one more round of misses."""
+        for key, header, view, code in zip(keys, headers, views, codes, strict=True):
+            if code == self.value_nbytes and verify_value(
+                key, memoryview(header), view, self._auth
+            ) == UNAUTHENTIC:
+                self._count(num_unauthentic_values=1)
+                self._drop_bad(key)
 
     def _drop_bad(self, key: str) -> None:
         """Remove a value that failed verification (the caller counted it)."""
