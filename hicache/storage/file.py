@@ -60,8 +60,6 @@ from hicache.storage.base import (
 )
 
 _log = logging.getLogger(__name__)
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_NOT_OURS = object()  # a subdirectory name held by something the tier did not create
 
 
 class FileStorage(StorageBackend):
@@ -95,7 +93,7 @@ class FileStorage(StorageBackend):
         try:
             Path(root).mkdir(mode=self._dir_mode, parents=True, exist_ok=True)
             self.root = Path(os.path.realpath(root))
-            self._root_fd = os.open(self.root, _DIR_FLAGS)
+            self._root_fd = os.open(self.root, layout.DIR_FLAGS)
         except OSError as e:
             raise StorageError(f"file storage: cannot open {root}: {e}") from e
         self._lock = threading.Lock()
@@ -103,10 +101,11 @@ class FileStorage(StorageBackend):
         self._last_stamp_ns = 0
         self._temp_ids = itertools.count()
         try:
-            self._check_root(adopt)
+            layout.check_root(self._root_fd, str(self.root), shared=shared, adopt=adopt,
+                              file_mode=self._file_mode)
             values, temp_nbytes, unsafe = self._scan(sweep=True)
-            if unsafe and not shared:
-                raise ValueError(self._unsafe_message(f"{self.root}/{unsafe[0]}", unsafe[1]))
+            if unsafe is not None and not shared:
+                raise ValueError(layout.unsafe_message(f"{self.root}/{unsafe[0]}", unsafe[1]))
         except BaseException:
             self._closed = True  # so that __del__ does not close the fd number again
             os.close(self._root_fd)
@@ -138,7 +137,7 @@ class FileStorage(StorageBackend):
     # ---- primitives -------------------------------------------------------------
 
     def _exists(self, keys: list[str]) -> int:
-        dirs = _Subdirs(self, create=False)
+        dirs = self._subdirs(create=False)
         try:
             for i, key in enumerate(keys):
                 sub = dirs.fd(key)
@@ -158,7 +157,7 @@ class FileStorage(StorageBackend):
 
     def _get_into(self, keys: list[str], views: list[memoryview]) -> int:
         header = bytearray(VALUE_HEADER_NBYTES)
-        dirs = _Subdirs(self, create=False)
+        dirs = self._subdirs(create=False)
         try:
             for i, (key, view) in enumerate(zip(keys, views, strict=True)):
                 sub = dirs.fd(key)
@@ -228,7 +227,7 @@ class FileStorage(StorageBackend):
     def _set(self, keys: list[str], views: list[memoryview]) -> int:
         num_written = 0
         num_stored = len(keys)
-        dirs = _Subdirs(self, create=True)
+        dirs = self._subdirs(create=True)
         scratch = bytearray(self.value_nbytes) if self._auth is not None else bytearray()
         try:
             for i, (key, view) in enumerate(zip(keys, views, strict=True)):
@@ -270,7 +269,7 @@ class FileStorage(StorageBackend):
 
     def _delete(self, keys: list[str]) -> int:
         num_deleted = 0
-        dirs = _Subdirs(self, create=False)
+        dirs = self._subdirs(create=False)
         try:
             for key in keys:
                 sub = dirs.fd(key)
@@ -292,7 +291,7 @@ class FileStorage(StorageBackend):
     def _clear(self) -> int:
         values, temp_nbytes, _ = self._scan(sweep=True)
         num_deleted = 0
-        dirs = _Subdirs(self, create=False)
+        dirs = self._subdirs(create=False)
         try:
             for _, _, subdir, name in values:
                 sub = dirs.fd(subdir)
@@ -313,54 +312,6 @@ class FileStorage(StorageBackend):
 
     def _close(self) -> None:
         os.close(self._root_fd)
-
-    # ---- start-up checks ----------------------------------------------------------
-
-    def _unsafe_message(self, what: str, reason: str) -> str:
-        return (
-            f"file storage: refusing {what}: {reason}, so other users could plant KV that "
-            f"this cache would serve. Expected a directory only its owner can write "
-            f"(chmod go-w, or a new path: hicache creates it 0700); for a deliberately "
-            f"shared cache pass the storage option shared=True and set a storage secret "
-            f"(HICACHE_STORAGE_SECRET or storage_secret)"
-        )
-
-    def _check_root(self, adopt: bool) -> None:
-        """Refuse an unsafe root, or one holding what the tier did not create (unless
-        ``adopt``); mark a recognised root as a store."""
-        reason = layout.unsafe_reason(os.fstat(self._root_fd))
-        if reason is not None and not self.shared:
-            raise ValueError(self._unsafe_message(str(self.root), reason))
-        try:
-            fd = os.open(layout.MARKER_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
-                         | os.O_CLOEXEC, dir_fd=self._root_fd)
-        except OSError:
-            fd = None
-        if fd is not None:
-            try:
-                marked = stat.S_ISREG(os.fstat(fd).st_mode) and os.read(
-                    fd, len(layout.MARKER_TEXT)) == layout.MARKER_TEXT
-            finally:
-                os.close(fd)
-            if marked:
-                return
-        foreign = layout.foreign_entries(self._root_fd)
-        if foreign and not adopt:
-            raise ValueError(
-                f"file storage: {self.root} holds entries hicache did not create "
-                f"({', '.join(foreign)}); expected an empty directory or a hicache store. "
-                f"Pass the storage option adopt=True to use it anyway (hicache then reads "
-                f"and removes only its own entries), or choose another directory"
-            )
-        try:
-            fd = os.open(layout.MARKER_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL
-                         | os.O_NOFOLLOW | os.O_CLOEXEC, self._file_mode, dir_fd=self._root_fd)
-        except OSError:
-            return  # a read-only store, or marked meanwhile: nothing to write
-        try:
-            os.write(fd, layout.MARKER_TEXT)
-        finally:
-            os.close(fd)
 
     # ---- internals --------------------------------------------------------------
 
@@ -437,61 +388,14 @@ class FileStorage(StorageBackend):
         except OSError:
             pass  # evicted by someone else since, or the store is read-only
 
-    def _scan(self, *, sweep: bool) -> tuple[list[tuple[int, int, str, str]], int, tuple]:
-        """Every value as (mtime_ns, nbytes, subdir, name), the bytes of temp files a live
-        writer may own, and the first unsafe subdirectory as (name, reason) or ().
+    def _subdirs(self, *, create: bool) -> layout.Subdirs:
+        return layout.Subdirs(self._root_fd, create=create, dir_mode=self._dir_mode)
 
-        With ``sweep``, temp files no live writer can own are removed. Only the exact
-        names of ``filelayout`` in real (non-symlink) hex subdirectories are looked at.
-        """
-        values = []
-        temp_nbytes = 0
-        unsafe: tuple = ()
-        now = time.time()
+    def _scan(self, *, sweep: bool) -> layout.Scan:
         try:
-            with os.scandir(self._root_fd) as top:
-                subdirs = [e.name for e in top
-                           if layout.is_subdir_name(e.name) and e.is_dir(follow_symlinks=False)]
-            for subdir in subdirs:
-                try:
-                    sub = os.open(subdir, _DIR_FLAGS, dir_fd=self._root_fd)
-                except OSError as e:
-                    if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
-                        continue  # gone, or swapped for something not ours meanwhile
-                    raise
-                try:
-                    if not unsafe:
-                        reason = layout.unsafe_reason(os.fstat(sub))
-                        unsafe = () if reason is None else (subdir, reason)
-                    with os.scandir(sub) as entries:
-                        for entry in entries:
-                            try:
-                                st = entry.stat(follow_symlinks=False)
-                            except FileNotFoundError:
-                                continue
-                            if not stat.S_ISREG(st.st_mode):
-                                continue  # not a value (nor ours to remove)
-                            name = entry.name
-                            if layout.is_value_name(subdir, name):
-                                values.append((st.st_mtime_ns, st.st_size, subdir, name))
-                                continue
-                            temp = layout.parse_temp_name(subdir, name)
-                            if temp is None:
-                                continue  # not a name we create: not ours
-                            if sweep and layout.temp_is_stale(*temp, now - st.st_mtime):
-                                try:
-                                    os.unlink(name, dir_fd=sub)
-                                    continue
-                                except FileNotFoundError:
-                                    continue
-                                except OSError:
-                                    pass  # read-only store: it stays, and takes room
-                            temp_nbytes += st.st_size
-                finally:
-                    os.close(sub)
+            return layout.scan(self._root_fd, sweep=sweep)
         except OSError as e:
             raise StorageError(f"file storage: scan {self.root}: {e}") from e
-        return values, temp_nbytes, unsafe
 
     def _evict(self) -> None:
         assert self.capacity_nbytes is not None, "eviction needs a capacity"
@@ -501,7 +405,7 @@ class FileStorage(StorageBackend):
             total = sum(nbytes for _, nbytes, _, _ in values) + temp_nbytes
             target = int(self.capacity_nbytes * self.low_watermark)
             num_evicted = 0
-            dirs = _Subdirs(self, create=False)
+            dirs = self._subdirs(create=False)
             try:
                 for _, nbytes, subdir, name in values:
                     if total <= target:
@@ -523,51 +427,6 @@ class FileStorage(StorageBackend):
             with self._lock:
                 self._tracked_nbytes = total
         self._count(num_evicted_pages=num_evicted)
-
-
-class _Subdirs:
-    """The hex subdirectories one op uses, each opened once relative to the root with
-    ``O_NOFOLLOW`` (a symlink or a file in their place is not ours), closed at the end."""
-
-    def __init__(self, storage: FileStorage, *, create: bool) -> None:
-        self._storage = storage
-        self._create = create
-        self._fds: dict[str, object] = {}
-
-    def fd(self, key: str) -> int | None:
-        """The fd of ``key``'s subdirectory (``key`` may be the subdirectory name itself);
-        None when it does not exist (and ``create`` is off) or is not ours."""
-        name = key[:2]
-        fd = self._fds.get(name)
-        if fd is None:
-            fd = self._fds[name] = self._open(name)
-        return None if fd is _NOT_OURS else fd  # type: ignore[return-value]
-
-    def _open(self, name: str) -> object:
-        root_fd = self._storage._root_fd
-        for attempt in range(2):
-            try:
-                return os.open(name, _DIR_FLAGS, dir_fd=root_fd)
-            except FileNotFoundError:
-                if not self._create or attempt:
-                    return _NOT_OURS
-            except OSError as e:
-                if e.errno in (errno.ENOTDIR, errno.ELOOP):
-                    return _NOT_OURS  # a symlink or a file named like our subdirectory
-                raise StorageError(f"file storage: open {self._storage.root}/{name}: {e}") from e
-            try:
-                os.mkdir(name, self._storage._dir_mode, dir_fd=root_fd)
-            except FileExistsError:
-                pass  # another writer made it meanwhile
-            except OSError as e:
-                raise StorageError(f"file storage: mkdir {self._storage.root}/{name}: {e}") from e
-        return _NOT_OURS
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            if fd is not _NOT_OURS:
-                os.close(fd)  # type: ignore[arg-type]
-        self._fds.clear()
 
 
 def _advance(parts: list[memoryview], nbytes: int) -> list[memoryview]:
