@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import stat
 import subprocess
@@ -177,6 +178,8 @@ def test_file_temp_of_a_killed_writer_is_counted_then_swept(tmp_path):
         stdout=subprocess.PIPE, env=env,
     )
     try:
+        ready, _, _ = select.select([writer.stdout], [], [], 120)
+        assert ready, "the writer never started writing"
         assert writer.stdout.readline() == b"writing\n"
         temps = list((tmp_path / key[:2]).glob(".*.tmp"))
         assert len(temps) == 1 and temps[0].stat().st_size == VALUE_HEADER_NBYTES + 1000
