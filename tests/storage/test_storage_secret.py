@@ -6,6 +6,7 @@ its own pages still hit."""
 from __future__ import annotations
 
 import logging
+import random
 import zlib
 
 import numpy as np
@@ -219,3 +220,53 @@ def test_a_cache_with_the_secret_misses_planted_kv_and_hits_its_own(tmp_path):
     assert stranger.stats()["storage_unauthentic_pages"] == 1
     assert_quiescent(stranger)
     stranger.close()
+
+
+# ---- the attack of issue 30, with the reference engine ---------------------------------
+
+
+def test_kv_of_other_weights_planted_under_the_models_identity_never_steers_a_secret_holder(
+    tmp_path, model, one_torch_thread, monkeypatch
+):
+    """The attacker runs other weights, claims the public model's identity, and fills a
+    shared directory. Without a secret the victim is served that KV; with one it computes
+    everything and generates exactly what the model generates without a cache."""
+    from helpers import ENGINE_MAX_NEW_TOKENS, ENGINE_PAGE_SIZE, no_cache_tokens
+
+    from hicache.sim.engine import Engine
+    from hicache.sim.model import Model, preset
+
+    spec = f"file:{tmp_path}"
+    rng = random.Random(7)  # three unrelated prompts
+    prompts = [[rng.randrange(32000) for _ in range(120 + 16 * i)] for i in range(3)]
+    want = no_cache_tokens(model, prompts)
+    whole = [(len(p) - 1) // ENGINE_PAGE_SIZE * ENGINE_PAGE_SIZE for p in prompts]
+    attacker_model = Model(preset("tiny"), seed=1)
+    attacker_model.identity = model.identity  # the identity is public
+    with Engine(attacker_model, "hierarchical", 512, 1024, storage=spec) as attacker:
+        for p in prompts:
+            attacker.generate(p, ENGINE_MAX_NEW_TOKENS)
+
+    def victim():
+        return Engine(model, "hierarchical", 512, 1024, storage=spec,
+                      prefetch_policy="wait_complete")
+
+    with victim() as trusting:  # no secret: the planted pages are its prefix
+        served = [trusting.generate(p, ENGINE_MAX_NEW_TOKENS) for p in prompts]
+    assert [r.host_hit_tokens for r in served] == whole
+    assert any(r.tokens != w for r, w in zip(served, want, strict=True))  # steered
+
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    with victim() as guarded:
+        outs = [guarded.generate(p, ENGINE_MAX_NEW_TOKENS) for p in prompts]
+        guarded.check_integrity()
+        s = guarded.stats()
+    assert [r.host_hit_tokens for r in outs] == [0, 0, 0]
+    assert [r.tokens for r in outs] == want
+    assert s["storage_unauthentic_pages"] == 3 and s["storage_hit_tokens"] == 0
+    with Engine(Model(preset("tiny"), seed=0), "hierarchical", 512, 1024, storage=spec,
+                prefetch_policy="wait_complete") as owner:  # the owner's pages now hit
+        again = [owner.generate(p, ENGINE_MAX_NEW_TOKENS) for p in prompts]
+        owner.check_integrity()
+    assert [r.host_hit_tokens for r in again] == whole
+    assert [r.tokens for r in again] == want
