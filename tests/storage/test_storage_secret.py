@@ -270,3 +270,22 @@ def test_kv_of_other_weights_planted_under_the_models_identity_never_steers_a_se
         owner.check_integrity()
     assert [r.host_hit_tokens for r in again] == whole
     assert [r.tokens for r in again] == want
+
+
+def test_the_vllm_connector_opens_its_store_with_the_configured_secret(tmp_path):
+    """Both halves open their backend through ``HiCacheConnector._open_storage``."""
+    from types import SimpleNamespace
+
+    from helpers import vllm_available
+
+    if not vllm_available():
+        pytest.skip("vLLM is not installed")
+    from hicache.integrations.vllm.connector import HiCacheConnector
+
+    keys = keys_of(A)
+    FileStorage(tmp_path, page_nbytes=PAGE, secret=SECRET).set(keys, forged_pages(4))
+    for secret, hits in ((SECRET, 4), (OTHER, 0)):
+        cfg = ConnectorConfig.from_extra({"storage": f"file:{tmp_path}", "storage_secret": secret})
+        store = HiCacheConnector._open_storage(SimpleNamespace(hc_config=cfg, page_nbytes=PAGE))
+        assert store.authenticated and len(store.get(keys)) == hits
+        store.close()
