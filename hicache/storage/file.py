@@ -101,8 +101,11 @@ class FileStorage(StorageBackend):
         self._last_stamp_ns = 0
         self._temp_ids = itertools.count()
         try:
-            layout.check_root(self._root_fd, str(self.root), shared=shared, adopt=adopt,
-                              file_mode=self._file_mode)
+            try:
+                layout.check_root(self._root_fd, str(self.root), shared=shared, adopt=adopt,
+                                  file_mode=self._file_mode)
+            except OSError as e:
+                raise StorageError(f"file storage: cannot read {self.root}: {e}") from e
             values, temp_nbytes, unsafe = self._scan(sweep=True)
             if unsafe is not None and not shared:
                 raise ValueError(layout.unsafe_message(f"{self.root}/{unsafe[0]}", unsafe[1]))
