@@ -23,6 +23,7 @@ from hicache.checks import (
     check_positive_number,
     check_seconds,
 )
+from hicache.storage.auth import check_secret
 from hicache.storage.keys import check_model_id
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -198,6 +199,10 @@ class CacheConfig:
     # every storage key, so models sharing a store never read each other's pages;
     # required with `storage`.
     model_id: str | None = None
+    # Storage secret (str or bytes): tags every stored page and serves only pages whose
+    # tag verifies (docs/storage.md, "Security"); None: $HICACHE_STORAGE_SECRET, if set.
+    # Never shown: not in repr, errors or logs.
+    storage_secret: str | bytes | None = field(default=None, repr=False, compare=False)
     prefetch_policy: PrefetchPolicy | str = PrefetchPolicy.BEST_EFFORT
     prefetch_timeout_s: float = 0.05
     # Pins (HiCache.pin) may hold at most this fraction of the device tier's pages.
@@ -280,6 +285,7 @@ class CacheConfig:
             raise TypeError(f"extra: expected dict, got {type(self.extra).__name__}")
         check_bool("allocate_kv", self.allocate_kv)
         check_optional_str("storage", self.storage)
+        check_secret("storage_secret", self.storage_secret)
         if self.model_id is not None:
             check_model_id(self.model_id)
         if self.storage is not None and self.model_id is None:

@@ -62,7 +62,7 @@ def _env_kind(cls: type, field: str) -> tuple[type, bool]:
     for kind in (bool, int, float, dict):  # bool first: a bool is an int too
         if kind in members:
             return kind, optional
-    if all(m in (str, torch.dtype) or isinstance(m, type) and issubclass(m, Enum)
+    if all(m in (str, bytes, torch.dtype) or isinstance(m, type) and issubclass(m, Enum)
            for m in members):
         return str, optional
     raise TypeError(f"{cls.__name__}.{field}: no HICACHE_* parser for its type {hint}")

@@ -72,6 +72,8 @@ _COUNTERS = [
     ("hicache_storage_write_seconds", "storage_write_seconds", "time of storage writes"),
     ("hicache_storage_errors", "storage_errors",
      "failed storage jobs (store unreachable, I/O error)"),
+    ("hicache_storage_unauthentic_pages", "storage_unauthentic_pages",
+     "pages read from storage whose tag did not verify under the storage secret"),
 ]
 # Per-tier counters: (name, help, {tier: stats() key}).
 _TIER_COUNTERS = [

@@ -47,6 +47,8 @@ class CacheStats:
     storage_write_bytes: int = 0
     storage_write_seconds: float = 0.0
     storage_errors: int = 0  # failed storage jobs (store unreachable, I/O error)
+    # pages read from storage whose tag did not verify under the storage secret (misses)
+    storage_unauthentic_pages: int = 0
     pins_refused: int = 0  # pin calls refused: the pin budget (max_pinned_fraction) was spent
 
 

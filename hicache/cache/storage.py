@@ -53,7 +53,8 @@ class ThirdTier:
         self.page_size = config.page_size
         self._page_nbytes = config.kv.page_nbytes
         backend = make_storage(
-            config.storage, page_nbytes=self._page_nbytes, **config.extra.get("storage", {})
+            config.storage, page_nbytes=self._page_nbytes, secret=config.storage_secret,
+            **config.extra.get("storage", {}),
         )
         self.worker = StorageTier(backend, host_pool)  # HiCache.storage
         self._fingerprint = config.kv.fingerprint()
@@ -185,6 +186,7 @@ class ThirdTier:
         c.storage_read_seconds += job.seconds
         if job.error is not None:
             c.storage_errors += 1
+        c.storage_unauthentic_pages += job.num_unauthentic
         num_done = 0 if job.error is not None or job.stale else job.num_done
         c.storage_read_bytes += num_done * self._page_nbytes
         start = job.start_page

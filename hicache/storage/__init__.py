@@ -3,12 +3,15 @@
 ``make_storage(spec, page_nbytes=...)`` turns a ``--storage`` spec into a backend:
 
 - ``file:DIR``: :class:`FileStorage`, one file per page under DIR (embedded default);
-  options ``capacity_nbytes``, ``fsync``, ``low_watermark``;
+  options ``capacity_nbytes``, ``fsync``, ``low_watermark``, ``shared``, ``adopt``;
 - ``mooncake://HOST:PORT?metadata=URL``: :class:`MooncakeStorage` against the
   master at HOST:PORT and the HTTP metadata server at URL; options (keyword or
   query parameters) ``segment_nbytes``, ``local_buffer_nbytes``,
   ``local_hostname``, ``protocol``, ``device_name``, ``connect_timeout_s``,
   ``retry_after_s``.
+
+Every backend takes ``secret`` (str or bytes): the storage secret that tags and
+verifies each page (see ``auth.py``); None falls back to ``$HICACHE_STORAGE_SECRET``.
 
 The Mooncake module is imported only when a mooncake spec is used, so the optional
 extra is needed only then.
@@ -19,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from hicache.storage.auth import SECRET_ENV, PageAuthenticator
 from hicache.storage.base import (
     VALUE_HEADER_NBYTES,
     StorageBackend,
@@ -36,8 +40,10 @@ from hicache.storage.keys import (
 )
 
 __all__ = [
+    "SECRET_ENV",
     "VALUE_HEADER_NBYTES",
     "FileStorage",
+    "PageAuthenticator",
     "StorageBackend",
     "StorageCounters",
     "StorageError",
@@ -51,7 +57,7 @@ __all__ = [
 ]
 
 SPEC_FORMS = "'file:DIR' or 'mooncake://HOST:PORT?metadata=http://HOST:PORT/metadata'"
-_FILE_OPTIONS = {"capacity_nbytes", "fsync", "low_watermark"}
+_FILE_OPTIONS = {"capacity_nbytes", "fsync", "low_watermark", "shared", "adopt"}
 _MOONCAKE_INT_OPTIONS = {"segment_nbytes", "local_buffer_nbytes"}
 _MOONCAKE_FLOAT_OPTIONS = {"connect_timeout_s", "retry_after_s"}
 _MOONCAKE_STR_OPTIONS = {"local_hostname", "protocol", "device_name"}
@@ -66,8 +72,11 @@ def _check_options(kind: str, options: dict[str, Any], allowed: set[str]) -> Non
         )
 
 
-def make_storage(spec: str, *, page_nbytes: int, **options: Any) -> StorageBackend:
-    """Open the backend named by ``spec`` for pages of ``page_nbytes`` bytes."""
+def make_storage(
+    spec: str, *, page_nbytes: int, secret: str | bytes | None = None, **options: Any
+) -> StorageBackend:
+    """Open the backend named by ``spec`` for pages of ``page_nbytes`` bytes, with the
+    storage ``secret`` (None: ``$HICACHE_STORAGE_SECRET``, if set)."""
     if not isinstance(spec, str):
         raise TypeError(f"storage spec: expected str ({SPEC_FORMS}), got {type(spec).__name__}")
     if spec.startswith("file:"):
@@ -75,7 +84,7 @@ def make_storage(spec: str, *, page_nbytes: int, **options: Any) -> StorageBacke
         if not directory:
             raise ValueError(f"storage spec: expected {SPEC_FORMS}, got {spec!r} (no DIR)")
         _check_options("file", options, _FILE_OPTIONS)
-        return FileStorage(directory, page_nbytes=page_nbytes, **options)
+        return FileStorage(directory, page_nbytes=page_nbytes, secret=secret, **options)
     if spec.startswith("mooncake://"):
         parts = urlsplit(spec)
         query = parse_qs(parts.query, keep_blank_values=True)
@@ -97,7 +106,8 @@ def make_storage(spec: str, *, page_nbytes: int, **options: Any) -> StorageBacke
         from hicache.storage.mooncake import MooncakeStorage
 
         return MooncakeStorage(
-            f"{parts.hostname}:{port}", metadata, page_nbytes=page_nbytes, **merged
+            f"{parts.hostname}:{port}", metadata, page_nbytes=page_nbytes, secret=secret,
+            **merged,
         )
     raise ValueError(f"storage spec: expected {SPEC_FORMS}, got {spec!r}")
 

@@ -1,14 +1,22 @@
-"""The storage tier's interface: batch page ops by key, checksummed values, counters.
+"""The storage tier's interface: batch page ops by key, verified values, counters.
 
 A stored value is one page's all-layer KV (the host pool's page-first block,
-``page_nbytes`` bytes) behind a 32-byte header::
+``page_nbytes`` bytes) behind a 64-byte header::
 
-    | magic "HKV1" | version u16 | 0 u16 | payload_nbytes u64 | crc32 u32 | 12 x 0 | payload |
+    | magic "HKV1" | version u16 (2) | flags u16 | payload_nbytes u64 | crc32 u32 | 12 x 0 |
+    | tag: 32 bytes (HMAC-SHA256, see auth.py; zeros when flags has no TAGGED bit) | payload |
 
 The crc32 covers the key, the payload length and the payload, so a value that is
 corrupt, truncated, or filed under another key fails verification. Every get
 verifies; a value that fails is a miss, is removed, and is counted
 (``num_corrupt_values``): garbage never reaches the KV pool.
+
+With a storage secret (``secret=`` or ``$HICACHE_STORAGE_SECRET``) every value
+written is tagged, and a get serves only values whose tag verifies under the
+secret: an intact value without a valid tag (planted by someone without the
+secret, or written under another secret) is a miss, is removed like a corrupt
+one, and is counted in ``num_unauthentic_values``. Without a secret the tag is
+not checked: the store is trusted (docs/storage.md, "Security").
 
 Ops take sequences of keys whose order is a page chain (see ``keys.py``), so
 ``exists``, ``get_into`` and ``set`` answer how many LEADING pages they covered:
@@ -40,13 +48,21 @@ import numpy as np
 import torch
 
 from hicache.checks import check_int
+from hicache.storage.auth import TAG_NBYTES, PageAuthenticator, authenticator_for
 from hicache.storage.keys import check_key
 
-VALUE_HEADER_NBYTES = 32
+VALUE_HEADER_NBYTES = 64
 _MAGIC = b"HKV1"
-_VERSION = 1
-_HEADER = struct.Struct("<4sHHQI12x")
-assert _HEADER.size == VALUE_HEADER_NBYTES, "header layout must stay 32 bytes"
+_VERSION = 2  # 2: the header carries an authentication tag (1: 32 bytes, no tag)
+_FLAG_TAGGED = 1  # the tag field holds a tag (written with a storage secret)
+_HEADER = struct.Struct(f"<4sHHQI12x{TAG_NBYTES}s")
+_NO_TAG = bytes(TAG_NBYTES)
+assert _HEADER.size == VALUE_HEADER_NBYTES, "header layout must stay 64 bytes"
+
+# What verification says of a value read back.
+INTACT = "intact"
+CORRUPT = "corrupt"  # damaged, truncated, another key's value, or not a value at all
+UNAUTHENTIC = "unauthentic"  # intact, but its tag does not verify under our secret
 
 
 class StorageError(Exception):
@@ -70,6 +86,7 @@ class StorageCounters(NamedTuple):
     num_deleted_pages: int  # pages removed by delete
     num_evicted_pages: int  # pages removed by the backend's own clean-up
     num_corrupt_values: int  # values that failed verification (each removed)
+    num_unauthentic_values: int  # intact values whose tag did not verify (each removed)
     num_errors: int  # StorageError raised, plus per-page backend failures
     read_nbytes: int  # payload bytes returned by get_into
     written_nbytes: int  # payload bytes written by set
@@ -80,22 +97,42 @@ def value_crc(key: str, payload: memoryview) -> int:
     return zlib.crc32(payload, seed)
 
 
-def encode_header(key: str, payload: memoryview) -> bytes:
-    """The 32-byte header that goes in front of ``payload`` when stored under ``key``."""
-    return _HEADER.pack(_MAGIC, _VERSION, 0, len(payload), value_crc(key, payload))
+def encode_header(key: str, payload: memoryview, auth: PageAuthenticator | None = None) -> bytes:
+    """The header that goes in front of ``payload`` when stored under ``key`` (tagged
+    when ``auth`` is given)."""
+    if auth is None:
+        return _HEADER.pack(_MAGIC, _VERSION, 0, len(payload), value_crc(key, payload), _NO_TAG)
+    return _HEADER.pack(
+        _MAGIC, _VERSION, _FLAG_TAGGED, len(payload), value_crc(key, payload),
+        auth.tag(key, payload),
+    )
+
+
+def verify_value(
+    key: str,
+    header: bytes | memoryview,
+    payload: memoryview,
+    auth: PageAuthenticator | None = None,
+) -> str:
+    """:data:`INTACT`, :data:`CORRUPT` or :data:`UNAUTHENTIC`: what ``header`` + ``payload``
+    read back under ``key`` is. With ``auth``, only a value whose tag verifies is intact."""
+    if len(header) != VALUE_HEADER_NBYTES:
+        return CORRUPT
+    magic, version, flags, payload_nbytes, crc, tag = _HEADER.unpack(header)
+    if magic != _MAGIC or version != _VERSION or payload_nbytes != len(payload):
+        return CORRUPT
+    if flags & ~_FLAG_TAGGED or (not flags & _FLAG_TAGGED and tag != _NO_TAG):
+        return CORRUPT  # unknown flags, or bytes in the tag field of an untagged value
+    if auth is not None and flags & _FLAG_TAGGED and auth.verify(key, payload, tag):
+        return INTACT  # the tag covers the bytes: the crc adds nothing
+    if crc != value_crc(key, payload):
+        return CORRUPT
+    return INTACT if auth is None else UNAUTHENTIC
 
 
 def check_value(key: str, header: bytes | memoryview, payload: memoryview) -> bool:
-    """True when ``header`` + ``payload`` is an intact value stored under ``key``."""
-    if len(header) != VALUE_HEADER_NBYTES:
-        return False
-    magic, version, _, payload_nbytes, crc = _HEADER.unpack(header)
-    return (
-        magic == _MAGIC
-        and version == _VERSION
-        and payload_nbytes == len(payload)
-        and crc == value_crc(key, payload)
-    )
+    """True when ``header`` + ``payload`` is an intact value stored under ``key`` (no secret)."""
+    return verify_value(key, header, payload) == INTACT
 
 
 def byte_view(buf: Any, nbytes: int | None, *, writable: bool) -> memoryview:
@@ -134,10 +171,15 @@ class StorageBackend(ABC):
     Subclasses implement the ``_exists`` / ``_get_into`` / ``_set`` / ``_delete`` /
     ``_close`` primitives on validated keys and byte views; this class counts,
     turns failures into :class:`StorageError`, and refuses use after ``close()``.
+
+    ``secret`` (str or bytes; None: ``$HICACHE_STORAGE_SECRET``, if set) turns on
+    the authenticator: values are tagged on write and served only if their tag
+    verifies (see the module docstring). It is never stored, shown or logged.
     """
 
-    def __init__(self, page_nbytes: int) -> None:
+    def __init__(self, page_nbytes: int, *, secret: str | bytes | None = None) -> None:
         self.page_nbytes = check_int("page_nbytes", page_nbytes, minimum=1)
+        self._auth = authenticator_for(secret)
         self._counter_lock = threading.Lock()
         self._counts = dict.fromkeys(StorageCounters._fields, 0)
         self._closed = False
@@ -241,6 +283,11 @@ class StorageBackend(ABC):
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def authenticated(self) -> bool:
+        """True when a storage secret is set: only values tagged under it are served."""
+        return self._auth is not None
+
     def __enter__(self) -> StorageBackend:
         return self
 
@@ -280,6 +327,19 @@ class StorageBackend(ABC):
 
     def _usage(self) -> StorageUsage | None:
         return None
+
+    def _header(self, key: str, payload: memoryview) -> bytes:
+        """The header to store in front of ``payload`` (tagged with a secret)."""
+        return encode_header(key, payload, self._auth)
+
+    def _verify(self, key: str, header: bytes | memoryview, payload: memoryview) -> str:
+        """Verify a value read back; count it when it is not intact."""
+        verdict = verify_value(key, header, payload, self._auth)
+        if verdict == CORRUPT:
+            self._count(num_corrupt_values=1)
+        elif verdict == UNAUTHENTIC:
+            self._count(num_unauthentic_values=1)
+        return verdict
 
     def _count(self, **deltas: int) -> None:
         with self._counter_lock:

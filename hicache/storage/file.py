@@ -1,12 +1,23 @@
 """The embedded storage backend: one file per page in a local directory.
 
-Layout: ``ROOT/<key[:2]>/<key>``, each file a 32-byte header plus the page
-payload (see ``base.py``). File names come from validated hex keys only, so no
-key can escape the directory. The tier's epoch is ``ROOT/EPOCH`` (a decimal
-number; absent: 0), advanced under an ``flock`` of ``ROOT/.epoch.lock`` so that
-concurrent bumps from several processes each get their own epoch; ``clear``
-removes pages only, never the epoch (a process still salting with an old epoch
-must not meet a reused one).
+Layout: ``ROOT/<key[:2]>/<key>``, each file a header plus the page payload (see
+``base.py``); the exact names it creates are in ``filelayout.py``. It touches only
+entries of those names, and never through a symlink: the root is resolved once
+and held open, and every other path is opened one component at a time relative
+to it with ``O_NOFOLLOW`` (a symlink ``ROOT/<xx>`` is not one of its directories;
+a page under it is neither read nor written). A root that holds entries it did not
+create, and no marker, is refused unless ``adopt=True``.
+
+On disk it is private by default: directories it creates are ``0700``, files
+``0600``, and an existing root (or hex subdirectory) that other users can write,
+or that another user owns, is refused at start-up; ``shared=True`` allows it (and
+leaves modes to the umask) for a deliberately shared cache, which should then set
+a storage secret (a warning says so when none is set).
+
+The tier's epoch is ``ROOT/EPOCH`` (a decimal number; absent: 0), advanced under an
+``flock`` of ``ROOT/.epoch.lock`` so that concurrent bumps from several processes
+each get their own epoch; ``clear`` removes pages only, never the epoch (a process
+still salting with an old epoch must not meet a reused one).
 
 Safety across threads and processes that share a directory:
 
@@ -16,40 +27,47 @@ Safety across threads and processes that share a directory:
 - reads use ``readv`` straight into the caller's buffer, verify, and remove a
   value that fails (only if the name still points at the file that was read);
 - only regular files are values: anything else in a page's place (a FIFO, a
-  directory) is a miss, and values are opened with ``O_NONBLOCK`` so a FIFO
-  cannot block a reader;
+  directory, a symlink) is a miss, and values are opened with ``O_NONBLOCK`` so a
+  FIFO cannot block a reader;
 - recency lives in the file's mtime: a hit stamps it, so every process sees one
   LRU order. Stamps and removals are best effort, so a read-only store still
-  serves every intact page. With ``capacity_nbytes`` set, a write that takes this process's view
-  of the total past the cap scans the directory (the truth, including other
-  processes' files) and removes oldest-first down to ``low_watermark * cap``.
-  Between scans a process does not see other writers, so several writers can
-  overshoot the cap by what the others wrote since this one last scanned.
+  serves every intact page. With ``capacity_nbytes`` set, a write that takes this
+  process's view of the total past the cap scans the directory (the truth,
+  including other processes' files and temp files of writes in progress) and
+  removes values oldest-first down to ``low_watermark * cap``. Between scans a
+  process does not see other writers, so several writers can overshoot the cap by
+  what the others wrote since this one last scanned;
+- temp files whose writer is gone are removed by the scans at open, clean-up and
+  ``clear()`` (``filelayout.temp_is_stale``); until then they count toward the cap.
 
 This module knows nothing about keys' meaning, KV layout or the cache.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import itertools
+import logging
 import os
 import stat
 import threading
 import time
 from pathlib import Path
 
-from hicache.checks import check_int
+from hicache.checks import check_bool, check_int
+from hicache.storage import filelayout as layout
 from hicache.storage.base import (
+    INTACT,
     VALUE_HEADER_NBYTES,
     StorageBackend,
     StorageError,
     StorageUsage,
-    check_value,
-    encode_header,
+    verify_value,
 )
 
-_STALE_TEMP_AGE_S = 600.0  # temp files this old belong to a writer that died mid-write
+_log = logging.getLogger(__name__)
 EPOCH_FILE = "EPOCH"  # the tier's epoch, in ROOT (values live in two-hex-digit folders)
 
 
@@ -64,100 +82,195 @@ class FileStorage(StorageBackend):
         capacity_nbytes: int | None = None,
         fsync: bool = False,
         low_watermark: float = 0.9,
+        shared: bool = False,
+        adopt: bool = False,
+        secret: str | bytes | None = None,
     ) -> None:
-        super().__init__(page_nbytes)
+        super().__init__(page_nbytes, secret=secret)
         if capacity_nbytes is not None:
             capacity_nbytes = check_int("capacity_nbytes", capacity_nbytes, minimum=1)
         if not 0.0 < low_watermark <= 1.0:
             raise ValueError(f"low_watermark: expected in (0, 1], got {low_watermark}")
-        self.root = Path(root)
+        self.shared = check_bool("shared", shared)
+        check_bool("adopt", adopt)
         self.capacity_nbytes = capacity_nbytes
         self.fsync = fsync
         self.low_watermark = low_watermark
         self.value_nbytes = VALUE_HEADER_NBYTES + page_nbytes
+        # Private unless shared: a shared cache's modes follow the umask (e.g. 002).
+        self._dir_mode, self._file_mode = (0o777, 0o666) if shared else (0o700, 0o600)
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            Path(root).mkdir(mode=self._dir_mode, parents=True, exist_ok=True)
+            self.root = Path(os.path.realpath(root))
+            self._root_fd = os.open(self.root, layout.DIR_FLAGS)
         except OSError as e:
-            raise StorageError(f"file storage: cannot create {self.root}: {e}") from e
+            raise StorageError(f"file storage: cannot open {root}: {e}") from e
         self._lock = threading.Lock()
         self._evict_lock = threading.Lock()
         self._last_stamp_ns = 0
         self._temp_ids = itertools.count()
-        self._tracked_nbytes = sum(nbytes for _, nbytes, _ in self._scan(remove_stale=True))
+        try:
+            try:
+                layout.check_root(self._root_fd, str(self.root), shared=shared, adopt=adopt,
+                                  file_mode=self._file_mode)
+            except OSError as e:
+                raise StorageError(f"file storage: cannot read {self.root}: {e}") from e
+            values, temp_nbytes, unsafe = self._scan(sweep=True)
+            if unsafe is not None and not shared:
+                raise ValueError(layout.unsafe_message(f"{self.root}/{unsafe[0]}", unsafe[1]))
+        except BaseException:
+            self._closed = True  # so that __del__ does not close the fd number again
+            os.close(self._root_fd)
+            raise
+        self._tracked_nbytes = sum(nbytes for _, nbytes, _, _ in values) + temp_nbytes
+        if shared and self._auth is None:
+            _log.warning(
+                "file storage %s is shared (shared=True) without a storage secret: any "
+                "process that can write there can plant KV this cache will serve; set "
+                "HICACHE_STORAGE_SECRET (or storage_secret) in every cache that shares it",
+                self.root,
+            )
+
+    def __del__(self) -> None:
+        # A backend dropped without close() must not leak its root fd.
+        fd = getattr(self, "_root_fd", None)
+        if fd is not None and not self._closed:
+            self._closed = True
+            os.close(fd)
 
     def __repr__(self) -> str:
         return f"FileStorage({str(self.root)!r}, capacity_nbytes={self.capacity_nbytes})"
 
     @property
     def tracked_nbytes(self) -> int:
-        """Bytes on disk as this process last saw them (exact after a clean-up)."""
+        """Bytes on disk (values and temp files) as this process last saw them."""
         return self._tracked_nbytes
 
     # ---- primitives -------------------------------------------------------------
 
     def _exists(self, keys: list[str]) -> int:
-        for i, key in enumerate(keys):
-            try:
-                st = os.stat(self._path(key))
-            except (FileNotFoundError, NotADirectoryError):
-                return i
-            except OSError as e:
-                raise StorageError(f"file storage: stat {key}: {e}") from e
-            if not stat.S_ISREG(st.st_mode):
-                return i  # a FIFO, directory ... in a page's place holds no page
-        return len(keys)
+        dirs = self._subdirs(create=False)
+        try:
+            for i, key in enumerate(keys):
+                sub = dirs.fd(key)
+                if sub is None:
+                    return i
+                try:
+                    st = os.stat(key, dir_fd=sub, follow_symlinks=False)
+                except FileNotFoundError:
+                    return i
+                except OSError as e:
+                    raise StorageError(f"file storage: stat {key}: {e}") from e
+                if not stat.S_ISREG(st.st_mode):
+                    return i  # a FIFO, directory, symlink ... in a page's place holds no page
+            return len(keys)
+        finally:
+            dirs.close()
 
     def _get_into(self, keys: list[str], views: list[memoryview]) -> int:
         header = bytearray(VALUE_HEADER_NBYTES)
-        for i, (key, view) in enumerate(zip(keys, views, strict=True)):
-            path = self._path(key)
-            try:
-                # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a
-                # writer forever. It changes nothing for a regular file.
-                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-            except (FileNotFoundError, NotADirectoryError):
-                return i
-            except OSError as e:
-                raise StorageError(f"file storage: open {path}: {e}") from e
-            try:
-                st = os.fstat(fd)
-                intact = (
-                    stat.S_ISREG(st.st_mode)
-                    and st.st_size == self.value_nbytes
-                    and os.readv(fd, [header, view]) == self.value_nbytes
-                    and check_value(key, header, view)
-                )
-            except OSError as e:
-                raise StorageError(f"file storage: read {path}: {e}") from e
-            finally:
-                os.close(fd)
-            if not intact:
-                self._drop_corrupt(path, st)
-                return i
-            self._stamp(path)
-        return len(keys)
+        dirs = self._subdirs(create=False)
+        try:
+            for i, (key, view) in enumerate(zip(keys, views, strict=True)):
+                sub = dirs.fd(key)
+                if sub is None or not self._read_one(sub, key, header, view):
+                    return i
+            return len(keys)
+        finally:
+            dirs.close()
+
+    def _read_one(self, sub: int, key: str, header: bytearray, view: memoryview) -> bool:
+        """Read and verify one value into ``view``; False (after clean-up) when it is no hit."""
+        try:
+            # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer
+            # forever. O_NOFOLLOW: a symlink in a page's place is not followed.
+            fd = os.open(key, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         dir_fd=sub)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise StorageError(f"file storage: open {key}: {e}") from e
+            self._count(num_corrupt_values=1)  # a symlink holds no page: remove the link
+            self._drop(sub, key, None)
+            return False
+        try:
+            st = os.fstat(fd)
+            if (
+                stat.S_ISREG(st.st_mode)
+                and st.st_size == self.value_nbytes
+                and os.readv(fd, [header, view]) == self.value_nbytes
+            ):
+                verdict = self._verify(key, header, view)  # counts what fails
+            else:
+                verdict = "not a value"
+                self._count(num_corrupt_values=1)
+            if verdict == INTACT:
+                self._stamp_fd(fd)
+        except OSError as e:
+            raise StorageError(f"file storage: read {key}: {e}") from e
+        finally:
+            os.close(fd)
+        if verdict != INTACT:
+            self._drop(sub, key, st)
+            return False
+        return True
+
+    def _authentic(self, sub: int, key: str, scratch: bytearray) -> bool:
+        """True when the value stored under ``key`` is intact and tagged under our secret."""
+        try:
+            fd = os.open(key, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         dir_fd=sub)
+        except OSError:
+            return False
+        try:
+            view = memoryview(scratch)
+            return (
+                os.fstat(fd).st_size == self.value_nbytes
+                and os.readv(fd, [view]) == self.value_nbytes
+                and verify_value(key, view[:VALUE_HEADER_NBYTES], view[VALUE_HEADER_NBYTES:],
+                                 self._auth) == INTACT
+            )
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
 
     def _set(self, keys: list[str], views: list[memoryview]) -> int:
         num_written = 0
         num_stored = len(keys)
-        for i, (key, view) in enumerate(zip(keys, views, strict=True)):
-            path = self._path(key)
-            try:
-                st = os.stat(path)
-            except (FileNotFoundError, NotADirectoryError):
-                st = None
-            except OSError as e:
-                raise StorageError(f"file storage: stat {path}: {e}") from e
-            if st is not None and stat.S_ISREG(st.st_mode):
-                self._stamp(path)  # a re-offered page is a recent page
-                continue
-            if st is not None and stat.S_ISDIR(st.st_mode):
-                # Not ours to remove, and os.replace cannot go over it: the pages
-                # from here on cannot be stored (a FIFO or socket is replaced below).
-                num_stored = i
-                break
-            self._write(path, key, view)
-            num_written += 1
+        dirs = self._subdirs(create=True)
+        scratch = bytearray(self.value_nbytes) if self._auth is not None else bytearray()
+        try:
+            for i, (key, view) in enumerate(zip(keys, views, strict=True)):
+                sub = dirs.fd(key)
+                if sub is None:
+                    # ROOT/<xx> is a symlink or a file: not ours to follow or replace.
+                    self._count(num_errors=1)
+                    num_stored = i
+                    break
+                try:
+                    st = os.stat(key, dir_fd=sub, follow_symlinks=False)
+                except FileNotFoundError:
+                    st = None
+                except OSError as e:
+                    raise StorageError(f"file storage: stat {key}: {e}") from e
+                if st is not None and stat.S_ISREG(st.st_mode):
+                    if self._auth is None or self._authentic(sub, key, scratch):
+                        self._stamp_name(sub, key)  # a re-offered page is a recent page
+                        continue
+                    # With a secret, a value we cannot verify (planted, or another
+                    # secret's) must not stand in for ours: it is replaced below.
+                    self._count(num_unauthentic_values=1)
+                if st is not None and stat.S_ISDIR(st.st_mode):
+                    # Not ours to remove, and os.replace cannot go over it: the pages
+                    # from here on cannot be stored (a FIFO, socket or symlink is replaced).
+                    num_stored = i
+                    break
+                self._write(sub, key, view)
+                num_written += 1
+        finally:
+            dirs.close()
         if num_written:
             self._count(written_nbytes=num_written * self.page_nbytes)
             with self._lock:
@@ -168,127 +281,152 @@ class FileStorage(StorageBackend):
 
     def _delete(self, keys: list[str]) -> int:
         num_deleted = 0
-        for key in keys:
-            try:
-                os.unlink(self._path(key))
-            except FileNotFoundError:
-                continue
-            except OSError as e:
-                raise StorageError(f"file storage: unlink {key}: {e}") from e
-            num_deleted += 1
+        dirs = self._subdirs(create=False)
+        try:
+            for key in keys:
+                sub = dirs.fd(key)
+                if sub is None:
+                    continue
+                try:
+                    os.unlink(key, dir_fd=sub)
+                except FileNotFoundError:
+                    continue
+                except OSError as e:
+                    raise StorageError(f"file storage: unlink {key}: {e}") from e
+                num_deleted += 1
+        finally:
+            dirs.close()
         with self._lock:
             self._tracked_nbytes = max(0, self._tracked_nbytes - num_deleted * self.value_nbytes)
         return num_deleted
 
     def _clear(self) -> int:
+        values, temp_nbytes, _ = self._scan(sweep=True)
         num_deleted = 0
-        for _, _, path in self._scan():
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                continue
-            except OSError as e:
-                raise StorageError(f"file storage: unlink {path}: {e}") from e
-            num_deleted += 1
+        dirs = self._subdirs(create=False)
+        try:
+            for _, _, subdir, name in values:
+                sub = dirs.fd(subdir)
+                if sub is None:
+                    continue
+                try:
+                    os.unlink(name, dir_fd=sub)
+                except FileNotFoundError:
+                    continue
+                except OSError as e:
+                    raise StorageError(f"file storage: unlink {subdir}/{name}: {e}") from e
+                num_deleted += 1
+        finally:
+            dirs.close()
         with self._lock:
-            self._tracked_nbytes = 0
+            self._tracked_nbytes = temp_nbytes
         return num_deleted
 
     def _close(self) -> None:
-        """Nothing is held open between calls."""
+        os.close(self._root_fd)
 
     def _read_epoch(self) -> int:
-        path = self.root / EPOCH_FILE
+        name = f"{self.root}/{layout.EPOCH_NAME}"
         try:
-            text = path.read_text(encoding="ascii")
+            fd = os.open(layout.EPOCH_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         dir_fd=self._root_fd)
         except FileNotFoundError:
             return 0
-        except (OSError, UnicodeDecodeError) as e:
-            raise StorageError(f"file storage: read {path}: {e}") from e
+        except OSError as e:
+            raise StorageError(f"file storage: read {name}: {e}") from e
+        try:
+            text = os.read(fd, 64).decode("ascii", "replace")
+        except OSError as e:
+            raise StorageError(f"file storage: read {name}: {e}") from e
+        finally:
+            os.close(fd)
         if not text.strip().isdigit():
-            raise StorageError(
-                f"file storage: {path} holds {text[:40]!r}, expected a decimal epoch"
-            )
+            raise StorageError(f"file storage: {name} holds {text[:40]!r}, expected a decimal "
+                               "epoch")
         return int(text)
 
     def _bump_epoch(self) -> int:
-        path = self.root / EPOCH_FILE
+        root = self._root_fd
         try:
-            lock_fd = os.open(self.root / ".epoch.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            lock_fd = os.open(layout.EPOCH_LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
+                              | os.O_CLOEXEC, self._file_mode, dir_fd=root)
         except OSError as e:
             raise StorageError(f"file storage: bump the epoch in {self.root}: {e}") from e
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)  # read-advance-write, one process at a time
             epoch = self._read_epoch() + 1
-            temp = path.with_name(f".{EPOCH_FILE}.{os.getpid()}.{threading.get_ident()}.tmp")
+            temp = layout.epoch_temp_name()
             try:
-                with open(temp, "w", encoding="ascii") as f:
-                    f.write(f"{epoch}\n")
-                    f.flush()
-                    os.fsync(f.fileno())  # an epoch that went back would serve stale pages
-                os.replace(temp, path)
+                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, self._file_mode, dir_fd=root)
+                try:
+                    os.write(fd, f"{epoch}\n".encode())
+                    os.fsync(fd)  # an epoch that went back would serve stale pages
+                finally:
+                    os.close(fd)
+                os.replace(temp, layout.EPOCH_NAME, src_dir_fd=root, dst_dir_fd=root)
             except OSError as e:
-                _unlink_quietly_any(temp)
-                raise StorageError(f"file storage: write {path}: {e}") from e
+                with contextlib.suppress(OSError):
+                    os.unlink(temp, dir_fd=root)
+                raise StorageError(f"file storage: write {self.root}/{layout.EPOCH_NAME}: "
+                                   f"{e}") from e
             return epoch
         finally:
             os.close(lock_fd)  # releases the flock
 
     def _usage(self) -> StorageUsage:
-        entries = self._scan()
-        return StorageUsage(len(entries), sum(nbytes for _, nbytes, _ in entries))
+        values = self._scan(sweep=False).values
+        return StorageUsage(len(values), sum(nbytes for _, nbytes, _, _ in values))
 
     # ---- internals --------------------------------------------------------------
 
-    def _path(self, key: str) -> Path:
-        return self.root / key[:2] / key
-
-    def _write(self, path: Path, key: str, view: memoryview) -> None:
-        temp = path.with_name(
-            f".{key}.{os.getpid()}.{threading.get_ident()}.{next(self._temp_ids)}.tmp"
-        )
+    def _write(self, sub: int, key: str, view: memoryview) -> None:
+        temp = layout.temp_name(key, next(self._temp_ids))
         try:
-            path.parent.mkdir(exist_ok=True)
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, self._file_mode, dir_fd=sub)
             try:
-                parts = [memoryview(encode_header(key, view)), view]
+                parts = [memoryview(self._header(key, view)), view]
                 while parts:
                     written = os.writev(fd, parts)
                     parts = _advance(parts, written)
                 if self.fsync:
                     os.fsync(fd)
+                stamp = self._next_stamp()
+                os.utime(fd, ns=(stamp, stamp))
             finally:
                 os.close(fd)
-            stamp = self._next_stamp()
-            os.utime(temp, ns=(stamp, stamp))
-            os.replace(temp, path)
+            os.replace(temp, key, src_dir_fd=sub, dst_dir_fd=sub)
         except OSError as e:
             try:
-                os.unlink(temp)
+                os.unlink(temp, dir_fd=sub)
             except OSError:
                 pass
-            raise StorageError(f"file storage: write {path}: {e}") from e
+            raise StorageError(f"file storage: write {self.root}/{key[:2]}/{key}: {e}") from e
 
-    def _drop_corrupt(self, path: Path, read_stat: os.stat_result) -> None:
-        """Count a value that failed verification and remove it when it is a file.
+    def _drop(self, sub: int, key: str, read_stat: os.stat_result | None) -> None:
+        """Remove a value that failed verification (counted by the caller), if still there.
 
         Best effort: a store that cannot be written (read-only mount) still serves
         its intact pages, so a failed removal is counted, not raised. A directory in
         a page's place is left alone (removing a tree is not a cache's business).
         """
-        self._count(num_corrupt_values=1)
-        if stat.S_ISDIR(read_stat.st_mode):
+        if read_stat is not None and stat.S_ISDIR(read_stat.st_mode):
             return
         try:
+            st = os.stat(key, dir_fd=sub, follow_symlinks=False)
             # Another process may have replaced the bad file with a good one meanwhile.
-            if os.stat(path).st_ino == read_stat.st_ino:
-                os.unlink(path)
+            if read_stat is None and not stat.S_ISLNK(st.st_mode):
+                return
+            if read_stat is not None and st.st_ino != read_stat.st_ino:
+                return
+            os.unlink(key, dir_fd=sub)
         except FileNotFoundError:
             return
         except OSError:
             self._count(num_errors=1)
             return
-        if stat.S_ISREG(read_stat.st_mode):
+        if read_stat is not None and stat.S_ISREG(read_stat.st_mode):
             with self._lock:
                 self._tracked_nbytes = max(0, self._tracked_nbytes - read_stat.st_size)
 
@@ -299,58 +437,58 @@ class FileStorage(StorageBackend):
             self._last_stamp_ns = max(time.time_ns(), self._last_stamp_ns + 1)
             return self._last_stamp_ns
 
-    def _stamp(self, path: Path) -> None:
-        """Mark ``path`` recently used. Best effort: recency is a hint for clean-up, and
-        a read-only store (mount, permissions) must still serve reads."""
+    def _stamp_fd(self, fd: int) -> None:
+        """Mark the open value recently used. Best effort: recency is a hint for clean-up,
+        and a read-only store (mount, permissions) must still serve reads."""
         stamp = self._next_stamp()
         try:
-            os.utime(path, ns=(stamp, stamp))
+            os.utime(fd, ns=(stamp, stamp))
+        except OSError:
+            pass
+
+    def _stamp_name(self, sub: int, name: str) -> None:
+        stamp = self._next_stamp()
+        try:
+            os.utime(name, ns=(stamp, stamp), dir_fd=sub, follow_symlinks=False)
         except OSError:
             pass  # evicted by someone else since, or the store is read-only
 
-    def _scan(self, *, remove_stale: bool = False) -> list[tuple[int, int, str]]:
-        """(mtime_ns, nbytes, path) of every value file; optionally drop dead temp files."""
-        entries = []
-        now = time.time()
+    def _subdirs(self, *, create: bool) -> layout.Subdirs:
+        return layout.Subdirs(self._root_fd, create=create, dir_mode=self._dir_mode)
+
+    def _scan(self, *, sweep: bool) -> layout.Scan:
         try:
-            subdirs = [d for d in os.scandir(self.root) if d.is_dir() and len(d.name) == 2]
-            for sub in subdirs:
-                for entry in os.scandir(sub.path):
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    if not stat.S_ISREG(st.st_mode):
-                        continue  # not a value (nor ours to remove)
-                    if entry.name.startswith("."):
-                        if remove_stale and now - st.st_mtime > _STALE_TEMP_AGE_S:
-                            try:
-                                _unlink_quietly(entry.path)
-                            except OSError:
-                                pass  # read-only store: stale temp files stay harmless
-                        continue
-                    entries.append((st.st_mtime_ns, st.st_size, entry.path))
+            return layout.scan(self._root_fd, sweep=sweep)
         except OSError as e:
             raise StorageError(f"file storage: scan {self.root}: {e}") from e
-        return entries
 
     def _evict(self) -> None:
         assert self.capacity_nbytes is not None, "eviction needs a capacity"
         with self._evict_lock:
-            entries = sorted(self._scan())
-            total = sum(nbytes for _, nbytes, _ in entries)
+            values, temp_nbytes, _ = self._scan(sweep=True)
+            values.sort()
+            total = sum(nbytes for _, nbytes, _, _ in values) + temp_nbytes
             target = int(self.capacity_nbytes * self.low_watermark)
             num_evicted = 0
-            for _, nbytes, path in entries:
-                if total <= target:
-                    break
-                try:
-                    if _unlink_quietly(path):
+            dirs = self._subdirs(create=False)
+            try:
+                for _, nbytes, subdir, name in values:
+                    if total <= target:
+                        break
+                    sub = dirs.fd(subdir)
+                    if sub is None:
+                        continue
+                    try:
+                        os.unlink(name, dir_fd=sub)
                         num_evicted += 1
-                except OSError:  # cannot remove it (permissions): it still takes room
-                    self._count(num_errors=1)
-                    continue
-                total -= nbytes
+                    except FileNotFoundError:
+                        pass
+                    except OSError:  # cannot remove it (permissions): it still takes room
+                        self._count(num_errors=1)
+                        continue
+                    total -= nbytes
+            finally:
+                dirs.close()
             with self._lock:
                 self._tracked_nbytes = total
         self._count(num_evicted_pages=num_evicted)
@@ -365,17 +503,3 @@ def _advance(parts: list[memoryview], nbytes: int) -> list[memoryview]:
         parts = [parts[0][nbytes:], *parts[1:]]
     return parts
 
-
-def _unlink_quietly(path: str) -> bool:
-    try:
-        os.unlink(path)
-        return True
-    except FileNotFoundError:
-        return False
-
-
-def _unlink_quietly_any(path: os.PathLike[str] | str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

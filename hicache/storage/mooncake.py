@@ -40,12 +40,13 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from hicache.storage.base import (
+    INTACT,
+    UNAUTHENTIC,
     VALUE_HEADER_NBYTES,
     StorageBackend,
     StorageError,
     byte_view,
-    check_value,
-    encode_header,
+    verify_value,
 )
 
 MiB = 1 << 20
@@ -88,8 +89,9 @@ class MooncakeStorage(StorageBackend):
         device_name: str = "",
         connect_timeout_s: float = 2.0,
         retry_after_s: float = 1.0,
+        secret: str | bytes | None = None,
     ) -> None:
-        super().__init__(page_nbytes)
+        super().__init__(page_nbytes, secret=secret)
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:
@@ -153,9 +155,13 @@ class MooncakeStorage(StorageBackend):
         codes = self._call("batch_get_into_multi_buffers", keys, ptrs, sizes)
         for i, (key, view, code) in enumerate(zip(keys, views, codes, strict=True)):
             if code == self.value_nbytes:
-                if check_value(key, memoryview(headers[i]), view):
+                verdict = self._verify(key, memoryview(headers[i]), view)  # counts a failure
+                if verdict == INTACT:
                     continue
-                self._drop_corrupt(key)
+                self._drop_bad(key)
+                if verdict == UNAUTHENTIC:
+                    self._drop_unauthentic(keys[i + 1:], headers[i + 1:], views[i + 1:],
+                                           codes[i + 1:])
                 return i
             if code == _CODE_NOT_FOUND:
                 return i
@@ -164,7 +170,8 @@ class MooncakeStorage(StorageBackend):
             if code in _SIZE_CODES or code >= 0:
                 size = self._call("get_size", key)
                 if size >= 0 and size != self.value_nbytes:
-                    self._drop_corrupt(key)
+                    self._count(num_corrupt_values=1)
+                    self._drop_bad(key)
                     return i
                 if size == _CODE_NOT_FOUND:
                     return i
@@ -174,7 +181,7 @@ class MooncakeStorage(StorageBackend):
 
     def _set(self, keys: list[str], views: list[memoryview]) -> int:
         headers = np.frombuffer(
-            b"".join(encode_header(k, v) for k, v in zip(keys, views, strict=True)),
+            b"".join(self._header(k, v) for k, v in zip(keys, views, strict=True)),
             dtype=np.uint8,
         )
         base = headers.ctypes.data
@@ -259,8 +266,20 @@ class MooncakeStorage(StorageBackend):
             self._last_failure = what
         raise StorageError(f"mooncake: {self.master_address}: {what}")
 
-    def _drop_corrupt(self, key: str) -> None:
-        self._count(num_corrupt_values=1)
+    def _drop_unauthentic(self, keys: list[str], headers: np.ndarray, views: list[memoryview],
+                          codes: list[int]) -> None:
+        """Remove the planted values among the rest of a batch already fetched (past a miss
+        they are not served anyway): a put does not replace an existing object, so each
+        would otherwise keep our own page out for one more round of misses."""
+        for key, header, view, code in zip(keys, headers, views, codes, strict=True):
+            if code == self.value_nbytes and verify_value(
+                key, memoryview(header), view, self._auth
+            ) == UNAUTHENTIC:
+                self._count(num_unauthentic_values=1)
+                self._drop_bad(key)
+
+    def _drop_bad(self, key: str) -> None:
+        """Remove a value that failed verification (the caller counted it)."""
         code = self._call("remove", key, True)
         if code <= _CONNECTION_CODE_MAX:
             self._fail(f"remove corrupt {key}: code {code}")

@@ -29,7 +29,7 @@ class StorageJob:
     __slots__ = (
         "kind", "keys", "host_pages", "nodes", "num_done", "error", "seconds", "done",
         "token_key", "namespace", "start_page", "committed", "stale", "event_pages",
-        "cancelled", "started",
+        "cancelled", "started", "num_unauthentic",
     )
 
     def __init__(self, kind: str, keys: list[str], host_pages: torch.Tensor) -> None:
@@ -38,6 +38,7 @@ class StorageJob:
         self.host_pages = host_pages  # one host page id per key; kept alive until done
         self.nodes: list = []  # write: host-pinned tree nodes whose pages are read
         self.num_done = 0  # leading pages written / read and verified
+        self.num_unauthentic = 0  # read jobs: pages refused, their tag did not verify
         self.error: BaseException | None = None
         self.seconds = 0.0
         self.done = threading.Event()
@@ -114,7 +115,14 @@ class StorageTier:
                 if job.kind == "write":
                     job.num_done = self.backend.set(job.keys, views)
                 else:
-                    job.num_done = self.backend.get_into(job.keys, views)
+                    # This thread is the tier's only reader: the counter's change is ours.
+                    before = self.backend.counters().num_unauthentic_values
+                    try:
+                        job.num_done = self.backend.get_into(job.keys, views)
+                    finally:
+                        job.num_unauthentic = (
+                            self.backend.counters().num_unauthentic_values - before
+                        )
             except _Cancelled:
                 pass
             except Exception as exc:  # noqa: BLE001 - any failure finishes the job as failed

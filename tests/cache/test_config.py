@@ -240,6 +240,7 @@ ENV_CASES = {
     "storage": ("file:/tmp/hicache-env-test", "file:/tmp/hicache-env-test",
                 {"HICACHE_MODEL_ID": "m@r1"}),
     "model_id": ("m@r2", "m@r2", {}),
+    "storage_secret": ("s3cret", "s3cret", {}),
     "prefetch_policy": ("timeout", PrefetchPolicy.TIMEOUT, {}),
     "prefetch_timeout_s": ("0.25", 0.25, {}),
     "max_pinned_fraction": ("0.25", 0.25, {}),  # refused with a TypeError once (issue 25.5)

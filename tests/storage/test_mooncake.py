@@ -237,3 +237,39 @@ def test_mooncake_spec_query_options(master):
     assert store.get(keys) == [bytes(PAGE_NBYTES)]
     store.delete(keys)
     store.close()
+
+
+@pytest.mark.parametrize("attacker_secret", [None, "another-secret"])
+def test_mooncake_planted_pages_are_a_clean_miss_for_the_secret_holder(
+    master, monkeypatch, attacker_secret
+):
+    """Anyone who reaches the store can put pages under public keys; with a storage
+    secret they are never served, each is removed, and the owner's pages still hit."""
+    monkeypatch.delenv("HICACHE_STORAGE_SECRET", raising=False)
+    secret = "owner-secret-5f1c2a9e77d04b8c"
+    mine = page_keys(np.arange(12), 4, f"mine-{attacker_secret}", FP, MID)
+    theirs = page_keys(np.arange(16), 4, f"theirs-{attacker_secret}", FP, MID)
+    owner_pages = make_pages(3, seed=5)
+    owner = client(master, secret=secret)
+    assert owner.set(mine, list(owner_pages)) == 3
+    attacker = client(master, secret=attacker_secret)
+    forged = make_pages(4, seed=6)
+    assert attacker.set(theirs, list(forged)) == 4
+    plain = client(master)  # without a secret the store is trusted: forged KV is served
+    out = torch.zeros_like(forged)
+    assert plain.get_into(theirs, list(out)) == 4 and torch.equal(out, forged)
+    plain.close()
+
+    out = torch.zeros_like(owner_pages)
+    assert owner.get_into(mine, list(out)) == 3 and torch.equal(out, owner_pages)
+    out = torch.zeros_like(forged)
+    assert owner.exists(theirs) == 4
+    assert owner.get_into(theirs, list(out)) == 0  # a clean miss
+    c = owner.counters()
+    assert (c.num_unauthentic_values, c.num_corrupt_values, c.num_errors) == (4, 0, 0)
+    assert owner.exists(theirs) == 0  # every planted page of the batch was removed ...
+    assert owner.set(theirs, list(forged)) == 4  # ... so our own pages replace them
+    assert owner.get_into(theirs, list(out)) == 4 and torch.equal(out, forged)
+    for store in (owner, attacker):
+        store.delete(mine + theirs)
+        store.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import multiprocessing as mp
 import os
 import threading
@@ -173,7 +174,7 @@ def test_file_round_trip_from_and_into_page_views(tmp_path):
     assert (c.num_set_pages, c.num_stored_pages, c.written_nbytes) == (7, 7, 5 * kv.page_nbytes)
     assert (c.num_get_pages, c.num_hit_pages, c.num_corrupt_values) == (9, 8, 0)
     assert store.delete(keys) == 5 and store.exists(keys) == 0
-    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == [".hicache-store"]
 
 
 @pytest.mark.parametrize(
@@ -282,7 +283,7 @@ def test_file_concurrent_processes_writing_one_key(tmp_path):
     assert all(r[1] == 0 and r[3] == 0 for r in results), results  # nothing torn or corrupt
     assert sum(r[2] for r in results) > 0
     leftovers = [p.name for p in tmp_path.rglob("*") if p.is_file() and p.name != key]
-    assert leftovers == []  # every temp file was renamed or removed
+    assert leftovers == [".hicache-store"]  # every temp file was renamed or removed
     store = FileStorage(tmp_path, page_nbytes=page_nbytes)
     final = store.get([key])
     assert len(final) == 1 and len(set(final[0])) == 1
@@ -314,17 +315,33 @@ def test_file_threads_share_one_backend(tmp_path):
     assert store.tracked_nbytes <= 40 * 544
 
 
-def test_file_io_failure_is_a_storage_error(tmp_path):
+def test_file_io_failure_is_a_storage_error(tmp_path, monkeypatch):
     store = FileStorage(tmp_path, page_nbytes=64)
     key = root_key("blocked", FP, MID)
-    (tmp_path / key[:2]).write_bytes(b"not a directory")
-    with pytest.raises(StorageError, match="write"):
-        store.set([key], [bytes(64)])
+
+    def fail(*args, **kwargs):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "writev", fail)
+        with pytest.raises(StorageError, match="write.*Input/output error"):
+            store.set([key], [bytes(64)])
     assert store.counters().num_errors == 1
-    assert store.exists([root_key("other", FP, MID)]) == 0  # the backend keeps working
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == [".hicache-store"]  # no temp
+    assert store.set([key], [bytes(64)]) == 1  # the backend keeps working
     store.close()
     with pytest.raises(StorageError, match="closed"):
         store.exists([key])
+
+
+def test_file_a_file_in_place_of_a_subdirectory_is_not_replaced(tmp_path):
+    store = FileStorage(tmp_path, page_nbytes=64)
+    key = root_key("blocked", FP, MID)
+    (tmp_path / key[:2]).write_bytes(b"not a directory")
+    assert store.set([key], [bytes(64)]) == 0  # not ours to replace: counted, not raised
+    assert store.counters().num_errors == 1
+    assert store.exists([key]) == 0 and store.get([key]) == []
+    assert (tmp_path / key[:2]).read_bytes() == b"not a directory"
 
 
 def test_file_removes_stale_temp_files_on_open(tmp_path):

@@ -25,7 +25,13 @@ from helpers import KV, assert_quiescent, read_prefix, serve_kv
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig
-from hicache.storage import FileStorage, StorageError, model_identity, page_keys
+from hicache.storage import (
+    VALUE_HEADER_NBYTES,
+    FileStorage,
+    StorageError,
+    model_identity,
+    page_keys,
+)
 from hicache.tree import token_key
 
 BOUND_S = 5.0
@@ -129,7 +135,7 @@ def test_file_directory_in_place_of_a_page_is_a_clean_miss(tmp_path):
 
 def test_file_capacity_clean_up_skips_what_is_not_a_value(tmp_path):
     page_nbytes = 256
-    value_nbytes = 32 + page_nbytes
+    value_nbytes = VALUE_HEADER_NBYTES + page_nbytes
     store = FileStorage(tmp_path, page_nbytes=page_nbytes, capacity_nbytes=2 * value_nbytes)
     keys = page_keys(np.arange(16), 4, "t", FP, MID)
     pages = make_pages(4, page_nbytes)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hicache.config import GiB
+from hicache.storage.auth import check_secret
 
 _WRITE_POLICIES = ("write_through",)
 _EVICTIONS = ("lru", "lfu")
@@ -116,6 +117,8 @@ class ConnectorConfig:
     # reset_prefix_cache(reset_connector=True) bumps the third tier's epoch (its pages of
     # the old weights miss from then on, for every process sharing the tier)
     storage_epoch_on_reset: bool = True
+    # Storage secret: pages are tagged and verified (None: $HICACHE_STORAGE_SECRET). Never shown.
+    storage_secret: str | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -188,6 +191,7 @@ class ConnectorConfig:
                     "kv_connector_extra_config.copy_cpus: pins the thread executor's copies; "
                     f"expected executor 'auto' or 'thread', got {self.executor!r}"
                 )
+        check_secret("kv_connector_extra_config.storage_secret", self.storage_secret)
         if self.model_id is not None and (not isinstance(self.model_id, str) or not self.model_id):
             raise ValueError(
                 f"kv_connector_extra_config.model_id: expected a non-empty str, got {self.model_id!r}"

@@ -251,7 +251,8 @@ class HiCacheConnector(KVConnectorBase_V1):
         from hicache.storage import make_storage
 
         return make_storage(
-            self.hc_config.storage, page_nbytes=self.page_nbytes, **self.hc_config.storage_options
+            self.hc_config.storage, page_nbytes=self.page_nbytes,
+            secret=self.hc_config.storage_secret, **self.hc_config.storage_options,
         )
 
     # ============================================================ worker side

@@ -45,6 +45,8 @@ from dataclasses import dataclass
 import torch
 
 from hicache.integrations.vllm.config import ConnectorConfig
+from hicache.integrations.vllm.faults import ENV as FAULTS_ENV
+from hicache.integrations.vllm.faults import FaultRates, FaultyBackend, FaultyCopier
 from hicache.integrations.vllm.layout import BlockCopier, BlockLayout, BlockPool
 from hicache.integrations.vllm.plan import StepPlan
 from hicache.memory import HostPool
@@ -156,6 +158,13 @@ class WorkerHalf:
             copier = BlockCopier(self.layout, self.host_pool, native=native, max_threads=1)
             if copier_hook is not None:
                 copier = copier_hook(copier)
+        faults = FaultRates.from_env()
+        if faults is not None:
+            _log.warning("hicache worker: %s set, injecting faults %s", FAULTS_ENV, faults)
+            if copier is not None:
+                copier = FaultyCopier(copier, faults)
+            if storage_backend is not None:
+                storage_backend = FaultyBackend(storage_backend, faults)
         try:
             self.transfers = TransferEngine(pool, self.host_pool, executor, copier=copier,
                                             copy_cpus=copy_cpus)
@@ -268,6 +277,11 @@ class WorkerHalf:
         if loaded or self._errors:
             self._poisoned.difference_update(loaded)
             self._poison(self._errors)
+            failed = [op.req_id for op in plan.loads if op.failed_block_ids
+                      or not self._errors.isdisjoint(op.block_ids)]
+            if failed:
+                _log.warning("hicache worker: load failed for request(s) %s; vLLM recomputes "
+                             "or fails them (kv_load_failure_policy)", failed)
         if self._poisoned:
             self._follow_computes(plan.computes)
         if plan.saves:

@@ -1,0 +1,101 @@
+"""Fault injection for the connector's worker half: for tests, off unless asked for.
+
+``HICACHE_FAULTS`` in a worker's environment (vLLM's worker processes inherit it)
+makes a random fraction of the worker's copies and third-tier reads fail, the way a
+broken device, a full disk or a flaky store would::
+
+    HICACHE_FAULTS="load=0.2,save=0.1,read=0.2,seed=1"
+
+``load``/``save``: the fraction of host -> block / block -> host copies that raise
+(CPU executors: the CUDA executor copies on its own streams); ``read``: the fraction
+of third-tier reads that raise. Each injected failure is logged at WARNING
+(``hicache faults: injected ...``). Nothing here is used unless the variable is set.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from dataclasses import dataclass
+
+_log = logging.getLogger(__name__)
+
+ENV = "HICACHE_FAULTS"
+
+
+@dataclass(frozen=True)
+class FaultRates:
+    load: float = 0.0
+    save: float = 0.0
+    read: float = 0.0
+    seed: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> FaultRates:
+        """``"load=0.2,save=0.1,read=0.2,seed=1"`` (any subset); a bad entry is a
+        ValueError naming it."""
+        values: dict[str, float | int] = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            name, sep, value = item.partition("=")
+            if not sep or name not in ("load", "save", "read", "seed"):
+                raise ValueError(f"{ENV}: expected load=, save=, read= or seed= entries, "
+                                 f"got {item!r}")
+            try:
+                number = int(value) if name == "seed" else float(value)
+            except ValueError:
+                raise ValueError(f"{ENV}: {name}: expected a number, got {value!r}") from None
+            if name != "seed" and not 0.0 <= number <= 1.0:
+                raise ValueError(f"{ENV}: {name}: expected a fraction in [0, 1], got {value}")
+            values[name] = number
+        return cls(**values)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_env(cls) -> FaultRates | None:
+        text = os.environ.get(ENV)
+        return cls.parse(text) if text else None
+
+
+class FaultyCopier:
+    """A block copier (``load`` / ``backup`` of a layer range) whose copies fail at the
+    given rates; a copy fails as a whole, at its first layer range."""
+
+    def __init__(self, inner, rates: FaultRates) -> None:
+        self.inner = inner
+        self.rates = rates
+        self._rng = random.Random(rates.seed)
+
+    @property
+    def num_layers(self) -> int:
+        return self.inner.num_layers
+
+    def _fail(self, rate: float, what: str, first: int) -> None:
+        if first == 0 and rate and self._rng.random() < rate:
+            _log.warning("hicache faults: injected %s failure", what)
+            raise RuntimeError(f"injected {what} failure")
+
+    def load(self, host_ids, block_ids, first: int, last: int) -> None:
+        self._fail(self.rates.load, "load", first)
+        self.inner.load(host_ids, block_ids, first, last)
+
+    def backup(self, block_ids, host_ids, first: int, last: int) -> None:
+        self._fail(self.rates.save, "save", first)
+        self.inner.backup(block_ids, host_ids, first, last)
+
+
+class FaultyBackend:
+    """A storage backend whose ``get_into`` fails at ``rates.read``."""
+
+    def __init__(self, inner, rates: FaultRates) -> None:
+        self.inner = inner
+        self.rates = rates
+        self._rng = random.Random(rates.seed + 1)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def get_into(self, keys, views):
+        if self.rates.read and self._rng.random() < self.rates.read:
+            _log.warning("hicache faults: injected storage read failure")
+            raise OSError("injected storage read failure")
+        return self.inner.get_into(keys, views)
