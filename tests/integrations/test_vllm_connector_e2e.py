@@ -1,6 +1,6 @@
 """HiCacheConnector inside real vLLM (CPU backend), end to end.
 
-Three engines, each in its own process (vLLM spawns processes, see
+Engines, each in its own process (vLLM spawns processes, see
 tests/integrations/vllm_driver.py), on a tiny random Llama saved to a temporary directory:
 
 * baseline: vLLM alone, a multi-turn workload whose working set (~90 blocks) is
@@ -10,7 +10,9 @@ tests/integrations/vllm_driver.py), on a tiny random Llama saved to a temporary 
   core off its worker here (on a machine with two or more), so the connector copies
   on a copy thread pinned to it;
 * replay: a second process on the same ``file:`` directory, no core kept off the
-  worker, so the connector copies between forwards.
+  worker, so the connector copies between forwards;
+* faults: two more, with a test-only hook failing a fraction of loads, saves and
+  third-tier reads (``HICACHE_FAULTS``), under each ``kv_load_failure_policy``.
 
 Skipped without vLLM, unless ``HICACHE_REQUIRE_VLLM=1`` (CI), where a missing or
 broken install fails instead.
@@ -38,14 +40,24 @@ def runs(tmp_path_factory):
     proc = run_vllm("make-model", model)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-4000:]
-    baseline = run_vllm("run", model, "multiturn", "--no-connector")
+    baseline = run_vllm("run", model, "multiturn,fixed", "--no-connector")
     spare = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"} if (os.cpu_count() or 1) >= 2 else {}
-    connector = run_vllm("run", model, "multiturn,reset", "--storage", storage,
+    connector = run_vllm("run", model, "multiturn,reset,salt", "--storage", storage,
                          HICACHE_LOG_LEVEL="INFO", **spare)
     results = {"baseline": vllm_result(baseline), "connector": vllm_result(connector)}
     results["replay"] = vllm_result(run_vllm("run", model, "replay", "--storage", storage,
                                              HICACHE_LOG_LEVEL="INFO",
                                              VLLM_CPU_NUM_OF_RESERVED_CPU="0"))
+    # Faults: a third of the loads, a tenth of the saves and a third of the storage
+    # reads fail, over the fixed workload (same prompts whatever fails). A host tier of
+    # 32 blocks (the working set is ~90) over a tier of its own, empty at start: every
+    # storage hit was written in this run.
+    for policy in ("recompute", "fail"):
+        results[f"faults-{policy}"] = vllm_result(run_vllm(
+            "run", model, "fixed", "--storage", f"file:{root / ('faults-' + policy)}",
+            "--policy", policy, "--host-tokens", "1024",
+            HICACHE_FAULTS="load=0.34,save=0.1,read=0.34,seed=3", HICACHE_LOG_LEVEL="WARNING",
+            VLLM_CPU_NUM_OF_RESERVED_CPU="0"))
     return results
 
 
@@ -98,6 +110,41 @@ def test_second_process_hits_the_file_tier(runs):
     r = runs["replay"]["replay"]
     assert r["cached_tokens"] == (r["prompt_tokens"] - 1) // 32 * 32
     assert r["output"] == runs["baseline"]["multiturn"]["outputs"][0]
+
+
+def test_cache_salt_keeps_tenants_apart(runs):
+    """A tenant's pages never serve another tenant's identical prompt (vLLM alone: 0
+    cached tokens after its reset); the same tenant is served from the host tier."""
+    r = runs["connector"]["salt"]
+    assert r["cached"][1] == 0
+    assert r["cached"][2] == (r["prompt_tokens"] - 1) // 32 * 32
+    assert r["outputs"][0] == r["outputs"][1] == r["outputs"][2]
+
+
+def _injected(log: str, what: str) -> int:
+    return log.count(f"hicache faults: injected {what} failure")
+
+
+def test_faults_with_recompute_change_no_output(runs):
+    """Loads, saves and storage reads fail at random: with kv_load_failure_policy
+    "recompute" every greedy output is vLLM's own, and no request fails."""
+    r = runs["faults-recompute"]
+    assert _injected(r["log"], "load") > 0 and _injected(r["log"], "save") > 0
+    assert _injected(r["log"], "storage read") > 0
+    assert r["fixed"]["outputs"] == runs["baseline"]["fixed"]["outputs"]
+    assert all(f == "length" for f in r["fixed"]["finish"]), r["fixed"]["finish"]
+
+
+def test_faults_with_fail_fail_only_requests_whose_load_failed(runs):
+    """With "fail" (vLLM's default) a request fails only when its own load failed (one
+    request at a time here: at most one per failed load); the others are vLLM's own."""
+    r = runs["faults-fail"]
+    finish, outputs = r["fixed"]["finish"], r["fixed"]["outputs"]
+    failed = [i for i, f in enumerate(finish) if f != "length"]
+    num_failed_loads = r["log"].count("hicache worker: load failed for request(s)")
+    assert num_failed_loads > 0 and 0 < len(failed) <= num_failed_loads, finish
+    base = runs["baseline"]["fixed"]["outputs"]
+    assert all(outputs[i] == base[i] for i in range(len(base)) if i not in failed)
 
 
 def test_connector_stats_aggregate_and_reduce():

@@ -4,12 +4,18 @@ Used by tests/integrations/test_vllm_connector_e2e.py in a subprocess: vLLM spaw
 so it must run under ``if __name__ == "__main__"``. Usage::
 
     python tests/integrations/vllm_driver.py make-model DIR
-    python tests/integrations/vllm_driver.py run DIR SCENARIO[,SCENARIO...] [--storage file:DIR] [--no-connector]
+    python tests/integrations/vllm_driver.py run DIR SCENARIO[,SCENARIO...] [--storage file:DIR] [--no-connector] [--policy recompute|fail] [--host-tokens N]
 
 SCENARIO is a comma-separated list run in order on one engine: ``multiturn``
 (conversations whose working set is several times vLLM's KV cache, one request at a
-time), ``reset`` (a prompt, reset_prefix_cache, the same prompt again), ``replay``
-(the first prompt of ``multiturn``: meant for a second process on the same storage).
+time), ``fixed`` (the same shape, but each turn's history grows by fixed tokens, not by
+the model's output: every run sends the same prompts, whatever fails), ``reset`` (a
+prompt, reset_prefix_cache, the same prompt again), ``salt`` (a prompt under one
+``cache_salt``, reset_prefix_cache, the same tokens under another salt, then under the
+first again), ``replay`` (the first prompt of ``multiturn``: meant for a second process
+on the same storage). ``--policy`` sets ``kv_load_failure_policy``; ``HICACHE_FAULTS``
+in the environment makes the connector's worker fail some copies (see
+hicache/integrations/vllm/faults.py).
 The last stdout line is a JSON object with one entry per scenario.
 """
 
@@ -60,12 +66,13 @@ def system_prompt() -> list[int]:
     return [rng.randrange(1, VOCAB) for _ in range(SYSTEM_TOKENS)]
 
 
-def make_llm(model: str, connector: bool, storage: str | None):
+def make_llm(model: str, connector: bool, storage: str | None, policy: str | None = None,
+             host_tokens: int = 8192):
     from vllm import LLM
 
     kwargs = {}
     if connector:
-        extra = {"host_tokens": 8192}
+        extra = {"host_tokens": host_tokens}
         if storage:
             extra["storage"] = storage
         kwargs["kv_transfer_config"] = {
@@ -74,6 +81,8 @@ def make_llm(model: str, connector: bool, storage: str | None):
             "kv_role": "kv_both",
             "kv_connector_extra_config": extra,
         }
+        if policy:
+            kwargs["kv_transfer_config"]["kv_load_failure_policy"] = policy
     return LLM(
         model=model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
         block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=NUM_GPU_BLOCKS,
@@ -81,17 +90,25 @@ def make_llm(model: str, connector: bool, storage: str | None):
     )
 
 
-def generate(llm, prompt: list[int]) -> tuple[list[int], int]:
-    from vllm import SamplingParams, TokensPrompt
-
-    params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
-    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+def generate(llm, prompt: list[int], cache_salt: str | None = None) -> tuple[list[int], int]:
+    out = _generate(llm, prompt, cache_salt)
     return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)
 
 
-def run(model: str, scenarios: str, connector: bool, storage: str | None) -> dict:
+def _generate(llm, prompt: list[int], cache_salt: str | None = None):
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+    inputs = TokensPrompt(prompt_token_ids=prompt)
+    if cache_salt is not None:
+        inputs["cache_salt"] = cache_salt
+    return llm.generate([inputs], params, use_tqdm=False)[0]
+
+
+def run(model: str, scenarios: str, connector: bool, storage: str | None,
+        policy: str | None = None, host_tokens: int = 8192) -> dict:
     """Run the comma-separated ``scenarios`` in order on one engine."""
-    llm = make_llm(model, connector, storage)
+    llm = make_llm(model, connector, storage, policy, host_tokens)
     result: dict = {"connector": connector}
     system = system_prompt()
     for scenario in scenarios.split(","):
@@ -121,6 +138,31 @@ def run(model: str, scenarios: str, connector: bool, storage: str | None) -> dic
                 "first": first, "second": second, "cached_before": hit0, "cached_after": hit1,
                 "reset_ok": bool(ok), "prompt_tokens": len(prompt),
             }
+        elif scenario == "fixed":
+            filler = conversations()  # fixed "assistant" tokens instead of the outputs
+            history = [list(system) for _ in range(CONVERSATIONS)]
+            outputs, finish = [], []
+            for turn in range(TURNS):
+                for c, conv in enumerate(conversations()):
+                    history[c] += conv[turn]
+                    try:
+                        out = _generate(llm, history[c])
+                        outputs.append(list(out.outputs[0].token_ids))
+                        finish.append(str(out.outputs[0].finish_reason))
+                    except Exception as exc:  # noqa: BLE001 - a failed request is data here
+                        outputs.append([])
+                        finish.append(f"exception: {type(exc).__name__}")
+                    history[c] += filler[(c + 1) % CONVERSATIONS][turn][:OUTPUT_TOKENS]
+            result["fixed"] = {"outputs": outputs, "finish": finish}
+        elif scenario == "salt":
+            prompt = system + conversations()[2][0]
+            first, hit_a = generate(llm, prompt, "tenant-a")
+            llm.reset_prefix_cache()
+            other, hit_b = generate(llm, prompt, "tenant-b")
+            llm.reset_prefix_cache()
+            again, hit_a2 = generate(llm, prompt, "tenant-a")
+            result["salt"] = {"outputs": [first, other, again], "cached": [hit_a, hit_b, hit_a2],
+                              "prompt_tokens": len(prompt)}
         elif scenario == "replay":
             prompt = system + conversations()[0][0]
             out, hit = generate(llm, prompt)
@@ -137,12 +179,15 @@ def main() -> None:
     parser.add_argument("scenario", nargs="?")
     parser.add_argument("--storage")
     parser.add_argument("--no-connector", action="store_true")
+    parser.add_argument("--policy", choices=["recompute", "fail"])
+    parser.add_argument("--host-tokens", type=int, default=8192)
     args = parser.parse_args()
     if args.command == "make-model":
         make_model(args.model)
         return
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    result = run(args.model, args.scenario, not args.no_connector, args.storage)
+    result = run(args.model, args.scenario, not args.no_connector, args.storage, args.policy,
+                 args.host_tokens)
     sys.stdout.flush()
     print(json.dumps(result), flush=True)
 
