@@ -1097,6 +1097,31 @@ def test_finished_request_saves_blocks_its_last_steps_completed(make_vllm):
 
 
 @pytest.mark.parametrize("tree", ["python", "auto"])
+def test_vllms_own_hits_keep_the_host_copy_recent(make_vllm, tree):
+    """A prefix vLLM keeps hot is hit in vLLM's cache, never in the host tier: the host
+    tier's LRU still sees those hits, and evicts a colder prefix first."""
+    m = make_vllm(num_host_pages=4, tree=tree)
+    a, b = seq(8) + [1], seq(8, 100) + [1]
+    for rid, tokens in (("a", a), ("b", b)):  # a, then b: a is the older
+        m.add(rid, tokens)
+        m.step()
+        m.finish(rid)
+        m.step()
+    assert m.sched.stats()["host_pages_used"] == 4
+    assert m.add("x", a[:8] + [5], own=8) == 0  # vLLM's own cache serves a's blocks
+    m.step()
+    m.finish("x")
+    m.add("c", seq(4, 700) + [1])  # one more page: the LRU leaf goes, b's, not a's
+    m.step()
+    m.finish("c")
+    m.step()
+    m.quiesce()
+    for rid, tokens, hit in (("qa", a, 8), ("qb", b, 4)):
+        assert m.sched.num_matched_tokens(rid, tokens, 0) == hit
+        m.sched.request_finished(rid)
+
+
+@pytest.mark.parametrize("tree", ["python", "auto"])
 def test_save_that_cannot_fit_evicts_nothing(make_vllm, tree):
     """A save needing more host pages than eviction can free evicts nothing (vLLM's
     prepare_store rule). The save extends A -> A' (vLLM's own cache served both), so

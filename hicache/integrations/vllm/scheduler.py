@@ -109,6 +109,7 @@ class SchedulerHalf:
         st = self._state(req_id, token_ids, namespace)
         st.lookup = None
         P = self.page_size
+        st.vllm_hit_pages = num_computed // P
         limit = (len(token_ids) - 1) // P  # pages that may be loaded
         c = self.counters
         c.lookups += 1
@@ -142,6 +143,11 @@ class SchedulerHalf:
         ``num_external`` tokens promised by :meth:`num_matched_tokens`."""
         st = self._state(req_id, token_ids, namespace)
         st.block_ids = list(block_ids)
+        if st.vllm_hit_pages:
+            # vLLM's own hit is a hit of the host tier's copy too: a prefix vLLM keeps hot
+            # must not be the host tier's first victim (its LRU/LFU order sees it).
+            self.tree.match_key(self._key(st, st.vllm_hit_pages), st.namespace)
+            st.vllm_hit_pages = 0
         if num_external <= 0:
             return
         if st.lookup is None:
