@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import DEVICES, stall_stream
-from test_vllm_connector import MiniVllm, P, block_of, page_value, seq
+from minivllm import MiniVllm, P, block_of, page_value, seq
 
 HOLD_S = 0.3  # how long a held CUDA copy stays queued; the host steps take milliseconds
 
