@@ -63,8 +63,10 @@ def _usage_error(capsys, argv: list[str]) -> str:
     (["--vllm-blocks", "-3"], "--vllm-blocks: expected an int >= 1, got -3"),
     (["--max-tokens", "0"], "--max-tokens: expected an int >= 1, got 0"),
     (["--repeat", "0"], "--repeat: expected an int >= 1, got 0"),
-    (["--repeat", "2", "--storage", "file:/tmp/x"], "--storage with --repeat 2: expected a "
-     "fresh third tier"),
+    (["--repeat", "2", "--storage", "file:/tmp/x"], "--storage with --repeat 2 or two "
+     "storage configs: expected a fresh third tier"),
+    (["--configs", "vllm+host+storage,vllm+host+storage+secret", "--storage", "file:/tmp/x"],
+     "--storage with --repeat 1 or two storage configs: expected a fresh third tier"),
     (["--request-rate", "-1"], "--request-rate: expected a number > 0, got -1.0"),
     (["--request-rate", "nan"], "--request-rate: expected a number > 0, got nan"),
     (["--host-gb", "0"], "--host-gb: expected a number > 0, got 0.0"),

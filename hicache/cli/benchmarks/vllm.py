@@ -8,7 +8,9 @@ Configurations, each in its own process with its own engine (vLLM's async engine
 * ``vllm+host``: the same vLLM plus ``hicache.integrations.vllm.HiCacheConnector``
   with a host tier that holds the trace's whole working set (or ``--host-gb``);
 * ``vllm+host+storage``: a host tier a quarter of the working set, over a
-  ``file:`` third tier (a fresh temporary directory, or ``--storage SPEC``).
+  ``file:`` third tier (a fresh temporary directory, or ``--storage SPEC``);
+* ``vllm+host+storage+secret``: the same with a storage secret (every third-tier page
+  tagged and verified), to measure what the authenticator costs; not run by default.
 
 The regime: vLLM's KV cache is capped (default: a quarter of the working set,
 so vLLM alone evicts prefixes before they come back); the model is a random
@@ -41,6 +43,7 @@ import importlib.util
 import json
 import math
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -65,7 +68,8 @@ from hicache.cli.benchmarks.vllm_plan import (
 from hicache.cli.benchmarks.vllm_report import report
 from hicache.sim.traces import Request
 
-CONFIG_NAMES = ("vllm", "vllm+host", "vllm+host+storage")
+CONFIG_NAMES = ("vllm", "vllm+host", "vllm+host+storage", "vllm+host+storage+secret")
+DEFAULT_CONFIGS = CONFIG_NAMES[:3]
 CONNECTOR_MODULE = "hicache.integrations.vllm"
 
 
@@ -90,8 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="host tier of vllm+host in GiB (default: the working set)")
     parser.add_argument("--storage", metavar="SPEC",
                         help="third tier of vllm+host+storage (default: file: a temp dir)")
-    parser.add_argument("--configs", default=",".join(CONFIG_NAMES),
-                        help=f"comma-separated subset of {','.join(CONFIG_NAMES)}")
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                        help=f"comma-separated subset of {','.join(CONFIG_NAMES)} "
+                             f"(default: {','.join(DEFAULT_CONFIGS)})")
     parser.add_argument("--concurrency", type=int, metavar="C",
                         help="closed loop: at most C requests in flight (default 4)")
     parser.add_argument("--request-rate", type=float, metavar="R",
@@ -155,10 +160,12 @@ def _check_args(args: argparse.Namespace) -> list[str]:
                                          or args.storage.startswith("mooncake://")):
         raise UsageError(f"--storage: expected 'file:DIR' or 'mooncake://HOST:PORT?...', "
                          f"got {args.storage!r}")
-    if args.storage is not None and args.repeat > 1 and "vllm+host+storage" in configs:
-        raise UsageError(f"--storage with --repeat {args.repeat}: expected a fresh third tier "
-                         "for every run of vllm+host+storage, got one the runs would share; "
-                         "leave out --storage (each run gets a fresh temporary directory)")
+    if args.storage is not None and (args.repeat > 1 or len(
+            [c for c in configs if "storage" in c]) > 1) and any("storage" in c for c in configs):
+        raise UsageError(f"--storage with --repeat {args.repeat} or two storage configs: "
+                         "expected a fresh third tier for every run with storage, got one the "
+                         "runs would share; leave out --storage (each run gets a fresh "
+                         "temporary directory)")
     if args.trace is not None and not os.path.isfile(args.trace):
         raise UsageError(f"--trace: expected a trace file, got {args.trace!r} (no such file)")
     if args.model is not None and not os.path.isfile(os.path.join(args.model, "config.json")):
@@ -193,6 +200,8 @@ def _connector_config(name: str, plan: Plan, args: argparse.Namespace,
     else:
         extra["host_tokens"] = plan.small_host_tokens
         extra["storage"] = args.storage or f"file:{storage_dir}"
+        if name.endswith("+secret"):  # every third-tier page tagged and verified
+            extra["storage_secret"] = secrets.token_hex(16)
     return {"kv_connector": "HiCacheConnector", "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_both", "kv_connector_extra_config": extra,
             # vLLM's default policy fails a request whose load failed; hicache's contract
