@@ -53,6 +53,16 @@ class TreeLock {
   std::recursive_mutex& mutex_;
 };
 
+// A shape as Python prints a tuple of ints: (), (3,), (2, 2).
+template <typename Sizes>
+std::string shape_repr(const Sizes& sizes) {
+  std::string out = "(";
+  for (const auto d : sizes) out += std::to_string(d) + ", ";
+  if (std::size(sizes) > 0) out.resize(out.size() - 2);
+  if (std::size(sizes) == 1) out += ",";
+  return out + ")";
+}
+
 // A tensor's layout as Python names it (torch.sparse_coo, ...).
 std::string layout_name(py::handle tensor) { return py::str(tensor.attr("layout")); }
 
@@ -119,9 +129,9 @@ void read_key(py::handle obj, std::int64_t page_size, Key& key) {
       throw hicache::TypeError(std::string("tokens: expected an int32 or int64 tensor, got dtype ") +
                                c10::toString(dtype));
     }
-    if (t.dim() != 1) {
-      throw hicache::ValueError("tokens: expected a 1-D sequence, got " +
-                                std::to_string(t.dim()) + " dimensions");
+    if (t.dim() != 1) {  // hicache.tree.token_key's words (numpy's shape)
+      throw hicache::ValueError("tokens: expected a 1-D sequence, got shape " +
+                                shape_repr(t.sizes()));
     }
     if (!t.is_cpu()) t = t.cpu();
     const auto count = static_cast<std::size_t>(t.size(0));
@@ -160,8 +170,8 @@ void read_key(py::handle obj, std::int64_t page_size, Key& key) {
     key.buffer = py::reinterpret_borrow<py::buffer>(obj).request();
     const py::buffer_info& info = *key.buffer;
     if (info.ndim != 1) {
-      throw hicache::ValueError("tokens: expected a 1-D sequence, got " +
-                                std::to_string(info.ndim) + " dimensions");
+      throw hicache::ValueError("tokens: expected a 1-D sequence, got shape " +
+                                shape_repr(info.shape));
     }
     const char fmt = info.format.empty() ? '?' : info.format.back();
     const bool is_int = fmt == 'i' || fmt == 'l' || fmt == 'q';
@@ -210,11 +220,8 @@ IndexRun read_pages(py::handle obj, const char* name, bool copy = false) {
                               layout_name(obj));
   }
   if (t.dim() != 1) {
-    std::string shape = "(";
-    for (std::int64_t d = 0; d < t.dim(); ++d) shape += std::to_string(t.size(d)) + ", ";
-    if (t.dim() > 0) shape.resize(shape.size() - 2);
-    if (t.dim() == 1) shape += ",";
-    throw hicache::ValueError(std::string(name) + ": expected a 1-D tensor, got shape " + shape + ")");
+    throw hicache::ValueError(std::string(name) + ": expected a 1-D tensor, got shape " +
+                              shape_repr(t.sizes()));
   }
   if (!t.is_cpu()) {
     throw hicache::ValueError(std::string(name) + ": expected a CPU tensor, got device " +
