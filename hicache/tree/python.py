@@ -585,6 +585,7 @@ class RadixTree:
         self._host_changed(node, True, was_busy)
 
     def host_unlock(self, node: TreeNode) -> None:
+        self._check_live(node, "host_unlock")
         self._refuse_reentry("host_unlock", backup_may=True)
         if node.host_lock_ref <= 0:
             raise ValueError(f"host_unlock: node {node.id} is not host-locked")
@@ -618,6 +619,8 @@ class RadixTree:
         if not isinstance(node, TreeNode):
             raise TypeError(f"{op}: expected a TreeNode, got {type(node).__name__}")
         if node.parent is None:
+            if node.id != 0:  # removed (the native tree's words)
+                raise ValueError(f"{op}: node {node.id} is no longer in the tree (stale)")
             if self._roots.get(node.namespace) is not node:
                 raise ValueError(f"{op}: node {node.id} is not a root of this tree")
         elif node.parent.children.get(node.key[: self._key_nbytes_per_page]) is not node:
@@ -664,6 +667,7 @@ class RadixTree:
     def set_io_status(self, node: TreeNode, status: IOStatus) -> None:
         if not isinstance(status, IOStatus):
             raise TypeError(f"set_io_status: expected an IOStatus, got {type(status).__name__}")
+        self._check_live(node, "set_io_status")
         self._refuse_reentry("set_io_status", backup_may=True)
         if status is not IOStatus.NONE and (node.device_indices is None or node.host_indices is None):
             raise ValueError(f"set_io_status: IO in flight needs both copies, got {node}")
@@ -675,6 +679,7 @@ class RadixTree:
 
     def attach_device(self, node: TreeNode, device_indices: torch.Tensor) -> None:
         """Give a host-only node device pages (a load target, or adopted on insert)."""
+        self._check_live(node, "attach_device")
         check_page_tensor("device_indices", device_indices)
         self._refuse_reentry("attach_device")
         if node.device_indices is not None or node.parent is None:
@@ -694,6 +699,7 @@ class RadixTree:
 
     def detach_device(self, node: TreeNode) -> torch.Tensor:
         """Drop the device copy of an unlocked node that has a host copy; return its pages."""
+        self._check_live(node, "detach_device")
         self._refuse_reentry("detach_device")
         if node.device_indices is None or node.host_indices is None or node.lock_ref:
             raise ValueError(f"detach_device: expected an unlocked node on both tiers, got {node}")
@@ -713,6 +719,7 @@ class RadixTree:
 
     def attach_host(self, node: TreeNode, host_indices: torch.Tensor) -> None:
         """Record the host copy of a device node (a backup target)."""
+        self._check_live(node, "attach_host")
         check_page_tensor("host_indices", host_indices)
         self._refuse_reentry("attach_host", backup_may=True)
         if node.device_indices is None or node.host_indices is not None or node.parent is None:
@@ -729,6 +736,7 @@ class RadixTree:
 
     def detach_host(self, node: TreeNode) -> torch.Tensor:
         """Drop the host copy of a node that stays on the device; return its host pages."""
+        self._check_live(node, "detach_host")
         self._refuse_reentry("detach_host")
         if node.host_indices is None or node.device_indices is None or node.host_lock_ref:
             raise ValueError(f"detach_host: expected a node on both tiers, host-unlocked, got {node}")
@@ -1050,6 +1058,7 @@ class RadixTree:
         With ``extra`` (1-D int64 CPU page ids) the result continues with them: a
         request's page table is ``device_indices_of(prefix_node, new_pages)``.
         """
+        self._check_live(node, "device_indices_of")
         parts = [] if extra is None else [check_page_tensor("extra", extra)]
         while node.parent is not None:
             if node.device_indices is None:
@@ -1084,6 +1093,8 @@ class RadixTree:
 
     def host_only_path(self, result: MatchResult) -> list[TreeNode]:
         """The host-only nodes of a match, root side first."""
+        self._check_live(result.last_node, "host_only_path")
+        self._check_live(result.last_device_node, "host_only_path")
         nodes = []
         node = result.last_node
         while node is not result.last_device_node:
@@ -1094,6 +1105,7 @@ class RadixTree:
 
     def path_to(self, node: TreeNode) -> list[TreeNode]:
         """Non-root nodes from the root down to ``node``."""
+        self._check_live(node, "path_to")
         nodes = []
         while node.parent is not None:
             nodes.append(node)
