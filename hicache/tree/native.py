@@ -33,8 +33,8 @@ from hicache.native.build import (  # noqa: F401  (re-exported: the tree's build
     native_build_seconds,
     native_unavailable_reason,
 )
+from hicache.tree.guards import check_key, check_page_size
 from hicache.tree.native_node import NativeNode
-from hicache.tree.python import check_key, check_page_size
 from hicache.tree.types import (
     EvictResult,
     InsertResult,

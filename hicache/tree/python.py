@@ -56,6 +56,7 @@ from hicache.checks import (
 )
 from hicache.config import EvictionPolicy
 from hicache.events import page_hashes
+from hicache.tree.guards import check_key, check_page_size, reentry_message
 from hicache.tree.policies import CandidateHeap, priority_fn
 from hicache.tree.types import (
     EvictResult,
@@ -67,41 +68,6 @@ from hicache.tree.types import (
 )
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
-MAX_PAGE_SIZE = 2**24  # far above any real page; keeps every size inside C++'s int64
-# What each hook may call besides reads (see the module docstring).
-_BACKUP_MAY = "host_lock, host_unlock, attach_host, set_io_status and evict_host"
-
-
-def check_page_size(page_size: object) -> int:
-    """``page_size`` (tokens per page) as an int in [1, MAX_PAGE_SIZE]."""
-    if isinstance(page_size, bool) or not isinstance(page_size, int):
-        raise TypeError(f"page_size: expected int, got {type(page_size).__name__}")
-    if not 1 <= page_size <= MAX_PAGE_SIZE:
-        raise ValueError(f"page_size: expected an int in [1, 2**24], got {page_size}")
-    return page_size
-
-
-def check_key(key: object, page_nbytes: int) -> bytes:
-    """``key`` as the bytes of whole pages of int32 tokens (what :func:`token_key` makes)."""
-    if type(key) is not bytes:
-        if not isinstance(key, bytes | bytearray | memoryview):
-            raise TypeError(f"key: expected bytes (hicache.tree.token_key), got {type(key).__name__}")
-        key = bytes(key)
-    if len(key) % page_nbytes:
-        raise ValueError(
-            f"key: expected whole pages of int32 tokens ({page_nbytes} bytes each), "
-            f"got {len(key)} bytes"
-        )
-    return key
-
-
-def reentry_message(op: str, hook: str) -> str:
-    """The error of a call a hook may not make (the native tree's words too)."""
-    if hook == "on_split":
-        return f"{op}: called from inside the on_split hook, which may only read the tree"
-    return f"{op}: called from inside the backup hook, which may only read the tree and call {_BACKUP_MAY}"
-
-
 def _copy(indices: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of page ids the tree keeps (it owns what it stores)."""
     return indices.clone(memory_format=torch.contiguous_format)
