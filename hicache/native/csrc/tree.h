@@ -84,8 +84,8 @@ class RadixTree {
 
   // Raise ReentryError when `op` (a tree-changing call) is made from inside a
   // hook that may not make it: on_split may make none, the backup hook only
-  // those with `backup_may` (see the header comment). hicache/tree/python.py
-  // _refuse_reentry words it the same.
+  // those with `backup_may` (see the header comment). The words are those of
+  // hicache/tree/guards.py reentry_message.
   void check_reentry(const char* op, bool backup_may = false) const;
   // Held by the binding around every call (see the header comment).
   std::recursive_mutex& op_mutex() const { return op_mutex_; }
