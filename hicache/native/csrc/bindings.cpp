@@ -232,8 +232,10 @@ IndexRun read_pages(py::handle obj, const char* name, bool copy = false) {
   } else if (copy) {
     // One allocation and a memcpy: much cheaper than clone() through the dispatcher.
     at::Tensor own = at::empty({t.size(0)}, at::kLong);
-    std::memcpy(own.data_ptr(), t.const_data_ptr(),
-                static_cast<std::size_t>(t.size(0)) * sizeof(hicache::page_id_t));
+    if (t.size(0) != 0) {  // an empty tensor's data pointer may be null
+      std::memcpy(own.data_ptr(), t.const_data_ptr(),
+                  static_cast<std::size_t>(t.size(0)) * sizeof(hicache::page_id_t));
+    }
     t = std::move(own);
   }
   const std::int64_t n = t.size(0);

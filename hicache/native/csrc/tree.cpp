@@ -791,6 +791,7 @@ at::Tensor RadixTree::concat(const std::vector<IndexRun>& runs) const {
   at::Tensor out = at::empty({total}, at::kLong);
   auto* dst = static_cast<page_id_t*>(out.data_ptr());
   for (const auto& r : runs) {
+    if (r.num_pages == 0) continue;  // an empty tensor's data pointer may be null
     std::memcpy(dst, r.data(), static_cast<std::size_t>(r.num_pages) * sizeof(page_id_t));
     dst += r.num_pages;
   }
