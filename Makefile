@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test sanitize lint clean
 
 install: $(STAMP)
 
@@ -33,6 +33,22 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q
+
+# The native extension under AddressSanitizer and UndefinedBehaviorSanitizer (its own
+# build directory; the installed module is untouched), running the native tree's
+# differential, contract and bad-input tests and a random-call fuzzer against the
+# Python tree for SANITIZE_SECONDS. A Python process needs the ASan runtime preloaded.
+# --capture=sys leaves file descriptor 2 alone: a sanitizer report ends the process,
+# and with pytest's default capture it would vanish with it.
+SANITIZE_SECONDS ?= 90
+SANITIZE_ENV = LD_PRELOAD="$$($${CXX:-c++} -print-file-name=libasan.so) $$($${CXX:-c++} -print-file-name=libubsan.so)" \
+	ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 HICACHE_NATIVE=sanitize
+sanitize: install
+	@# Builds it (a few minutes) and fails here, instead of skipping every test, if it does not load.
+	$(SANITIZE_ENV) $(PY) -c "from hicache.native import build; build.load_native(); print('sanitized:', build.native_status())"
+	$(SANITIZE_ENV) HICACHE_FUZZ_SECONDS=$(SANITIZE_SECONDS) timeout 900 $(PY) -m pytest -q -p no:cacheprovider --capture=sys \
+		tests/tree/test_tree_differential.py tests/tree/test_tree_contracts.py \
+		tests/tree/test_tree_errors.py tests/tree/test_tree_fuzz.py
 
 lint: install
 	$(VENV)/bin/ruff check hicache tests bench

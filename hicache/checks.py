@@ -58,6 +58,8 @@ def check_page_tensor(name: str, page_ids: object) -> torch.Tensor:
         raise TypeError(f"{name}: expected an int64 torch.Tensor, got {type(page_ids).__name__}")
     if page_ids.dtype != torch.int64:
         raise TypeError(f"{name}: expected dtype torch.int64, got {page_ids.dtype}")
+    if page_ids.layout is not torch.strided:
+        raise ValueError(f"{name}: expected a dense tensor, got layout {page_ids.layout}")
     if page_ids.dim() != 1:
         raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(page_ids.shape)}")
     if not page_ids.is_cpu:

@@ -18,8 +18,11 @@ import it directly: ninja is not consulted again, so two ninja versions on
 stale) cannot make one process rebuild what another built.
 
 ``HICACHE_NATIVE`` selects the source: ``auto`` (default: the installed module,
-else JIT), ``prebuilt`` (the installed module or nothing) or ``jit`` (ignore the
-installed module). Any failure (no compiler, no ninja, a build error) is
+else JIT), ``prebuilt`` (the installed module or nothing), ``jit`` (ignore the
+installed module) or ``sanitize``: a JIT build with AddressSanitizer and
+UndefinedBehaviorSanitizer into a build directory of its own (``native-asan-*``;
+the installed module is untouched), which loads only in a process started with
+the ASan runtime preloaded (``make sanitize`` does that). Any failure (no compiler, no ninja, a build error) is
 reported as a reason, never raised from here except by :func:`load_native`;
 callers fall back to their pure-Python implementations.
 """
@@ -99,13 +102,20 @@ def source_digest() -> str:
     return h.hexdigest()[:16]
 
 
-def build_directory() -> Path:
+# A sanitized build: ASan + UBSan, any UB report fatal, frames kept for the reports.
+_SANITIZE_FLAGS = [
+    "-O1", "-g", "-std=c++20", "-fno-omit-frame-pointer",
+    "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+]
+
+
+def build_directory(sanitize: bool = False) -> Path:
     """Where the JIT module is compiled and cached (``$HICACHE_BUILD_DIR`` overrides the root)."""
     root = os.environ.get("HICACHE_BUILD_DIR")
     if root is None:
         cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         root = os.path.join(cache, "hicache")
-    return Path(root) / f"native-{source_digest()}"
+    return Path(root) / f"native-{'asan-' if sanitize else ''}{source_digest()}"
 
 
 @contextlib.contextmanager
@@ -204,7 +214,7 @@ def _load_built(build_dir: Path) -> ModuleType | None:
     return _import_file(so_path)
 
 
-def _jit_build(build_dir: Path) -> _LoadResult:
+def _jit_build(build_dir: Path, sanitize: bool = False) -> _LoadResult:
     """Compile the sources into ``build_dir`` (or import what an earlier build left there)."""
     cxx = os.environ.get("CXX", "c++")
     start = time.perf_counter()
@@ -234,7 +244,8 @@ def _jit_build(build_dir: Path) -> _LoadResult:
             module = cpp_extension.load(
                 name=_MODULE,
                 sources=[str(_CSRC / s) for s in _SOURCES],
-                extra_cflags=["-O3", "-std=c++20"],
+                extra_cflags=_SANITIZE_FLAGS if sanitize else ["-O3", "-std=c++20"],
+                extra_ldflags=["-fsanitize=address,undefined"] if sanitize else None,
                 build_directory=str(build_dir),
                 verbose=False,
             )
@@ -254,10 +265,14 @@ def _jit_build(build_dir: Path) -> _LoadResult:
 @functools.cache
 def _load() -> _LoadResult:
     mode = os.environ.get("HICACHE_NATIVE", "auto")
-    if mode not in ("auto", "prebuilt", "jit"):
+    if mode not in ("auto", "prebuilt", "jit", "sanitize"):
         return _LoadResult(
-            None, f"HICACHE_NATIVE: expected 'auto', 'prebuilt' or 'jit', got {mode!r}", 0.0
+            None,
+            f"HICACHE_NATIVE: expected 'auto', 'prebuilt', 'jit' or 'sanitize', got {mode!r}",
+            0.0,
         )
+    if mode == "sanitize":
+        return _jit_build(build_directory(sanitize=True), sanitize=True)
     prebuilt = _LoadResult(None, "HICACHE_NATIVE=jit", 0.0)
     if mode != "jit":
         prebuilt = _load_prebuilt()

@@ -33,6 +33,7 @@ from hicache.native.build import (  # noqa: F401  (re-exported: the tree's build
     native_build_seconds,
     native_unavailable_reason,
 )
+from hicache.tree.guards import check_key, check_page_size
 from hicache.tree.native_node import NativeNode
 from hicache.tree.types import (
     EvictResult,
@@ -58,13 +59,14 @@ def _readable_in_place(tokens: object) -> bool:
     return (tp is np.ndarray or tp is torch.Tensor) and tokens.dtype in _FAST_TOKEN_DTYPES
 
 
-def _probe_key_bytes(key: bytes, namespace: object) -> bytes:
+def _probe_key_bytes(key: bytes, namespace: object, page_size: int) -> bytes:
     """A probe's key as the binding reads it. A non-str namespace names no root (the
     binding finds nothing), but an unhashable one raises TypeError, as the Python
     tree's dict lookup does."""
+    key = check_key(key, 4 * page_size)
     if namespace is not None and not isinstance(namespace, str):
         hash(namespace)
-    return bytes(key) if isinstance(key, bytearray | memoryview) else key
+    return key
 
 
 class NativeRadixTree:
@@ -82,8 +84,7 @@ class NativeRadixTree:
         eviction: EvictionPolicy | str = EvictionPolicy.LRU,
         on_split: Callable[[NativeNode, NativeNode], None] | None = None,
     ) -> None:
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-            raise ValueError(f"page_size: expected a positive int, got {page_size!r}")
+        check_page_size(page_size)
         policy = EvictionPolicy(eviction)
         self.eviction = policy
         self.page_size = page_size
@@ -227,8 +228,8 @@ class NativeRadixTree:
 
     def match_key(self, key: bytes, namespace: str | None = None) -> MatchResult:
         """:meth:`match_prefix` for a key already made by :func:`hicache.tree.token_key`."""
-        if isinstance(key, bytearray | memoryview):
-            key = bytes(key)
+        if type(key) is not bytes:
+            key = check_key(key, 4 * self.page_size)
         device_len, host_len, last_device, last = self._impl.match(key, namespace)
         node = self._node
         return MatchResult(device_len, host_len, node(last_device), node(last))
@@ -238,7 +239,8 @@ class NativeRadixTree:
     ) -> InsertResult:
         """Cache ``tokens`` whose KV sits in ``device_indices``; see :meth:`RadixTree.insert`.
 
-        The tree keeps a view of ``device_indices`` (no copy), as the Python tree does.
+        The tree keeps a copy of ``device_indices`` (it owns what it stores), as the
+        Python tree does.
         """
         if not _readable_in_place(tokens):
             tokens = token_key(tokens, self.page_size)
@@ -249,8 +251,8 @@ class NativeRadixTree:
         self, key: bytes, device_indices: torch.Tensor, namespace: str | None = None
     ) -> InsertResult:
         """:meth:`insert` for a key already made by :func:`hicache.tree.token_key`."""
-        if isinstance(key, bytearray | memoryview):
-            key = bytes(key)
+        if type(key) is not bytes:
+            key = check_key(key, 4 * self.page_size)
         num_cached, last = self._impl.insert(key, device_indices, namespace)
         return InsertResult(num_cached, self._node(last))
 
@@ -263,11 +265,11 @@ class NativeRadixTree:
 
     def probe_key(self, key: bytes, namespace: str | None = None) -> int:
         """Tokens of ``key`` cached in any tier; read-only (no split, no hit, no access)."""
-        return self._impl.probe(_probe_key_bytes(key, namespace), namespace)
+        return self._impl.probe(_probe_key_bytes(key, namespace, self.page_size), namespace)
 
     def probe_path(self, key: bytes, namespace: str | None = None) -> list[NativeNode]:
         """The nodes holding the cached prefix of ``key``; see :meth:`RadixTree.probe_path`."""
-        key = _probe_key_bytes(key, namespace)
+        key = _probe_key_bytes(key, namespace, self.page_size)
         proxy = self._node
         return [proxy(h) for h in self._impl.probe_path(key, namespace)]
 

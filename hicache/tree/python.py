@@ -27,6 +27,17 @@ Conventions:
   whose children are device-only is a candidate, and evicting a child's host
   copy makes its parent one. ``host_takeable_tokens`` is exactly what it can take.
 * Namespaces (tenant, LoRA, cache salt) get separate roots: they never share nodes.
+* The tree owns the page-id tensors it keeps: ``insert``, ``insert_host`` and the
+  ``attach_*`` calls copy the caller's ids, so a caller reusing or re-pointing its
+  tensor afterwards changes nothing in the tree.
+* Hooks (``on_split``, the ``backup`` of :meth:`RadixTree.evict_device`) run in
+  the middle of an operation. They may read the tree; ``backup`` may also call
+  ``host_lock``, ``host_unlock``, ``attach_host``, ``set_io_status`` and
+  ``evict_host`` (what a write-back backup needs). Any other tree-changing call
+  from inside a hook raises ``RuntimeError`` before changing anything (the
+  native tree refuses the same calls with the same words; docs/native.md). A
+  hook that raises ends the operation with the tree consistent.
+* Not thread-safe: one thread at a time (the native tree serialises threads).
 """
 
 from __future__ import annotations
@@ -45,6 +56,7 @@ from hicache.checks import (
 )
 from hicache.config import EvictionPolicy
 from hicache.events import page_hashes
+from hicache.tree.guards import check_key, check_page_size, reentry_message
 from hicache.tree.policies import CandidateHeap, priority_fn
 from hicache.tree.types import (
     EvictResult,
@@ -56,6 +68,9 @@ from hicache.tree.types import (
 )
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+def _copy(indices: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of page ids the tree keeps (it owns what it stores)."""
+    return indices.clone(memory_format=torch.contiguous_format)
 
 
 class TreeNode:
@@ -147,9 +162,7 @@ class RadixTree:
         eviction: EvictionPolicy | str = EvictionPolicy.LRU,
         on_split: Callable[[TreeNode, TreeNode], None] | None = None,
     ) -> None:
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-            raise ValueError(f"page_size: expected a positive int, got {page_size!r}")
-        self.page_size = page_size
+        self.page_size = check_page_size(page_size)
         self._key_nbytes_per_page = 4 * page_size  # key bytes of one page (int32 tokens)
         self.on_split = on_split
         self._roots: dict[str | None, TreeNode] = {}
@@ -170,6 +183,7 @@ class RadixTree:
         # KV event log (hicache/events.py), None while off: raw entries
         # (stored, tier, namespace, parent hash, page hashes, num_tokens).
         self._events: list[tuple] | None = None
+        self._hook: str | None = None  # the hook running now: "on_split", "backup" or None
 
     # ----------------------------------------------------------------- basics
     def root(self, namespace: str | None = None) -> TreeNode:
@@ -181,6 +195,13 @@ class RadixTree:
             raise
         if root is None:
             check_namespace(namespace)
+            if namespace is not None:
+                try:
+                    namespace.encode()
+                except UnicodeEncodeError:
+                    raise ValueError(
+                        f"namespace: expected a str encodable as UTF-8, got {namespace!r}"
+                    ) from None
             root = TreeNode(0, b"", None, namespace)
             root.device_indices = _EMPTY
             root.host_indices = _EMPTY
@@ -195,6 +216,12 @@ class RadixTree:
     @property
     def host_tokens(self) -> int:
         return self.host_evictable_tokens + self.host_protected_tokens
+
+    def _refuse_reentry(self, op: str, backup_may: bool = False) -> None:
+        """Raise RuntimeError if a hook runs that may not call ``op`` (module docstring)."""
+        hook = self._hook
+        if hook is not None and not (backup_may and hook == "backup"):
+            raise RuntimeError(reentry_message(op, hook))
 
     def nodes(self) -> Iterator[TreeNode]:
         """All non-root nodes, parents before children."""
@@ -224,28 +251,40 @@ class RadixTree:
 
     def match_key(self, key: bytes, namespace: str | None = None) -> MatchResult:
         """:meth:`match_prefix` for a key already made by :func:`token_key`."""
+        if type(key) is not bytes or len(key) % self._key_nbytes_per_page:
+            key = check_key(key, self._key_nbytes_per_page)
+        if self._hook is not None:
+            self._refuse_reentry("match")
         node = self.root(namespace)
         self._clock += 1
         clock = self._clock
         off, n = 0, len(key)
         device_len = host_len = 0
         last_device = node
-        while off < n:
-            child = self._descend(node, key, off)
-            if child is None:
-                break
-            if node.host_indices is not None and not node._host_children:
-                self._refresh_inner_host(node)
-            node = child
-            ck = node.key
-            off += len(ck)
-            node.hit_count += 1
-            node.last_access = clock
-            if node.device_indices is not None:
-                device_len += len(ck)
-                last_device = node
-            else:
-                host_len += len(ck)
+        try:
+            while off < n:
+                child = self._descend(node, key, off)
+                if child is None:
+                    break
+                if node.host_indices is not None and not node._host_children:
+                    self._refresh_inner_host(node)
+                node = child
+                ck = node.key
+                off += len(ck)
+                node.hit_count += 1
+                node.last_access = clock
+                if node.device_indices is not None:
+                    device_len += len(ck)
+                    last_device = node
+                else:
+                    host_len += len(ck)
+        except BaseException:
+            # An on_split hook raised: the nodes touched so far get their heap
+            # entries (as below), so the tree stays consistent.
+            self._refresh(last_device)
+            if node is not last_device:
+                self._refresh(node)
+            raise
         # Besides the inner host candidates refreshed above, only these two can be
         # candidates: every other matched node has a device child on the path and
         # a host child (or no host copy). last_device is inner only above a
@@ -267,13 +306,14 @@ class RadixTree:
 
         No split, no hit counted, no access time changed.
         """
-        return self._probe(key, namespace, None)
+        return self._probe(check_key(key, self._key_nbytes_per_page), namespace, None)
 
     def probe_path(self, key: bytes, namespace: str | None = None) -> list[TreeNode]:
         """The nodes holding the cached prefix of ``key`` (:meth:`probe_key`), root side first.
 
         Read-only like :meth:`probe_key`; the last node may hold more than ``key``.
         """
+        key = check_key(key, self._key_nbytes_per_page)
         nodes: list[TreeNode] = []
         self._probe(key, namespace, nodes)
         return nodes
@@ -337,8 +377,13 @@ class RadixTree:
         if node.host_indices is not None:
             prefix._host_children = 1
             prefix._busy_children = int(self._host_busy(node))
-        if self.on_split is not None:
-            self.on_split(prefix, node)
+        on_split = self.on_split
+        if on_split is not None:
+            outer, self._hook = self._hook, "on_split"
+            try:
+                on_split(prefix, node)
+            finally:
+                self._hook = outer
         return prefix
 
     # ----------------------------------------------------------------- insert
@@ -357,7 +402,10 @@ class RadixTree:
         self, key: bytes, device_indices: torch.Tensor, namespace: str | None = None
     ) -> InsertResult:
         """:meth:`insert` for a key already made by :func:`token_key`."""
+        key = check_key(key, self._key_nbytes_per_page)
         check_page_count("device_indices", device_indices, len(key) // self._key_nbytes_per_page)
+        if self._hook is not None:
+            self._refuse_reentry("insert")
         return self._insert_key(key, device_indices, namespace)
 
     def _insert_key(
@@ -369,26 +417,30 @@ class RadixTree:
         pnb = self._key_nbytes_per_page
         off, n = 0, len(key)
         num_cached = 0
-        while off < n:
-            child = self._descend(node, key, off)
-            if child is None:
-                break
-            if node.host_indices is not None and not node._host_children:
-                self._refresh_inner_host(node)
-            node = child
-            ck = node.key
-            node.last_access = clock
-            if node.device_indices is None:  # host-only: adopt the caller's pages
-                p = off // pnb
-                self.attach_device(node, device_indices[p : p + len(ck) // pnb])
-            elif num_cached == off:
-                num_cached += len(ck)
-            off += len(ck)
+        try:
+            while off < n:
+                child = self._descend(node, key, off)
+                if child is None:
+                    break
+                if node.host_indices is not None and not node._host_children:
+                    self._refresh_inner_host(node)
+                node = child
+                ck = node.key
+                node.last_access = clock
+                if node.device_indices is None:  # host-only: adopt the caller's pages
+                    p = off // pnb
+                    self.attach_device(node, device_indices[p : p + len(ck) // pnb])
+                elif num_cached == off:
+                    num_cached += len(ck)
+                off += len(ck)
+        except BaseException:
+            self._refresh(node)  # an on_split hook raised (see match_key)
+            raise
         if off < n:
             if node.host_indices is not None and not node._host_children:
                 self._refresh_inner_host(node)  # touched above: now above a device-only leaf
             node = self._new_node(key[off:], node)
-            node.device_indices = _own(device_indices[off // pnb :])
+            node.device_indices = _copy(device_indices[off // pnb :])
             node.last_access = clock
             self.device_evictable_tokens += node.num_tokens
             if self._events is not None:
@@ -408,27 +460,36 @@ class RadixTree:
         key = token_key(tokens, self.page_size)
         num_pages = len(key) // self._key_nbytes_per_page
         check_page_count("host_indices", host_indices, num_pages)
+        if self._hook is not None:
+            self._refuse_reentry("insert_host")
         node = last_device = self.root(namespace)
         self._clock += 1
+        clock = self._clock  # read once, as in match_key (and the native tree)
         pnb = self._key_nbytes_per_page
         off, n = 0, len(key)
-        while off < n:
-            child = self._descend(node, key, off)
-            if child is None:
-                break
-            if node.host_indices is not None and not node._host_children:
-                self._refresh_inner_host(node)
-            node = child
-            ck = node.key
-            node.last_access = self._clock
-            if node.device_indices is not None:
-                last_device = node
-            off += len(ck)
+        try:
+            while off < n:
+                child = self._descend(node, key, off)
+                if child is None:
+                    break
+                if node.host_indices is not None and not node._host_children:
+                    self._refresh_inner_host(node)
+                node = child
+                ck = node.key
+                node.last_access = clock
+                if node.device_indices is not None:
+                    last_device = node
+                off += len(ck)
+        except BaseException:
+            self._refresh(last_device)  # an on_split hook raised (see match_key)
+            if node is not last_device:
+                self._refresh(node)
+            raise
         num_cached = off
         if off < n:
             node = self._new_node(key[off:], node)
-            node.host_indices = _own(host_indices[off // pnb :])
-            node.last_access = self._clock
+            node.host_indices = _copy(host_indices[off // pnb :])
+            node.last_access = clock
             self.host_evictable_tokens += node.num_tokens
             self._host_changed(node, False, False)
             if self._events is not None:
@@ -443,9 +504,11 @@ class RadixTree:
     # ------------------------------------------------------------------ locks
     def lock(self, node: TreeNode) -> None:
         """Protect ``node`` and its ancestors from device eviction (one reference each)."""
+        self._check_live(node, "lock")
+        if self._hook is not None:
+            self._refuse_reentry("lock")
         if node.device_indices is None:
             raise ValueError(f"lock: expected a device-resident node, got {node}")
-        self._check_live(node, "lock")
         while node.parent is not None:
             if node.lock_ref == 0:
                 self.device_evictable_tokens -= node.num_tokens
@@ -456,6 +519,8 @@ class RadixTree:
     def unlock(self, node: TreeNode) -> None:
         """Drop one reference taken by :meth:`lock` on ``node``'s path."""
         self._check_live(node, "unlock")
+        if self._hook is not None:
+            self._refuse_reentry("unlock")
         walk = node
         while walk.parent is not None:
             if walk.lock_ref <= 0:
@@ -474,9 +539,10 @@ class RadixTree:
 
     def host_lock(self, node: TreeNode) -> None:
         """Protect the host copy of ``node`` (a load or a third-tier write reads it)."""
+        self._check_live(node, "host_lock")
+        self._refuse_reentry("host_lock", backup_may=True)
         if node.host_indices is None or node.parent is None:
             raise ValueError(f"host_lock: expected a non-root node with a host copy, got {node}")
-        self._check_live(node, "host_lock")
         was_busy = self._host_busy(node)
         if node.host_lock_ref == 0:
             self.host_evictable_tokens -= node.num_tokens
@@ -485,6 +551,8 @@ class RadixTree:
         self._host_changed(node, True, was_busy)
 
     def host_unlock(self, node: TreeNode) -> None:
+        self._check_live(node, "host_unlock")
+        self._refuse_reentry("host_unlock", backup_may=True)
         if node.host_lock_ref <= 0:
             raise ValueError(f"host_unlock: node {node.id} is not host-locked")
         was_busy = self._host_busy(node)
@@ -504,6 +572,7 @@ class RadixTree:
         """
         priority = check_priority(priority)
         self._check_live(node, "raise_priority")
+        self._refuse_reentry("raise_priority")
         refresh = self.eviction is EvictionPolicy.PRIORITY
         while node.parent is not None:
             if node.priority < priority:
@@ -516,6 +585,8 @@ class RadixTree:
         if not isinstance(node, TreeNode):
             raise TypeError(f"{op}: expected a TreeNode, got {type(node).__name__}")
         if node.parent is None:
+            if node.id != 0:  # removed (the native tree's words)
+                raise ValueError(f"{op}: node {node.id} is no longer in the tree (stale)")
             if self._roots.get(node.namespace) is not node:
                 raise ValueError(f"{op}: node {node.id} is not a root of this tree")
         elif node.parent.children.get(node.key[: self._key_nbytes_per_page]) is not node:
@@ -560,6 +631,10 @@ class RadixTree:
             parent = parent.parent
 
     def set_io_status(self, node: TreeNode, status: IOStatus) -> None:
+        if not isinstance(status, IOStatus):
+            raise TypeError(f"set_io_status: expected an IOStatus, got {type(status).__name__}")
+        self._check_live(node, "set_io_status")
+        self._refuse_reentry("set_io_status", backup_may=True)
         if status is not IOStatus.NONE and (node.device_indices is None or node.host_indices is None):
             raise ValueError(f"set_io_status: IO in flight needs both copies, got {node}")
         was_busy = self._host_busy(node)
@@ -570,6 +645,9 @@ class RadixTree:
 
     def attach_device(self, node: TreeNode, device_indices: torch.Tensor) -> None:
         """Give a host-only node device pages (a load target, or adopted on insert)."""
+        self._check_live(node, "attach_device")
+        check_page_tensor("device_indices", device_indices)
+        self._refuse_reentry("attach_device")
         if node.device_indices is not None or node.parent is None:
             raise ValueError(f"attach_device: expected a host-only node, got {node}")
         if node.parent.device_indices is None:
@@ -579,7 +657,7 @@ class RadixTree:
             raise ValueError(
                 f"attach_device: expected {num_pages} pages, got {device_indices.shape[0]}"
             )
-        node.device_indices = _own(device_indices)
+        node.device_indices = _copy(device_indices)
         self.device_evictable_tokens += node.num_tokens
         if self._events is not None:
             self._log(True, "device", node)
@@ -587,6 +665,8 @@ class RadixTree:
 
     def detach_device(self, node: TreeNode) -> torch.Tensor:
         """Drop the device copy of an unlocked node that has a host copy; return its pages."""
+        self._check_live(node, "detach_device")
+        self._refuse_reentry("detach_device")
         if node.device_indices is None or node.host_indices is None or node.lock_ref:
             raise ValueError(f"detach_device: expected an unlocked node on both tiers, got {node}")
         if any(c.device_indices is not None for c in node.children.values()):
@@ -605,12 +685,15 @@ class RadixTree:
 
     def attach_host(self, node: TreeNode, host_indices: torch.Tensor) -> None:
         """Record the host copy of a device node (a backup target)."""
+        self._check_live(node, "attach_host")
+        check_page_tensor("host_indices", host_indices)
+        self._refuse_reentry("attach_host", backup_may=True)
         if node.device_indices is None or node.host_indices is not None or node.parent is None:
             raise ValueError(f"attach_host: expected a device-only node, got {node}")
         num_pages = len(node.key) // self._key_nbytes_per_page
         if host_indices.shape[0] != num_pages:
             raise ValueError(f"attach_host: expected {num_pages} pages, got {host_indices.shape[0]}")
-        node.host_indices = _own(host_indices)
+        node.host_indices = _copy(host_indices)
         self.host_evictable_tokens += node.num_tokens
         self._host_changed(node, False, False)
         if self._events is not None:
@@ -619,6 +702,8 @@ class RadixTree:
 
     def detach_host(self, node: TreeNode) -> torch.Tensor:
         """Drop the host copy of a node that stays on the device; return its host pages."""
+        self._check_live(node, "detach_host")
+        self._refuse_reentry("detach_host")
         if node.host_indices is None or node.device_indices is None or node.host_lock_ref:
             raise ValueError(f"detach_host: expected a node on both tiers, host-unlocked, got {node}")
         if self._events is not None:
@@ -822,49 +907,74 @@ class RadixTree:
         larger than what is still needed is split, and only its tail is evicted.
         """
         need = -(-check_int("num_tokens", num_tokens) // self.page_size)
+        self._refuse_reentry("evict_device")
         freed: list[torch.Tensor] = []
         num_freed = num_backup = 0
         skipped: list[TreeNode] = []
-        while need > 0:
-            node = self._device_heap.pop(self._device_rank)
-            if node is None:
-                break
-            if node.host_indices is None and node.children and backup is None:
-                skipped.append(node)
-                continue
-            num_pages = len(node.key) // self._key_nbytes_per_page
-            if num_pages > need:
-                self._split(node, num_pages - need)
-                num_pages = need
-            if node.host_indices is not None:
-                if self._events is not None:
-                    self._log(False, "device", node)
-                freed.append(node.device_indices)
-                node.device_indices = None
-                self.device_evictable_tokens -= node.num_tokens
-                num_freed += node.num_tokens
-                self._merge_host_chain(node)
+        node = None
+        try:
+            while need > 0:
+                node = self._device_heap.pop(self._device_rank)
+                if node is None:
+                    break
+                if node.host_indices is None and node.children and backup is None:
+                    skipped.append(node)
+                    continue
+                num_pages = len(node.key) // self._key_nbytes_per_page
+                if num_pages > need:
+                    self._split(node, num_pages - need)
+                    num_pages = need
+                if node.host_indices is not None:
+                    if self._events is not None:
+                        self._log(False, "device", node)
+                    freed.append(node.device_indices)
+                    node.device_indices = None
+                    self.device_evictable_tokens -= node.num_tokens
+                    num_freed += node.num_tokens
+                    self._merge_host_chain(node)
+                    self._refresh(node)
+                    self._refresh(node.parent)
+                elif backup is not None and self._call_backup(backup, node):
+                    num_backup += node.num_tokens
+                elif (
+                    not node.children
+                    and node.host_indices is None
+                    and node.io_status is IOStatus.NONE
+                    and node.parent is not None
+                ):
+                    # (A backup hook that declined may have given the node a host
+                    # copy or IO in flight: then it is skipped like a node with children.)
+                    if self._events is not None:
+                        self._log(False, "device", node)
+                    freed.append(node.device_indices)
+                    self.device_evictable_tokens -= node.num_tokens
+                    num_freed += node.num_tokens
+                    node.device_indices = None
+                    self._remove(node)
+                else:
+                    skipped.append(node)
+                    continue
+                need -= num_pages
+        except BaseException:
+            # A hook raised: the node it was running for and the skipped ones get
+            # their heap entries back, so the tree stays consistent.
+            for n in skipped:
+                self._refresh(n)
+            if node is not None and node.parent is not None:
                 self._refresh(node)
-                self._refresh(node.parent)
-            elif backup is not None and backup(node):
-                num_backup += node.num_tokens
-            elif not node.children:
-                if self._events is not None:
-                    self._log(False, "device", node)
-                freed.append(node.device_indices)
-                self.device_evictable_tokens -= node.num_tokens
-                num_freed += node.num_tokens
-                node.device_indices = None
-                self._remove(node)
-            else:
-                skipped.append(node)
-                continue
-            need -= num_pages
+            raise
         for node in skipped:
             self._device_heap.push(node)
         self._maybe_compact()
         pages = torch.cat(freed) if len(freed) > 1 else (freed[0] if freed else _EMPTY)
         return EvictResult(pages, num_freed, num_backup)
+
+    def _call_backup(self, backup: Callable[[TreeNode], bool], node: TreeNode) -> bool:
+        outer, self._hook = self._hook, "backup"
+        try:
+            return bool(backup(node))
+        finally:
+            self._hook = outer
 
     def evict_host(self, num_tokens: int, drop_device_resident: bool = True) -> EvictResult:
         """Give up host pages of at least ``num_tokens`` tokens if possible; return them.
@@ -874,6 +984,7 @@ class RadixTree:
         copy. Host-locked nodes and nodes with IO in flight are skipped.
         """
         need = -(-check_int("num_tokens", num_tokens) // self.page_size)
+        self._refuse_reentry("evict_host", backup_may=True)
         freed: list[torch.Tensor] = []
         num_freed = 0
         while need > 0:
@@ -885,7 +996,11 @@ class RadixTree:
                 break
             num_pages = len(node.key) // self._key_nbytes_per_page
             if num_pages > need:
-                self._split(node, num_pages - need)
+                try:
+                    self._split(node, num_pages - need)
+                except BaseException:
+                    self._refresh(node)  # an on_split hook raised: node keeps its heap entry
+                    raise
                 num_pages = need
             if self._events is not None:
                 self._log(False, "host", node)
@@ -909,6 +1024,7 @@ class RadixTree:
         With ``extra`` (1-D int64 CPU page ids) the result continues with them: a
         request's page table is ``device_indices_of(prefix_node, new_pages)``.
         """
+        self._check_live(node, "device_indices_of")
         parts = [] if extra is None else [check_page_tensor("extra", extra)]
         while node.parent is not None:
             if node.device_indices is None:
@@ -943,6 +1059,8 @@ class RadixTree:
 
     def host_only_path(self, result: MatchResult) -> list[TreeNode]:
         """The host-only nodes of a match, root side first."""
+        self._check_live(result.last_node, "host_only_path")
+        self._check_live(result.last_device_node, "host_only_path")
         nodes = []
         node = result.last_node
         while node is not result.last_device_node:
@@ -953,6 +1071,7 @@ class RadixTree:
 
     def path_to(self, node: TreeNode) -> list[TreeNode]:
         """Non-root nodes from the root down to ``node``."""
+        self._check_live(node, "path_to")
         nodes = []
         while node.parent is not None:
             nodes.append(node)

@@ -57,6 +57,8 @@ def token_key(tokens: TokenLike, page_size: int) -> bytes:
     if isinstance(tokens, torch.Tensor):
         if tokens.device.type == "meta":
             raise ValueError("tokens: expected a tensor with data (CPU or CUDA), got device meta")
+        if tokens.layout is not torch.strided:
+            raise ValueError(f"tokens: expected a dense tensor, got layout {tokens.layout}")
         if tokens.dtype not in (torch.int32, torch.int64, torch.int16, torch.uint8):
             raise TypeError(f"tokens: expected an integer tensor, got dtype {tokens.dtype}")
         tokens = tokens.detach().cpu().numpy()

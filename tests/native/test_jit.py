@@ -91,7 +91,9 @@ def test_an_unknown_native_mode_is_reported(monkeypatch):
     monkeypatch.setenv("HICACHE_NATIVE", "sometimes")
     result = jit._load.__wrapped__()
     assert result.module is None
-    assert result.reason == "HICACHE_NATIVE: expected 'auto', 'prebuilt' or 'jit', got 'sometimes'"
+    assert result.reason == (
+        "HICACHE_NATIVE: expected 'auto', 'prebuilt', 'jit' or 'sanitize', got 'sometimes'"
+    )
 
 
 def test_each_checkout_gets_its_own_build_directory(tmp_path, monkeypatch):

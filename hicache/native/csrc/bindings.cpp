@@ -12,6 +12,7 @@
 
 #include <cstring>
 #include <limits>
+#include <mutex>
 
 #include "allocator.h"
 #include "lifecycle.h"
@@ -31,6 +32,39 @@ constexpr std::int64_t kMaxToken = std::numeric_limits<token_t>::max();
 
 
 std::string type_name(py::handle obj) { return py::str(py::type::handle_of(obj).attr("__name__")); }
+
+// Holds a tree's op_mutex for one call (tree.h): a second thread waits here,
+// with the GIL released, until the first one's call returns, however often
+// that call runs Python code (hooks, a tensor freed) that lets other threads in.
+// The owning thread re-enters freely (a hook calling back).
+class TreeLock {
+ public:
+  explicit TreeLock(const RadixTree& tree) : mutex_(tree.op_mutex()) {
+    if (!mutex_.try_lock()) {
+      py::gil_scoped_release nogil;
+      mutex_.lock();
+    }
+  }
+  ~TreeLock() { mutex_.unlock(); }
+  TreeLock(const TreeLock&) = delete;
+  TreeLock& operator=(const TreeLock&) = delete;
+
+ private:
+  std::recursive_mutex& mutex_;
+};
+
+// A shape as Python prints a tuple of ints: (), (3,), (2, 2).
+template <typename Sizes>
+std::string shape_repr(const Sizes& sizes) {
+  std::string out = "(";
+  for (const auto d : sizes) out += std::to_string(d) + ", ";
+  if (std::size(sizes) > 0) out.resize(out.size() - 2);
+  if (std::size(sizes) == 1) out += ",";
+  return out + ")";
+}
+
+// A tensor's layout as Python names it (torch.sparse_coo, ...).
+std::string layout_name(py::handle tensor) { return py::str(tensor.attr("layout")); }
 
 // The whole-page tokens of one call, and whatever keeps their memory alive.
 struct Key {
@@ -83,17 +117,21 @@ void read_key(py::handle obj, std::int64_t page_size, Key& key) {
   };
   if (THPVariable_Check(obj.ptr())) {
     at::Tensor t = THPVariable_Unpack(obj.ptr());
+    // The checks of hicache.tree.token_key, in its order.
+    if (t.is_meta()) {
+      throw hicache::ValueError("tokens: expected a tensor with data (CPU or CUDA), got device meta");
+    }
+    if (t.layout() != at::kStrided) {
+      throw hicache::ValueError("tokens: expected a dense tensor, got layout " + layout_name(obj));
+    }
     const auto dtype = t.scalar_type();
     if (dtype != at::kInt && dtype != at::kLong) {
       throw hicache::TypeError(std::string("tokens: expected an int32 or int64 tensor, got dtype ") +
                                c10::toString(dtype));
     }
-    if (t.is_meta()) {
-      throw hicache::ValueError("tokens: expected a tensor with data (CPU or CUDA), got device meta");
-    }
-    if (t.dim() != 1) {
-      throw hicache::ValueError("tokens: expected a 1-D sequence, got " +
-                                std::to_string(t.dim()) + " dimensions");
+    if (t.dim() != 1) {  // hicache.tree.token_key's words (numpy's shape)
+      throw hicache::ValueError("tokens: expected a 1-D sequence, got shape " +
+                                shape_repr(t.sizes()));
     }
     if (!t.is_cpu()) t = t.cpu();
     const auto count = static_cast<std::size_t>(t.size(0));
@@ -132,8 +170,8 @@ void read_key(py::handle obj, std::int64_t page_size, Key& key) {
     key.buffer = py::reinterpret_borrow<py::buffer>(obj).request();
     const py::buffer_info& info = *key.buffer;
     if (info.ndim != 1) {
-      throw hicache::ValueError("tokens: expected a 1-D sequence, got " +
-                                std::to_string(info.ndim) + " dimensions");
+      throw hicache::ValueError("tokens: expected a 1-D sequence, got shape " +
+                                shape_repr(info.shape));
     }
     const char fmt = info.format.empty() ? '?' : info.format.back();
     const bool is_int = fmt == 'i' || fmt == 'l' || fmt == 'q';
@@ -162,9 +200,10 @@ void read_key(py::handle obj, std::int64_t page_size, Key& key) {
                            type_name(obj));
 }
 
-// A 1-D int64 CPU tensor of page ids, held by reference (a view, like the
-// Python tree's slices); non-contiguous input is copied once.
-IndexRun read_pages(py::handle obj, const char* name) {
+// A 1-D int64 CPU tensor of page ids. With `copy`, a copy the tree owns (what it
+// keeps must not follow the caller re-pointing, resizing or refilling its
+// tensor); else the caller's tensor for the call's duration (made contiguous).
+IndexRun read_pages(py::handle obj, const char* name, bool copy = false) {
   if (!THPVariable_Check(obj.ptr())) {
     throw hicache::TypeError(std::string(name) + ": expected an int64 torch.Tensor, got " +
                              type_name(obj));
@@ -176,25 +215,36 @@ IndexRun read_pages(py::handle obj, const char* name) {
     throw hicache::TypeError(std::string(name) + ": expected dtype torch.int64, got " +
                              c10::toString(t.scalar_type()));
   }
+  if (t.layout() != at::kStrided) {
+    throw hicache::ValueError(std::string(name) + ": expected a dense tensor, got layout " +
+                              layout_name(obj));
+  }
   if (t.dim() != 1) {
-    std::string shape = "(";
-    for (std::int64_t d = 0; d < t.dim(); ++d) shape += std::to_string(t.size(d)) + ", ";
-    if (t.dim() > 0) shape.resize(shape.size() - 2);
-    if (t.dim() == 1) shape += ",";
-    throw hicache::ValueError(std::string(name) + ": expected a 1-D tensor, got shape " + shape + ")");
+    throw hicache::ValueError(std::string(name) + ": expected a 1-D tensor, got shape " +
+                              shape_repr(t.sizes()));
   }
   if (!t.is_cpu()) {
     throw hicache::ValueError(std::string(name) + ": expected a CPU tensor, got device " +
                               t.device().str());
   }
-  if (!t.is_contiguous()) t = t.contiguous();
+  if (!t.is_contiguous()) {
+    t = t.contiguous();  // a copy already
+  } else if (copy) {
+    // One allocation and a memcpy: much cheaper than clone() through the dispatcher.
+    at::Tensor own = at::empty({t.size(0)}, at::kLong);
+    if (t.size(0) != 0) {  // an empty tensor's data pointer may be null
+      std::memcpy(own.data_ptr(), t.const_data_ptr(),
+                  static_cast<std::size_t>(t.size(0)) * sizeof(hicache::page_id_t));
+    }
+    t = std::move(own);
+  }
   const std::int64_t n = t.size(0);
   return IndexRun{std::move(t), 0, n};
 }
 
 // read_pages, plus the insert check: one page id per whole page of the key.
 IndexRun read_pages(py::handle obj, const char* name, const Key& key, const RadixTree& tree) {
-  IndexRun pages = read_pages(obj, name);
+  IndexRun pages = read_pages(obj, name, /*copy=*/true);
   const auto num_pages = static_cast<std::int64_t>(key.span.size()) / tree.page_size();
   if (pages.num_pages != num_pages) {
     throw hicache::ValueError(std::string(name) + ": expected one page id per whole page (" +
@@ -204,20 +254,38 @@ IndexRun read_pages(py::handle obj, const char* name, const Key& key, const Radi
   return pages;
 }
 
+// The UTF-8 bytes of a str, or nothing when it has none (a lone surrogate).
+std::optional<std::string> utf8(py::handle s) {
+  Py_ssize_t size = 0;
+  const char* data = PyUnicode_AsUTF8AndSize(s.ptr(), &size);
+  if (data == nullptr) {
+    PyErr_Clear();
+    return std::nullopt;
+  }
+  return std::string(data, static_cast<std::size_t>(size));
+}
+
 std::uint32_t ns_of(RadixTree& tree, py::handle ns) {
   if (ns.is_none()) return tree.namespace_index(std::nullopt);
   if (!PyUnicode_Check(ns.ptr())) {
     throw hicache::TypeError("namespace: expected str or None, got " + type_name(ns));
   }
-  return tree.namespace_index(ns.cast<std::string>());
+  std::optional<std::string> name = utf8(ns);
+  if (!name) {  // the words of hicache/tree/python.py RadixTree.root
+    throw hicache::ValueError("namespace: expected a str encodable as UTF-8, got " +
+                              std::string(py::repr(ns)));
+  }
+  return tree.namespace_index(*name);
 }
 
 // The namespace's index if it exists (read-only lookups create none; a non-str
-// namespace names no root).
+// namespace, or one with no UTF-8 form, names no root).
 std::optional<std::uint32_t> existing_ns(const RadixTree& tree, py::handle ns) {
   if (ns.is_none()) return tree.find_namespace(std::nullopt);
   if (!PyUnicode_Check(ns.ptr())) return std::nullopt;
-  return tree.find_namespace(ns.cast<std::string>());
+  std::optional<std::string> name = utf8(ns);
+  if (!name) return std::nullopt;
+  return tree.find_namespace(*name);
 }
 
 TreeNode* node_of(const RadixTree& tree, NodeHandle handle, const char* op) {
@@ -287,6 +355,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
+    } catch (const hicache::ReentryError& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
     } catch (const hicache::ValueError& e) {
       PyErr_SetString(PyExc_ValueError, e.what());
     } catch (const hicache::TypeError& e) {
@@ -319,7 +389,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("host_protected_tokens", &RadixTree::host_protected_tokens)
       .def_readwrite("host_takeable_tokens", &RadixTree::host_takeable_tokens)
       .def("set_on_split",
-           [](RadixTree& t, py::object fn) {
+           [](RadixTree& t, py::object fn) { TreeLock guard(t);
              if (fn.is_none()) {
                t.on_split = nullptr;
              } else {
@@ -328,18 +398,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                };
              }
            })
-      .def("root", [](RadixTree& t, py::handle ns) { return out(t.root(ns_of(t, ns))); })
+      .def("root", [](RadixTree& t, py::handle ns) { TreeLock guard(t); return out(t.root(ns_of(t, ns))); })
       // A live node's handle the Lifecycle returned without exporting (see `out`).
-      .def("export", [](RadixTree& t, NodeHandle h) { return out(node_of(t, h, "export")); })
+      .def("export", [](RadixTree& t, NodeHandle h) { TreeLock guard(t); return out(node_of(t, h, "export")); })
       .def("match",
-           [](RadixTree& t, py::handle tokens, py::handle ns) {
+           [](RadixTree& t, py::handle tokens, py::handle ns) { TreeLock guard(t);
              Key key;
              read_key(tokens, t.page_size(), key);
              const auto m = t.match(key.span, ns_of(t, ns));
              return py::make_tuple(m.device_len, m.host_len, out(m.last_device), out(m.last));
            })
       .def("insert",
-           [](RadixTree& t, py::handle tokens, py::handle device_indices, py::handle ns) {
+           [](RadixTree& t, py::handle tokens, py::handle device_indices, py::handle ns) { TreeLock guard(t);
              Key key;
              read_key(tokens, t.page_size(), key);
              const IndexRun pages = read_pages(device_indices, "device_indices", key, t);
@@ -347,7 +417,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return py::make_tuple(r.num_cached_tokens, out(r.last));
            })
       .def("insert_host",
-           [](RadixTree& t, py::handle tokens, py::handle host_indices, py::handle ns) {
+           [](RadixTree& t, py::handle tokens, py::handle host_indices, py::handle ns) { TreeLock guard(t);
              Key key;
              read_key(tokens, t.page_size(), key);
              const IndexRun pages = read_pages(host_indices, "host_indices", key, t);
@@ -355,31 +425,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return py::make_tuple(r.num_cached_tokens, out(r.last));
            })
       .def("probe",
-           [](RadixTree& t, py::handle tokens, py::handle ns) {
+           [](RadixTree& t, py::handle tokens, py::handle ns) { TreeLock guard(t);
              Key key;
              read_key(tokens, t.page_size(), key);
              return t.probe(key.span, existing_ns(t, ns));
            })
       .def("probe_path",
-           [](RadixTree& t, py::handle tokens, py::handle ns) {
+           [](RadixTree& t, py::handle tokens, py::handle ns) { TreeLock guard(t);
              Key key;
              read_key(tokens, t.page_size(), key);
              std::vector<TreeNode*> path;
              t.probe(key.span, existing_ns(t, ns), &path);
              return handles(path);
            })
-      .def("lock", [](RadixTree& t, NodeHandle h) { t.lock(node_of(t, h, "lock")); })
-      .def("unlock", [](RadixTree& t, NodeHandle h) { t.unlock(node_of(t, h, "unlock")); })
+      .def("lock", [](RadixTree& t, NodeHandle h) { TreeLock guard(t); t.lock(node_of(t, h, "lock")); })
+      .def("unlock", [](RadixTree& t, NodeHandle h) { TreeLock guard(t); t.unlock(node_of(t, h, "unlock")); })
       .def("host_lock",
-           [](RadixTree& t, NodeHandle h) { t.host_lock(node_of(t, h, "host_lock")); })
+           [](RadixTree& t, NodeHandle h) { TreeLock guard(t); t.host_lock(node_of(t, h, "host_lock")); })
       .def("host_unlock",
-           [](RadixTree& t, NodeHandle h) { t.host_unlock(node_of(t, h, "host_unlock")); })
+           [](RadixTree& t, NodeHandle h) { TreeLock guard(t); t.host_unlock(node_of(t, h, "host_unlock")); })
       .def("raise_priority",
-           [](RadixTree& t, NodeHandle h, std::int64_t priority) {
+           [](RadixTree& t, NodeHandle h, std::int64_t priority) { TreeLock guard(t);
              t.raise_priority(node_of(t, h, "raise_priority"), priority);
            })
       .def("set_io_status",
-           [](RadixTree& t, NodeHandle h, int status) {
+           [](RadixTree& t, NodeHandle h, int status) { TreeLock guard(t);
              if (status < 0 || status > 2) {
                throw hicache::ValueError("set_io_status: expected 0, 1 or 2, got " +
                                          std::to_string(status));
@@ -388,21 +458,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                              static_cast<hicache::IOStatus>(status));
            })
       .def("attach_device",
-           [](RadixTree& t, NodeHandle h, py::handle pages) {
+           [](RadixTree& t, NodeHandle h, py::handle pages) { TreeLock guard(t);
              TreeNode* node = node_of(t, h, "attach_device");
-             t.attach_device(node, read_pages(pages, "device_indices"));
+             t.attach_device(node, read_pages(pages, "device_indices", /*copy=*/true));
            })
       .def("detach_device",
-           [](RadixTree& t, NodeHandle h) { return t.detach_device(node_of(t, h, "detach_device")); })
+           [](RadixTree& t, NodeHandle h) { TreeLock guard(t); return t.detach_device(node_of(t, h, "detach_device")); })
       .def("attach_host",
-           [](RadixTree& t, NodeHandle h, py::handle pages) {
+           [](RadixTree& t, NodeHandle h, py::handle pages) { TreeLock guard(t);
              TreeNode* node = node_of(t, h, "attach_host");
-             t.attach_host(node, read_pages(pages, "host_indices"));
+             t.attach_host(node, read_pages(pages, "host_indices", /*copy=*/true));
            })
       .def("detach_host",
-           [](RadixTree& t, NodeHandle h) { return t.detach_host(node_of(t, h, "detach_host")); })
+           [](RadixTree& t, NodeHandle h) { TreeLock guard(t); return t.detach_host(node_of(t, h, "detach_host")); })
       .def("evict_device",
-           [](RadixTree& t, std::int64_t num_tokens, py::object backup) {
+           [](RadixTree& t, std::int64_t num_tokens, py::object backup) { TreeLock guard(t);
              if (backup.is_none()) return evict_result(t.evict_device(num_tokens, nullptr));
              const RadixTree::BackupHook hook = [&backup](TreeNode* node) {
                const py::object result = backup(out(node));
@@ -413,18 +483,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return evict_result(t.evict_device(num_tokens, &hook));
            })
       .def("evict_host",
-           [](RadixTree& t, std::int64_t num_tokens, bool drop_device_resident) {
+           [](RadixTree& t, std::int64_t num_tokens, bool drop_device_resident) { TreeLock guard(t);
              return evict_result(t.evict_host(num_tokens, drop_device_resident));
            })
       .def("device_indices_of",
-           [](RadixTree& t, NodeHandle h, py::handle extra) {
+           [](RadixTree& t, NodeHandle h, py::handle extra) { TreeLock guard(t);
              TreeNode* node = node_of(t, h, "device_indices_of");
              if (extra.is_none()) return t.device_indices_of(node);
              const IndexRun run = read_pages(extra, "extra");
              return t.device_indices_of(node, &run);
            })
       .def("path_to",
-           [](RadixTree& t, NodeHandle h) {
+           [](RadixTree& t, NodeHandle h) { TreeLock guard(t);
              std::vector<TreeNode*> path;
              for (TreeNode* n = node_of(t, h, "path_to"); n->parent != nullptr; n = n->parent) {
                path.push_back(n);
@@ -433,28 +503,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return handles(path);
            })
       .def("path_missing_host",
-           [](RadixTree& t, NodeHandle h, std::int64_t min_hit_count) {
+           [](RadixTree& t, NodeHandle h, std::int64_t min_hit_count) { TreeLock guard(t);
              return handles(t.path_missing_host(node_of(t, h, "path_missing_host"), min_hit_count));
            })
       .def("host_only_path",
-           [](RadixTree& t, NodeHandle last, NodeHandle last_device) {
+           [](RadixTree& t, NodeHandle last, NodeHandle last_device) { TreeLock guard(t);
              TreeNode* stop = node_of(t, last_device, "host_only_path");
              return handles(t.host_only_path(node_of(t, last, "host_only_path"), stop));
            })
-      .def("nodes", [](RadixTree& t) { return handles(t.nodes()); })
+      .def("nodes", [](RadixTree& t) { TreeLock guard(t); return handles(t.nodes()); })
       .def("live",
-           [](RadixTree& t, const std::vector<NodeHandle>& hs) {
+           [](RadixTree& t, const std::vector<NodeHandle>& hs) { TreeLock guard(t);
              std::vector<NodeHandle> result;
              for (NodeHandle h : hs) {
                if (t.find(h) != nullptr) result.push_back(h);
              }
              return result;
            })
-      .def("release_detached", &RadixTree::release_detached)
-      .def("num_detached", &RadixTree::num_detached)
-      .def("enable_events", &RadixTree::enable_events)
+      .def("release_detached", [](RadixTree& t, const std::vector<NodeHandle>& keep) { TreeLock guard(t); t.release_detached(keep); })
+      .def("num_detached", [](RadixTree& t) { TreeLock guard(t); return t.num_detached(); })
+      .def("enable_events", [](RadixTree& t) { TreeLock guard(t); t.enable_events(); })
       .def("take_events",
-           [](RadixTree& t) {
+           [](RadixTree& t) { TreeLock guard(t);
              py::list out;
              for (const auto& e : t.take_events()) {
                const auto& name = t.namespace_name(e.ns);
@@ -466,7 +536,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return out;
            })
       .def("node_hashes",
-           [](RadixTree& t, NodeHandle h) {
+           [](RadixTree& t, NodeHandle h) { TreeLock guard(t);
              TreeNode* node = node_of(t, h, "node_hashes");
              if (node->parent == nullptr) {
                throw hicache::ValueError(
@@ -476,17 +546,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              py::object p = parent ? py::object(py::int_(*parent)) : py::none();
              return py::make_tuple(p, py::cast(hashes));
            })
-      .def("check_integrity", &RadixTree::check_integrity)
-      .def("memory_bytes", &RadixTree::memory_bytes)
+      .def("check_integrity", [](RadixTree& t) { TreeLock guard(t); return t.check_integrity(); })
+      .def("memory_bytes", [](RadixTree& t) { TreeLock guard(t); return t.memory_bytes(); })
       // Node accessors (all take a handle; a stale one raises ValueError).
-      .def("node_id", [](RadixTree& t, NodeHandle h) { return readable_node(t, h, "id")->id; })
+      .def("node_id", [](RadixTree& t, NodeHandle h) { TreeLock guard(t); return readable_node(t, h, "id")->id; })
       .def("parent",
-           [](RadixTree& t, NodeHandle h) {
+           [](RadixTree& t, NodeHandle h) { TreeLock guard(t);
              TreeNode* p = readable_node(t, h, "parent")->parent;
              return p == nullptr ? hicache::kNoNode : out(p);
            })
       .def("children",
-           [](RadixTree& t, NodeHandle h) {
+           [](RadixTree& t, NodeHandle h) { TreeLock guard(t);
              const TreeNode* node = readable_node(t, h, "children");
              const auto ps = static_cast<std::size_t>(t.page_size());
              py::list result;
@@ -496,40 +566,40 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return result;
            })
       .def("namespace",
-           [](RadixTree& t, NodeHandle h) -> py::object {
+           [](RadixTree& t, NodeHandle h) -> py::object { TreeLock guard(t);
              const auto& name = t.namespace_name(readable_node(t, h, "namespace")->ns);
              if (!name) return py::none();
              return py::str(*name);
            })
       .def("key",
-           [](RadixTree& t, NodeHandle h) {
+           [](RadixTree& t, NodeHandle h) { TreeLock guard(t);
              return key_bytes(readable_node(t, h, "key")->tokens.span());
            })
       .def("device_indices",
-           [](RadixTree& t, NodeHandle h) { return maybe_tensor(readable_node(t, h, "device_indices")->device); })
+           [](RadixTree& t, NodeHandle h) { TreeLock guard(t); return maybe_tensor(readable_node(t, h, "device_indices")->device); })
       .def("host_indices",
-           [](RadixTree& t, NodeHandle h) { return maybe_tensor(readable_node(t, h, "host_indices")->host); })
-      .def("num_tokens", [](RadixTree& t, NodeHandle h) { return readable_node(t, h, "num_tokens")->num_tokens(); })
-      .def("on_device", [](RadixTree& t, NodeHandle h) { return readable_node(t, h, "on_device")->on_device(); })
-      .def("on_host", [](RadixTree& t, NodeHandle h) { return readable_node(t, h, "on_host")->on_host(); })
-      .def("lock_ref", [](RadixTree& t, NodeHandle h) { return readable_node(t, h, "lock_ref")->lock_ref; })
+           [](RadixTree& t, NodeHandle h) { TreeLock guard(t); return maybe_tensor(readable_node(t, h, "host_indices")->host); })
+      .def("num_tokens", [](RadixTree& t, NodeHandle h) { TreeLock guard(t); return readable_node(t, h, "num_tokens")->num_tokens(); })
+      .def("on_device", [](RadixTree& t, NodeHandle h) { TreeLock guard(t); return readable_node(t, h, "on_device")->on_device(); })
+      .def("on_host", [](RadixTree& t, NodeHandle h) { TreeLock guard(t); return readable_node(t, h, "on_host")->on_host(); })
+      .def("lock_ref", [](RadixTree& t, NodeHandle h) { TreeLock guard(t); return readable_node(t, h, "lock_ref")->lock_ref; })
       .def("host_lock_ref",
-           [](RadixTree& t, NodeHandle h) { return readable_node(t, h, "host_lock_ref")->host_lock_ref; })
+           [](RadixTree& t, NodeHandle h) { TreeLock guard(t); return readable_node(t, h, "host_lock_ref")->host_lock_ref; })
       .def("io_status",
-           [](RadixTree& t, NodeHandle h) {
+           [](RadixTree& t, NodeHandle h) { TreeLock guard(t);
              return static_cast<int>(readable_node(t, h, "io_status")->io_status);
            })
-      .def("hit_count", [](RadixTree& t, NodeHandle h) { return readable_node(t, h, "hit_count")->hit_count; })
+      .def("hit_count", [](RadixTree& t, NodeHandle h) { TreeLock guard(t); return readable_node(t, h, "hit_count")->hit_count; })
       .def("last_access",
-           [](RadixTree& t, NodeHandle h) { return readable_node(t, h, "last_access")->last_access; })
-      .def("created", [](RadixTree& t, NodeHandle h) { return readable_node(t, h, "created")->created; })
+           [](RadixTree& t, NodeHandle h) { TreeLock guard(t); return readable_node(t, h, "last_access")->last_access; })
+      .def("created", [](RadixTree& t, NodeHandle h) { TreeLock guard(t); return readable_node(t, h, "created")->created; })
       .def("priority",
-           [](RadixTree& t, NodeHandle h) { return readable_node(t, h, "priority")->priority; })
-      .def("repr", [](RadixTree& t, NodeHandle h) { return readable_node(t, h, "repr")->repr(); })
+           [](RadixTree& t, NodeHandle h) { TreeLock guard(t); return readable_node(t, h, "priority")->priority; })
+      .def("repr", [](RadixTree& t, NodeHandle h) { TreeLock guard(t); return readable_node(t, h, "repr")->repr(); })
       // Overwrite a lock count without any bookkeeping: for corruption tests only.
       .def("set_lock_ref",
-           [](RadixTree& t, NodeHandle h, std::int64_t v) { readable_node(t, h, "lock_ref")->lock_ref = v; })
-      .def("set_host_lock_ref", [](RadixTree& t, NodeHandle h, std::int64_t v) {
+           [](RadixTree& t, NodeHandle h, std::int64_t v) { TreeLock guard(t); readable_node(t, h, "lock_ref")->lock_ref = v; })
+      .def("set_host_lock_ref", [](RadixTree& t, NodeHandle h, std::int64_t v) { TreeLock guard(t);
         readable_node(t, h, "host_lock_ref")->host_lock_ref = v;
       });
 
@@ -597,7 +667,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                     })
       .def("match",
            [](Lifecycle& lc, py::handle tokens, py::handle ns, std::int64_t num_tokens,
-              bool load_back) {
+              bool load_back) { TreeLock guard(lc.tree());
              RadixTree& t = lc.tree();
              Key key;
              read_key(tokens, t.page_size(), key);
@@ -606,14 +676,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                    key_bytes(key.span));
            })
       .def("alloc",
-           [](Lifecycle& lc, std::int64_t num_pages) -> py::object {
+           [](Lifecycle& lc, std::int64_t num_pages) -> py::object { TreeLock guard(lc.tree());
              std::optional<at::Tensor> pages = lc.alloc_device(num_pages);
              if (!pages) return py::none();
              return py::cast(*pages);
            })
       .def("insert",
            [](Lifecycle& lc, py::handle tokens, py::handle ns, NodeHandle lock, py::handle owned,
-              py::handle prefix_key, std::int64_t prefix_len) -> py::object {
+              py::handle prefix_key, std::int64_t prefix_len) -> py::object { TreeLock guard(lc.tree());
              RadixTree& t = lc.tree();
              Key key;
              read_key(tokens, t.page_size(), key);
@@ -630,13 +700,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return py::make_tuple(r->last->handle, r->new_tokens, key_bytes(key.span), rest);
            })
       .def("release",
-           [](Lifecycle& lc, NodeHandle lock, py::handle owned) {
+           [](Lifecycle& lc, NodeHandle lock, py::handle owned) { TreeLock guard(lc.tree());
              TreeNode* node = node_of(lc.tree(), lock, "release");
              if (owned.is_none()) return lc.release(node, nullptr);
              const IndexRun run = read_pages(owned, "owned");
              lc.release(node, &run);
            })
-      .def("take_counters", [](Lifecycle& lc) {
+      .def("take_counters", [](Lifecycle& lc) { TreeLock guard(lc.tree());
         const auto values = lc.take_counters();
         return py::tuple(py::cast(std::vector<std::int64_t>(values.begin(), values.end())));
       });

@@ -59,6 +59,17 @@ struct TypeError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A call the tree refuses in its current state: a tree-changing call from inside
+// a hook (tree.h, RadixTree::check_reentry); the binding raises RuntimeError.
+struct ReentryError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// The largest page size (tokens per page) a tree takes: far above any real one,
+// and small enough that every size computed from it (bytes of a page of int32
+// tokens, pages times page size) stays far inside int64.
+inline constexpr std::int64_t kMaxPageSize = std::int64_t{1} << 24;
+
 // The first page of a child's run: the key its parent finds it by. The pointer
 // is into the child's own token storage, which outlives the map entry.
 struct PageKey {

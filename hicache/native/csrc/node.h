@@ -100,9 +100,11 @@ struct IndexRun {
     return IndexRun{std::move(copy), 0, num_pages};
   }
 
-  // A view of the window (no copy); the whole base when the window covers it.
+  // A view of the window (no copy), always a tensor object of its own: a caller
+  // that re-points it (`set_`, `resize_`) changes only its own object, never
+  // the tensor the tree holds.
   at::Tensor tensor() const {
-    if (offset == 0 && num_pages == base.size(0)) return base;
+    if (offset == 0 && num_pages == base.size(0)) return base.alias();
     return base.narrow(0, offset, num_pages);
   }
 

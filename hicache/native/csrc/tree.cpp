@@ -72,9 +72,20 @@ std::size_t malloc_bytes(std::size_t n) {
 
 RadixTree::RadixTree(std::int64_t page_size, EvictionPolicy policy)
     : page_size_(page_size), policy_(policy) {
-  if (page_size <= 0) {
-    throw ValueError("page_size: expected a positive int, got " + std::to_string(page_size));
+  if (page_size <= 0 || page_size > kMaxPageSize) {
+    throw ValueError("page_size: expected an int in [1, 2**24], got " + std::to_string(page_size));
   }
+}
+
+void RadixTree::check_reentry(const char* op, bool backup_may) const {
+  if (hook_ == Hook::None || (hook_ == Hook::Backup && backup_may)) return;
+  if (hook_ == Hook::Split) {
+    throw ReentryError(std::string(op) +
+                       ": called from inside the on_split hook, which may only read the tree");
+  }
+  throw ReentryError(std::string(op) +
+                     ": called from inside the backup hook, which may only read the tree and "
+                     "call host_lock, host_unlock, attach_host, set_io_status and evict_host");
 }
 
 // ------------------------------------------------------------------- basics
@@ -163,6 +174,7 @@ std::int64_t RadixTree::common_pages(token_span child, token_span rest) const {
 }
 
 MatchOut RadixTree::match(token_span key, std::uint32_t ns) {
+  check_reentry("match");
   OpScope scope(*this);
   TreeNode* node = root(ns);
   const std::int64_t clock = ++clock_;
@@ -172,25 +184,33 @@ MatchOut RadixTree::match(token_span key, std::uint32_t ns) {
   std::int64_t device_len = 0;
   std::int64_t host_len = 0;
   TreeNode* last_device = node;
-  while (off < n) {
-    const auto it = node->children.find(PageKey{key.data() + off, ps});
-    if (it == node->children.end()) break;
-    TreeNode* child = it->second.get();
-    const token_span rest = key.subspan(off);
-    const std::int64_t pages = common_pages(child->tokens.span(), rest);
-    if (static_cast<std::size_t>(pages) * ps < child->tokens.len) child = split(child, pages);
-    if (node->on_host() && node->num_host_children == 0) refresh_inner_host(node);
-    node = child;
-    const auto len = static_cast<std::int64_t>(node->tokens.len);
-    off += node->tokens.len;
-    node->hit_count += 1;
-    node->last_access = clock;
-    if (node->on_device()) {
-      device_len += len;
-      last_device = node;
-    } else {
-      host_len += len;
+  try {
+    while (off < n) {
+      const auto it = node->children.find(PageKey{key.data() + off, ps});
+      if (it == node->children.end()) break;
+      TreeNode* child = it->second.get();
+      const token_span rest = key.subspan(off);
+      const std::int64_t pages = common_pages(child->tokens.span(), rest);
+      if (static_cast<std::size_t>(pages) * ps < child->tokens.len) child = split(child, pages);
+      if (node->on_host() && node->num_host_children == 0) refresh_inner_host(node);
+      node = child;
+      const auto len = static_cast<std::int64_t>(node->tokens.len);
+      off += node->tokens.len;
+      node->hit_count += 1;
+      node->last_access = clock;
+      if (node->on_device()) {
+        device_len += len;
+        last_device = node;
+      } else {
+        host_len += len;
+      }
     }
+  } catch (...) {
+    // An on_split hook raised: the nodes touched so far get their heap entries
+    // (as below), so the tree stays consistent.
+    refresh(last_device);
+    if (node != last_device) refresh(node);
+    throw;
   }
   // Besides the inner host candidates refreshed above, only these two can be
   // candidates: every other matched node has a device child on the path and a
@@ -246,12 +266,18 @@ TreeNode* RadixTree::split(TreeNode* node, std::int64_t num_pages) {
     prefix->num_host_children = 1;
     prefix->num_busy_host_children = host_busy(node) ? 1 : 0;
   }
-  if (on_split) on_split(prefix, node);
+  if (on_split) {
+    HookScope hook(*this, Hook::Split);
+    // A copy: the hook may replace on_split while it runs.
+    const SplitHook call = on_split;
+    call(prefix, node);
+  }
   return prefix;
 }
 
 // ------------------------------------------------------------------ insert
 InsertOut RadixTree::insert(token_span key, const IndexRun& pages, std::uint32_t ns) {
+  check_reentry("insert");
   OpScope scope(*this);
   TreeNode* node = root(ns);
   const std::int64_t clock = ++clock_;
@@ -259,22 +285,27 @@ InsertOut RadixTree::insert(token_span key, const IndexRun& pages, std::uint32_t
   std::size_t off = 0;
   const std::size_t n = key.size();
   std::int64_t num_cached = 0;
-  while (off < n) {
-    const auto it = node->children.find(PageKey{key.data() + off, ps});
-    if (it == node->children.end()) break;
-    TreeNode* child = it->second.get();
-    const std::int64_t common = common_pages(child->tokens.span(), key.subspan(off));
-    if (static_cast<std::size_t>(common) * ps < child->tokens.len) child = split(child, common);
-    if (node->on_host() && node->num_host_children == 0) refresh_inner_host(node);
-    node = child;
-    node->last_access = clock;
-    const auto len = static_cast<std::int64_t>(node->tokens.len);
-    if (!node->on_device()) {  // host-only: adopt the caller's pages
-      attach_device(node, pages.slice(static_cast<std::int64_t>(off / ps), len / page_size_));
-    } else if (num_cached == static_cast<std::int64_t>(off)) {
-      num_cached += len;
+  try {
+    while (off < n) {
+      const auto it = node->children.find(PageKey{key.data() + off, ps});
+      if (it == node->children.end()) break;
+      TreeNode* child = it->second.get();
+      const std::int64_t common = common_pages(child->tokens.span(), key.subspan(off));
+      if (static_cast<std::size_t>(common) * ps < child->tokens.len) child = split(child, common);
+      if (node->on_host() && node->num_host_children == 0) refresh_inner_host(node);
+      node = child;
+      node->last_access = clock;
+      const auto len = static_cast<std::int64_t>(node->tokens.len);
+      if (!node->on_device()) {  // host-only: adopt the caller's pages
+        attach_device(node, pages.slice(static_cast<std::int64_t>(off / ps), len / page_size_));
+      } else if (num_cached == static_cast<std::int64_t>(off)) {
+        num_cached += len;
+      }
+      off += node->tokens.len;
     }
-    off += node->tokens.len;
+  } catch (...) {
+    refresh(node);  // an on_split hook raised (see match)
+    throw;
   }
   if (off < n) {
     TreeNode* parent = node;
@@ -296,6 +327,7 @@ InsertOut RadixTree::insert(token_span key, const IndexRun& pages, std::uint32_t
 }
 
 InsertOut RadixTree::insert_host(token_span key, const IndexRun& pages, std::uint32_t ns) {
+  check_reentry("insert_host");
   OpScope scope(*this);
   TreeNode* node = root(ns);
   TreeNode* last_device = node;
@@ -303,17 +335,23 @@ InsertOut RadixTree::insert_host(token_span key, const IndexRun& pages, std::uin
   const auto ps = static_cast<std::size_t>(page_size_);
   std::size_t off = 0;
   const std::size_t n = key.size();
-  while (off < n) {
-    const auto it = node->children.find(PageKey{key.data() + off, ps});
-    if (it == node->children.end()) break;
-    TreeNode* child = it->second.get();
-    const std::int64_t common = common_pages(child->tokens.span(), key.subspan(off));
-    if (static_cast<std::size_t>(common) * ps < child->tokens.len) child = split(child, common);
-    if (node->on_host() && node->num_host_children == 0) refresh_inner_host(node);
-    node = child;
-    node->last_access = clock;
-    if (node->on_device()) last_device = node;
-    off += node->tokens.len;
+  try {
+    while (off < n) {
+      const auto it = node->children.find(PageKey{key.data() + off, ps});
+      if (it == node->children.end()) break;
+      TreeNode* child = it->second.get();
+      const std::int64_t common = common_pages(child->tokens.span(), key.subspan(off));
+      if (static_cast<std::size_t>(common) * ps < child->tokens.len) child = split(child, common);
+      if (node->on_host() && node->num_host_children == 0) refresh_inner_host(node);
+      node = child;
+      node->last_access = clock;
+      if (node->on_device()) last_device = node;
+      off += node->tokens.len;
+    }
+  } catch (...) {
+    refresh(last_device);  // an on_split hook raised (see match)
+    if (node != last_device) refresh(node);
+    throw;
   }
   const auto num_cached = static_cast<std::int64_t>(off);
   if (off < n) {
@@ -357,6 +395,7 @@ std::int64_t RadixTree::probe(token_span key, std::optional<std::uint32_t> ns,
 
 // ------------------------------------------------------------------- locks
 void RadixTree::lock(TreeNode* node) {
+  check_reentry("lock");
   if (!node->on_device()) throw ValueError("lock: expected a device-resident node, got " + node->repr());
   for (; node->parent != nullptr; node = node->parent) {
     if (node->lock_ref == 0) {
@@ -368,6 +407,7 @@ void RadixTree::lock(TreeNode* node) {
 }
 
 void RadixTree::unlock(TreeNode* node) {
+  check_reentry("unlock");
   OpScope scope(*this);
   for (TreeNode* walk = node; walk->parent != nullptr; walk = walk->parent) {
     if (walk->lock_ref <= 0) {
@@ -387,6 +427,7 @@ void RadixTree::unlock(TreeNode* node) {
 }
 
 void RadixTree::host_lock(TreeNode* node) {
+  check_reentry("host_lock", true);
   if (!node->on_host() || node->parent == nullptr) {
     throw ValueError("host_lock: expected a non-root node with a host copy, got " + node->repr());
   }
@@ -400,6 +441,7 @@ void RadixTree::host_lock(TreeNode* node) {
 }
 
 void RadixTree::host_unlock(TreeNode* node) {
+  check_reentry("host_unlock", true);
   if (node->host_lock_ref <= 0) {
     throw ValueError("host_unlock: node " + std::to_string(node->id) + " is not host-locked");
   }
@@ -414,6 +456,7 @@ void RadixTree::host_unlock(TreeNode* node) {
 }
 
 void RadixTree::raise_priority(TreeNode* node, std::int64_t priority) {
+  check_reentry("raise_priority");
   OpScope scope(*this);
   const bool refresh_entries = policy_ == EvictionPolicy::Priority;
   for (; node->parent != nullptr; node = node->parent) {
@@ -426,6 +469,7 @@ void RadixTree::raise_priority(TreeNode* node, std::int64_t priority) {
 
 // ------------------------------------------------------- tier membership
 void RadixTree::set_io_status(TreeNode* node, IOStatus status) {
+  check_reentry("set_io_status", true);
   if (status != IOStatus::None && (!node->on_device() || !node->on_host())) {
     throw ValueError("set_io_status: IO in flight needs both copies, got " + node->repr());
   }
@@ -436,6 +480,7 @@ void RadixTree::set_io_status(TreeNode* node, IOStatus status) {
 }
 
 void RadixTree::attach_device(TreeNode* node, const IndexRun& pages) {
+  check_reentry("attach_device");
   if (node->on_device() || node->parent == nullptr) {
     throw ValueError("attach_device: expected a host-only node, got " + node->repr());
   }
@@ -455,6 +500,7 @@ void RadixTree::attach_device(TreeNode* node, const IndexRun& pages) {
 }
 
 at::Tensor RadixTree::detach_device(TreeNode* node) {
+  check_reentry("detach_device");
   if (!node->on_device() || !node->on_host() || node->lock_ref != 0) {
     throw ValueError("detach_device: expected an unlocked node on both tiers, got " + node->repr());
   }
@@ -475,6 +521,7 @@ at::Tensor RadixTree::detach_device(TreeNode* node) {
 }
 
 void RadixTree::attach_host(TreeNode* node, const IndexRun& pages) {
+  check_reentry("attach_host", true);
   if (!node->on_device() || node->on_host() || node->parent == nullptr) {
     throw ValueError("attach_host: expected a device-only node, got " + node->repr());
   }
@@ -491,6 +538,7 @@ void RadixTree::attach_host(TreeNode* node, const IndexRun& pages) {
 }
 
 at::Tensor RadixTree::detach_host(TreeNode* node) {
+  check_reentry("detach_host");
   if (!node->on_host() || !node->on_device() || node->host_lock_ref != 0) {
     throw ValueError("detach_host: expected a node on both tiers, host-unlocked, got " +
                      node->repr());
@@ -735,20 +783,28 @@ void RadixTree::compact() {
   host_heap_.rebuild(std::move(fresh));
 }
 
+// Always a new tensor (one run too): what the tree returns is the caller's, and
+// never aliases the index storage it keeps.
 at::Tensor RadixTree::concat(const std::vector<IndexRun>& runs) const {
-  if (runs.size() == 1) return runs[0].tensor();
   std::int64_t total = 0;
   for (const auto& r : runs) total += r.num_pages;
   at::Tensor out = at::empty({total}, at::kLong);
   auto* dst = static_cast<page_id_t*>(out.data_ptr());
   for (const auto& r : runs) {
+    if (r.num_pages == 0) continue;  // an empty tensor's data pointer may be null
     std::memcpy(dst, r.data(), static_cast<std::size_t>(r.num_pages) * sizeof(page_id_t));
     dst += r.num_pages;
   }
   return out;
 }
 
+bool RadixTree::call_backup(const BackupHook& backup, TreeNode* node) {
+  HookScope hook(*this, Hook::Backup);
+  return backup(node);
+}
+
 EvictOut RadixTree::evict_device(std::int64_t num_tokens, const BackupHook* backup) {
+  check_reentry("evict_device");
   if (num_tokens < 0) throw ValueError("num_tokens: expected >= 0, got " + std::to_string(num_tokens));
   OpScope scope(*this);
   std::int64_t need = num_tokens / page_size_ + (num_tokens % page_size_ != 0);
@@ -756,51 +812,64 @@ EvictOut RadixTree::evict_device(std::int64_t num_tokens, const BackupHook* back
   std::int64_t num_freed = 0;
   std::int64_t num_backup = 0;
   std::vector<TreeNode*> skipped;
-  while (need > 0) {
-    TreeNode* node = pop_device();
-    if (node == nullptr) break;
-    if (!node->on_host() && node->first_child != nullptr && backup == nullptr) {
-      skipped.push_back(node);
-      continue;
+  TreeNode* node = nullptr;
+  try {
+    while (need > 0) {
+      node = pop_device();
+      if (node == nullptr) break;
+      if (!node->on_host() && node->first_child != nullptr && backup == nullptr) {
+        skipped.push_back(node);
+        continue;
+      }
+      std::int64_t num_pages = node->device.num_pages;
+      if (num_pages > need) {
+        split(node, num_pages - need);
+        num_pages = need;
+      }
+      if (node->on_host()) {
+        if (events_on_) log_event(false, true, node);
+        freed.push_back(node->device);
+        node->device.reset();
+        node->parent->num_device_children -= 1;
+        device_evictable_tokens -= node->num_tokens();
+        num_freed += node->num_tokens();
+        merge_host_chain(node);
+        refresh(node);
+        refresh(node->parent);
+      } else if (backup != nullptr && call_backup(*backup, node)) {
+        num_backup += node->num_tokens();
+      } else if (node->first_child == nullptr && !node->on_host() &&
+                 node->io_status == IOStatus::None && node->parent != nullptr) {
+        // (A backup hook that declined may have given the node a host copy or IO
+        // in flight: then it is skipped like a node with children.)
+        if (events_on_) log_event(false, true, node);
+        freed.push_back(node->device);
+        device_evictable_tokens -= node->num_tokens();
+        num_freed += node->num_tokens();
+        node->device.reset();
+        node->parent->num_device_children -= 1;
+        remove(node);
+      } else {
+        skipped.push_back(node);
+        continue;
+      }
+      need -= num_pages;
     }
-    std::int64_t num_pages = node->device.num_pages;
-    if (num_pages > need) {
-      split(node, num_pages - need);
-      num_pages = need;
-    }
-    if (node->on_host()) {
-      if (events_on_) log_event(false, true, node);
-      freed.push_back(node->device);
-      node->device.reset();
-      node->parent->num_device_children -= 1;
-      device_evictable_tokens -= node->num_tokens();
-      num_freed += node->num_tokens();
-      merge_host_chain(node);
-      refresh(node);
-      refresh(node->parent);
-    } else if (backup != nullptr && (*backup)(node)) {
-      num_backup += node->num_tokens();
-    } else if (node->first_child == nullptr) {
-      if (events_on_) log_event(false, true, node);
-      freed.push_back(node->device);
-      device_evictable_tokens -= node->num_tokens();
-      num_freed += node->num_tokens();
-      node->device.reset();
-      node->parent->num_device_children -= 1;
-      remove(node);
-    } else {
-      skipped.push_back(node);
-      continue;
-    }
-    need -= num_pages;
+  } catch (...) {
+    // A hook raised: the node it was running for and the skipped ones get
+    // their heap entries back, so the tree stays consistent.
+    for (TreeNode* n : skipped) refresh(n);
+    if (node != nullptr && node->parent != nullptr) refresh(node);
+    throw;
   }
-  for (TreeNode* node : skipped) push_device(node, 0);
+  for (TreeNode* n : skipped) push_device(n, 0);
   maybe_compact();
   at::Tensor pages = freed.empty() ? at::empty({0}, at::kLong) : concat(freed);
   return {pages, num_freed, num_backup};
 }
 
 EvictOut RadixTree::evict_host(std::int64_t num_tokens, bool drop_device_resident) {
+  check_reentry("evict_host", true);
   if (num_tokens < 0) throw ValueError("num_tokens: expected >= 0, got " + std::to_string(num_tokens));
   OpScope scope(*this);
   std::int64_t need = num_tokens / page_size_ + (num_tokens % page_size_ != 0);
@@ -815,7 +884,12 @@ EvictOut RadixTree::evict_host(std::int64_t num_tokens, bool drop_device_residen
     }
     std::int64_t num_pages = node->host.num_pages;
     if (num_pages > need) {
-      split(node, num_pages - need);
+      try {
+        split(node, num_pages - need);
+      } catch (...) {
+        refresh(node);  // an on_split hook raised: node keeps its heap entry
+        throw;
+      }
       num_pages = need;
     }
     if (events_on_) log_event(false, false, node);

@@ -3,11 +3,18 @@
 // page order come out identical. Heap entries are pushed at exactly the points
 // where the Python tree calls _refresh, and ties are broken by the same seqs.
 //
-// Nodes removed by an operation are parked in a graveyard until the outermost
-// operation returns: a Python hook (backup, on_split) running in the middle of
-// an eviction may call back into the tree, and the node pointers the outer
-// loop holds must stay valid. Removed nodes whose handles reached Python are
-// detached instead: readable (like a removed Python node) until released.
+// Hooks (on_split, the backup hook of evict_device) run in the middle of an
+// operation. They may read the tree; the backup hook may also make the calls a
+// write-back backup needs (host_lock, host_unlock, attach_host, set_io_status,
+// evict_host); every other tree-changing call from inside a hook raises
+// ReentryError (check_reentry), before it changes anything, exactly as the
+// Python tree does. Nodes removed by an operation are still parked in a
+// graveyard until the outermost operation returns, so that no pointer an outer
+// loop holds dangles. Removed nodes whose handles reached Python are detached
+// instead: readable (like a removed Python node) until released.
+//
+// One tree is used by one thread at a time: the binding takes op_mutex() (a
+// recursive mutex: hooks re-enter on the same thread) around every call.
 //
 // Knows nothing of Python: callbacks are std::function, errors are the
 // ValueError / TypeError types of common.h.
@@ -17,6 +24,7 @@
 
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -65,12 +73,22 @@ class RadixTree {
  public:
   using SplitHook = std::function<void(TreeNode* prefix, TreeNode* suffix)>;
   using BackupHook = std::function<bool(TreeNode*)>;
+  // The hook running now, if any (the innermost one).
+  enum class Hook : std::uint8_t { None, Split, Backup };
 
   RadixTree(std::int64_t page_size, EvictionPolicy policy);
   RadixTree(const RadixTree&) = delete;
   RadixTree& operator=(const RadixTree&) = delete;
 
   std::int64_t page_size() const { return page_size_; }
+
+  // Raise ReentryError when `op` (a tree-changing call) is made from inside a
+  // hook that may not make it: on_split may make none, the backup hook only
+  // those with `backup_may` (see the header comment). The words are those of
+  // hicache/tree/guards.py reentry_message.
+  void check_reentry(const char* op, bool backup_may = false) const;
+  // Held by the binding around every call (see the header comment).
+  std::recursive_mutex& op_mutex() const { return op_mutex_; }
 
   // Namespaces: index of a namespace (nullopt = the default one), its root
   // created on first use; roots keep creation order, like the Python dict.
@@ -149,8 +167,10 @@ class RadixTree {
 
  private:
   friend struct OpScope;
+  friend struct HookScope;
 
   TreeNode* new_child(TreeNode* parent, TokenRun tokens);
+  bool call_backup(const BackupHook& backup, TreeNode* node);  // under Hook::Backup
   TreeNode* split(TreeNode* node, std::int64_t num_pages);
   void remove(TreeNode* node);
   void retire(std::unique_ptr<TreeNode> node);
@@ -196,6 +216,8 @@ class RadixTree {
   CandidateHeap device_heap_;
   CandidateHeap host_heap_;
   int depth_ = 0;  // operations in progress (re-entrant through hooks)
+  Hook hook_ = Hook::None;
+  mutable std::recursive_mutex op_mutex_;
   std::vector<std::unique_ptr<TreeNode>> graveyard_;
   // Removed nodes whose handles reached Python: like a removed Python TreeNode, they
   // stay readable (parent None) until the wrapper releases them.
@@ -203,6 +225,16 @@ class RadixTree {
   at::Tensor empty_roots_indices_;
   bool events_on_ = false;
   std::vector<RawEvent> events_;
+};
+
+// Marks a hook running (restores the outer state however the hook returns).
+struct HookScope {
+  HookScope(RadixTree& t, RadixTree::Hook h) : tree(t), prev(t.hook_) { tree.hook_ = h; }
+  ~HookScope() { tree.hook_ = prev; }
+  HookScope(const HookScope&) = delete;
+  HookScope& operator=(const HookScope&) = delete;
+  RadixTree& tree;
+  RadixTree::Hook prev;
 };
 
 // Marks an operation in progress; the outermost one frees the graveyard.

@@ -1,0 +1,43 @@
+"""What both radix trees check and refuse alike: page size, key bytes, calls from hooks.
+
+The Python tree (:mod:`hicache.tree.python`) and the native one
+(:mod:`hicache.tree.native`, whose C++ side words its errors the same) use these,
+so that the same bad input or misplaced call gets the same exception and message
+from both. Knows nothing of the trees' structure.
+"""
+
+from __future__ import annotations
+
+MAX_PAGE_SIZE = 2**24  # far above any real page; keeps every size inside C++'s int64
+# What the backup hook may call besides reads (hicache/tree/python.py module docstring).
+_BACKUP_MAY = "host_lock, host_unlock, attach_host, set_io_status and evict_host"
+
+
+def check_page_size(page_size: object) -> int:
+    """``page_size`` (tokens per page) as an int in [1, MAX_PAGE_SIZE]."""
+    if isinstance(page_size, bool) or not isinstance(page_size, int):
+        raise TypeError(f"page_size: expected int, got {type(page_size).__name__}")
+    if not 1 <= page_size <= MAX_PAGE_SIZE:
+        raise ValueError(f"page_size: expected an int in [1, 2**24], got {page_size}")
+    return page_size
+
+
+def check_key(key: object, page_nbytes: int) -> bytes:
+    """``key`` as the bytes of whole pages of int32 tokens (what :func:`hicache.tree.token_key` makes)."""
+    if type(key) is not bytes:
+        if not isinstance(key, bytes | bytearray | memoryview):
+            raise TypeError(f"key: expected bytes (hicache.tree.token_key), got {type(key).__name__}")
+        key = bytes(key)
+    if len(key) % page_nbytes:
+        raise ValueError(
+            f"key: expected whole pages of int32 tokens ({page_nbytes} bytes each), "
+            f"got {len(key)} bytes"
+        )
+    return key
+
+
+def reentry_message(op: str, hook: str) -> str:
+    """The error of a call a hook may not make (the native tree's words too)."""
+    if hook == "on_split":
+        return f"{op}: called from inside the on_split hook, which may only read the tree"
+    return f"{op}: called from inside the backup hook, which may only read the tree and call {_BACKUP_MAY}"
