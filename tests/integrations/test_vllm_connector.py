@@ -731,6 +731,43 @@ def test_hung_storage_read_times_out_as_a_load_error(make_vllm, tmp_path):
     m.quiesce()
 
 
+def test_save_into_the_pages_of_a_hung_read_is_dropped(make_vllm, tmp_path):
+    """While a timed-out storage read may still write its host pages, a save into them
+    (the blocks computed again) is dropped, also with nothing else in flight; once the
+    read ended, the next save repairs them."""
+    a = seq(12) + [4]
+    storage = _stored(make_vllm, tmp_path, a)
+    m = make_vllm(storage=storage, storage_timeout_s=0.2, executor="sync")
+    gate = _Gate(m.worker.storage.backend, reads=True, writes=False)
+    m.worker.storage.backend = gate
+    assert m.add("b", a) == 12
+    m.step()  # the read times out: b's blocks are recomputed
+    pages = set(m.plans[-1].loads[0].host_pages)
+    m.finish("b")
+    m.step()
+    assert m.worker._quarantine == pages and not m.worker._saves
+    assert m.add("c", a) == 0  # bad pages are not promised; c computes them again
+    plan = m.step()
+    assert {p for op in plan.saves for p in op.host_pages} >= pages  # planned, and
+    assert m.worker._bad_pages >= pages  # dropped: the hung read may still write them
+    m.finish("c")
+    gate.open.set()
+    m.step()
+    m.quiesce()
+    assert not m.worker._quarantine
+    m.add("d", a)  # computed and saved once more, into pages no read writes now
+    m.step()
+    m.finish("d")
+    m.step()
+    m.quiesce()
+    assert m.add("e", a) == 12
+    m.step()
+    assert m.loaded_ok("e") and not m.last_errors
+    m.finish("e")
+    m.step()
+    m.quiesce()
+
+
 def test_host_hit_load_does_not_wait_for_storage_writes(make_vllm, tmp_path):
     """A load from host pages waits for copies writing them, not for the third-tier
     writes reading them (a hung store must not stall a host hit)."""

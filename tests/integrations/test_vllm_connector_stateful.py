@@ -7,7 +7,8 @@ tree, sync or thread copies, with or without a ``file:`` tier), then a sequence 
 what an engine sees: new conversations and follow-up turns sharing prefixes, steps,
 aborts at any point (also between a forward and its ``update_from_output``), vLLM's
 own evictions, ``reset_prefix_cache`` with and without running requests or the
-connector, and failing loads, saves and third-tier reads at any rate. After every
+connector, and failing loads, saves and third-tier reads (or reads that outlast
+storage_timeout_s) at any rate. After every
 step: no forward read wrong KV that vLLM will not recompute, the scheduler half's
 integrity; at the end, the host tier's content and no leak.
 
@@ -63,7 +64,8 @@ class ConnectorMachine(RuleBasedStateMachine):
               seed):
         import tempfile
 
-        extra = {"host_tokens": host_pages * self.sched.B, "tree": tree, "executor": executor}
+        extra = {"host_tokens": host_pages * self.sched.B, "tree": tree, "executor": executor,
+                 "storage_timeout_s": 0.05}
         if storage:
             extra["storage"] = f"file:{tempfile.mkdtemp(prefix='hicache-stateful-')}"
         self.e = self.sched.Engine(async_scheduling=async_scheduling, policy=policy,
@@ -141,11 +143,13 @@ class ConnectorMachine(RuleBasedStateMachine):
             self.e.scheduler.reset_prefix_cache(reset_connector=True)
 
     @rule(load=st.sampled_from([0.0, 0.2, 1.0]), save=st.sampled_from([0.0, 0.2]),
-          read=st.sampled_from([0.0, 0.3]))
-    def faults(self, load, save, read):
+          read=st.sampled_from([0.0, 0.3]), hang=st.sampled_from([0.0, 0.5, 1.0]))
+    def faults(self, load, save, read, hang):
         self.e.faults.load_rate = load
         self.e.faults.save_rate = save
         self.e.faults.read_rate = read
+        # a hung store: the read outlasts storage_timeout_s (0.05 s) and is recomputed
+        self.e.faults.hang_rate, self.e.faults.hang_s = hang, 0.15
 
     @invariant()
     def nothing_wrong_read(self):
@@ -156,7 +160,8 @@ class ConnectorMachine(RuleBasedStateMachine):
     def teardown(self):
         if self.e is None:
             return
-        self.e.faults.load_rate = self.e.faults.save_rate = self.e.faults.read_rate = 0.0
+        f = self.e.faults
+        f.load_rate = f.save_rate = f.read_rate = f.hang_rate = 0.0
         try:
             self.e.run(max_steps=2000)
             if os.environ.get("HICACHE_STATEFUL_LOG"):
@@ -164,7 +169,8 @@ class ConnectorMachine(RuleBasedStateMachine):
                 with open(os.environ["HICACHE_STATEFUL_LOG"], "a") as f:
                     f.write(f"{self.e.step_no} {self.num_requests} {c.host_hit_tokens} "
                             f"{c.storage_hit_tokens} {self.e.faults.failed_loads} "
-                            f"{self.e.faults.failed_reads} {len(self.e.failed)}\n")
+                            f"{self.e.faults.failed_reads} {len(self.e.failed)} "
+                            f"{self.e.faults.hung_reads}\n")
             self.e.check()
             if self.e.policy == "recompute":
                 assert not self.e.failed, f"requests failed under recompute: {self.e.failed}"

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import random
 import tempfile
+import time
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -92,6 +93,9 @@ class Faults:
         self.save_rate = 0.0
         self.read_rate = 0.0
         self.failed_reads = 0
+        self.hang_rate = 0.0  # third-tier reads that take hang_s (past storage_timeout_s)
+        self.hang_s = 0.0
+        self.hung_reads = 0
         self.fail_next_loads = 0
         self.inner = None
         self.failed_loads = 0
@@ -129,6 +133,9 @@ class Faults:
                 if faults.rng.random() < faults.read_rate:
                     faults.failed_reads += 1
                     raise OSError("injected storage read failure")
+                if faults.hang_rate and faults.rng.random() < faults.hang_rate:
+                    faults.hung_reads += 1
+                    time.sleep(faults.hang_s)
                 return backend.get_into(keys, views)
 
         return FaultyBackend()

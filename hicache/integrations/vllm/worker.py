@@ -296,7 +296,7 @@ class WorkerHalf:
         keys: list[str] = []
         req_ids: set[str] = set()
         busy: set[int] = set()
-        if self.storage is not None and self._saves:
+        if self.storage is not None and (self._saves or self._quarantine):
             deadline = time.monotonic() + self.config.storage_timeout_s
             busy = self._settle_pages([p for op in saves for p in op.host_pages], deadline)
         for op in saves:
