@@ -718,17 +718,20 @@ def test_hung_storage_read_times_out_as_a_load_error(make_vllm, tmp_path):
     assert not m.worker._quarantine and m.worker.num_in_flight == 0
     assert m.sched.num_matched_tokens("c", a, 0) == 0  # bad pages are not promised
     m.sched.request_finished("c")
-    assert m.add("c", a) == 0
-    m.step()  # computed again, saved into the same pages
-    m.finish("c")
+    assert _run_one(m, "c", a) == 0  # computed again, saved into the same pages
+    assert _run_one(m, "d", a) == 12
+
+
+def _run_one(m, rid: str, tokens: list[int]) -> int:
+    """One request from admission to the end, copies landed; returns the tokens hicache
+    loaded for it, every one checked."""
+    ext = m.add(rid, tokens)
+    m.step()
+    assert m.loaded_ok(rid) and not m.last_errors
+    m.finish(rid)
     m.step()
     m.quiesce()
-    assert m.add("d", a) == 12
-    m.step()
-    assert m.loaded_ok("d") and not m.last_errors
-    m.finish("d")
-    m.step()
-    m.quiesce()
+    return ext
 
 
 def test_save_into_the_pages_of_a_hung_read_is_dropped(make_vllm, tmp_path):
@@ -755,17 +758,8 @@ def test_save_into_the_pages_of_a_hung_read_is_dropped(make_vllm, tmp_path):
     m.step()
     m.quiesce()
     assert not m.worker._quarantine
-    m.add("d", a)  # computed and saved once more, into pages no read writes now
-    m.step()
-    m.finish("d")
-    m.step()
-    m.quiesce()
-    assert m.add("e", a) == 12
-    m.step()
-    assert m.loaded_ok("e") and not m.last_errors
-    m.finish("e")
-    m.step()
-    m.quiesce()
+    assert _run_one(m, "d", a) == 0  # computed, saved once more: no read writes them now
+    assert _run_one(m, "e", a) == 12
 
 
 def test_host_hit_load_does_not_wait_for_storage_writes(make_vllm, tmp_path):
