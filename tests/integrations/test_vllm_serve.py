@@ -11,7 +11,8 @@ so every cached token the connector's server reports came from the host tier.
 
 Checks: identical greedy outputs; ``usage.prompt_tokens_details.cached_tokens``
 (``--enable-prompt-tokens-details``) counts host-tier hits exactly; ``cache_salt``
-keeps tenants apart through the server; the example runs against the server; SIGTERM
+keeps tenants apart through the server; ``?reset_external=true`` drops the host tier;
+the example runs against the server; SIGTERM
 stops each server's whole process tree, leaving no shared memory behind.
 
 Skipped without vLLM, unless ``HICACHE_REQUIRE_VLLM=1`` (CI), where a missing or
@@ -220,6 +221,18 @@ def test_cache_salt_keeps_tenants_apart_through_the_server(servers):
     assert (hit_a1, hit_b, hit_none) == (0, 0, 0)  # A's pages serve neither B nor no salt
     assert hit_a2 == hit_able(len(q))  # A's second request: from the host tier
     assert a1 == b == none == a2
+
+
+def test_reset_external_drops_the_host_tier(servers):
+    s = servers["hicache"]
+    q = prompt(8, 100)
+    first, _ = s.complete(q)
+    s.reset()
+    assert s.complete(q)[1] == hit_able(len(q))
+    out = chat_example.post(f"{s.url}/reset_prefix_cache?reset_external=true")
+    assert out == {"success": True}
+    again, hit = s.complete(q)
+    assert hit == 0 and again == first
 
 
 def test_example_prints_cached_share_per_turn(servers):
