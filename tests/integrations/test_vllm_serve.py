@@ -44,6 +44,9 @@ BLOCK = 32
 VOCAB = 512  # tests/integrations/vllm_driver.py's model
 SPECIAL = ["<unk>", "<s>", "</s>", "system", "user", "assistant", ":"]
 OUT_TOKENS = 8
+# The CPU backend's settings of tests/integrations/vllm_driver.py, as server flags.
+CPU_ARGS = ["--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK),
+            "--max-model-len", "512", "--num-gpu-blocks-override", "24", "--max-num-seqs", "4"]
 
 
 def _example():
@@ -80,9 +83,7 @@ class Server:
         self.port = chat_example.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = root / f"server-{'hicache' if connector else 'alone'}.log"
-        cpu = ["--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK),
-               "--max-model-len", "512", "--num-gpu-blocks-override", "24",
-               "--max-num-seqs", "4", "--seed", "0", "--served-model-name", "tiny"]
+        cpu = [*CPU_ARGS, "--seed", "0", "--served-model-name", "tiny"]
         cmd = chat_example.server_command(model, self.port, cpu)
         if not connector:
             i = cmd.index("--kv-transfer-config")
@@ -136,13 +137,18 @@ def prompt(seed: int, n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve")
-    model = root / "model"
+def model_dir(tmp_path_factory) -> Path:
+    model = tmp_path_factory.mktemp("serve") / "model"
     proc = run_vllm("make-model", str(model))
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-4000:]
     write_tokenizer(model)
+    return model
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir):
+    root, model = model_dir.parent, model_dir
     started = {"alone": Server(root, str(model), False), "hicache": Server(root, str(model), True)}
     try:
         for s in started.values():
@@ -242,10 +248,27 @@ def test_example_prints_cached_share_per_turn(servers):
          "--turns", "3", "--max-tokens", "8", "--reset"],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [line.split() for line in proc.stdout.splitlines()[-3:]]
-    assert [r[0] for r in rows] == ["1", "2", "3"]
-    prompt_tokens, cached = [int(r[1]) for r in rows], [int(r[2]) for r in rows]
+    prompt_tokens, cached = _table(proc.stdout, 3)
     assert cached[0] == 0 and all(0 < c <= hit_able(n) for c, n in zip(cached[1:], prompt_tokens[1:], strict=True))
+
+
+def _table(stdout: str, turns: int) -> tuple[list[int], list[int]]:
+    rows = [line.split() for line in stdout.splitlines()[-turns:]]
+    assert [r[0] for r in rows] == [str(t + 1) for t in range(turns)], stdout[-2000:]
+    return [int(r[1]) for r in rows], [int(r[2]) for r in rows]
+
+
+@pytest.mark.slow
+def test_example_starts_and_stops_its_own_server(model_dir):
+    """The example's ``--model`` mode: a third server start (a minute or more on 2 cores)."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "vllm_serve_chat.py"), "--model",
+         str(model_dir), "--turns", "2", "--max-tokens", "8", "--reset", "--", *CPU_ARGS],
+        capture_output=True, text=True, timeout=900,
+        env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    prompt_tokens, cached = _table(proc.stdout, 2)
+    assert cached[0] == 0 and 0 < cached[1] <= hit_able(prompt_tokens[1])
 
 
 def _shm_files(pids: list[int]) -> set[str]:
