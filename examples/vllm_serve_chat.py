@@ -173,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         wait_ready(url, proc, args.start_timeout)
         rows = chat(url, args.model, args.turns, args.max_tokens, args.reset)
+    except (RuntimeError, OSError) as e:  # no server, or one without what we need
+        print(f"vllm_serve_chat: {e}", file=sys.stderr)
+        return 1
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGINT)  # vLLM's own Ctrl-C shutdown

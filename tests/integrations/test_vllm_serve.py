@@ -258,6 +258,18 @@ def _table(stdout: str, turns: int) -> tuple[list[int], list[int]]:
     return [int(r[1]) for r in rows], [int(r[2]) for r in rows]
 
 
+def test_example_bad_input_and_no_server_one_line_each():
+    example = [sys.executable, str(ROOT / "examples" / "vllm_serve_chat.py")]
+    bad = subprocess.run([*example, "--url", "http://127.0.0.1:9", "--turns", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "vllm_serve_chat: --turns and --max-tokens must be >= 1"]
+    gone = subprocess.run([*example, "--url", "http://127.0.0.1:9", "--start-timeout", "1"],
+                          capture_output=True, text=True, timeout=60)
+    assert gone.returncode == 1 and gone.stderr.strip().splitlines() == [
+        "vllm_serve_chat: the server at http://127.0.0.1:9 was not ready within 1 s"]
+
+
 @pytest.mark.slow
 def test_example_starts_and_stops_its_own_server(model_dir):
     """The example's ``--model`` mode: a third server start (a minute or more on 2 cores)."""
