@@ -8,11 +8,19 @@ the hicache that ``make install`` installed, so the extras stay defined in one p
 """
 
 import sys
-from importlib.metadata import requires
+from importlib.metadata import metadata, requires
 
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 extra = sys.argv[1]
+known = {canonicalize_name(e) for e in metadata("hicache").get_all("Provides-Extra") or []}
+if canonicalize_name(extra) not in known:
+    # Printing nothing would make the caller's `pip install` fail with pip's own,
+    # unrelated message; an installed hicache older than pyproject.toml lacks new extras.
+    print(f"extra_requirements: the installed hicache has no extra {extra!r} (it has: "
+          f"{', '.join(sorted(known))}); run 'make install' again", file=sys.stderr)
+    sys.exit(2)
 for line in requires("hicache") or []:
     req = Requirement(line)
     if req.marker is not None and req.marker.evaluate({"extra": extra}):

