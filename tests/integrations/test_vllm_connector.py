@@ -948,6 +948,26 @@ def test_finished_request_saves_blocks_its_last_steps_completed(make_vllm):
     m.quiesce()
 
 
+def test_blocks_computed_over_wrong_kv_are_followed_through_a_step(make_vllm):
+    """Which blocks hold wrong KV after a forward, from vLLM's block tables and what each
+    request computed (P = 4 tokens a block)."""
+    w = make_vllm().worker
+    w._tables = {"a": [1, 2, 3], "b": [1, 5, 6], "c": [7, 8]}
+    # Block 1 failed to load. a recomputes it from token 0 (vLLM's recompute, listed
+    # after b); b reads it in the same forward and computes tokens 6..11 (its block 5
+    # partly filled before); c computes alone from 0.
+    w._poison({1})
+    w._follow_computes([("b", 6, 12), ("a", 0, 9), ("c", 0, 8)])
+    assert w._poisoned == set()  # a rewrote 1 over right KV; b then read right KV
+    assert w.take_poisoned_blocks() == set()  # nothing wrong left to report
+    # Block 5 was wrong before this step: b's tokens 6..7 read it (attention), so what b
+    # writes is wrong too, block 5 included; a, computing over block 1 only, is right.
+    w._poison({5})
+    w._follow_computes([("b", 6, 12), ("a", 4, 9)])
+    assert w._poisoned == {5, 6}
+    assert w.take_poisoned_blocks() == {5, 6}
+
+
 @pytest.mark.parametrize("tree", ["python", "auto"])
 def test_vllms_own_hits_keep_the_host_copy_recent(make_vllm, tree):
     """A prefix vLLM keeps hot is hit in vLLM's cache, never in the host tier: the host

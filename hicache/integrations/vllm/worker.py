@@ -327,9 +327,12 @@ class WorkerHalf:
         (attention read them), and the right KV again when they did not.
 
         A request may read a block another request rewrites in the same forward (vLLM
-        recomputes a shared block once): repeated until nothing changes.
+        recomputes a shared block once): repeated until nothing changes. A request's
+        partly filled first block is judged by what it held before this step (only
+        that request writes it: vLLM shares whole blocks only).
         """
         P = self.layout.block_size
+        before = set(self._poisoned)
         for _ in range(len(computes) + 1):
             changed = False
             for req_id, start, end in computes:
@@ -337,17 +340,15 @@ class WorkerHalf:
                 if not table or end <= start:
                     continue
                 first, last = start // P, min((end - 1) // P, len(table) - 1)
-                prefix = table[: (start + P - 1) // P]
-                if not self._poisoned.isdisjoint(prefix):
-                    written = set(table[first:last + 1]) - self._poisoned
-                    if written:
-                        self._poison(written)
-                        changed = True
-                else:
-                    clean = self._poisoned.intersection(table[(start + P - 1) // P:last + 1])
-                    if clean:
-                        self._poisoned -= clean
-                        changed = True
+                wrong_prefix = not self._poisoned.isdisjoint(table[:first]) or (
+                    start % P != 0 and table[first] in before)
+                written = set(table[first:last + 1])
+                if wrong_prefix and not written <= self._poisoned:
+                    self._poison(written)
+                    changed = True
+                elif not wrong_prefix and not written.isdisjoint(self._poisoned):
+                    self._poisoned -= written
+                    changed = True
             if not changed:
                 return
 
@@ -359,7 +360,7 @@ class WorkerHalf:
     def take_poisoned_blocks(self) -> set[int]:
         """Blocks found to hold wrong KV since the last call: the scheduler takes them out
         of vLLM's prefix cache, so that no later request is served them."""
-        new, self._newly_poisoned = self._newly_poisoned, set()
+        new, self._newly_poisoned = self._newly_poisoned & self._poisoned, set()
         return new
 
     def load_errors(self) -> set[int]:
