@@ -893,6 +893,31 @@ def test_save_waits_for_the_storage_write_reading_its_host_page(make_vllm, tmp_p
     fresh.quiesce()
 
 
+def test_tensor_parallel_storage_hit_needs_every_ranks_shard(tmp_path):
+    """With tensor parallelism each rank stores its shard of a page under its own keys: a
+    lookup promises a page from storage only when every rank's shard is there."""
+    from hicache.integrations.vllm.third_tier import rank_salt, salt_keys
+    from hicache.storage import make_storage
+
+    nbytes = L * 2 * H * D * P * 4
+    spec = f"file:{tmp_path}"
+    sched = SchedulerHalf(ConnectorConfig(tree="python", storage=spec), block_size=P,
+                          num_host_pages=8, storage_backend=make_storage(spec, page_nbytes=nbytes),
+                          storage_identity=("test-layout", "tiny"), tp_size=2)
+    tokens = seq(12) + [1]
+    keys = sched._keys(sched._state("probe", tokens, None), 3)
+    sched.request_finished("probe")
+    writer = make_storage(spec, page_nbytes=nbytes)
+    shard = [torch.zeros(L, 2, P, H, D) for _ in keys]
+    writer.set(salt_keys(keys, rank_salt(0, 2)), shard)
+    assert sched.num_matched_tokens("a", tokens, 0) == 0  # rank 1's shard is missing
+    sched.request_finished("a")
+    writer.set(salt_keys(keys, rank_salt(1, 2)), shard)
+    assert sched.num_matched_tokens("b", tokens, 0) == 12
+    sched.request_finished("b")
+    sched.check_integrity()
+
+
 def test_scheduler_rejects_a_load_it_never_promised():
     sched = SchedulerHalf(ConnectorConfig(tree="python"), block_size=P, num_host_pages=4)
     with pytest.raises(ValueError, match="promised none"):

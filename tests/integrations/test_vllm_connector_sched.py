@@ -288,3 +288,79 @@ def test_resumed_request_whose_load_fails_as_it_finishes_saves_nothing_wrong(
     e.run()
     e.check()
     assert e.faults.failed_loads == 1 and "r" in e.finished_ids
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_vllm_hit_on_blocks_computed_in_the_same_step_is_copied_after_the_forward(
+        sched, tmp_path, async_scheduling):
+    """vLLM caches a block when it allocates it: a request whose vLLM hit covers blocks
+    another request of the same step computes now must copy them into the host tier
+    after the forward, not before (found in review)."""
+    B = sched.B
+    e = sched.Engine(async_scheduling=async_scheduling, policy="fail", num_blocks=32,
+                     max_num_batched_tokens=128,
+                     extra={"host_tokens": 32 * B, "storage": f"file:{tmp_path}",
+                            "storage_epoch_on_reset": False, "load_threshold_tokens": 4 * B})
+    rng = random.Random(9)
+    a, rest = _prompt(rng, 3 * B), _prompt(rng, 6 * B)
+    e.add("w", a + rest + [7], max_tokens=1)
+    e.run()
+    e.quiesce()
+    assert e.connector.reset_cache()  # storage keeps w's pages, the host tier none
+    _vllm_evict(e, e.last_tables["w"])
+    e.add("r", a + [9], max_tokens=2)  # 3 stored pages, under the threshold: computed
+    e.add("s", a + rest + [11], max_tokens=2)  # vLLM hit on r's blocks, then storage
+    e.run()
+    e.quiesce()
+    assert e.scheduler.reset_prefix_cache()
+    e.add("x", a + rest[:B] + [13], max_tokens=2)
+    e.run()
+    e.check()
+
+
+def test_blocks_computed_over_a_failed_load_are_followed_in_steps_without_copies(sched):
+    """Async: the step after a failed load moves nothing (the hit is under the load
+    threshold), but a request computes over the failed blocks in it: what it computes is
+    wrong KV all the same (found in review)."""
+    B = sched.B
+    e = sched.Engine(async_scheduling=True, num_blocks=32, max_num_batched_tokens=256,
+                     extra={"host_tokens": 16 * B, "load_threshold_tokens": 3 * B})
+    rng = random.Random(1)
+    p4, q = _prompt(rng, 4 * B), _prompt(rng, 2 * B)
+    e.add("warm", p4 + q + [1, 2, 3], max_tokens=1)
+    e.run()
+    e.quiesce()
+    assert e.scheduler.reset_prefix_cache()
+    e.faults.fail_next_loads = 1
+    e.add("t", p4 + [4, 5, 6], max_tokens=3)
+    e.step()  # N: t's host load fails
+    e.add("r", p4 + q + [7, 8, 9, 10, 11], max_tokens=3)
+    e.run()  # N+1: r computes q over t's failed blocks, in a plan with no copy
+    e.add("z", p4 + q + [12, 13], max_tokens=2)
+    e.run()
+    e.check()
+    assert e.faults.failed_loads == 1
+
+
+def test_reset_connector_with_a_finished_requests_saves_pending(sched):
+    """Async: reset_prefix_cache(reset_connector=True) right after a request finished, its
+    last saves not sent yet: the reset succeeds and nothing stays cached (found in
+    review)."""
+    B = sched.B
+    for max_tokens in range(1, 6):
+        e = sched.Engine(async_scheduling=True, num_blocks=24, extra={"host_tokens": 16 * B})
+        rng = random.Random(3)
+        e.add("a", _prompt(rng, 3 * B - 3), max_tokens=max_tokens)
+        while "a" not in e.finished_ids:
+            e.step()
+        half = e.connector.scheduler_half
+        if half._early_saves:
+            break
+        e.close()
+    else:
+        pytest.fail("no finish left its last saves pending")
+    assert e.scheduler.reset_prefix_cache(reset_connector=True)
+    assert half.tree.host_tokens == 0
+    e.run()
+    e.check()
+    assert half.tree.host_tokens == 0

@@ -363,8 +363,10 @@ class Engine:
         req_ids = [rid for rid, _, _ in scheduled]
         sampled = []
         for rid, done, num in scheduled:
+            # As vLLM's model runner decides: a step that reaches the request's last
+            # known token samples (a prefill chunk that stops short does not).
             req = self.scheduler.requests.get(rid)
-            if req is None or req.is_prefill_chunk:
+            if req is None or done + num < req.num_tokens:
                 sampled.append([])
             else:
                 sampled.append([next_token(self._tokens(rid, done + num))])

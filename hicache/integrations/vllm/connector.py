@@ -39,6 +39,7 @@ from hicache.integrations.vllm.config import ConnectorConfig
 from hicache.integrations.vllm.plan import StepPlan
 from hicache.integrations.vllm.requests import ScheduledRequest
 from hicache.integrations.vllm.scheduler import SchedulerHalf
+from hicache.integrations.vllm.third_tier import rank_salt
 from hicache.integrations.vllm.worker import WorkerHalf
 
 if TYPE_CHECKING:
@@ -235,6 +236,7 @@ class HiCacheConnector(KVConnectorBase_V1):
             self.scheduler_half = SchedulerHalf(
                 self.hc_config, block_size=self.block_size, num_host_pages=self.num_host_pages,
                 storage_backend=backend, storage_identity=self._identity,
+                tp_size=vllm_config.parallel_config.tensor_parallel_size,
             )
 
     @classmethod
@@ -263,7 +265,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         if tp > 1:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            salt = f"tp{get_tensor_model_parallel_rank()}/{tp}"
+            salt = rank_salt(get_tensor_model_parallel_rank(), tp)
         self.worker_half = WorkerHalf(
             self.hc_config, kv_caches, num_blocks=self._kv_cache_config.num_blocks,
             block_size=self.block_size, num_host_pages=self.num_host_pages,
@@ -312,8 +314,8 @@ class HiCacheConnector(KVConnectorBase_V1):
         plan = self._plan()
         if self.worker_half is not None:
             self.worker_half.counters.steps += 1
-            if plan is not None and not plan.is_empty():
-                self.worker_half.end_step(plan)
+            if plan is not None:
+                self.worker_half.end_step(plan)  # little to do when the plan is empty
 
     @_timed
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

@@ -36,7 +36,11 @@ import torch
 from hicache.integrations.vllm.config import ConnectorConfig
 from hicache.integrations.vllm.plan import LoadOp, SaveOp, StepPlan
 from hicache.integrations.vllm.requests import RequestState, ScheduledRequest
-from hicache.integrations.vllm.third_tier import extend_storage_keys, num_promisable_pages
+from hicache.integrations.vllm.third_tier import (
+    extend_storage_keys,
+    num_promisable_pages,
+    rank_salt,
+)
 from hicache.memory import PageAllocator
 from hicache.tree import TreeNode, make_tree, token_key
 
@@ -68,9 +72,12 @@ class SchedulerHalf:
         num_host_pages: int,
         storage_backend=None,
         storage_identity: tuple[str, str] | None = None,
+        tp_size: int = 1,
     ) -> None:
         """``storage_identity``: ``(KV layout fingerprint, model_id)`` that third-tier keys
-        are salted with (with the request's ``cache_salt`` and the tier's epoch)."""
+        are salted with (with the request's ``cache_salt`` and the tier's epoch).
+        ``tp_size``: tensor-parallel ranks; each stores its shard under its own keys, and a
+        page is promised from storage only when every rank's shard is there."""
         self.config = config
         self.page_size = block_size
         self.tree = make_tree(config.tree, block_size, config.eviction)
@@ -78,6 +85,7 @@ class SchedulerHalf:
         self.host_allocator = PageAllocator(num_host_pages, "host pages")
         self.storage = storage_backend  # only exists() is called here
         self._identity = storage_identity
+        self._salts = [rank_salt(r, tp_size) for r in range(tp_size)]
         self._epoch = storage_backend.epoch() if storage_backend is not None else 0
         self._roots: dict[str | None, str] = {}  # storage chain seed per cache_salt
         self._reqs: dict[str, RequestState] = {}
@@ -86,6 +94,9 @@ class SchedulerHalf:
         # Saves of blocks computed before the next plan (request_finished's, and vLLM's own
         # hit copied in by after_alloc): the workers copy them before that plan's loads.
         self._early_saves: list[SaveOp] = []
+        # vLLM's own hit copied into the host tier (after_alloc): sent with this step's
+        # saves, which run after the forward.
+        self._gap_saves: list[SaveOp] = []
         self._bad: set[int] = set()  # host pages the workers reported bad, still in the tree
         self.counters = SchedulerStats()
 
@@ -127,7 +138,7 @@ class SchedulerHalf:
             stored = num_promisable_pages(
                 self.storage, self._keys(st, limit)[start:limit], self.tree,
                 self.host_allocator, key, host, P, extra_pages=start - host,
-                namespace=st.namespace,
+                namespace=st.namespace, salts=self._salts,
             )
         num_tokens = ((start + stored) if stored else host) * P - num_computed
         if num_tokens <= 0 or num_tokens < self.config.load_threshold_tokens:
@@ -190,7 +201,10 @@ class SchedulerHalf:
                 pages = fetched.tolist()
                 gap = max(0, a - have)
                 if gap:
-                    self._early_saves.append(
+                    # After this step's forward: vLLM caches a block when it allocates
+                    # it, so a block of vLLM's hit may be one another request of this
+                    # very step computes (or loads) now.
+                    self._gap_saves.append(
                         SaveOp(req_id, st.block_ids[have:a], pages[:gap]))
                     c.saved_tokens += gap * P
                 op.host_pages += pages[gap:]
@@ -205,8 +219,9 @@ class SchedulerHalf:
     def build_plan(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
         """This step's plan: the loads planned since the last call, and the saves of every
         block this step completes. Releases the step's pins."""
-        plan = StepPlan(loads=self._loads, early_saves=self._early_saves)
-        self._loads, self._early_saves = [], []
+        plan = StepPlan(loads=self._loads, saves=self._gap_saves,
+                        early_saves=self._early_saves)
+        self._loads, self._early_saves, self._gap_saves = [], [], []
         try:
             for s in scheduled:
                 st = self._state(s.req_id, s.token_ids, s.namespace)
@@ -324,6 +339,12 @@ class SchedulerHalf:
         a save sent with the next plan) stay; returns False then, or when the tier could
         not be reached.
         """
+        # Saves not sent yet (a finished request's last blocks, vLLM's hit copied in)
+        # would keep their pages pinned, and the pages of the old weights cached.
+        for op in self._early_saves + self._gap_saves:
+            self._bad.update(op.host_pages)  # never filled: gone with the eviction below
+        self._early_saves, self._gap_saves = [], []
+        self._unpin_all()
         num = self.tree.host_tokens
         result = self.tree.evict_host(num) if num else None
         if result is not None and result.num_evicted_tokens:

@@ -15,6 +15,7 @@ Nothing here changes the tree or the page allocator.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -39,19 +40,34 @@ def extend_storage_keys(
     return keys[:num_pages]
 
 
+def rank_salt(rank: int, world_size: int) -> str | None:
+    """The salt of one tensor-parallel rank's storage keys (None with one rank)."""
+    return None if world_size <= 1 else f"tp{rank}/{world_size}"
+
+
+def salt_keys(keys: Sequence[str], salt: str | None) -> list[str]:
+    """Per-rank keys: with tensor parallelism each rank stores its own shard of a page."""
+    if salt is None:
+        return list(keys)
+    s = salt.encode()
+    return [hashlib.blake2b(s + k.encode(), digest_size=16).hexdigest() for k in keys]
+
+
 def num_promisable_pages(
     backend, keys: Sequence[str], tree, host_allocator, key: bytes, num_host_pages: int,
     page_size: int, *, extra_pages: int = 0, namespace: str | None = None,
+    salts: Sequence[str | None] = (None,),
 ) -> int:
     """Pages, of those named by ``keys`` (the pages after the ``num_host_pages`` cached
     in host memory for ``key``, and ``extra_pages`` more that host memory must also
-    take), that a lookup may promise: the leading run storage holds, at most as many as
-    host memory can take (:func:`host_room_for_fetch`) besides ``extra_pages``.
+    take), that a lookup may promise: the leading run storage holds for every rank (one
+    key salt a rank, see :func:`salt_keys`), at most as many as host memory can take
+    (:func:`host_room_for_fetch`) besides ``extra_pages``.
     An unreachable store promises nothing (host memory still serves what it has)."""
     from hicache.storage import StorageError
 
     try:
-        stored = backend.exists(keys)
+        stored = min(backend.exists(salt_keys(keys, salt)) for salt in salts)
     except StorageError:
         return 0
     room = host_room_for_fetch(tree, host_allocator, key, num_host_pages, page_size,

@@ -37,7 +37,6 @@ follow the block tables.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -49,6 +48,7 @@ from hicache.integrations.vllm.faults import ENV as FAULTS_ENV
 from hicache.integrations.vllm.faults import FaultRates, FaultyBackend, FaultyCopier
 from hicache.integrations.vllm.layout import BlockCopier, BlockLayout, BlockPool
 from hicache.integrations.vllm.plan import StepPlan
+from hicache.integrations.vllm.third_tier import salt_keys
 from hicache.memory import HostPool
 from hicache.transfer import Transfer, TransferEngine
 from hicache.transfer.affinity import spare_cpus
@@ -192,6 +192,7 @@ class WorkerHalf:
         self._newly_bad: set[int] = set()  # not yet reported to the scheduler
         self._errors: set[int] = set()
         self._quarantine: set[int] = set()  # host pages a timed-out storage read may write
+        self._store_stalled = False  # a storage wait hit its deadline; no job ended since
         self._reads_in_flight: list = []  # those reads (StorageJob)
         self._tables: dict[str, list[int]] = {}  # vLLM's block table of each live request
         self._poisoned: set[int] = set()  # blocks whose content is not their tokens' KV
@@ -273,6 +274,8 @@ class WorkerHalf:
         if self._load is not None:
             self._load.wait()
             self._poll()
+        if not (plan.loads or plan.saves or self._errors or self._poisoned):
+            return  # most decode steps: nothing moves, nothing to follow
         loaded = [b for op in plan.loads for b in op.block_ids]
         if loaded or self._errors:
             self._poisoned.difference_update(loaded)
@@ -422,10 +425,12 @@ class WorkerHalf:
         (``time.monotonic``) for those running. Returns the pages still in use then (a
         hung store): the caller must not write them."""
         pages = set(host_pages)
-        for rec in self._saves:
-            if rec.job is not None and not rec.pages.isdisjoint(pages):
-                self.storage.cancel(rec.job)
+        cancel = True
         while True:
+            if cancel:
+                for rec in self._saves:
+                    if rec.job is not None and not rec.pages.isdisjoint(pages):
+                        self.storage.cancel(rec.job)
             busy = [rec for rec in self._saves if not rec.pages.isdisjoint(pages)
                     and (rec.handle is not None or not rec.job.cancelled)]
             if not busy:
@@ -434,11 +439,19 @@ class WorkerHalf:
                 if rec.handle is not None:
                     rec.handle.wait()  # a block -> host copy: bounded, no I/O
                 elif not rec.job.done.wait(max(0.0, deadline - time.monotonic())):
+                    self._store_stalled = True
                     self._poll()
+                    for r in self._saves:  # what has not started never will now
+                        if r.job is not None and not r.pages.isdisjoint(pages):
+                            self.storage.cancel(r.job)
                     running = {p for r in self._saves if r.job is not None
                                and not r.job.cancelled for p in r.pages}
                     return pages & (running | self._quarantine)
             self._poll()
+            # A save that landed meanwhile has just queued its storage write: a store that
+            # keeps up writes it (one page's write, milliseconds); one that stalled lately
+            # would hold this step up to the deadline again, so it is cancelled.
+            cancel = self._store_stalled
 
     def _read_storage(self, keys: list[str], host_pages: list[int]) -> None:
         """Storage -> host pages, waiting at most ``storage_timeout_s`` in all. Pages not
@@ -456,6 +469,7 @@ class WorkerHalf:
         self.storage.submit(job)
         if not job.done.wait(max(0.0, deadline - time.monotonic())):
             # The backend hangs: the job may still write into these pages later.
+            self._store_stalled = True
             self._quarantine.update(host_pages)
             self._reads_in_flight.append(job)
             self._mark_bad(host_pages)
@@ -474,11 +488,7 @@ class WorkerHalf:
         self._mark_bad(host_pages[num_done:])
 
     def _salted(self, keys: list[str]) -> list[str]:
-        """Per-rank keys: with tensor parallelism each rank stores its own shard."""
-        if self._key_salt is None:
-            return keys
-        salt = self._key_salt.encode()
-        return [hashlib.blake2b(salt + k.encode(), digest_size=16).hexdigest() for k in keys]
+        return salt_keys(keys, self._key_salt)
 
     def _poll(self) -> None:
         """Apply finished transfers and storage writes."""
@@ -515,6 +525,8 @@ class WorkerHalf:
                 self._saves.remove(rec)
         if self.storage is not None:
             for job in self.storage.poll():
+                if not job.cancelled:
+                    self._store_stalled = False  # the store answers again
                 if job.kind != "write":
                     if job in self._reads_in_flight:  # a timed-out read ended at last
                         self._reads_in_flight.remove(job)
