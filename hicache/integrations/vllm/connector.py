@@ -38,11 +38,16 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from hicache.integrations.vllm.config import ConnectorConfig
 from hicache.integrations.vllm.plan import StepPlan
 from hicache.integrations.vllm.requests import ScheduledRequest
-from hicache.integrations.vllm.scheduler import SchedulerHalf
+from hicache.integrations.vllm.scheduler import SNAPSHOT_STATS, SchedulerHalf
 from hicache.integrations.vllm.worker import WorkerHalf
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.block_pool import BlockPool
@@ -75,9 +80,11 @@ class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
 
 @dataclass
 class HiCacheConnectorStats(KVConnectorStats):
-    """Worker counters of one interval (see :class:`~hicache.integrations.vllm.worker.WorkerStats`),
-    and the scheduler half's ``scheduler_steps``, ``scheduler_hook_seconds`` and
-    ``scheduler_hook_cpu_seconds``."""
+    """Counters of one interval: the workers' (see
+    :class:`~hicache.integrations.vllm.worker.WorkerStats`), the scheduler half's (see
+    :class:`~hicache.integrations.vllm.scheduler.SchedulerStats`, and its
+    ``scheduler_steps``, ``scheduler_hook_seconds``, ``scheduler_hook_cpu_seconds``),
+    and the host tier's ``host_pages_used`` / ``host_pages_free`` (snapshots)."""
 
     data: dict[str, Any] = field(default_factory=dict)
 
@@ -86,7 +93,10 @@ class HiCacheConnectorStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for name, value in other.data.items():
-            self.data[name] = self.data.get(name, 0) + value
+            if name in SNAPSHOT_STATS:  # occupancy: the later report holds
+                self.data[name] = value
+            else:
+                self.data[name] = self.data.get(name, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -227,6 +237,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         self._scheduler_seconds = 0.0  # in scheduler-side hooks since the last report
         self._scheduler_cpu_seconds = 0.0
         self._scheduler_steps = 0
+        self._scheduler_reported: dict[str, int] = {}  # the half's counters at the last report
         self._block_pool: BlockPool | None = None  # vLLM's (scheduler side)
         self.scheduler_half: SchedulerHalf | None = None
         self.worker_half: WorkerHalf | None = None
@@ -236,6 +247,7 @@ class HiCacheConnector(KVConnectorBase_V1):
                 self.hc_config, block_size=self.block_size, num_host_pages=self.num_host_pages,
                 storage_backend=backend, storage_identity=self._identity,
             )
+            self._scheduler_reported = dict(vars(self.scheduler_half.counters))
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -328,14 +340,7 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.scheduler_half is not None:  # vLLM's scheduler asks too, every step
-            if self._scheduler_steps < _SCHEDULER_STATS_EVERY:
-                return None
-            data = {"scheduler_steps": self._scheduler_steps,
-                    "scheduler_hook_seconds": self._scheduler_seconds,
-                    "scheduler_hook_cpu_seconds": self._scheduler_cpu_seconds}
-            self._scheduler_steps, self._scheduler_seconds = 0, 0.0
-            self._scheduler_cpu_seconds = 0.0
-            return HiCacheConnectorStats(data=data)
+            return self._scheduler_stats()
         if self.worker_half is None:
             return None
         data = self.worker_half.take_stats()
@@ -351,9 +356,40 @@ class HiCacheConnector(KVConnectorBase_V1):
             return None
         return HiCacheWorkerMetadata(bad_host_pages=bad, poisoned_blocks=poisoned)
 
+    def _scheduler_stats(self) -> HiCacheConnectorStats | None:
+        """The scheduler half's counters since its last report and the host tier's
+        occupancy: when a counter moved (a scrape sees a hit in the step it was planned),
+        else the clock alone every 32 steps."""
+        counters = vars(self.scheduler_half.counters)
+        moved = counters != self._scheduler_reported
+        if not moved and self._scheduler_steps < _SCHEDULER_STATS_EVERY:
+            return None
+        data: dict[str, Any] = {"scheduler_steps": self._scheduler_steps,
+                                "scheduler_hook_seconds": self._scheduler_seconds,
+                                "scheduler_hook_cpu_seconds": self._scheduler_cpu_seconds}
+        for name, value in counters.items():
+            data[name] = value - self._scheduler_reported.get(name, 0)
+        alloc = self.scheduler_half.host_allocator
+        data["host_pages_used"] = alloc.num_used_pages
+        data["host_pages_free"] = alloc.num_free_pages
+        self._scheduler_reported = dict(counters)
+        self._scheduler_steps, self._scheduler_seconds = 0, 0.0
+        self._scheduler_cpu_seconds = 0.0
+        return HiCacheConnectorStats(data=data)
+
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return HiCacheConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str], per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        """hicache's counters on vLLM's ``/metrics`` (see :mod:`~hicache.integrations.vllm.prom`)."""
+        from hicache.integrations.vllm.prom import HiCachePromMetrics
+
+        return HiCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker_half is not None:

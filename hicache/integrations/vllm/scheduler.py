@@ -57,6 +57,11 @@ class SchedulerStats:
     host_evicted_tokens: int = 0
 
 
+# Stats the connector reports with the counters' deltas that are snapshots (the host
+# tier's occupancy): of two reports, the later one holds; they are never summed.
+SNAPSHOT_STATS = frozenset({"host_pages_used", "host_pages_free"})
+
+
 class SchedulerHalf:
     """Bookkeeping for the host tier (and third tier) of one vLLM engine."""
 
