@@ -42,7 +42,10 @@ from hicache.integrations.vllm.scheduler import SNAPSHOT_STATS, SchedulerHalf
 from hicache.integrations.vllm.worker import WorkerHalf
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
         PromMetric,
@@ -56,6 +59,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from hicache.integrations.vllm.kv_events import HostTierEvents
 
 
 @dataclass
@@ -239,6 +244,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         self._scheduler_steps = 0
         self._scheduler_reported: dict[str, int] = {}  # the half's counters at the last report
         self._block_pool: BlockPool | None = None  # vLLM's (scheduler side)
+        self._events: HostTierEvents | None = None  # the host tier's KV cache events, when on
         self.scheduler_half: SchedulerHalf | None = None
         self.worker_half: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -248,6 +254,14 @@ class HiCacheConnector(KVConnectorBase_V1):
                 storage_backend=backend, storage_identity=self._identity,
             )
             self._scheduler_reported = dict(vars(self.scheduler_half.counters))
+            events = vllm_config.kv_events_config
+            if events is not None and events.enable_kv_cache_events:
+                from hicache.integrations.vllm.kv_events import HostTierEvents
+
+                self._events = HostTierEvents(
+                    self.block_size, self._requests.get,
+                    getattr(kv_cache_config, "hash_block_size", None))
+                self.scheduler_half.page_listener = self._events
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -484,15 +498,21 @@ class HiCacheConnector(KVConnectorBase_V1):
     @_timed_scheduler
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._requests.pop(request.request_id, None)
         self._hit_sources.pop(request.request_id, None)
         if self.scheduler_half is not None:
+            self._requests[request.request_id] = request  # its last saves are announced
             self.scheduler_half.request_finished(
                 request.request_id, request.num_computed_tokens, block_ids
             )
+        self._requests.pop(request.request_id, None)
         # Never delays the free: the last blocks are saved before the next forward can
         # write a block vLLM hands out again (see StepPlan.early_saves).
         return False, None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The host tier's ``BlockStored`` / ``BlockRemoved`` events since the last call
+        (vLLM publishes them with its own; see :mod:`~hicache.integrations.vllm.kv_events`)."""
+        return self._events.take() if self._events is not None else ()
 
     def reset_cache(self) -> bool | None:
         if self.scheduler_half is None:

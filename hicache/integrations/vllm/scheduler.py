@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -62,6 +63,16 @@ class SchedulerStats:
 SNAPSHOT_STATS = frozenset({"host_pages_used", "host_pages_free"})
 
 
+class PageListener(Protocol):
+    """What :attr:`SchedulerHalf.page_listener` is told, as it happens."""
+
+    def cached(self, req_id: str, first_page: int, host_pages: list[int]) -> None:
+        """``host_pages`` now hold pages ``first_page, first_page + 1, ...`` of the request."""
+
+    def evicted(self, host_pages: list[int]) -> None:
+        """``host_pages`` were evicted (free again)."""
+
+
 class SchedulerHalf:
     """Bookkeeping for the host tier (and third tier) of one vLLM engine."""
 
@@ -93,6 +104,9 @@ class SchedulerHalf:
         self._early_saves: list[SaveOp] = []
         self._bad: set[int] = set()  # host pages the workers reported bad, still in the tree
         self.counters = SchedulerStats()
+        # Told of every host page cached and evicted (the connector's KV cache events):
+        # ``cached(req_id, first_page, pages)``, ``evicted(pages)``; None: nobody listens.
+        self.page_listener: PageListener | None = None
 
     # ---------------------------------------------------------------- lookups
     def _state(self, req_id: str, token_ids: Sequence[int],
@@ -185,7 +199,7 @@ class SchedulerHalf:
             # The rest comes from storage; pages between the host hit and vLLM's own
             # (have < a) are copied from vLLM's blocks, so that the tree has no gap.
             fetched = self._alloc_host(b - have) if self.storage is not None else None
-            if fetched is not None and not self._insert_extension(st, have, fetched):
+            if fetched is not None and not self._insert_extension(st, have, fetched, req_id):
                 fetched = None
             if fetched is None:  # the lookup's room check makes this rare
                 op.failed_block_ids = st.block_ids[max(a, have):b]
@@ -262,7 +276,7 @@ class SchedulerHalf:
                 # Pinning the deepest node protects its ancestors (eviction takes leaves).
                 self._pin(self.tree.probe_path(key, ns)[-1])
             pages = self._alloc_host(full - cached)
-            if pages is not None and not self._insert_extension(st, cached, pages):
+            if pages is not None and not self._insert_extension(st, cached, pages, req_id):
                 pages = None
             if pages is None:
                 self.counters.save_skipped_tokens += (full - cached) * P
@@ -334,6 +348,8 @@ class SchedulerHalf:
         if result is not None and result.num_evicted_tokens:
             self._bad.difference_update(result.page_ids.tolist())
             self.host_allocator.free(result.page_ids)
+            if self.page_listener is not None:
+                self.page_listener.evicted(result.page_ids.tolist())
             self.counters.host_evicted_tokens += result.num_evicted_tokens
         for st in self._reqs.values():
             st.num_checked_pages = 0
@@ -373,7 +389,8 @@ class SchedulerHalf:
         return extend_storage_keys(st.keys, st.token_ids, num_pages, page_size=self.page_size,
                                    root_key=root)
 
-    def _insert_extension(self, st: RequestState, cached: int, pages: torch.Tensor) -> bool:
+    def _insert_extension(self, st: RequestState, cached: int, pages: torch.Tensor,
+                          req_id: str) -> bool:
         """Cache ``pages`` as the host pages after the request's first ``cached`` pages,
         which the tree holds, and pin the new leaf; True if done.
 
@@ -394,6 +411,8 @@ class SchedulerHalf:
         inserted = self.tree.insert_host(np.frombuffer(key, dtype=np.int32), indices,
                                          st.namespace)
         self._pin(inserted.last_node)
+        if self.page_listener is not None:
+            self.page_listener.cached(req_id, cached, pages.tolist())
         return True
 
     def _alloc_host(self, num_pages: int) -> torch.Tensor | None:
@@ -410,6 +429,8 @@ class SchedulerHalf:
                     self._bad.difference_update(result.page_ids.tolist())
                 alloc.free(result.page_ids)
                 self.counters.host_evicted_tokens += result.num_evicted_tokens
+                if self.page_listener is not None:
+                    self.page_listener.evicted(result.page_ids.tolist())
         return alloc.alloc(num_pages)
 
     def _pin(self, node: TreeNode) -> None:
