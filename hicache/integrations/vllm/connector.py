@@ -227,7 +227,7 @@ class HiCacheConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
-        self.hc_config = ConnectorConfig.from_extra(extra)
+        self.hc_config = ConnectorConfig.from_sources(extra)  # extra > HICACHE_* > file
         if len(kv_cache_config.kv_cache_groups) != 1:
             raise ValueError(
                 "HiCacheConnector: expected one KV cache group (full attention in every "
