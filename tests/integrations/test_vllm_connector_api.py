@@ -127,7 +127,7 @@ def test_save_then_load_through_the_connector_api():
     assert worker.worker_half.counters.steps == 1  # kept for the next report
     # the scheduler half's counters: reported as soon as they moved (deltas), with the
     # host tier's occupancy
-    assert sched._scheduler_steps == 4
+    assert sched._scheduler_report.steps == 4
     stats = sched.get_kv_connector_stats()
     assert stats.data["scheduler_steps"] == 4 and stats.data["host_hit_tokens"] == 64
     assert stats.data["saved_tokens"] == 64 and stats.data["lookups"] == 2
@@ -144,7 +144,7 @@ def test_save_then_load_through_the_connector_api():
     assert 0 < stats.data["scheduler_hook_cpu_seconds"] <= stats.data["scheduler_hook_seconds"] + 0.02
     assert stats.reduce()["scheduler_hook_ms_per_step"] > 0
     assert stats.reduce()["scheduler_hook_cpu_ms_per_step"] > 0
-    assert sched.get_kv_connector_stats() is None and sched._scheduler_steps == 0
+    assert sched.get_kv_connector_stats() is None and sched._scheduler_report.steps == 0
     sched.scheduler_half.check_integrity()
     worker.shutdown()
     sched.shutdown()

@@ -38,7 +38,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from hicache.integrations.vllm.config import ConnectorConfig
 from hicache.integrations.vllm.plan import StepPlan
 from hicache.integrations.vllm.requests import ScheduledRequest
-from hicache.integrations.vllm.scheduler import SNAPSHOT_STATS, SchedulerHalf
+from hicache.integrations.vllm.scheduler import SchedulerHalf
+from hicache.integrations.vllm.stats import HiCacheConnectorStats, SchedulerReport
 from hicache.integrations.vllm.worker import WorkerHalf
 
 if TYPE_CHECKING:
@@ -83,44 +84,6 @@ class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
         return self
 
 
-@dataclass
-class HiCacheConnectorStats(KVConnectorStats):
-    """Counters of one interval: the workers' (see
-    :class:`~hicache.integrations.vllm.worker.WorkerStats`), the scheduler half's (see
-    :class:`~hicache.integrations.vllm.scheduler.SchedulerStats`, and its
-    ``scheduler_steps``, ``scheduler_hook_seconds``, ``scheduler_hook_cpu_seconds``),
-    and the host tier's ``host_pages_used`` / ``host_pages_free`` (snapshots)."""
-
-    data: dict[str, Any] = field(default_factory=dict)
-
-    def reset(self) -> None:
-        self.data = {}
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for name, value in other.data.items():
-            if name in SNAPSHOT_STATS:  # occupancy: the later report holds
-                self.data[name] = value
-            else:
-                self.data[name] = self.data.get(name, 0) + value
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        d = self.data
-        out: dict[str, int | float] = dict(d)
-        for kind in ("load", "save"):
-            secs = d.get(f"{kind}_seconds", 0.0)
-            out[f"{kind}_gbps"] = d.get(f"{kind}_bytes", 0) / secs / 1e9 if secs else 0.0
-        for prefix in ("", "scheduler_"):
-            steps = d.get(f"{prefix}steps", 0)
-            for clock in ("", "cpu_"):
-                secs = d.get(f"{prefix}hook_{clock}seconds", 0.0)
-                out[f"{prefix}hook_{clock}ms_per_step"] = secs / steps * 1e3 if steps else 0.0
-        return out
-
-    def is_empty(self) -> bool:
-        return not any(self.data.values())
-
-
 def _clocked(add):
     """A hook decorator: each call's wall and CPU seconds (this thread's) go to
     ``add(connector, wall, cpu)``. Wall time includes waits for a core, and for copies
@@ -147,8 +110,7 @@ def _add_worker_seconds(self: HiCacheConnector, wall: float, cpu: float) -> None
 
 
 def _add_scheduler_seconds(self: HiCacheConnector, wall: float, cpu: float) -> None:
-    self._scheduler_seconds += wall
-    self._scheduler_cpu_seconds += cpu
+    self._scheduler_report.add_seconds(wall, cpu)
 
 
 # A worker-side hook's time goes to the worker's ``hook_seconds`` (the connector's share
@@ -156,10 +118,6 @@ def _add_scheduler_seconds(self: HiCacheConnector, wall: float, cpu: float) -> N
 # the scheduler half's clock (lookups, plans, request ends).
 _timed = _clocked(_add_worker_seconds)
 _timed_scheduler = _clocked(_add_scheduler_seconds)
-
-
-# The scheduler half reports its clock every this many steps (not with every step).
-_SCHEDULER_STATS_EVERY = 32
 
 
 def storage_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
@@ -239,10 +197,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         self._identity = storage_identity(vllm_config, kv_cache_config, self.hc_config)
         self._requests: dict[str, Request] = {}
         self._hit_sources: dict[str, tuple[int, int]] = {}
-        self._scheduler_seconds = 0.0  # in scheduler-side hooks since the last report
-        self._scheduler_cpu_seconds = 0.0
-        self._scheduler_steps = 0
-        self._scheduler_reported: dict[str, int] = {}  # the half's counters at the last report
+        self._scheduler_report = SchedulerReport()  # the scheduler side's stats and clock
         self._block_pool: BlockPool | None = None  # vLLM's (scheduler side)
         self._events: HostTierEvents | None = None  # the host tier's KV cache events, when on
         self.scheduler_half: SchedulerHalf | None = None
@@ -253,8 +208,8 @@ class HiCacheConnector(KVConnectorBase_V1):
                 self.hc_config, block_size=self.block_size, num_host_pages=self.num_host_pages,
                 storage_backend=backend, storage_identity=self._identity,
             )
-            self._scheduler_reported = dict(vars(self.scheduler_half.counters))
-            events = vllm_config.kv_events_config
+            self._scheduler_report.start(self.scheduler_half)
+            events = getattr(vllm_config, "kv_events_config", None)
             if events is not None and events.enable_kv_cache_events:
                 from hicache.integrations.vllm.kv_events import HostTierEvents
 
@@ -354,7 +309,7 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.scheduler_half is not None:  # vLLM's scheduler asks too, every step
-            return self._scheduler_stats()
+            return self._scheduler_report.take(self.scheduler_half)
         if self.worker_half is None:
             return None
         data = self.worker_half.take_stats()
@@ -369,27 +324,6 @@ class HiCacheConnector(KVConnectorBase_V1):
         if not (bad or poisoned):
             return None
         return HiCacheWorkerMetadata(bad_host_pages=bad, poisoned_blocks=poisoned)
-
-    def _scheduler_stats(self) -> HiCacheConnectorStats | None:
-        """The scheduler half's counters since its last report and the host tier's
-        occupancy: when a counter moved (a scrape sees a hit in the step it was planned),
-        else the clock alone every 32 steps."""
-        counters = vars(self.scheduler_half.counters)
-        moved = counters != self._scheduler_reported
-        if not moved and self._scheduler_steps < _SCHEDULER_STATS_EVERY:
-            return None
-        data: dict[str, Any] = {"scheduler_steps": self._scheduler_steps,
-                                "scheduler_hook_seconds": self._scheduler_seconds,
-                                "scheduler_hook_cpu_seconds": self._scheduler_cpu_seconds}
-        for name, value in counters.items():
-            data[name] = value - self._scheduler_reported.get(name, 0)
-        alloc = self.scheduler_half.host_allocator
-        data["host_pages_used"] = alloc.num_used_pages
-        data["host_pages_free"] = alloc.num_free_pages
-        self._scheduler_reported = dict(counters)
-        self._scheduler_steps, self._scheduler_seconds = 0, 0.0
-        self._scheduler_cpu_seconds = 0.0
-        return HiCacheConnectorStats(data=data)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
@@ -457,7 +391,7 @@ class HiCacheConnector(KVConnectorBase_V1):
     @_timed_scheduler
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler_half is not None, "scheduler-side call on a worker connector"
-        self._scheduler_steps += 1  # once per step
+        self._scheduler_report.steps += 1  # once per step
         scheduled: list[ScheduledRequest] = []
         num_tokens = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
