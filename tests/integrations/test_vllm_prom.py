@@ -100,3 +100,27 @@ def test_vllms_prometheus_logger_exposes_hicache_counters(sched):
     assert value("vllm:hicache_connector_ms_per_step", side="worker") > 0
     assert value("vllm:hicache_connector_steps_total", side="scheduler") > 0
     e.close()
+
+
+@pytest.mark.slow  # a real engine start (~70 s on 2 cores); the vllm serve test scrapes too
+def test_a_real_engine_shows_hicache_on_its_registry_and_events():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from helpers import vllm_result
+
+    driver = Path(__file__).parent / "vllm_async_driver.py"
+    root = str(Path(__file__).parents[2])  # this checkout's hicache, in every vLLM process
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    r = vllm_result(proc)
+    blocks = 299 // 32  # whole blocks of the shared prompt (block size 32)
+    assert r["cached"] == [0, blocks * 32]
+    assert r["missing"] == []
+    assert r["host_hit_tokens"] == blocks * 32 and r["host_pages_used"] == blocks
+    assert r["load_bytes"] > 0
+    assert r["events"].get("BlockStored/CPU", 0) >= 1 and "BlockRemoved/CPU" not in r["events"]
