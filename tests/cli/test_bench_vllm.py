@@ -305,14 +305,15 @@ def test_connector_stats_are_summed_over_steps():
     sink = StatsSink()
     sink.recording = True
     step = type("S", (), {"connector_prefix_cache_stats": None, "kv_connector_stats": None})
-    for data in ({"load_bytes": 10, "load_seconds": 0.5, "name": "x"},
-                 {"load_bytes": 6, "per_tier": {"host": 2}, "flag": True},
+    for data in ({"load_bytes": 10, "load_seconds": 0.5, "name": "x", "host_pages_used": 3},
+                 {"load_bytes": 6, "per_tier": {"host": 2}, "flag": True, "host_pages_used": 5},
                  None):
         s = step()
         s.kv_connector_stats = data
         sink.record(s, None)
+    # host_pages_used is the host tier's occupancy: the latest report, not a sum
     assert sink.connector_stats == {"load_bytes": 16, "load_seconds": 0.5,
-                                    "per_tier": {"host": 2}}
+                                    "per_tier": {"host": 2}, "host_pages_used": 5}
 
 
 def test_outputs_identical_counts_differing_and_missing_requests():

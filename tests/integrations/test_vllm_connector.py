@@ -73,8 +73,10 @@ def test_config_rejects_bad_fields_by_name():
 
 def test_config_sizes_in_tokens_and_gb():
     assert ConnectorConfig(host_tokens=100).num_host_pages(32, 1 << 20) == 3
-    assert ConnectorConfig(host_gb=1).num_host_pages(32, 1 << 20) == 1024
-    assert ConnectorConfig().num_host_pages(32, 1 << 30) == 4  # default 4 GiB
+    # GB of 10**9 bytes, as CacheConfig.host_gb: HICACHE_HOST_GB means one size to both
+    assert ConnectorConfig(host_gb=1).num_host_pages(32, 1 << 20) == 10**9 // (1 << 20) == 953
+    assert ConnectorConfig().num_host_pages(32, 10**9) == 4  # default 4 GB
+    assert ConnectorConfig(host_reserve_gb=2).host_reserve_nbytes == 2 * 10**9
 
 
 # ----------------------------------------------------------------- layout

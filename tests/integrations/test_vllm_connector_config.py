@@ -85,5 +85,5 @@ def test_the_bounds_themselves_are_accepted():
     c = ConnectorConfig.from_extra({"host_gb": 0.5, "host_reserve_gb": 0, "load_threshold_tokens":
                                     (1 << 62) - 1, "storage": "file:/x",
                                     "storage_options": {"low_watermark": 1, "fsync": True}})
-    assert c.host_reserve_nbytes == 0 and c.num_host_pages(16, 1 << 20) == 512
+    assert c.host_reserve_nbytes == 0 and c.num_host_pages(16, 1 << 20) == 5 * 10**8 // (1 << 20) == 476  # GB
     assert ConnectorConfig(host_tokens=(1 << 62) - 1).host_tokens == (1 << 62) - 1

@@ -161,11 +161,13 @@ class Engine:
     max_num_batched_tokens: int = 64
     max_num_seqs: int = 4
     seed: int = 0
+    kv_events: dict | None = None  # vLLM's KVEventsConfig fields (None: events off)
 
     def __post_init__(self) -> None:
         from vllm.config import (
             CacheConfig,
             DeviceConfig,
+            KVEventsConfig,
             KVTransferConfig,
             ModelConfig,
             SchedulerConfig,
@@ -199,6 +201,7 @@ class Engine:
             model_config=mc, scheduler_config=sc,
             cache_config=CacheConfig(block_size=B, enable_prefix_caching=True),
             kv_transfer_config=transfer, device_config=DeviceConfig("cpu"),
+            kv_events_config=KVEventsConfig(**self.kv_events) if self.kv_events else None,
         )
         spec = FullAttentionSpec(block_size=B, num_kv_heads=H, head_size=D, dtype=torch.float32)
         self.kv_cache_config = KVCacheConfig(
@@ -240,6 +243,7 @@ class Engine:
         self.violations: list[Violation] = []
         self.loaded_by_step: dict[int, set[int]] = {}
         self._pending = None  # async: (scheduler output, model runner output) not yet updated
+        self.scheduler_stats: list = []  # vLLM's SchedulerStats of every step, as the front end gets them
 
     # ------------------------------------------------------------ requests
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 4,
@@ -290,6 +294,8 @@ class Engine:
 
         outputs = self.scheduler.update_from_output(out, result)
         for eco in outputs.values():
+            if eco.scheduler_stats is not None:
+                self.scheduler_stats.append(eco.scheduler_stats)
             for o in eco.outputs:
                 self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finish_reason == FinishReason.ERROR:
@@ -373,6 +379,7 @@ class Engine:
         kv_out = KVConnectorOutput(
             finished_sending=finished_sending, finished_recving=finished_recving,
             invalid_block_ids=invalid, kv_connector_worker_meta=worker_meta,
+            kv_connector_stats=w.get_kv_connector_stats(),  # as vLLM's model runner does
         )
         return ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},

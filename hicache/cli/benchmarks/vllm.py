@@ -91,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="vLLM's own KV cache in blocks (default: a quarter of the "
                         "working set, at least one longest sequence)")
     parser.add_argument("--host-gb", type=float, metavar="G",
-                        help="host tier of vllm+host in GiB (default: the working set)")
+                        help="host tier of vllm+host in GB of 10**9 bytes (default: the working set)")
     parser.add_argument("--storage", metavar="SPEC",
                         help="third tier of vllm+host+storage (default: file: a temp dir)")
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),

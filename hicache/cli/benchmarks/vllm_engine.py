@@ -77,7 +77,12 @@ class StatsSink:
                 for source, n in c.hits_by_source.items():
                     self.connector_hits_by_source[getattr(source, "value", str(source))] += n
             if scheduler_stats.kv_connector_stats:
-                _add_numbers(self.connector_stats, scheduler_stats.kv_connector_stats)
+                from hicache.integrations.vllm.scheduler import SNAPSHOT_STATS
+
+                step = scheduler_stats.kv_connector_stats
+                _add_numbers(self.connector_stats, step)
+                for key in SNAPSHOT_STATS & step.keys():  # occupancy: the latest, not a sum
+                    self.connector_stats[key] = step[key]
 
 
 def _add_numbers(total: dict, step: dict) -> None:

@@ -3,7 +3,9 @@
 ``kv_connector_module_path = "hicache.integrations.vllm"``. The halves
 (:mod:`.scheduler` with :mod:`.requests` and :mod:`.third_tier`, :mod:`.worker`,
 :mod:`.plan`, :mod:`.layout`, :mod:`.config`) import no vLLM; only :mod:`.connector`
-does, and it is imported on first use of ``HiCacheConnector``, so the halves are usable and testable without vLLM.
+and what it uses of vLLM's (:mod:`.stats`, :mod:`.prom` for ``/metrics``,
+:mod:`.kv_events`) do, imported on first use of ``HiCacheConnector``, so the halves are
+usable and testable without vLLM.
 """
 
 from __future__ import annotations

@@ -1,18 +1,36 @@
-"""The connector's options: ``kv_connector_extra_config``, validated once at start-up.
+"""The connector's options, validated once at start-up.
 
-Both halves of the connector (scheduler and workers, different processes) parse
-the same dict with :meth:`ConnectorConfig.from_extra`, so a bad value stops vLLM
-at start-up with one ``ValueError``/``TypeError`` that names the field, not on
-the first request. This module imports neither vLLM nor torch tensors.
+Four sources, each naming fields the same way (those of :class:`ConnectorConfig`),
+in this order of precedence, highest first::
+
+    kv_connector_extra_config  >  HICACHE_<FIELD> variables  >  $HICACHE_CONFIG_FILE  >  defaults
+
+The file is YAML (``.yaml``/``.yml``) or JSON (``.json``), a flat mapping of fields; a
+variable's text is parsed by the field's type (numbers, ``true``/``false``, ``none``
+for an optional number, JSON for ``storage_options``, JSON or ``0,1,2`` for
+``copy_cpus``). A higher source's ``host_gb`` replaces a lower one's ``host_tokens``
+and the reverse (one size per tier, as in :mod:`hicache.configfile`).
+
+Both halves of the connector (scheduler and workers, different processes) build the
+config with :meth:`ConnectorConfig.from_sources`, so a bad value stops vLLM at
+start-up with one ``ValueError``/``TypeError`` that names the field and where it came
+from (``kv_connector_extra_config.host_gb``, ``HICACHE_HOST_GB: host_gb``,
+``/etc/hicache.yaml: host_gb``), not on the first request; a storage secret never
+appears in one. This module imports neither vLLM nor torch tensors.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import re
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from hicache.config import GiB
 from hicache.storage.auth import check_secret
 
 _WRITE_POLICIES = ("write_through",)
@@ -20,11 +38,12 @@ _EVICTIONS = ("lru", "lfu")
 _TREES = ("auto", "python", "native")
 _EXECUTORS = ("auto", "sync", "thread", "cuda", "manual")
 DEFAULT_HOST_GB = 4.0
+GB = 10**9  # host_gb, host_reserve_gb: GB as CacheConfig.host_gb (and SGLang's --hicache-size)
 
 
 # Upper bounds: far beyond any machine, and inside int64 once turned into bytes or
 # pages, so a typo (1e30) is refused here rather than overflowing in a worker.
-MAX_GB = 4.0 * 2**30  # 4 EiB
+MAX_GB = 4.0 * 2**30  # GB: about 4 EB
 MAX_INT = 1 << 62
 MAX_CPU = 1 << 16  # CPU ids: Linux's NR_CPUS is at most 8192
 
@@ -99,9 +118,9 @@ def _choice(name: str, value: object, allowed: tuple[str, ...]) -> str:
 class ConnectorConfig:
     """What ``kv_connector_extra_config`` may set (every field optional)."""
 
-    host_gb: float | None = None  # host tier size per worker, GiB (default 4 when no host_tokens)
+    host_gb: float | None = None  # host tier per worker, GB of 10**9 bytes (default 4 without host_tokens)
     host_tokens: int | None = None  # host tier size in tokens (rounded down to whole blocks)
-    host_reserve_gb: float = 2.0  # host memory the pool must leave to the rest of the machine
+    host_reserve_gb: float = 2.0  # host memory (GB) the pool must leave to the rest of the machine
     storage: str | None = None  # third tier: "file:DIR" or "mooncake://HOST:PORT?metadata=URL"
     storage_options: dict = field(default_factory=dict, compare=False)  # backend keywords
     write_policy: str = "write_through"  # when a computed block gets its host copy
@@ -119,6 +138,38 @@ class ConnectorConfig:
     storage_epoch_on_reset: bool = True
     # Storage secret: pages are tagged and verified (None: $HICACHE_STORAGE_SECRET). Never shown.
     storage_secret: str | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def from_sources(cls, extra: Mapping[str, Any] | None,
+                     environ: Mapping[str, str] | None = None) -> ConnectorConfig:
+        """``extra`` (``kv_connector_extra_config``) over the ``HICACHE_*`` variables of
+        ``environ`` (default ``os.environ``) over the file ``$HICACHE_CONFIG_FILE`` names
+        over the defaults; every mistake names its field and its source."""
+        environ = os.environ if environ is None else environ
+        layers: list[tuple[str, dict[str, Any]]] = []
+        path = environ.get(CONFIG_FILE_ENV)
+        if path:
+            layers.append((path, _read_file(path)))
+        layers += _env_layers(environ)
+        layers.append((EXTRA, dict(extra or {})))
+        merged: dict[str, Any] = {}
+        origin: dict[str, str] = {}
+        allowed = sorted(cls.__dataclass_fields__)
+        for source, values in layers:
+            unknown = sorted(set(values) - set(allowed))
+            if unknown:
+                raise ValueError(f"{source}: unknown field(s) {unknown}; expected some of "
+                                 f"{allowed}")
+            if _SIZES & values.keys():  # one size per tier: this source's replaces the others'
+                for name in _SIZES - values.keys():
+                    merged.pop(name, None)
+                    origin.pop(name, None)
+            merged.update(values)
+            origin.update(dict.fromkeys(values, source))
+        try:
+            return cls(**merged)
+        except (ValueError, TypeError) as exc:
+            raise type(exc)(_relabel(str(exc), origin)) from None
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -203,7 +254,7 @@ class ConnectorConfig:
             num = self.host_tokens // page_size
         else:
             gb = DEFAULT_HOST_GB if self.host_gb is None else self.host_gb
-            num = int(gb * GiB) // page_nbytes
+            num = int(gb * GB) // page_nbytes
         if num < 1:
             raise ValueError(
                 "kv_connector_extra_config: the host tier holds no whole block "
@@ -213,4 +264,102 @@ class ConnectorConfig:
 
     @property
     def host_reserve_nbytes(self) -> int:
-        return int(self.host_reserve_gb * GiB)
+        return int(self.host_reserve_gb * GB)
+
+
+# ------------------------------------------------------------------ sources
+EXTRA = "kv_connector_extra_config"
+ENV_PREFIX = "HICACHE_"
+CONFIG_FILE_ENV = "HICACHE_CONFIG_FILE"
+_SIZES = frozenset({"host_gb", "host_tokens"})
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    """The mapping in ``path``; errors name the file (and for YAML the line, never a
+    line's text: it could be a secret)."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in (".json", ".yaml", ".yml"):
+        raise ValueError(f"{CONFIG_FILE_ENV}={path}: expected a .yaml, .yml or .json file, "
+                         f"got {suffix!r}")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"{CONFIG_FILE_ENV}={path}: cannot read it ({exc.strerror})") from None
+    if suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+    else:
+        import yaml  # a vLLM dependency
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(exc, "problem", None) or "not YAML"
+            raise ValueError(f"{path}: invalid YAML ({problem}{where})") from None
+    if data is None:
+        return {}  # an empty file
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{path}: expected a mapping of connector fields, got "
+                         f"{type(data).__name__}")
+    return {str(k): v for k, v in data.items()}
+
+
+def _env_layers(environ: Mapping[str, str]) -> list[tuple[str, dict[str, Any]]]:
+    """One single-field layer per ``HICACHE_<FIELD>`` variable set (so that an error
+    names the variable)."""
+    hints = typing.get_type_hints(ConnectorConfig)
+    out = []
+    for name in ConnectorConfig.__dataclass_fields__:
+        var = ENV_PREFIX + name.upper()
+        if var in environ:
+            out.append((var, {name: _parse_env(var, name, hints[name], environ[var])}))
+    return out
+
+
+def _parse_env(var: str, name: str, hint: Any, text: str) -> Any:
+    args = set(typing.get_args(hint)) or {hint}
+    optional = type(None) in args
+    kinds = {typing.get_origin(a) or a for a in args} - {type(None)}
+    value = text.strip()
+    if optional and value.lower() in ("", "none", "null") and str not in kinds:
+        return None
+    if str in kinds:
+        return value if value or not optional else None
+    if bool in kinds:
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{var}: {name}: expected true or false, got {text!r}")
+    try:
+        if int in kinds and float not in kinds:
+            return int(value.replace("_", ""))
+        if float in kinds:
+            return float(value.replace("_", ""))
+        if dict in kinds:
+            return json.loads(value)
+        if list in kinds:
+            if value.startswith("["):
+                return json.loads(value)
+            return [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        kind = ("an integer" if int in kinds and float not in kinds else "a number"
+                if float in kinds else "JSON" if dict in kinds else "a list of ints")
+        raise ValueError(f"{var}: {name}: expected {kind}, got {text!r}") from None
+    raise TypeError(f"{var}: {name}: no parser for the field's type {hint}")
+
+
+def _relabel(message: str, origin: Mapping[str, str]) -> str:
+    """A validation message (written for ``kv_connector_extra_config``) naming the source
+    of the field it is about instead."""
+    m = re.match(rf"{EXTRA}\.([a-z_]+)", message)
+    if m:
+        source = origin.get(m.group(1), EXTRA)
+        return message if source == EXTRA else f"{source}: {message[len(EXTRA) + 1:]}"
+    others = [f"{name} from {source}" for name, source in origin.items()
+              if source != EXTRA and re.search(rf"\b{name}\b", message)]
+    return f"{message} ({', '.join(others)})" if others else message

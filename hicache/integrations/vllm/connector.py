@@ -39,11 +39,20 @@ from hicache.integrations.vllm.config import ConnectorConfig
 from hicache.integrations.vllm.plan import StepPlan
 from hicache.integrations.vllm.requests import ScheduledRequest
 from hicache.integrations.vllm.scheduler import SchedulerHalf
+from hicache.integrations.vllm.stats import HiCacheConnectorStats, SchedulerReport
 from hicache.integrations.vllm.third_tier import rank_salt
 from hicache.integrations.vllm.worker import WorkerHalf
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.block_pool import BlockPool
@@ -52,6 +61,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from hicache.integrations.vllm.kv_events import HostTierEvents
 
 
 @dataclass
@@ -72,39 +83,6 @@ class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
             self.bad_host_pages |= other.bad_host_pages
             self.poisoned_blocks |= other.poisoned_blocks
         return self
-
-
-@dataclass
-class HiCacheConnectorStats(KVConnectorStats):
-    """Worker counters of one interval (see :class:`~hicache.integrations.vllm.worker.WorkerStats`),
-    and the scheduler half's ``scheduler_steps``, ``scheduler_hook_seconds`` and
-    ``scheduler_hook_cpu_seconds``."""
-
-    data: dict[str, Any] = field(default_factory=dict)
-
-    def reset(self) -> None:
-        self.data = {}
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for name, value in other.data.items():
-            self.data[name] = self.data.get(name, 0) + value
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        d = self.data
-        out: dict[str, int | float] = dict(d)
-        for kind in ("load", "save"):
-            secs = d.get(f"{kind}_seconds", 0.0)
-            out[f"{kind}_gbps"] = d.get(f"{kind}_bytes", 0) / secs / 1e9 if secs else 0.0
-        for prefix in ("", "scheduler_"):
-            steps = d.get(f"{prefix}steps", 0)
-            for clock in ("", "cpu_"):
-                secs = d.get(f"{prefix}hook_{clock}seconds", 0.0)
-                out[f"{prefix}hook_{clock}ms_per_step"] = secs / steps * 1e3 if steps else 0.0
-        return out
-
-    def is_empty(self) -> bool:
-        return not any(self.data.values())
 
 
 def _clocked(add):
@@ -133,8 +111,7 @@ def _add_worker_seconds(self: HiCacheConnector, wall: float, cpu: float) -> None
 
 
 def _add_scheduler_seconds(self: HiCacheConnector, wall: float, cpu: float) -> None:
-    self._scheduler_seconds += wall
-    self._scheduler_cpu_seconds += cpu
+    self._scheduler_report.add_seconds(wall, cpu)
 
 
 # A worker-side hook's time goes to the worker's ``hook_seconds`` (the connector's share
@@ -142,10 +119,6 @@ def _add_scheduler_seconds(self: HiCacheConnector, wall: float, cpu: float) -> N
 # the scheduler half's clock (lookups, plans, request ends).
 _timed = _clocked(_add_worker_seconds)
 _timed_scheduler = _clocked(_add_scheduler_seconds)
-
-
-# The scheduler half reports its clock every this many steps (not with every step).
-_SCHEDULER_STATS_EVERY = 32
 
 
 def storage_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
@@ -213,7 +186,7 @@ class HiCacheConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
-        self.hc_config = ConnectorConfig.from_extra(extra)
+        self.hc_config = ConnectorConfig.from_sources(extra)  # extra > HICACHE_* > file
         if len(kv_cache_config.kv_cache_groups) != 1:
             raise ValueError(
                 "HiCacheConnector: expected one KV cache group (full attention in every "
@@ -225,10 +198,9 @@ class HiCacheConnector(KVConnectorBase_V1):
         self._identity = storage_identity(vllm_config, kv_cache_config, self.hc_config)
         self._requests: dict[str, Request] = {}
         self._hit_sources: dict[str, tuple[int, int]] = {}
-        self._scheduler_seconds = 0.0  # in scheduler-side hooks since the last report
-        self._scheduler_cpu_seconds = 0.0
-        self._scheduler_steps = 0
+        self._scheduler_report = SchedulerReport()  # the scheduler side's stats and clock
         self._block_pool: BlockPool | None = None  # vLLM's (scheduler side)
+        self._events: HostTierEvents | None = None  # the host tier's KV cache events, when on
         self.scheduler_half: SchedulerHalf | None = None
         self.worker_half: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -238,6 +210,15 @@ class HiCacheConnector(KVConnectorBase_V1):
                 storage_backend=backend, storage_identity=self._identity,
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
             )
+            self._scheduler_report.start(self.scheduler_half)
+            events = getattr(vllm_config, "kv_events_config", None)
+            if events is not None and events.enable_kv_cache_events:
+                from hicache.integrations.vllm.kv_events import HostTierEvents
+
+                self._events = HostTierEvents(
+                    self.block_size, self._requests.get,
+                    getattr(kv_cache_config, "hash_block_size", None))
+                self.scheduler_half.page_listener = self._events
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -330,14 +311,7 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.scheduler_half is not None:  # vLLM's scheduler asks too, every step
-            if self._scheduler_steps < _SCHEDULER_STATS_EVERY:
-                return None
-            data = {"scheduler_steps": self._scheduler_steps,
-                    "scheduler_hook_seconds": self._scheduler_seconds,
-                    "scheduler_hook_cpu_seconds": self._scheduler_cpu_seconds}
-            self._scheduler_steps, self._scheduler_seconds = 0, 0.0
-            self._scheduler_cpu_seconds = 0.0
-            return HiCacheConnectorStats(data=data)
+            return self._scheduler_report.take(self.scheduler_half)
         if self.worker_half is None:
             return None
         data = self.worker_half.take_stats()
@@ -356,6 +330,16 @@ class HiCacheConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return HiCacheConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str], per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        """hicache's counters on vLLM's ``/metrics`` (see :mod:`~hicache.integrations.vllm.prom`)."""
+        from hicache.integrations.vllm.prom import HiCachePromMetrics
+
+        return HiCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker_half is not None:
@@ -409,7 +393,7 @@ class HiCacheConnector(KVConnectorBase_V1):
     @_timed_scheduler
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler_half is not None, "scheduler-side call on a worker connector"
-        self._scheduler_steps += 1  # once per step
+        self._scheduler_report.steps += 1  # once per step
         scheduled: list[ScheduledRequest] = []
         num_tokens = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -450,15 +434,21 @@ class HiCacheConnector(KVConnectorBase_V1):
     @_timed_scheduler
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._requests.pop(request.request_id, None)
         self._hit_sources.pop(request.request_id, None)
         if self.scheduler_half is not None:
+            self._requests[request.request_id] = request  # its last saves are announced
             self.scheduler_half.request_finished(
                 request.request_id, request.num_computed_tokens, block_ids
             )
+        self._requests.pop(request.request_id, None)
         # Never delays the free: the last blocks are saved before the next forward can
         # write a block vLLM hands out again (see StepPlan.early_saves).
         return False, None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The host tier's ``BlockStored`` / ``BlockRemoved`` events since the last call
+        (vLLM publishes them with its own; see :mod:`~hicache.integrations.vllm.kv_events`)."""
+        return self._events.take() if self._events is not None else ()
 
     def reset_cache(self) -> bool | None:
         if self.scheduler_half is None:

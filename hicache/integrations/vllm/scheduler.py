@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -59,6 +60,21 @@ class SchedulerStats:
     saved_tokens: int = 0  # tokens planned to save to host memory
     save_skipped_tokens: int = 0  # not saved: host tier full of pinned pages
     host_evicted_tokens: int = 0
+
+
+# Stats the connector reports with the counters' deltas that are snapshots (the host
+# tier's occupancy): of two reports, the later one holds; they are never summed.
+SNAPSHOT_STATS = frozenset({"host_pages_used", "host_pages_free"})
+
+
+class PageListener(Protocol):
+    """What :attr:`SchedulerHalf.page_listener` is told, as it happens."""
+
+    def cached(self, req_id: str, first_page: int, host_pages: list[int]) -> None:
+        """``host_pages`` now hold pages ``first_page, first_page + 1, ...`` of the request."""
+
+    def evicted(self, host_pages: list[int]) -> None:
+        """``host_pages`` were evicted (free again)."""
 
 
 class SchedulerHalf:
@@ -99,6 +115,9 @@ class SchedulerHalf:
         self._gap_saves: list[SaveOp] = []
         self._bad: set[int] = set()  # host pages the workers reported bad, still in the tree
         self.counters = SchedulerStats()
+        # Told of every host page cached and evicted (the connector's KV cache events):
+        # ``cached(req_id, first_page, pages)``, ``evicted(pages)``; None: nobody listens.
+        self.page_listener: PageListener | None = None
 
     # ---------------------------------------------------------------- lookups
     def _state(self, req_id: str, token_ids: Sequence[int],
@@ -191,7 +210,7 @@ class SchedulerHalf:
             # The rest comes from storage; pages between the host hit and vLLM's own
             # (have < a) are copied from vLLM's blocks, so that the tree has no gap.
             fetched = self._alloc_host(b - have) if self.storage is not None else None
-            if fetched is not None and not self._insert_extension(st, have, fetched):
+            if fetched is not None and not self._insert_extension(st, have, fetched, req_id):
                 fetched = None
             if fetched is None:  # the lookup's room check makes this rare
                 op.failed_block_ids = st.block_ids[max(a, have):b]
@@ -272,7 +291,7 @@ class SchedulerHalf:
                 # Pinning the deepest node protects its ancestors (eviction takes leaves).
                 self._pin(self.tree.probe_path(key, ns)[-1])
             pages = self._alloc_host(full - cached)
-            if pages is not None and not self._insert_extension(st, cached, pages):
+            if pages is not None and not self._insert_extension(st, cached, pages, req_id):
                 pages = None
             if pages is None:
                 self.counters.save_skipped_tokens += (full - cached) * P
@@ -350,6 +369,8 @@ class SchedulerHalf:
         if result is not None and result.num_evicted_tokens:
             self._bad.difference_update(result.page_ids.tolist())
             self.host_allocator.free(result.page_ids)
+            if self.page_listener is not None:
+                self.page_listener.evicted(result.page_ids.tolist())
             self.counters.host_evicted_tokens += result.num_evicted_tokens
         for st in self._reqs.values():
             st.num_checked_pages = 0
@@ -389,7 +410,8 @@ class SchedulerHalf:
         return extend_storage_keys(st.keys, st.token_ids, num_pages, page_size=self.page_size,
                                    root_key=root)
 
-    def _insert_extension(self, st: RequestState, cached: int, pages: torch.Tensor) -> bool:
+    def _insert_extension(self, st: RequestState, cached: int, pages: torch.Tensor,
+                          req_id: str) -> bool:
         """Cache ``pages`` as the host pages after the request's first ``cached`` pages,
         which the tree holds, and pin the new leaf; True if done.
 
@@ -410,6 +432,8 @@ class SchedulerHalf:
         inserted = self.tree.insert_host(np.frombuffer(key, dtype=np.int32), indices,
                                          st.namespace)
         self._pin(inserted.last_node)
+        if self.page_listener is not None:
+            self.page_listener.cached(req_id, cached, pages.tolist())
         return True
 
     def _alloc_host(self, num_pages: int) -> torch.Tensor | None:
@@ -426,6 +450,8 @@ class SchedulerHalf:
                     self._bad.difference_update(result.page_ids.tolist())
                 alloc.free(result.page_ids)
                 self.counters.host_evicted_tokens += result.num_evicted_tokens
+                if self.page_listener is not None:
+                    self.page_listener.evicted(result.page_ids.tolist())
         return alloc.alloc(num_pages)
 
     def _pin(self, node: TreeNode) -> None:
