@@ -215,7 +215,7 @@ def test_env_overrides_fields_and_replace_a_tiers_size_option(tmp_path, monkeypa
 ])
 def test_bad_env_values_name_the_variable_and_the_field(name, value, match):
     with pytest.raises(ValueError, match=match):
-        apply_env(DATA, {name: value})
+        apply_env(CacheConfig, DATA, {name: value})
 
 
 # Every field: (HICACHE_* value, the field's value in the config, other variables it needs).
@@ -264,7 +264,7 @@ def test_every_field_has_an_env_case():
 def test_every_field_is_parsed_from_the_environment_by_its_type(field):
     text, want, others = ENV_CASES[field]
     name = "HICACHE_" + field.replace(".", "_").upper()
-    c = CacheConfig.from_dict(apply_env(DATA, {name: text, **others}))
+    c = CacheConfig.from_dict(apply_env(CacheConfig, DATA, {name: text, **others}))
     got = getattr(c.kv, field[3:]) if field.startswith("kv.") else getattr(c, field)
     assert got == want and type(got) is type(want)
 
@@ -274,11 +274,11 @@ def test_every_field_is_parsed_from_the_environment_by_its_type(field):
                                        typing.get_type_hints(CacheConfig)[f.name])])
 def test_every_optional_field_takes_none_from_the_environment(field):
     name = "HICACHE_" + field.upper()
-    assert apply_env(DATA, {name: "none"})[field] is None
+    assert apply_env(CacheConfig, DATA, {name: "none"})[field] is None
 
 
 def test_env_none_clears_an_optional_field():
-    out = apply_env(DATA, {"HICACHE_HOST_TOKENS": "none"})
+    out = apply_env(CacheConfig, DATA, {"HICACHE_HOST_TOKENS": "none"})
     assert out["host_tokens"] is None
     assert not CacheConfig.from_dict(out).has_host_tier
 
