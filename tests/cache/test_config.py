@@ -72,6 +72,21 @@ def test_a_host_tier_beyond_memory_is_refused_before_any_allocator(monkeypatch, 
     assert "bytes asked for" in str(exc.value) and "available" in str(exc.value)
 
 
+def test_memory_refusal_names_the_tier_that_asks_for_most_first(monkeypatch):
+    """A huge device tier over a small host tier: the message must blame the device
+    sizes first (it used to say only "lower host_tokens ..."), and the other way round."""
+    _no_allocator(monkeypatch)
+    with pytest.raises(ValueError) as exc:
+        HiCache(cfg(device_tokens=10**14, host_tokens=64, allocate_kv=False))
+    msg = str(exc.value)
+    assert "lower device_tokens / device_nbytes or host_tokens" in msg, msg
+    assert f"device tier: {(10**14 // KV.page_size) * 24} bytes (page allocator for" in msg, msg
+    with pytest.raises(ValueError) as exc:
+        HiCache(cfg(host_tokens=10**14, allocate_kv=False))
+    assert "lower host_tokens / host_nbytes / host_ratio / host_gb or device_tokens" in str(
+        exc.value)
+
+
 def test_a_device_pool_beyond_memory_names_both_numbers_and_the_option(monkeypatch):
     _no_allocator(monkeypatch)
     available = psutil.virtual_memory().available
