@@ -171,7 +171,8 @@ class CacheConfig:
     tokens, bytes, GB or as a ratio of the device capacity (at most one; none
     means no host tier). Sizes are rounded down to whole pages. Configs also
     come from plain data, files and the environment: :meth:`from_dict`,
-    :meth:`from_file` (README, "Configuration"; :mod:`hicache.configfile`).
+    :meth:`from_file` (:mod:`hicache.configfile`). Every option, its unit and its
+    name in the vLLM connector, the environment and the CLI: docs/configuration.md.
     """
 
     # The size options of each tier (one per tier); an environment variable setting one
