@@ -38,7 +38,20 @@ __all__ = [
     "WritePolicy",
     "preset",
 ]
-__version__ = "0.1.0"
+
+
+def _package_version() -> str:
+    """The installed distribution's version: pyproject.toml is its one source. A source
+    tree used without installing has no metadata, hence no version to report."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("hicache")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+__version__ = _package_version()
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time see __getattr__
     from hicache.sim.engine import Engine

@@ -186,3 +186,37 @@ def test_simulator_names_resolve_on_first_use():
 
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         hicache.Nope  # noqa: B018
+
+
+# ------------------------------------------------------------------ version
+def test_the_version_has_one_source():
+    """pyproject.toml's ``version``; hicache.__version__ and ``hicache --version`` read it
+    from the installed metadata, and no module writes a version literal of its own."""
+    import importlib.metadata
+
+    import hicache
+
+    tomllib = pytest.importorskip("tomllib")
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert hicache.__version__ == importlib.metadata.version("hicache") == declared
+    literal = [str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py")
+               if f'"{declared}"' in p.read_text(encoding="utf-8")]
+    assert literal == []
+
+
+def test_the_version_without_metadata_says_unknown():
+    code = ("import importlib.metadata as m\n"
+            "def missing(name): raise m.PackageNotFoundError(name)\n"
+            "m.version = missing\n"
+            "import hicache; print(hicache.__version__)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "0+unknown"
+
+
+def test_pyproject_classifiers():
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert "Typing :: Typed" in project["classifiers"]  # hicache/py.typed ships
+    assert (PACKAGE / "py.typed").is_file()
+    assert not any(c.startswith("License ::") for c in project["classifiers"])  # SPDX license
