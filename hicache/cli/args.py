@@ -1,8 +1,10 @@
 """What every ``hicache`` subcommand shares: argument types, the parser, the error contract.
 
 The contract of the command line: a user's mistake (a bad option value, a
-missing or malformed file, a configuration the library refuses) is reported as
-one line on stderr and exit status 2, checked before any long work starts.
+missing, malformed or empty file, a configuration the library refuses, a size
+beyond this machine's memory) is reported as one line on stderr and exit status
+2, checked before any long work starts. Any other error is a bug: its traceback
+is printed and the exit status is 1 (:func:`run_guarded`).
 ``--json`` means one thing everywhere: stdout carries exactly one line, a JSON
 object, and nothing else (the human table is not printed). Set
 ``HICACHE_DEBUG=1`` to get the traceback of an error instead of the line.
