@@ -38,5 +38,5 @@ fi
 
 # Fail here, with the loader's message, rather than as skipped tests later.
 "$PY" -c 'import mooncake.store'
-"$PY" -c 'from hicache.storage.mooncake_master import mooncake_binary as b; b("mooncake_master"); b("mooncake_client")'
+"$PY" -c 'from hicache.testing.mooncake_master import mooncake_binary as b; b("mooncake_master"); b("mooncake_client")'
 echo "install_mooncake: mooncake extra ready (torch $torch_after)"

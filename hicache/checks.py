@@ -145,3 +145,29 @@ def check_fraction(name: str, value: object) -> float:
     if not 0 <= value <= 1:
         raise ValueError(f"{name}: expected a fraction in [0, 1], got {value}")
     return float(value)
+
+
+def check_model_id(model_id: object) -> str:
+    """Return ``model_id`` if it is a non-empty str, else raise naming what was expected."""
+    if not isinstance(model_id, str):
+        raise TypeError(
+            f"model_id: expected a non-empty str naming the model (see "
+            f"hicache.storage.model_identity), got {type(model_id).__name__}"
+        )
+    if not model_id.strip():
+        raise ValueError(
+            f"model_id: expected a non-empty str naming the model (see "
+            f"hicache.storage.model_identity), got {model_id!r}"
+        )
+    return model_id
+
+
+def check_secret(name: str, secret: object) -> str | bytes | None:
+    """Return ``secret`` if it is None or a non-empty str/bytes; the error never shows it."""
+    if secret is None:
+        return None
+    if not isinstance(secret, str | bytes):
+        raise TypeError(f"{name}: expected a non-empty str or bytes, got {type(secret).__name__}")
+    if not secret:
+        raise ValueError(f"{name}: expected a non-empty str or bytes, got an empty one")
+    return secret

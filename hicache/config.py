@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -19,12 +19,13 @@ from hicache.checks import (
     check_bool,
     check_fraction,
     check_int,
+    check_model_id,
     check_optional_str,
     check_positive_number,
     check_seconds,
+    check_secret,
 )
-from hicache.storage.auth import check_secret
-from hicache.storage.keys import check_model_id
+from hicache.configfile import config_from_dict, config_from_file, config_to_dict
 
 _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -170,8 +171,14 @@ class CacheConfig:
     tokens, bytes, GB or as a ratio of the device capacity (at most one; none
     means no host tier). Sizes are rounded down to whole pages. Configs also
     come from plain data, files and the environment: :meth:`from_dict`,
-    :meth:`from_file` (README, "Configuration"; :mod:`hicache.configfile`).
+    :meth:`from_file` (:mod:`hicache.configfile`). Every option, its unit and its
+    name in the vLLM connector, the environment and the CLI: docs/configuration.md.
     """
+
+    # The size options of each tier (one per tier); an environment variable setting one
+    # replaces whichever the file gave (hicache.configfile).
+    SIZE_FIELD_GROUPS: ClassVar[tuple[tuple[str, ...], ...]] = (
+        DEVICE_SIZE_FIELDS, HOST_SIZE_FIELDS)
 
     kv: KVConfig
     device_tokens: int | None = None
@@ -332,20 +339,14 @@ class CacheConfig:
         :class:`KVConfig` fields. Unknown keys and bad values raise ``ValueError`` /
         ``TypeError`` naming the field. ``env=True`` applies ``HICACHE_*`` overrides
         first (see :func:`hicache.configfile.apply_env`)."""
-        from hicache.configfile import config_from_dict
-
-        return config_from_dict(data, env=env)
+        return config_from_dict(cls, data, env=env)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str], *, env: bool = True) -> CacheConfig:
         """A config from a JSON or YAML file (by extension; YAML needs PyYAML), with
         ``HICACHE_*`` environment overrides applied unless ``env=False``."""
-        from hicache.configfile import config_from_file
-
-        return config_from_file(path, env=env)
+        return config_from_file(cls, path, env=env)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data that :meth:`from_dict` turns back into an equal config."""
-        from hicache.configfile import config_to_dict
-
         return config_to_dict(self)

@@ -18,7 +18,10 @@ separators allowed), numbers, ``true``/``false``, ``none`` for an optional field
 JSON for ``extra``, the string itself for names (enums, dtypes). Every mistake is a
 ``ValueError`` or ``TypeError`` naming the field (and the variable or file).
 
-This module knows only configuration: it allocates nothing.
+This module knows only configuration: it allocates nothing. It imports nothing of
+:mod:`hicache.config` (which calls it): every function takes the config class, and
+finds the KV class from its ``kv`` field and the size options of each tier from its
+``SIZE_FIELD_GROUPS``.
 """
 
 from __future__ import annotations
@@ -31,16 +34,21 @@ import typing
 from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from hicache.config import DEVICE_SIZE_FIELDS, HOST_SIZE_FIELDS, CacheConfig, KVConfig
-
 ENV_PREFIX = "HICACHE_"
+
+C = TypeVar("C")  # the config class (hicache.CacheConfig)
 
 def _fields(cls: type) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _kv_class(cls: type) -> type:
+    """The class of ``cls``'s ``kv`` field (hicache.KVConfig), from its declared type."""
+    return typing.get_type_hints(cls)["kv"]
 
 
 def _env_kind(cls: type, field: str) -> tuple[type, bool]:
@@ -94,57 +102,61 @@ def _parse_env(name: str, cls: type, field: str, text: str) -> Any:
     return value
 
 
-def apply_env(data: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> dict:
-    """``data`` with every ``HICACHE_<FIELD>`` / ``HICACHE_KV_<FIELD>`` variable applied."""
+def apply_env(cls: type, data: Mapping[str, Any],
+              environ: Mapping[str, str] | None = None) -> dict:
+    """``data`` with every ``HICACHE_<FIELD>`` / ``HICACHE_KV_<FIELD>`` variable of the
+    config class ``cls`` (:class:`hicache.CacheConfig`) applied."""
     environ = os.environ if environ is None else environ
+    kv_cls = _kv_class(cls)
     out = dict(data)
     kv = dict(out.get("kv") or {}) if isinstance(out.get("kv", {}), Mapping) else out.get("kv")
-    for field in _fields(CacheConfig):
+    for field in _fields(cls):
         if field == "kv":
             continue
         name = ENV_PREFIX + field.upper()
         if name not in environ:
             continue
-        value = _parse_env(name, CacheConfig, field, environ[name])
-        for group in (DEVICE_SIZE_FIELDS, HOST_SIZE_FIELDS):
+        value = _parse_env(name, cls, field, environ[name])
+        for group in cls.SIZE_FIELD_GROUPS:
             if field in group:  # one size option per tier: the variable replaces the file's
                 for other in group:
                     out.pop(other, None)
         out[field] = value
-    for field in _fields(KVConfig):
+    for field in _fields(kv_cls):
         name = f"{ENV_PREFIX}KV_{field.upper()}"
         if name in environ:
             if not isinstance(kv, dict):
                 raise TypeError(f"kv: expected a mapping of KV fields, got {type(kv).__name__}")
-            kv[field] = _parse_env(name, KVConfig, field, environ[name])
+            kv[field] = _parse_env(name, kv_cls, field, environ[name])
     if kv or "kv" in out:
         out["kv"] = kv
     return out
 
 
-def config_from_dict(data: Mapping[str, Any], *, env: bool = False) -> CacheConfig:
+def config_from_dict(cls: type[C], data: Mapping[str, Any], *, env: bool = False) -> C:
     """See :meth:`hicache.CacheConfig.from_dict`."""
+    kv_cls = _kv_class(cls)
     if not isinstance(data, Mapping):
         raise TypeError(f"config: expected a mapping of fields, got {type(data).__name__}")
     if env:
-        data = apply_env(data)
-    known = _fields(CacheConfig)
+        data = apply_env(cls, data)
+    known = _fields(cls)
     unknown = sorted(str(k) for k in data if k not in known)
     if unknown:
         raise ValueError(f"config: unknown field {unknown[0]!r}; expected some of "
                          f"{', '.join(known)}")
     if "kv" not in data:
         raise ValueError("kv: missing; expected a mapping of KV fields "
-                         f"({', '.join(_fields(KVConfig))})")
+                         f"({', '.join(_fields(kv_cls))})")
     kv = data["kv"]
     if isinstance(kv, Mapping):
-        kv_known = _fields(KVConfig)
+        kv_known = _fields(kv_cls)
         bad = sorted(str(k) for k in kv if k not in kv_known)
         if bad:
             raise ValueError(f"kv: unknown field {bad[0]!r}; expected some of "
                              f"{', '.join(kv_known)}")
         try:
-            kv = KVConfig(**kv)
+            kv = kv_cls(**kv)
         except TypeError as exc:
             if "required positional argument" in str(exc):
                 missing = [f for f, spec in kv_known.items()
@@ -153,13 +165,13 @@ def config_from_dict(data: Mapping[str, Any], *, env: bool = False) -> CacheConf
             raise TypeError(f"kv: {exc}") from None
         except ValueError as exc:
             raise ValueError(f"kv: {exc}") from None
-    elif not isinstance(kv, KVConfig):
+    elif not isinstance(kv, kv_cls):
         raise TypeError(f"kv: expected a mapping of KV fields, got {type(kv).__name__}")
     fields = {k: v for k, v in data.items() if k != "kv"}
-    return CacheConfig(kv=kv, **fields)
+    return cls(kv=kv, **fields)
 
 
-def config_from_file(path: str | os.PathLike[str], *, env: bool = True) -> CacheConfig:
+def config_from_file(cls: type[C], path: str | os.PathLike[str], *, env: bool = True) -> C:
     """See :meth:`hicache.CacheConfig.from_file`."""
     path = Path(path)
     suffix = path.suffix.lower()
@@ -185,12 +197,12 @@ def config_from_file(path: str | os.PathLike[str], *, env: bool = True) -> Cache
         raise ValueError(f"{path}: expected a mapping of config fields, got "
                          f"{type(data).__name__}")
     try:
-        return config_from_dict(data, env=env)
+        return config_from_dict(cls, data, env=env)
     except (ValueError, TypeError) as exc:
         raise type(exc)(f"{path}: {exc}") from None
 
 
-def config_to_dict(config: CacheConfig) -> dict[str, Any]:
+def config_to_dict(config: Any) -> dict[str, Any]:
     """See :meth:`hicache.CacheConfig.to_dict`."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(config):

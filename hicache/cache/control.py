@@ -13,9 +13,12 @@ It knows nothing of transfers or the request lifecycle.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from hicache.events import AllBlocksCleared, BlockStored, KVEvent, to_event
+
+if TYPE_CHECKING:  # annotations only
+    from hicache.tree.protocol import RadixTreeLike
 
 
 class ResetResult(NamedTuple):
@@ -36,7 +39,7 @@ class ResetResult(NamedTuple):
         return self.kept_device_tokens == 0 and self.kept_host_tokens == 0
 
 
-def drop_unheld(tree, device_allocator, host_allocator) -> tuple[int, int]:
+def drop_unheld(tree: RadixTreeLike, device_allocator, host_allocator) -> tuple[int, int]:
     """Evict every unlocked device and host copy; (device tokens, host tokens) dropped."""
     num_device = num_host = 0
     while True:  # host-only children leave first, then their device-only parents can
@@ -55,7 +58,7 @@ def drop_unheld(tree, device_allocator, host_allocator) -> tuple[int, int]:
 class EventLog:
     """The cache's KV events, in order (see the module docstring)."""
 
-    def __init__(self, tree, page_size: int, has_host_tier: bool) -> None:
+    def __init__(self, tree: RadixTreeLike, page_size: int, has_host_tier: bool) -> None:
         self._tree = tree
         self._page_size = page_size
         self._has_host_tier = has_host_tier

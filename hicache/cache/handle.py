@@ -2,7 +2,9 @@
 
 A handle holds the request's locked prefix (the node ending it), the pages it
 owns until they are inserted, and the loads it waits on. HiCache creates and
-updates handles; callers read them and wait on them.
+updates handles; callers read them and wait on them. :class:`InFlightIO`, one
+transfer and the requests waiting on it, lives here too: a handle and its loads
+refer to each other.
 """
 
 from __future__ import annotations
@@ -14,8 +16,28 @@ import torch
 from hicache.checks import check_int
 
 if TYPE_CHECKING:  # annotations only
-    from hicache.cache.inflight import InFlightIO
     from hicache.tree import TreeNode
+    from hicache.tree.protocol import RadixTreeLike
+
+
+class InFlightIO:
+    """One transfer in flight and the tree nodes / requests that depend on it.
+
+    Tracked by :class:`hicache.cache.inflight.InFlightTable`; here because a
+    :class:`PrefixHandle` lists the loads it waits on and each load its requests.
+    """
+
+    __slots__ = ("handle", "kind", "nodes", "requests", "evict", "nbytes")
+
+    def __init__(self, handle, kind: str, nodes: list[TreeNode], nbytes: int) -> None:
+        self.handle = handle  # the transfer engine's handle
+        self.kind = kind  # "load" | "backup"
+        self.nodes = nodes  # grows when a node is split while in flight
+        self.requests: list[PrefixHandle] = []  # requests that must wait for this load
+        # write-back: the nodes (the evicted leaf, parts split off it) whose device
+        # pages are freed once backed up; None for other backups
+        self.evict: list[TreeNode] | None = None
+        self.nbytes = nbytes  # KV bytes moved
 
 
 class LoadError(RuntimeError):
@@ -31,8 +53,8 @@ class PrefixHandle:
     """
 
     def __init__(
-        self, owner: object, tree, num_layers: int, key: bytes, namespace: str | None,
-        device_len: int, host_len: int, lock_node: TreeNode,
+        self, owner: object, tree: RadixTreeLike, num_layers: int, key: bytes,
+        namespace: str | None, device_len: int, host_len: int, lock_node: TreeNode,
     ) -> None:
         self._owner = owner  # the HiCache that made it (calls check it is theirs)
         self._tree = tree  # the owner's tree: the prefix's pages are read from it

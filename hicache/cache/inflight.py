@@ -2,7 +2,9 @@
 
 Every transfer the cache starts (a load, a backup) gets an :class:`InFlightIO`
 record naming the tree nodes whose pages it reads or writes and the requests
-waiting on it; every storage write host-pins the nodes it reads. The table
+waiting on it (the record is defined next to :class:`PrefixHandle` in handle.py,
+since a handle lists the loads it waits on: this module imports that one, never
+the other way round); every storage write host-pins the nodes it reads. The table
 answers "is IO in flight on this node?" (eviction and the takeable-page checks
 ask it) and keeps those answers true when the tree splits a node in flight: a
 split hook, installed only while something is tracked, adds the new prefix node
@@ -13,31 +15,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from hicache.cache.handle import InFlightIO, PrefixHandle
+
 if TYPE_CHECKING:  # annotations only
-    from hicache.cache.handle import PrefixHandle
     from hicache.tree import TreeNode
+    from hicache.tree.protocol import RadixTreeLike
 
-
-class InFlightIO:
-    """One transfer in flight and the tree nodes / requests that depend on it."""
-
-    __slots__ = ("handle", "kind", "nodes", "requests", "evict", "nbytes")
-
-    def __init__(self, handle, kind: str, nodes: list[TreeNode], nbytes: int) -> None:
-        self.handle = handle  # the transfer engine's handle
-        self.kind = kind  # "load" | "backup"
-        self.nodes = nodes  # grows when a node is split while in flight
-        self.requests: list[PrefixHandle] = []  # requests that must wait for this load
-        # write-back: the nodes (the evicted leaf, parts split off it) whose device
-        # pages are freed once backed up; None for other backups
-        self.evict: list[TreeNode] | None = None
-        self.nbytes = nbytes  # KV bytes moved
+__all__ = ["InFlightIO", "InFlightTable", "node_depth"]  # InFlightIO: see handle.py
 
 
 class InFlightTable:
     """Transfers and storage writes in flight, by transfer and by tree node."""
 
-    def __init__(self, tree) -> None:
+    def __init__(self, tree: RadixTreeLike) -> None:
         self._tree = tree
         self.records: dict[int, InFlightIO] = {}  # id(transfer handle) -> record
         self.by_node: dict[TreeNode, InFlightIO] = {}  # nodes with a transfer in flight

@@ -20,10 +20,11 @@ if TYPE_CHECKING:  # annotations only
     from hicache.cache.inflight import InFlightTable
     from hicache.cache.pins import Pins
     from hicache.tree import TreeNode
+    from hicache.tree.protocol import RadixTreeLike
 
 
 def check_cache_integrity(
-    tree,
+    tree: RadixTreeLike,
     device_allocator,
     host_allocator,
     transfers,

@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # annotations only
     from hicache.cache.stats import CacheStats
     from hicache.config import CacheConfig
     from hicache.tree import MatchResult, TreeNode
+    from hicache.tree.protocol import RadixTreeLike
 
 
 class Loads:
@@ -34,7 +35,7 @@ class Loads:
     def __init__(
         self,
         config: CacheConfig,
-        tree,
+        tree: RadixTreeLike,
         space: TierSpace,
         inflight: InFlightTable,
         transfers,

@@ -13,6 +13,8 @@ holds both lifecycles to identical trees, pages and counters.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from hicache.cache.handle import PrefixHandle
@@ -20,6 +22,10 @@ from hicache.cache.stats import CacheStats
 from hicache.config import CacheConfig
 from hicache.tree import TokenLike, token_key
 from hicache.tree.native import NativeNode, _readable_in_place
+
+if TYPE_CHECKING:  # annotations only
+    from hicache.tree.native import NativeRadixTree
+    from hicache.tree.protocol import RadixTreeLike
 
 
 class NativePrefixHandle(PrefixHandle):
@@ -40,7 +46,7 @@ class NativePrefixHandle(PrefixHandle):
 
 
 def open_native_lifecycle(
-    config: CacheConfig, tree, device_allocator, host_allocator
+    config: CacheConfig, tree: RadixTreeLike, device_allocator, host_allocator
 ) -> NativeLifecycle | None:
     """The C++ lifecycle where it applies (``config.lifecycle``), else None (Python runs it)."""
     if config.lifecycle == "python" or config.allocate_kv or config.storage is not None:
@@ -87,8 +93,8 @@ class NativeLifecycle:
     """
 
     def __init__(
-        self, core, counter_names: list[str], tree, device_allocator, page_size: int,
-        num_layers: int,
+        self, core, counter_names: list[str], tree: NativeRadixTree, device_allocator,
+        page_size: int, num_layers: int,
     ) -> None:
         self._core = core
         self._device_allocator = device_allocator

@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # annotations only
     from hicache.cache.stats import CacheStats
     from hicache.config import CacheConfig
     from hicache.tree import TreeNode
+    from hicache.tree.protocol import RadixTreeLike
 
 
 class _Pin:
@@ -34,7 +35,7 @@ class _Pin:
 class Pins:
     """The cache's pins, by (namespace, key of the pinned tokens' whole pages)."""
 
-    def __init__(self, config: CacheConfig, tree, counters: CacheStats) -> None:
+    def __init__(self, config: CacheConfig, tree: RadixTreeLike, counters: CacheStats) -> None:
         self._tree = tree
         self._counters = counters
         self._pins: dict[tuple[str | None, bytes], _Pin] = {}

@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # annotations only
     from hicache.cache.storage import ThirdTier
     from hicache.cache.writes import Writes
     from hicache.tree import TreeNode
+    from hicache.tree.protocol import RadixTreeLike
 
 
 class PythonLifecycle:
@@ -36,7 +37,7 @@ class PythonLifecycle:
 
     def __init__(
         self,
-        tree,
+        tree: RadixTreeLike,
         space: TierSpace,
         inflight: InFlightTable,
         loads: Loads,

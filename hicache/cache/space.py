@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # annotations only
     from hicache.cache.stats import CacheStats
     from hicache.memory import PageAllocator
     from hicache.tree import TreeNode
+    from hicache.tree.protocol import RadixTreeLike
 
 
 class TierSpace:
@@ -31,7 +32,7 @@ class TierSpace:
 
     def __init__(
         self,
-        tree,
+        tree: RadixTreeLike,
         device_allocator: PageAllocator,
         host_allocator: PageAllocator,
         transfers,

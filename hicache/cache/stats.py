@@ -9,6 +9,10 @@ or the free lists beyond the counts they report.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only
+    from hicache.tree.protocol import RadixTreeLike
 
 
 @dataclass
@@ -62,7 +66,7 @@ def stats_report(c: CacheStats) -> dict:
     return s
 
 
-def tier_occupancy(tree, device_allocator, host_allocator) -> dict:
+def tier_occupancy(tree: RadixTreeLike, device_allocator, host_allocator) -> dict:
     """Pages used and free in each tier's free list, tokens cached in each tier now."""
     return {
         "device_pages_used": device_allocator.num_used_pages,

@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # annotations only
     from hicache.cache.inflight import InFlightTable
     from hicache.cache.space import TierSpace
     from hicache.cache.stats import CacheStats
+    from hicache.tree.protocol import RadixTreeLike
 
 
 class ThirdTier:
@@ -33,7 +34,7 @@ class ThirdTier:
     def __init__(
         self,
         config: CacheConfig,
-        tree,
+        tree: RadixTreeLike,
         host_pool,
         space: TierSpace,
         inflight: InFlightTable,

@@ -9,16 +9,19 @@ tier, since nothing is ever transferred.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from hicache.config import CacheConfig
 from hicache.memory import DevicePool, HostPool, PageAllocator, check_cache_memory
 from hicache.transfer import TransferEngine
 from hicache.tree import make_tree as make_radix_tree
 
+if TYPE_CHECKING:  # annotations only
+    from hicache.tree.protocol import RadixTreeLike
+
 
 class Tiers(NamedTuple):
-    tree: object  # RadixTree or NativeRadixTree
+    tree: RadixTreeLike  # RadixTree or NativeRadixTree
     device_allocator: PageAllocator
     host_allocator: PageAllocator
     device_pool: DevicePool | None  # None: bookkeeping only

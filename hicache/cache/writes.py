@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # annotations only
     from hicache.cache.stats import CacheStats
     from hicache.config import CacheConfig
     from hicache.tree import TreeNode
+    from hicache.tree.protocol import RadixTreeLike
 
 
 class Writes:
@@ -39,7 +40,7 @@ class Writes:
     def __init__(
         self,
         config: CacheConfig,
-        tree,
+        tree: RadixTreeLike,
         space: TierSpace,
         inflight: InFlightTable,
         transfers,

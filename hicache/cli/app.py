@@ -51,14 +51,9 @@ _BENCHES = [
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+    from hicache import __version__  # from the installed metadata (pyproject.toml)
 
-    try:
-        return version("hicache")
-    except PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
-        from hicache import __version__
-
-        return __version__
+    return __version__
 
 
 def _add(subparsers, name: str, module: str, help_text: str) -> None:

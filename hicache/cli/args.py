@@ -1,8 +1,10 @@
 """What every ``hicache`` subcommand shares: argument types, the parser, the error contract.
 
 The contract of the command line: a user's mistake (a bad option value, a
-missing or malformed file, a configuration the library refuses) is reported as
-one line on stderr and exit status 2, checked before any long work starts.
+missing, malformed or empty file, a configuration the library refuses, a size
+beyond this machine's memory) is reported as one line on stderr and exit status
+2, checked before any long work starts. Any other error is a bug: its traceback
+is printed and the exit status is 1 (:func:`run_guarded`).
 ``--json`` means one thing everywhere: stdout carries exactly one line, a JSON
 object, and nothing else (the human table is not printed). Set
 ``HICACHE_DEBUG=1`` to get the traceback of an error instead of the line.
@@ -15,14 +17,18 @@ import importlib.util
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import NoReturn
 
 TRACE_HELP = "trace file: JSON Lines, one request per line (format: docs/workloads.md)"
 
 
-class UsageError(Exception):
-    """A mistake on the command line; ``hicache`` prints the message and exits with 2."""
+class UsageError(ValueError):
+    """A mistake on the command line; ``hicache`` prints the message and exits with 2.
+
+    A ``ValueError`` (a value the user gave is wrong), so code that calls a command's
+    helpers directly and catches ``ValueError`` keeps working."""
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -172,19 +178,77 @@ def start_metrics(args: argparse.Namespace, prog: str):
     return metrics
 
 
+@contextmanager
+def user_input(what: str | None = None) -> Iterator[None]:
+    """Run a library call on the user's input: its ``ValueError``/``TypeError`` (the
+    library names the field, the expected and the actual value) is the user's mistake,
+    re-raised as :class:`UsageError` (prefixed with ``what``, an option, when given).
+
+    Only calls that check what the user gave go inside; anywhere else such an error
+    is a bug and stays a traceback (see :func:`run_guarded`)."""
+    try:
+        yield
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"{what}: {exc}" if what else str(exc)) from exc
+
+
+# The config fields check_cache_memory names, as options of the commands (longest first).
+_MEMORY_FIELDS = [
+    ("device_tokens / device_nbytes", "{device}"),
+    ("host_tokens / host_nbytes / host_ratio / host_gb", "{host}"),
+    ("device_tokens", "{device}"), ("host_tokens", "{host}"),
+    (" or host_reserve_nbytes", ""),  # no option: the commands keep the default reserve
+    ("host_reserve_nbytes=", "a reserve for the rest of the machine of "),
+]
+
+
+def check_tier_memory(config, device_option: str = "--device-tokens",
+                      host_option: str = "--host-tokens") -> None:
+    """The tiers of ``config`` (a :class:`hicache.CacheConfig` the command is about to
+    build) fit this machine: else a :class:`UsageError` naming the command's options
+    (``device_option``, ``host_option``), checked before any long work."""
+    from hicache.memory import check_cache_memory
+
+    try:
+        check_cache_memory(config)
+    except ValueError as exc:
+        message = str(exc)
+        for field, option in _MEMORY_FIELDS:
+            message = message.replace(field, option)
+        raise UsageError(message.format(device=device_option, host=host_option)) from None
+
+
+def load_user_trace(path: str, option: str | None = None, *, arrays: bool = False) -> list:
+    """The requests of the trace file the user named (:mod:`hicache.sim.traces`), with
+    ``arrays`` as int32 numpy arrays. A malformed or empty trace is a
+    :class:`UsageError` naming the file; a missing one an ``OSError`` naming it."""
+    from hicache.sim.traces import load_trace, load_trace_arrays
+
+    with user_input(option):
+        requests = (load_trace_arrays if arrays else load_trace)(path)
+    if not requests:
+        where = f"{option}: {path}" if option else path
+        raise UsageError(f"{where}: expected at least one request (JSON Lines, one object "
+                         "per line: docs/workloads.md), got none")
+    return requests
+
+
 def run_guarded(run: Callable[[argparse.Namespace], int | None], args: argparse.Namespace,
                 prog: str) -> int:
     """``run(args)``, with a user's mistake turned into one stderr line and exit status 2.
 
-    The library reports a caller's mistake as ``ValueError``/``TypeError`` naming the
-    option or field; a missing or unreadable file is an ``OSError``; a native tree
-    asked for but not buildable is ``NativeBuildError``.
+    A user's mistake is a :class:`UsageError` (the commands raise it for what they
+    check, and :func:`user_input` turns the library's verdict on the user's input
+    into one), an ``OSError`` (a missing or unreadable file, a port in use: the
+    message names it) or a ``NativeBuildError`` (a native tree asked for but not
+    buildable here). Anything else, a ``ValueError`` or ``TypeError`` from inside
+    the work included, is a bug: it propagates as a traceback (exit status 1).
     """
     from hicache.native.build import NativeBuildError
 
     try:
         return int(run(args) or 0)
-    except (UsageError, ValueError, TypeError, OSError, NativeBuildError) as exc:
+    except (UsageError, OSError, NativeBuildError) as exc:
         if os.environ.get("HICACHE_DEBUG"):
             raise
         lines = str(exc).strip().splitlines() or [type(exc).__name__]

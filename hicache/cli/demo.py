@@ -19,10 +19,8 @@ import argparse
 import json
 import sys
 import time
-from typing import TextIO
 
 import torch
-from tqdm import tqdm
 
 from hicache.cli.args import (
     add_json,
@@ -31,9 +29,11 @@ from hicache.cli.args import (
     positive_int,
     require_matplotlib,
     start_metrics,
+    user_input,
 )
 from hicache.cli.benchmarks.multiturn import (
     add_workload_arguments,
+    check_engine_tiers,
     generated_trace,
     workload_from_args,
 )
@@ -46,7 +46,7 @@ from hicache.cli.benchmarks.multiturn_runs import (
     to_requests,
 )
 from hicache.cli.plots import plot_ttft_per_request
-from hicache.sim.engine import GenerateResult
+from hicache.cli.progress import ProgressBar
 from hicache.sim.model import PRESET_NAMES, Model, preset
 
 # The bench's workload with 6 sessions x 8 turns instead of 8 x 10: 48 requests, so
@@ -73,32 +73,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_metrics_port(parser)
 
 
-class ProgressBar:
-    """A tqdm bar per configuration on a terminal; off a terminal (a log, a pipe) only
-    one finished line per configuration, so logs stay one line per configuration."""
-
-    def __init__(self, total: int, out: TextIO) -> None:
-        self.total = total
-        self.out = out
-        self.live = out.isatty()
-        self._bar: tqdm | None = None
-        self._start = time.perf_counter()
-
-    def update(self, name: str, done: int, result: GenerateResult) -> None:
-        if done == 1:
-            self._start = time.perf_counter()
-            self._bar = tqdm(total=self.total, desc=f"  {name:<13}", unit="req", file=self.out,
-                             disable=not self.live, leave=True, dynamic_ncols=True)
-        assert self._bar is not None
-        self._bar.set_postfix_str(f"TTFT {result.ttft_s * 1e3:7.1f} ms", refresh=False)
-        self._bar.update(1)
-        if done == self.total:
-            self._bar.close()
-            if not self.live:
-                print(f"  {name:<13} {done:>4}/{self.total} requests  "
-                      f"{time.perf_counter() - self._start:6.1f} s", file=self.out, flush=True)
-
-
 def plot_ttft(path: str, runs: dict[str, ConfigResult], title: str) -> None:
     """TTFT per request of every configuration, in trace order."""
     plot_ttft_per_request(
@@ -112,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
         require_matplotlib()
     workload = workload_from_args(args)
     torch.set_num_threads(args.threads)
-    trace = generated_trace(args.seed, workload)
+    with user_input():  # the generator names the shape parameter it refuses
+        trace = generated_trace(args.seed, workload)
     if args.requests is not None:
         trace = trace[: args.requests]
     page_size = args.page_size
@@ -120,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     ws, device_tokens, host_tokens = capacities(trace, requests, page_size, args.device_tokens)
     cfg = preset(args.preset)
     model = Model(cfg, seed=args.seed)
+    check_engine_tiers(model, page_size, device_tokens, host_tokens)
     prompt_tokens = sum(len(r.prompt) for r in requests)
 
     say = (lambda *_a, **_k: None) if args.json else print

@@ -10,12 +10,21 @@ import argparse
 import json
 import sys
 
-from hicache.cli.args import TRACE_HELP, UsageError, add_json, positive_int, require_matplotlib
-from hicache.config import EvictionPolicy, WritePolicy
+from hicache.cli.args import (
+    TRACE_HELP,
+    UsageError,
+    add_json,
+    check_tier_memory,
+    load_user_trace,
+    positive_int,
+    require_matplotlib,
+    user_input,
+)
+from hicache.config import CacheConfig, EvictionPolicy, KVConfig, WritePolicy
 from hicache.sim.replay import (
     ReplayResult,
     make_tree,
-    prepare_requests,
+    replay_arrays,
     replay_device,
     replay_hierarchical,
     tree_bytes_per_cached_token,
@@ -133,11 +142,25 @@ def _check_args(args: argparse.Namespace) -> None:
         from hicache.tree.native import load_native
 
         load_native()  # NativeBuildError (a RuntimeError) would be a traceback: say why
+    _check_memory(args)
+
+
+def _check_memory(args: argparse.Namespace) -> None:
+    """The page allocators of the largest replay fit in memory, checked before the trace
+    is read. The device-only replay builds its own allocator, so the check is made
+    here, on the config a replay with a host tier would use."""
+    host_sizes = args.sweep_host or [args.host_tokens or 0]
+    kv = KVConfig(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float16",
+                  page_size=args.page_size)
+    with user_input():
+        config = CacheConfig(kv, device_tokens=args.device_tokens,
+                             host_tokens=max(host_sizes) or None, allocate_kv=False)
+    check_tier_memory(config, host_option="--sweep-host" if args.sweep_host else "--host-tokens")
 
 
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
-    requests = prepare_requests(args.trace, args.page_size)
+    requests = replay_arrays(load_user_trace(args.trace, arrays=True), args.page_size)
     if args.sweep_host:
         out = _sweep(args, requests)
     elif args.host_tokens is not None:

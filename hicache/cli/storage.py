@@ -18,7 +18,7 @@ import argparse
 import json
 import os
 
-from hicache.cli.args import UsageError, add_json
+from hicache.cli.args import UsageError, add_json, user_input
 
 _SPEC_HELP = "the tier: file:DIR or mooncake://HOST:PORT?metadata=http://HOST:PORT/metadata"
 
@@ -51,7 +51,8 @@ def _open(spec: str):
 
     if spec.startswith("file:") and spec[len("file:"):] and not os.path.isdir(spec[5:]):
         raise UsageError(f"{spec}: no such directory (a tier is never created here)")
-    return make_storage(spec, page_nbytes=1)  # no page is moved: any page size opens it
+    with user_input():  # the spec's form, named by the library
+        return make_storage(spec, page_nbytes=1)  # no page is moved: any page size opens it
 
 
 def _report(args: argparse.Namespace, fields: dict, text: str) -> None:

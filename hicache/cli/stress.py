@@ -25,6 +25,7 @@ from hicache.cli.args import (
     probability,
     run_guarded,
     start_metrics,
+    user_input,
 )
 from hicache.config import EvictionPolicy
 from hicache.sim.stress import StressOptions, StressRun, longest_request_tokens
@@ -71,7 +72,8 @@ def options(args: argparse.Namespace) -> StressOptions:
 
 def check_args(args: argparse.Namespace) -> None:
     """Refuse a run that cannot test anything (every request would be aborted)."""
-    longest = longest_request_tokens(options(args))
+    with user_input():  # StressOptions names the option it refuses
+        longest = longest_request_tokens(options(args))
     need = -(-longest // args.page_size)
     if args.device_pages < need:
         raise UsageError(

@@ -11,8 +11,16 @@ import argparse
 import json
 import sys
 
-from hicache.cli.args import TRACE_HELP, add_json, nonneg_float, nonneg_int, positive_int
-from hicache.sim.traces import load_trace, trace_stats, write_trace
+from hicache.cli.args import (
+    TRACE_HELP,
+    add_json,
+    load_user_trace,
+    nonneg_float,
+    nonneg_int,
+    positive_int,
+    user_input,
+)
+from hicache.sim.traces import trace_stats, write_trace
 from hicache.sim.workloads import GENERATOR_DEFAULTS, PRESETS, generate
 
 # (flag, parameter, type, help) per kind; every default comes from the generator.
@@ -132,13 +140,14 @@ def _make_params(args: argparse.Namespace) -> dict[str, int | float | str]:
 
 def run(args: argparse.Namespace) -> int:
     if args.trace_command == "make":
-        requests = generate(args.kind, **_make_params(args))  # ValueError: one line, exit 2
+        with user_input():  # the generator names the parameter the options gave it
+            requests = generate(args.kind, **_make_params(args))
         if args.out == "-":
             write_trace(requests, sys.stdout)
         else:
             write_trace(requests, args.out)
         return 0
-    s = trace_stats(load_trace(args.trace), args.page_size)
+    s = trace_stats(load_user_trace(args.trace), args.page_size)
     if args.json:
         print(json.dumps({
             "requests": s.num_requests, "sessions": s.num_sessions,

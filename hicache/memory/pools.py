@@ -106,23 +106,34 @@ def check_cache_memory(config: CacheConfig) -> None:
     now; nothing is allocated before all of them pass, so a refused configuration
     costs nothing. A bookkeeping-only cache never touches its device.
     """
-    pages = config.num_device_pages + config.num_host_pages
-    host_need = pages * _ALLOCATOR_NBYTES_PER_PAGE
+    # What each tier takes from host memory: its page allocator always; with allocate_kv
+    # the host pool, and the device pool too when the "device" is the CPU.
+    device_need = config.num_device_pages * _ALLOCATOR_NBYTES_PER_PAGE
+    host_need = config.num_host_pages * _ALLOCATOR_NBYTES_PER_PAGE
     if config.allocate_kv:
         check_device_pool_memory(config.kv, config.num_device_pages, config.device)
         host_need += config.num_host_pages * config.kv.page_nbytes
         if config.device == "cpu":  # both pools then come out of the same memory
-            host_need += config.num_device_pages * config.kv.page_nbytes
+            device_need += config.num_device_pages * config.kv.page_nbytes
+    need = device_need + host_need
     available = psutil.virtual_memory().available
     usable = available - (config.host_reserve_nbytes if config.num_host_pages else 0)
-    if host_need > usable:
-        options = "host_tokens / host_nbytes / host_ratio or host_reserve_nbytes"
-        if config.device == "cpu" and config.allocate_kv:
-            options = "device_tokens / device_nbytes, " + options
+    if need > usable:
+        pools = " and KV pool" if config.allocate_kv else ""
+        device_pools = pools if config.device == "cpu" else ""
+        parts = [(device_need, f"device tier: {device_need} bytes (page allocator{device_pools} for "
+                  f"{config.num_device_pages} pages)", "device_tokens / device_nbytes")]
+        if config.num_host_pages:
+            parts.append((host_need, f"host tier: {host_need} bytes (page allocator{pools} for "
+                          f"{config.num_host_pages} pages)",
+                          "host_tokens / host_nbytes / host_ratio / host_gb"))
+        parts.sort(key=lambda p: -p[0])  # the tier that asks for most is named first
+        options = " or ".join(p[2] for p in parts if p[0] > 0)
+        if config.num_host_pages:
+            options += " or host_reserve_nbytes"
         raise ValueError(
-            f"host memory: {host_need} bytes asked for (page allocators for {pages} pages"
-            + (", the KV pools" if config.allocate_kv else "")
-            + f") but only {max(0, usable)} bytes may be used ({available} available"
+            f"host memory: {need} bytes asked for ({'; '.join(p[1] for p in parts)}) but only "
+            f"{max(0, usable)} bytes may be used ({available} available"
             + (f" minus host_reserve_nbytes={config.host_reserve_nbytes}"
                if config.num_host_pages else "")
             + f"); lower {options}"

@@ -30,7 +30,7 @@ import numpy as np
 from hicache.cache import HiCache
 from hicache.config import CacheConfig, EvictionPolicy, KVConfig, WritePolicy
 from hicache.memory import PageAllocator
-from hicache.sim.traces import load_trace_arrays
+from hicache.sim.traces import Request, load_trace_arrays
 from hicache.tree import RadixTree, make_tree
 
 
@@ -213,8 +213,14 @@ def tree_bytes_per_cached_token(
 def prepare_requests(trace: str, page_size: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """A trace file as ``(prompt, full)`` int32 arrays, ``full`` = prompt + output cut to whole
     pages: what the replays take, parsed once so that no parsing lands in a timed loop."""
+    return replay_arrays(load_trace_arrays(trace), page_size)
+
+
+def replay_arrays(requests: list[Request], page_size: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Requests (from :func:`hicache.sim.traces.load_trace_arrays`) as :func:`prepare_requests`
+    gives them."""
     prepared = []
-    for req in load_trace_arrays(trace):
+    for req in requests:
         full = np.concatenate((req.prompt, req.output))
         full = full[: len(full) // page_size * page_size]
         prepared.append((req.prompt, full))

@@ -91,11 +91,17 @@ def iter_trace(path: str) -> Iterator[Request]:
     """Yield the requests of a JSON Lines trace, token lists as Python lists.
 
     Blank lines are skipped. Raises ``ValueError`` naming the file, the line
-    number and what was expected, on the first malformed line or repeated id.
+    number and what was expected, on the first malformed line, repeated id or
+    bytes that are not UTF-8.
     """
     seen: set[int] = set()
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # decoded per line: a bad byte is reported at its line
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:  # a binary or non-UTF-8 file: name it
+                raise ValueError(f"{path}:{lineno}: expected UTF-8 text (JSON Lines), got "
+                                 f"byte {raw[exc.start]:#04x}") from None
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"

@@ -53,6 +53,7 @@ __all__ = [
     "make_storage",
     "model_identity",
     "page_keys",
+    "parse_storage_spec",
     "root_key",
 ]
 
@@ -72,19 +73,19 @@ def _check_options(kind: str, options: dict[str, Any], allowed: set[str]) -> Non
         )
 
 
-def make_storage(
-    spec: str, *, page_nbytes: int, secret: str | bytes | None = None, **options: Any
-) -> StorageBackend:
-    """Open the backend named by ``spec`` for pages of ``page_nbytes`` bytes, with the
-    storage ``secret`` (None: ``$HICACHE_STORAGE_SECRET``, if set)."""
+def parse_storage_spec(spec: object) -> tuple[str, dict[str, Any]]:
+    """Check a storage spec's form, opening nothing: ``("file", {"directory": DIR})`` or
+    ``("mooncake", {"master": "HOST:PORT", "metadata": URL, **options of its query})``
+    (option names checked, numbers parsed). ``TypeError``/``ValueError`` naming the
+    expected forms otherwise; callers (the command line) check a spec with it before
+    any long work."""
     if not isinstance(spec, str):
         raise TypeError(f"storage spec: expected str ({SPEC_FORMS}), got {type(spec).__name__}")
     if spec.startswith("file:"):
         directory = spec[len("file:") :]
         if not directory:
             raise ValueError(f"storage spec: expected {SPEC_FORMS}, got {spec!r} (no DIR)")
-        _check_options("file", options, _FILE_OPTIONS)
-        return FileStorage(directory, page_nbytes=page_nbytes, secret=secret, **options)
+        return "file", {"directory": directory}
     if spec.startswith("mooncake://"):
         parts = urlsplit(spec)
         query = parse_qs(parts.query, keep_blank_values=True)
@@ -97,19 +98,31 @@ def make_storage(
             raise ValueError(f"storage spec: expected {SPEC_FORMS}, got {spec!r}")
         merged: dict[str, Any] = {name: values[-1] for name, values in query.items()}
         _check_options("mooncake", merged, _MOONCAKE_OPTIONS)
-        _check_options("mooncake", options, _MOONCAKE_OPTIONS)
         for name in _MOONCAKE_INT_OPTIONS & set(merged):
             merged[name] = _parse_number(name, merged[name], int)
         for name in _MOONCAKE_FLOAT_OPTIONS & set(merged):
             merged[name] = _parse_number(name, merged[name], float)
-        merged.update(options)
-        from hicache.storage.mooncake import MooncakeStorage
-
-        return MooncakeStorage(
-            f"{parts.hostname}:{port}", metadata, page_nbytes=page_nbytes, secret=secret,
-            **merged,
-        )
+        return "mooncake", {"master": f"{parts.hostname}:{port}", "metadata": metadata,
+                            **merged}
     raise ValueError(f"storage spec: expected {SPEC_FORMS}, got {spec!r}")
+
+
+def make_storage(
+    spec: str, *, page_nbytes: int, secret: str | bytes | None = None, **options: Any
+) -> StorageBackend:
+    """Open the backend named by ``spec`` for pages of ``page_nbytes`` bytes, with the
+    storage ``secret`` (None: ``$HICACHE_STORAGE_SECRET``, if set)."""
+    kind, target = parse_storage_spec(spec)
+    if kind == "file":
+        _check_options("file", options, _FILE_OPTIONS)
+        return FileStorage(target["directory"], page_nbytes=page_nbytes, secret=secret,
+                           **options)
+    _check_options("mooncake", options, _MOONCAKE_OPTIONS)
+    master, metadata = target.pop("master"), target.pop("metadata")
+    target.update(options)
+    from hicache.storage.mooncake import MooncakeStorage
+
+    return MooncakeStorage(master, metadata, page_nbytes=page_nbytes, secret=secret, **target)
 
 
 def _parse_number(name: str, text: str, kind: type) -> Any:

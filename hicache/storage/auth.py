@@ -28,20 +28,11 @@ from __future__ import annotations
 import hmac
 import os
 
+from hicache.checks import check_secret
+
 SECRET_ENV = "HICACHE_STORAGE_SECRET"
 TAG_NBYTES = 32
 _KDF_LABEL = b"hicache storage page authenticator v1"
-
-
-def check_secret(name: str, secret: object) -> str | bytes | None:
-    """Return ``secret`` if it is None or a non-empty str/bytes; the error never shows it."""
-    if secret is None:
-        return None
-    if not isinstance(secret, str | bytes):
-        raise TypeError(f"{name}: expected a non-empty str or bytes, got {type(secret).__name__}")
-    if not secret:
-        raise ValueError(f"{name}: expected a non-empty str or bytes, got an empty one")
-    return secret
 
 
 class PageAuthenticator:

@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from hicache.checks import check_int, check_namespace
+from hicache.checks import check_int, check_model_id, check_namespace
 
 KEY_DIGEST_NBYTES = 16  # 32 hex characters; collisions need ~2**64 pages
 KEY_HEX_LEN = 2 * KEY_DIGEST_NBYTES
@@ -93,21 +93,6 @@ def model_identity(
         fields["extra"] = dict(extra)
     # JSON with sorted keys: canonical, and no choice of strings makes two fields collide.
     return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
-def check_model_id(model_id: object) -> str:
-    """Return ``model_id`` if it is a non-empty str, else raise naming what was expected."""
-    if not isinstance(model_id, str):
-        raise TypeError(
-            f"model_id: expected a non-empty str naming the model (see "
-            f"hicache.storage.model_identity), got {type(model_id).__name__}"
-        )
-    if not model_id.strip():
-        raise ValueError(
-            f"model_id: expected a non-empty str naming the model (see "
-            f"hicache.storage.model_identity), got {model_id!r}"
-        )
-    return model_id
 
 
 def root_key(namespace: str | None, fingerprint: str, model_id: str, *, epoch: int = 0) -> str:

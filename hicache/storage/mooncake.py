@@ -5,7 +5,7 @@ transport). A Mooncake cluster is one ``mooncake_master`` (object metadata, with
 its HTTP metadata server for the transfer engine) plus clients that each lend a
 *segment* of their memory to the pool. A value lives in some client's segment
 and disappears when that client leaves, so
-:func:`hicache.storage.mooncake_master.start_mooncake_master` (a loopback cluster
+:func:`hicache.testing.mooncake_master.start_mooncake_master` (a loopback cluster
 for tests, benchmarks and one-machine setups) can also start a segment holder
 (the bundled ``mooncake_client``) whose memory outlives the processes that write
 and read pages.

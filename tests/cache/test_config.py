@@ -72,6 +72,21 @@ def test_a_host_tier_beyond_memory_is_refused_before_any_allocator(monkeypatch, 
     assert "bytes asked for" in str(exc.value) and "available" in str(exc.value)
 
 
+def test_memory_refusal_names_the_tier_that_asks_for_most_first(monkeypatch):
+    """A huge device tier over a small host tier: the message must blame the device
+    sizes first (it used to say only "lower host_tokens ..."), and the other way round."""
+    _no_allocator(monkeypatch)
+    with pytest.raises(ValueError) as exc:
+        HiCache(cfg(device_tokens=10**14, host_tokens=64, allocate_kv=False))
+    msg = str(exc.value)
+    assert "lower device_tokens / device_nbytes or host_tokens" in msg, msg
+    assert f"device tier: {(10**14 // KV.page_size) * 24} bytes (page allocator for" in msg, msg
+    with pytest.raises(ValueError) as exc:
+        HiCache(cfg(host_tokens=10**14, allocate_kv=False))
+    assert "lower host_tokens / host_nbytes / host_ratio / host_gb or device_tokens" in str(
+        exc.value)
+
+
 def test_a_device_pool_beyond_memory_names_both_numbers_and_the_option(monkeypatch):
     _no_allocator(monkeypatch)
     available = psutil.virtual_memory().available
@@ -215,7 +230,7 @@ def test_env_overrides_fields_and_replace_a_tiers_size_option(tmp_path, monkeypa
 ])
 def test_bad_env_values_name_the_variable_and_the_field(name, value, match):
     with pytest.raises(ValueError, match=match):
-        apply_env(DATA, {name: value})
+        apply_env(CacheConfig, DATA, {name: value})
 
 
 # Every field: (HICACHE_* value, the field's value in the config, other variables it needs).
@@ -264,7 +279,7 @@ def test_every_field_has_an_env_case():
 def test_every_field_is_parsed_from_the_environment_by_its_type(field):
     text, want, others = ENV_CASES[field]
     name = "HICACHE_" + field.replace(".", "_").upper()
-    c = CacheConfig.from_dict(apply_env(DATA, {name: text, **others}))
+    c = CacheConfig.from_dict(apply_env(CacheConfig, DATA, {name: text, **others}))
     got = getattr(c.kv, field[3:]) if field.startswith("kv.") else getattr(c, field)
     assert got == want and type(got) is type(want)
 
@@ -274,11 +289,11 @@ def test_every_field_is_parsed_from_the_environment_by_its_type(field):
                                        typing.get_type_hints(CacheConfig)[f.name])])
 def test_every_optional_field_takes_none_from_the_environment(field):
     name = "HICACHE_" + field.upper()
-    assert apply_env(DATA, {name: "none"})[field] is None
+    assert apply_env(CacheConfig, DATA, {name: "none"})[field] is None
 
 
 def test_env_none_clears_an_optional_field():
-    out = apply_env(DATA, {"HICACHE_HOST_TOKENS": "none"})
+    out = apply_env(CacheConfig, DATA, {"HICACHE_HOST_TOKENS": "none"})
     assert out["host_tokens"] is None
     assert not CacheConfig.from_dict(out).has_host_tier
 

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_second_instance_is_served_through_mooncake(tmp_path):
-    from hicache.storage.mooncake_master import start_mooncake_master
+    from hicache.testing.mooncake_master import start_mooncake_master
 
     model = str(tmp_path / "model")
     proc = run_vllm("make-model", model)

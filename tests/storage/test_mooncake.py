@@ -31,7 +31,7 @@ except ImportError as e:  # the extra, or a system library it links (libibverbs 
     )
 
 from hicache.storage.mooncake import MooncakeStorage  # noqa: E402
-from hicache.storage.mooncake_master import start_mooncake_master  # noqa: E402
+from hicache.testing.mooncake_master import start_mooncake_master  # noqa: E402
 
 PAGE_NBYTES = 16 * 1024
 FP = "L2-H2-D8-float16-P4"
@@ -176,7 +176,7 @@ def test_mooncake_process_exits_cleanly_after_master_loss(tmp_path):
         f"""
         import numpy as np
         from hicache.storage import StorageError, make_storage, page_keys
-        from hicache.storage.mooncake_master import start_mooncake_master
+        from hicache.testing.mooncake_master import start_mooncake_master
         with start_mooncake_master(log_dir={str(tmp_path)!r}) as m:
             s = make_storage(m.spec, page_nbytes=4096, segment_nbytes=16 << 20)
             keys = page_keys(np.arange(8), 4, None, "fp", "m")

@@ -37,7 +37,7 @@ except ImportError as e:  # the extra, or a system library it links (libibverbs 
         allow_module_level=True,
     )
 
-from hicache.storage.mooncake_master import start_mooncake_master  # noqa: E402
+from hicache.testing.mooncake_master import start_mooncake_master  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -22,7 +22,7 @@ except ImportError as e:  # the extra, or a system library it links, is missing
                 allow_module_level=True)
 
 from hicache.storage.mooncake import EPOCH_KEY  # noqa: E402
-from hicache.storage.mooncake_master import start_mooncake_master  # noqa: E402
+from hicache.testing.mooncake_master import start_mooncake_master  # noqa: E402
 
 PAGE_NBYTES = 1024
 FP, MID = "L2-H2-D8-float16-P4", "test-model"

@@ -48,12 +48,16 @@ import torch
 
 from hicache.cli import args as cliargs
 from hicache.cli.args import (
+    UsageError,
     add_json,
     add_metrics_port,
+    check_tier_memory,
+    load_user_trace,
     nonneg_float,
     nonneg_int,
     positive_int,
     start_metrics,
+    user_input,
 )
 from hicache.cli.benchmarks import standalone_main
 from hicache.cli.benchmarks.multiturn_report import (
@@ -73,11 +77,12 @@ from hicache.cli.benchmarks.multiturn_runs import (
     run_configs,
     to_requests,
 )
-from hicache.sim.engine import GenerateResult
+from hicache.cli.progress import ProgressBar
+from hicache.config import CacheConfig
 from hicache.sim.model import PRESET_NAMES, Model, preset
 from hicache.sim.traces import Request as TraceRequest
-from hicache.sim.traces import load_trace
 from hicache.sim.workloads import generate
+from hicache.storage import parse_storage_spec
 
 # The default workload: agentic sessions over two shared 1k-token system prompts,
 # each starting with a 512-token task (retrieved context) and appending a 32-token
@@ -120,7 +125,7 @@ def workload_from_args(args: argparse.Namespace) -> dict:
     for flag, name, _ in _WORKLOAD_OPTIONS:
         value = getattr(args, name)
         if value < 1:
-            raise ValueError(f"{flag}: expected >= 1, got {value}")
+            raise UsageError(f"{flag}: expected >= 1, got {value}")
         shape[name] = value
     return shape
 
@@ -182,15 +187,16 @@ def generated_trace(seed: int, workload: dict | None = None) -> list[TraceReques
 def prepare(args: argparse.Namespace) -> tuple[list[Request], int, int, int]:
     """The requests and the (working set, device, host) token capacities."""
     if args.trace is not None:
-        trace = load_trace(args.trace)
+        trace = load_user_trace(args.trace, "--trace")
     else:
-        trace = generated_trace(args.seed, workload_from_args(args))
+        with user_input():  # the generator names the shape parameter it refuses
+            trace = generated_trace(args.seed, workload_from_args(args))
     if args.requests is not None:
         if args.requests < 1:
-            raise ValueError(f"--requests: expected >= 1, got {args.requests}")
+            raise UsageError(f"--requests: expected >= 1, got {args.requests}")
         trace = trace[: args.requests]
     if not trace:
-        raise ValueError("workload: expected at least one request, got none")
+        raise UsageError("workload: expected at least one request, got none")
     requests = to_requests(trace)
     ws, device_tokens, host_tokens = capacities(
         trace, requests, args.page_size, args.device_tokens, args.host_tokens
@@ -208,13 +214,38 @@ def storage_setup(
         small = max(host_tokens // 4 // args.page_size * args.page_size,
                     max_request_tokens(requests, args.page_size))
     elif small < args.page_size:
-        raise ValueError(
+        raise UsageError(
             f"--storage-host-tokens: expected >= page size ({args.page_size}), got {small}"
         )
     if not args.prefetch_timeout_s >= 0:
-        raise ValueError(f"--prefetch-timeout-s: expected >= 0, got {args.prefetch_timeout_s}")
+        raise UsageError(f"--prefetch-timeout-s: expected >= 0, got {args.prefetch_timeout_s}")
     return StorageSetup(small, args.storage, args.prefetch_policy, args.prefetch_timeout_s,
                         args.lookahead)
+
+
+def check_engine_tiers(model: Model, page_size: int, device_tokens: int,
+                       host_tokens: int) -> None:
+    """The largest tiers the configurations build hold a page each and fit this machine
+    (one line naming --device-tokens / --host-tokens otherwise), checked before the work."""
+    for option, tokens in (("--device-tokens", device_tokens), ("--host-tokens", host_tokens)):
+        if tokens < page_size:
+            raise UsageError(f"{option}: expected at least one page ({page_size} tokens), "
+                             f"got {tokens}")
+    config = CacheConfig(model.kv_config(page_size), device_tokens=device_tokens,
+                         host_tokens=host_tokens, device=str(model.device))
+    check_tier_memory(config)
+
+
+def _check_storage(args: argparse.Namespace, names: list[str]) -> None:
+    """``--storage`` is a well-formed spec, and one a chosen configuration uses."""
+    if args.storage is None:
+        return
+    with user_input("--storage"):
+        parse_storage_spec(args.storage)
+    if not any(n in STORAGE_CONFIGS for n in names):
+        raise UsageError(f"--storage: the third tier of {', '.join(STORAGE_CONFIGS)}, but "
+                         f"--configs runs only {','.join(names)}; add one of them or drop "
+                         "--storage")
 
 
 def measure(args: argparse.Namespace, log: Callable[[str], None], metrics=None) -> dict:
@@ -223,15 +254,17 @@ def measure(args: argparse.Namespace, log: Callable[[str], None], metrics=None) 
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in ALL_CONFIGS]
     if unknown or not names:
-        raise ValueError(
+        raise UsageError(
             f"--configs: expected names from {list(ALL_CONFIGS)}, got {args.configs!r}"
         )
     if args.lookahead < 0:
-        raise ValueError(f"--lookahead: expected >= 0, got {args.lookahead}")
+        raise UsageError(f"--lookahead: expected >= 0, got {args.lookahead}")
+    _check_storage(args, names)
     requests, ws, device_tokens, host_tokens = prepare(args)
     storage = storage_setup(args, requests, host_tokens)
     cfg = preset(args.preset)
     model = Model(cfg, device=args.device, seed=args.seed)
+    check_engine_tiers(model, args.page_size, device_tokens, host_tokens)
     prompt_tokens = sum(len(r.prompt) for r in requests)
     log(f"workload: {len(requests)} requests, {prompt_tokens} prompt tokens "
         f"(mean {prompt_tokens / len(requests):.0f}), working set {ws} tokens; "
@@ -244,10 +277,8 @@ def measure(args: argparse.Namespace, log: Callable[[str], None], metrics=None) 
             f"the working set); storage {storage.spec or 'a fresh temporary file: store'}, "
             f"prefetch {storage.prefetch_policy}, lookahead {storage.lookahead}")
 
-    def progress(name: str, i: int, r: GenerateResult) -> None:
-        if i == len(requests):
-            log(f"  {name}: {i} requests done")
-
+    # A bar per configuration on a terminal (a run takes minutes); nothing with --json.
+    progress = None if args.json else ProgressBar(len(requests), sys.stdout).update
     runs = run_configs(model, requests, names, device_tokens, host_tokens, args.page_size,
                        progress, storage, metrics)
     summaries = {name: summarize(res, requests) for name, res in runs.items()}

@@ -31,7 +31,7 @@ import psutil
 import torch
 
 from hicache.cli import args as cliargs
-from hicache.cli.args import add_json, nonneg_int, positive_int
+from hicache.cli.args import UsageError, add_json, nonneg_int, positive_int, user_input
 from hicache.cli.benchmarks import standalone_main
 from hicache.config import resolve_dtype
 from hicache.memory import DevicePool, HostPool
@@ -68,10 +68,10 @@ def _parse_tokens(text: str, page_size: int) -> list[int]:
     try:
         values = [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise ValueError(f"--tokens: expected comma-separated ints, got {text!r}") from None
+        raise UsageError(f"--tokens: expected comma-separated ints, got {text!r}") from None
     bad = [v for v in values if v <= 0 or v % page_size]
     if not values or bad:
-        raise ValueError(
+        raise UsageError(
             f"--tokens: expected positive multiples of the page size {page_size}, got {text!r}"
         )
     return values
@@ -231,7 +231,8 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
 def run(args: argparse.Namespace) -> int:
     _parse_tokens(args.tokens, args.page_size)  # checked before the model is built
     if args.dtype is not None:
-        resolve_dtype(args.dtype)
+        with user_input("--dtype"):
+            resolve_dtype(args.dtype)
     torch.manual_seed(args.seed)
     result = measure(args, log=(lambda _line: None) if args.json else print)
     print(json.dumps(result))

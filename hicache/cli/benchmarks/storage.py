@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     master = None
     if args.mooncake:
         try:
-            from hicache.storage.mooncake_master import start_mooncake_master
+            from hicache.testing.mooncake_master import start_mooncake_master
             master = start_mooncake_master(segment_nbytes=(2 * args.total_mib + 64) << 20)
         except ImportError as e:
             raise UsageError(f"--mooncake: {e}") from None

@@ -30,16 +30,16 @@ import os
 import statistics
 import sys
 
-from hicache.cli.args import TRACE_HELP, add_json, fraction, positive_int
+from hicache.cli.args import TRACE_HELP, add_json, fraction, load_user_trace, positive_int
 from hicache.cli.benchmarks import standalone_main
 from hicache.config import WritePolicy
 from hicache.sim.replay import (
-    prepare_requests,
+    replay_arrays,
     replay_device,
     replay_hicache_device_only,
     replay_hierarchical,
 )
-from hicache.sim.traces import load_trace, trace_stats
+from hicache.sim.traces import trace_stats
 from hicache.tree import make_tree
 
 
@@ -61,8 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     say = (lambda *_a, **_k: None) if args.json else print
     P = args.page_size
-    unique = trace_stats(load_trace(args.trace), P).working_set_tokens
-    requests = prepare_requests(args.trace, P)
+    trace = load_user_trace(args.trace, arrays=True)
+    unique = trace_stats(trace, P).working_set_tokens
+    requests = replay_arrays(trace, P)
     device_tokens = max(P, int(unique * args.device_fraction) // P * P)
     host_tokens = unique + 64 * P  # every unique page, plus slack for partial turns
 

@@ -147,7 +147,7 @@ def _measure_page_size(args, page_kib: int, device: torch.device, gen, limits: _
     row_nbytes = page_kib * 1024
     num_pages = (args.total_mib << 20) // (row_nbytes * 2 * args.num_layers)
     if num_pages < 1:
-        raise ValueError(f"--total-mib: expected at least one page per transfer, got "
+        raise UsageError(f"--total-mib: expected at least one page per transfer, got "
                          f"{args.total_mib} MiB for {row_nbytes * 2 * args.num_layers} B pages")
     # Pools twice the transfer so that random ids are scattered, not a permutation; in
     # "both" the backup and the load take the two disjoint halves of each permutation.
