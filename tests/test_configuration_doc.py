@@ -48,11 +48,13 @@ def test_every_hicache_environment_variable_is_documented():
     assert "`HICACHE_<FIELD>`" in PAGE and "`HICACHE_KV_<FIELD>`" in PAGE
 
 
-def test_the_two_host_gb_units_are_stated():
-    """CacheConfig.host_gb is 10^9 bytes, the connector's 2^30: the page must say both
-    (the unit change is an open decision, not made here)."""
-    assert "GB = 10^9 bytes" in PAGE and "GiB = 2^30 bytes" in PAGE
-    assert "## Open item: `host_gb` has two units" in PAGE
+def test_host_gb_is_one_unit_in_the_connector_and_on_the_page():
+    """host_gb counts 10^9 bytes in CacheConfig and in the connector alike."""
+    from hicache.integrations.vllm.config import ConnectorConfig
+
+    assert ConnectorConfig(host_gb=1).num_host_pages(1, 1000) == 10**6
+    assert "## `host_gb`: one unit" in PAGE and "GB = 10^9 bytes" in PAGE
+    assert "GiB = 2^30" not in PAGE
 
 
 def test_the_config_docstring_links_an_existing_page():
