@@ -214,6 +214,26 @@ def test_cached_tokens_count_host_tier_hits(results):
     assert c1 == min(hit_able(n1), (n0 + OUT_TOKENS - 1) // BLOCK * BLOCK) > 0
 
 
+def test_metrics_endpoint_shows_hicache_counters(servers, results):
+    """vLLM's own /metrics, scraped over HTTP: every vllm:hicache_* series, and the host
+    tier's hits of the workload; the server without the connector has none of them."""
+    import urllib.request
+
+    from prom_check import missing_hicache_metrics, sample
+
+    def scrape(server: Server) -> str:
+        with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as r:
+            return r.read().decode()
+
+    text = scrape(servers["hicache"])
+    assert missing_hicache_metrics(text) == []
+    hicache = results["hicache"]
+    expected = sum(c[1] for c in hicache["completions"]) + sum(c[2] for c in hicache["chats"])
+    assert sample(text, "vllm:hicache_hit_tokens_total", tier="host") >= expected > 0
+    assert sample(text, "vllm:hicache_saved_blocks_total") > 0
+    assert "vllm:hicache_" not in scrape(servers["alone"])
+
+
 def test_cache_salt_keeps_tenants_apart_through_the_server(servers):
     s = servers["hicache"]
     q = prompt(7, 160)
