@@ -220,3 +220,15 @@ def test_pyproject_classifiers():
     assert "Typing :: Typed" in project["classifiers"]  # hicache/py.typed ships
     assert (PACKAGE / "py.typed").is_file()
     assert not any(c.startswith("License ::") for c in project["classifiers"])  # SPDX license
+
+
+def test_no_module_imports_another_modules_private_name():
+    """A leading underscore is a module's own: another module importing it couples to an
+    internal (a renamed helper would break it silently at import time)."""
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hicache"):
+                found += [f"{path.relative_to(ROOT)}: {node.module}.{a.name}"
+                          for a in node.names if a.name.startswith("_")]
+    assert found == []

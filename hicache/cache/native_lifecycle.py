@@ -21,7 +21,7 @@ from hicache.cache.handle import PrefixHandle
 from hicache.cache.stats import CacheStats
 from hicache.config import CacheConfig
 from hicache.tree import TokenLike, token_key
-from hicache.tree.native import NativeNode, _readable_in_place
+from hicache.tree.native import NativeNode, readable_in_place
 
 if TYPE_CHECKING:  # annotations only
     from hicache.tree.native import NativeRadixTree
@@ -112,7 +112,7 @@ class NativeLifecycle:
     def match(
         self, owner, tokens: TokenLike, namespace: str | None, load_back: bool
     ) -> PrefixHandle:
-        if _readable_in_place(tokens):  # the binding reads int32/int64 arrays in place
+        if readable_in_place(tokens):  # the binding reads int32/int64 arrays in place
             num_tokens = len(tokens)
         else:
             key = token_key(tokens, self._page_size)  # checks what tokens are first
@@ -134,7 +134,7 @@ class NativeLifecycle:
         return self._core.alloc(num_pages)
 
     def insert(self, h: PrefixHandle, tokens: TokenLike) -> int:
-        if not _readable_in_place(tokens):
+        if not readable_in_place(tokens):
             tokens = token_key(tokens, self._page_size)
         owned = h._new_pages
         run = owned[0] if len(owned) == 1 else torch.cat(owned) if owned else None

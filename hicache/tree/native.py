@@ -48,7 +48,7 @@ _FAST_TOKEN_DTYPES = frozenset({torch.int32, torch.int64, np.dtype(np.int32), np
 _MAX_COUNT = 2**62  # larger eviction requests mean "everything"; keeps C++ int64 math safe
 
 
-def _readable_in_place(tokens: object) -> bool:
+def readable_in_place(tokens: object) -> bool:
     """True for int32/int64 tensors and numpy arrays: the binding reads them as they are.
 
     Exact type checks (``isinstance`` against ``torch.Tensor`` goes through its
@@ -164,7 +164,7 @@ class NativeRadixTree:
 
     def _tokens(self, tokens: TokenLike) -> object:
         """``tokens`` as the binding reads them: int32/int64 arrays as they are, else key bytes."""
-        if _readable_in_place(tokens):
+        if readable_in_place(tokens):
             return tokens
         return token_key(tokens, self.page_size)
 
@@ -215,7 +215,7 @@ class NativeRadixTree:
     # --------------------------------------------------------- match/insert
     def match_prefix(self, tokens: TokenLike, namespace: str | None = None) -> MatchResult:
         """Longest cached prefix of ``tokens`` (whole pages); see :meth:`RadixTree.match_prefix`."""
-        if not _readable_in_place(tokens):
+        if not readable_in_place(tokens):
             tokens = token_key(tokens, self.page_size)
         device_len, host_len, last_device, last = self._impl.match(tokens, namespace)
         proxies = self._proxies
@@ -242,7 +242,7 @@ class NativeRadixTree:
         The tree keeps a copy of ``device_indices`` (it owns what it stores), as the
         Python tree does.
         """
-        if not _readable_in_place(tokens):
+        if not readable_in_place(tokens):
             tokens = token_key(tokens, self.page_size)
         num_cached, last = self._impl.insert(tokens, device_indices, namespace)
         return InsertResult(num_cached, self._proxies.get(last) or self._node(last))
