@@ -92,7 +92,7 @@ class Transfer:
         device_pages: torch.Tensor,
         num_layers: int,
         nbytes: int,
-        drive: _Drive | None,
+        drive: DriveFn | None,
         fence: Fence | CudaFence | None = None,
     ) -> None:
         self.kind = kind
@@ -170,7 +170,7 @@ class Transfer:
 
 
 # What a transfer's waits call on the thread executor: (transfer, layers needed, timeout).
-_Drive = Callable[["Transfer", int, "float | None"], None]
+DriveFn = Callable[["Transfer", int, "float | None"], None]
 
 
 class Executor(ABC):
@@ -183,7 +183,7 @@ class Executor(ABC):
     def submit(self, transfer: Transfer) -> None:
         """Start moving ``transfer``'s pages; returns without waiting."""
 
-    def driver(self) -> _Drive | None:
+    def driver(self) -> DriveFn | None:
         """What a transfer's waits call to make progress, or None if no thread changes them."""
         return None
 

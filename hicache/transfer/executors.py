@@ -17,7 +17,7 @@ import time
 from collections.abc import Collection
 
 from hicache.memory.copier import PageCopier
-from hicache.transfer.base import Executor, Transfer, TransferKind, _Drive
+from hicache.transfer.base import DriveFn, Executor, Transfer, TransferKind
 
 
 def _copy_layers(copier: PageCopier, transfer: Transfer, first: int, last: int) -> None:
@@ -182,7 +182,7 @@ class ThreadExecutor(Executor):
                 f"({self._pin_errors[0]})"
             )
 
-    def driver(self) -> _Drive:
+    def driver(self) -> DriveFn:
         return self.drive
 
     def submit(self, transfer: Transfer) -> None:
