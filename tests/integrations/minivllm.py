@@ -193,6 +193,7 @@ class MiniVllm:
 
     def close(self) -> None:
         self.worker.close()
+        self.sched.close()
 
 
 def seq(n: int, start: int = 1) -> list[int]:

@@ -764,6 +764,38 @@ def test_save_into_the_pages_of_a_hung_read_is_dropped(make_vllm, tmp_path):
     assert _run_one(m, "e", a) == 12
 
 
+def test_hung_storage_lookup_promises_nothing_and_does_not_hang_the_scheduler(
+        make_vllm, tmp_path):
+    """The scheduler's exists() on a hung store: the lookup waits at most
+    storage_timeout_s and promises nothing; while that call still hangs no other is
+    made; once it ended, lookups promise storage pages again."""
+    a = seq(12) + [4]
+    storage = _stored(make_vllm, tmp_path, a)
+    m = make_vllm(storage=storage, storage_timeout_s=0.2)
+    probe = m.sched._probe
+    inner, gate, calls = probe.backend, threading.Event(), []
+
+    class Hung:
+        def exists(self, keys):
+            calls.append(len(keys))
+            gate.wait(30)
+            return inner.exists(keys)
+
+    probe.backend = Hung()
+    start = time.monotonic()
+    assert m.sched.num_matched_tokens("x", a, 0) == 0
+    assert m.sched.num_matched_tokens("y", a, 0) == 0  # no second call while it hangs
+    assert time.monotonic() - start < 2 and calls == [3] and probe.num_timeouts == 1
+    gate.set()
+    deadline = time.monotonic() + 10
+    while not probe._hung.done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert m.sched.num_matched_tokens("z", a, 0) == 12
+    for rid in ("x", "y", "z"):
+        m.sched.request_finished(rid)
+    m.check()
+
+
 def test_host_hit_load_does_not_wait_for_storage_writes(make_vllm, tmp_path):
     """A load from host pages waits for copies writing them, not for the third-tier
     writes reading them (a hung store must not stall a host hit)."""

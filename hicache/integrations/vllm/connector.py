@@ -345,9 +345,8 @@ class HiCacheConnector(KVConnectorBase_V1):
         if self.worker_half is not None:
             self.worker_half.close()
             self.worker_half = None
-        if self.scheduler_half is not None and self.scheduler_half.storage is not None:
-            self.scheduler_half.storage.close()
-            self.scheduler_half.storage = None
+        if self.scheduler_half is not None:
+            self.scheduler_half.close()
 
     # ========================================================= scheduler side
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:

@@ -38,6 +38,7 @@ from hicache.integrations.vllm.config import ConnectorConfig
 from hicache.integrations.vllm.plan import LoadOp, SaveOp, StepPlan
 from hicache.integrations.vllm.requests import RequestState, ScheduledRequest
 from hicache.integrations.vllm.third_tier import (
+    StorageProbe,
     extend_storage_keys,
     num_promisable_pages,
     rank_salt,
@@ -99,7 +100,9 @@ class SchedulerHalf:
         self.tree = make_tree(config.tree, block_size, config.eviction)
         self.tree.on_split = self._on_split
         self.host_allocator = PageAllocator(num_host_pages, "host pages")
-        self.storage = storage_backend  # only exists() is called here
+        self.storage = storage_backend  # exists() (through the probe), epoch, bump_epoch
+        self._probe = (StorageProbe(storage_backend, config.storage_timeout_s)
+                       if storage_backend is not None else None)
         self._identity = storage_identity
         self._salts = [rank_salt(r, tp_size) for r in range(tp_size)]
         self._epoch = storage_backend.epoch() if storage_backend is not None else 0
@@ -155,7 +158,7 @@ class SchedulerHalf:
         stored = 0
         if self.storage is not None and host == cached and start < limit:
             stored = num_promisable_pages(
-                self.storage, self._keys(st, limit)[start:limit], self.tree,
+                self._probe, self._keys(st, limit)[start:limit], self.tree,
                 self.host_allocator, key, host, P, extra_pages=start - host,
                 namespace=st.namespace, salts=self._salts,
             )
@@ -468,6 +471,15 @@ class SchedulerHalf:
             for _ in range(n):
                 self.tree.host_unlock(node)
         self._pins.clear()
+
+    def close(self) -> None:
+        """Stop the storage probe's thread and close the backend (idempotent)."""
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
+        if self.storage is not None:
+            self.storage.close()
+            self.storage = None
 
     # ------------------------------------------------------------ inspection
     @property

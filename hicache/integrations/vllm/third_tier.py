@@ -40,6 +40,42 @@ def extend_storage_keys(
     return keys[:num_pages]
 
 
+class StorageProbe:
+    """``exists`` off the scheduler's thread, waiting at most ``timeout_s``: a hung store
+    (an NFS mount, an unreachable Mooncake master) must not hang vLLM's scheduler loop.
+
+    A probe that timed out promises nothing (0 pages), and so does every probe while it
+    is still running (no pile-up of hung calls); the next one after it ended asks again.
+    """
+
+    def __init__(self, backend, timeout_s: float) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.num_timeouts = 0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-exists")
+        self._hung = None  # the Future of a probe that timed out and has not ended
+
+    def exists(self, keys: Sequence[str]) -> int:
+        from concurrent.futures import TimeoutError as FutureTimeout
+
+        if self._hung is not None:
+            if not self._hung.done():
+                return 0
+            self._hung = None
+        future = self._pool.submit(self.backend.exists, keys)
+        try:
+            return future.result(self.timeout_s)
+        except FutureTimeout:
+            self._hung = future
+            self.num_timeouts += 1
+            return 0
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+
+
 def rank_salt(rank: int, world_size: int) -> str | None:
     """The salt of one tensor-parallel rank's storage keys (None with one rank)."""
     return None if world_size <= 1 else f"tp{rank}/{world_size}"
