@@ -87,3 +87,32 @@ def test_the_bounds_themselves_are_accepted():
                                     "storage_options": {"low_watermark": 1, "fsync": True}})
     assert c.host_reserve_nbytes == 0 and c.num_host_pages(16, 1 << 20) == 5 * 10**8 // (1 << 20) == 476  # GB
     assert ConnectorConfig(host_tokens=(1 << 62) - 1).host_tokens == (1 << 62) - 1
+
+
+def test_storage_epoch_on_reset_must_be_a_bool():
+    with pytest.raises(TypeError, match="storage_epoch_on_reset: expected a bool, got 'yes'"):
+        ConnectorConfig(storage_epoch_on_reset="yes")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("load=0.2,bogus=1", "expected load=, save=, read= or seed= entries, got 'bogus=1'"),
+    ("load", "expected load=, save=, read= or seed= entries, got 'load'"),
+    ("save=lots", "save: expected a number, got 'lots'"),
+    ("read=1.5", "read: expected a fraction in [0, 1], got 1.5"),
+    ("seed=0.5", "seed: expected a number, got '0.5'"),
+])
+def test_fault_hook_refuses_bad_entries_by_name(text, message):
+    from hicache.integrations.vllm.faults import FaultRates
+
+    with pytest.raises(ValueError) as exc:
+        FaultRates.parse(text)
+    assert str(exc.value) == f"HICACHE_FAULTS: {message}"
+
+
+def test_fault_hook_is_off_unless_set(monkeypatch):
+    from hicache.integrations.vllm.faults import FaultRates
+
+    monkeypatch.delenv("HICACHE_FAULTS", raising=False)
+    assert FaultRates.from_env() is None
+    monkeypatch.setenv("HICACHE_FAULTS", "load=0.25,seed=3")
+    assert FaultRates.from_env() == FaultRates(load=0.25, seed=3)
