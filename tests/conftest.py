@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TREE_KINDS
+from kv_layouts import TREE_KINDS
 
 from hicache.tree import RadixTree
 

@@ -38,7 +38,7 @@ def test_every_hicache_environment_variable_is_documented():
     names = set()
     for path in (ROOT / "hicache").rglob("*.py"):
         names |= set(re.findall(r"HICACHE_[A-Z][A-Z_]*[A-Z]", path.read_text(encoding="utf-8")))
-    for path in (ROOT / "tests").glob("*.py"):  # HICACHE_REQUIRE_* of conftest and helpers
+    for path in (ROOT / "tests").glob("*.py"):  # HICACHE_REQUIRE_* of the shared test modules
         names |= set(re.findall(r"HICACHE_REQUIRE_[A-Z]+", path.read_text(encoding="utf-8")))
     fields = {f.name.upper() for f in dataclasses.fields(CacheConfig)}
     per_field = {n for n in names if n.removeprefix("HICACHE_") in fields

@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import KV_F16, P, host_only, make_cache, seq, serve_manual
+from kv_layouts import P, seq
+from manual_executor import KV_F16, host_only, make_cache, serve_manual
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig

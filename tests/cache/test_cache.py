@@ -3,15 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from helpers import (
-    KV,
-    TREE_KINDS,
-    assert_quiescent,
-    compute,
-    finish_transfers,
-    read_prefix,
-    serve_kv,
-)
+from kv_layouts import KV, TREE_KINDS
+from leak_checks import assert_quiescent, finish_transfers
+from serving import compute, read_prefix, serve_kv
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hypothesis.strategies as st
 import pytest
-from helpers import TREE_KINDS, assert_no_leaks
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -28,6 +27,8 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from kv_layouts import TREE_KINDS
+from leak_checks import assert_no_leaks
 
 from hicache.cache import HiCache, LoadError
 from hicache.config import CacheConfig, KVConfig

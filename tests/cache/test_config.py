@@ -12,7 +12,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from helpers import assert_no_leaks
+from leak_checks import assert_no_leaks
 
 from hicache import CacheConfig, HiCache, KVConfig
 from hicache.cache import tiers as tiers_module

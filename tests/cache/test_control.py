@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
-from helpers import KV_TINY, TREE_KINDS, assert_no_leaks, bookkeeping, serve
+from kv_layouts import KV_TINY, TREE_KINDS
+from leak_checks import assert_no_leaks
+from serving import bookkeeping, serve
 
 from hicache.cache import HiCache, ResetResult
 from hicache.config import CacheConfig

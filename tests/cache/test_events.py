@@ -7,8 +7,9 @@ from functools import partial
 
 import pytest
 import torch
-from helpers import KV_TINY, TREE_KINDS, P, assert_no_leaks
-from helpers import serve as serve_request
+from kv_layouts import KV_TINY, TREE_KINDS, P
+from leak_checks import assert_no_leaks
+from serving import serve as serve_request
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig

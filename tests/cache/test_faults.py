@@ -8,17 +8,15 @@ tokens to recompute (``h.prefix_len`` is cut back, ``h.load_error`` set).
 from __future__ import annotations
 
 import pytest
-from helpers import (
+from kv_layouts import TREE_KINDS, P, seq
+from leak_checks import assert_no_leaks
+from manual_executor import (
     KV_F16,
-    TREE_KINDS,
-    P,
-    assert_no_leaks,
     complete,
     evict_all_device,
     host_only,
     make_cache,
     pending,
-    seq,
     serve_manual,
     settle,
     verify_prefix,

@@ -16,9 +16,10 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 import torch
-from helpers import FORMS, as_form, host_takeable_by_definition, seq, snapshot
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from kv_layouts import seq
+from tree_observation import FORMS, as_form, host_takeable_by_definition, snapshot
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig, EvictionPolicy, KVConfig

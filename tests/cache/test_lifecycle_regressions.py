@@ -8,21 +8,18 @@ native tree, on both lifecycles.
 from __future__ import annotations
 
 import pytest
-from helpers import (
+from kv_layouts import TREE_KINDS, P, seq
+from leak_checks import assert_no_leaks
+from manual_executor import (
     KV_F16,
-    TREE_KINDS,
-    P,
-    assert_no_leaks,
-    bookkeeping,
     complete,
     host_only,
     make_cache,
     pending,
-    seq,
-    serve,
     serve_manual,
     verify_prefix,
 )
+from serving import bookkeeping, serve
 
 from hicache.cache import HiCache, LoadError
 from hicache.config import CacheConfig, KVConfig

@@ -11,15 +11,14 @@ zero pages unaccounted for on both tiers.
 from __future__ import annotations
 
 import pytest
-from helpers import (
+from kv_layouts import P, seq
+from manual_executor import (
     KV_F16,
-    P,
     complete,
     evict_all_device,
     host_only,
     make_cache,
     pending,
-    seq,
     serve_manual,
     settle,
     verify_prefix,

@@ -23,7 +23,10 @@ import threading
 
 import pytest
 import torch
-from helpers import DEVICES, KV_F16, P, assert_no_leaks, make_cache, seq, stall_stream
+from cuda_streams import DEVICES, stall_stream
+from kv_layouts import P, seq
+from leak_checks import assert_no_leaks
+from manual_executor import KV_F16, make_cache
 
 from hicache.sim import kvcheck
 from hicache.transfer import TransferKind

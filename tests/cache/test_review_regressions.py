@@ -6,8 +6,8 @@ import threading
 from functools import partial
 
 import pytest
-from helpers import KV, TREE_KINDS
-from helpers import serve as serve_request
+from kv_layouts import KV, TREE_KINDS
+from serving import serve as serve_request
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig

@@ -10,7 +10,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers import assert_no_leaks
+from leak_checks import assert_no_leaks
 
 from hicache import CacheConfig, HiCache, KVConfig
 

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import VLLM_REQUIRED, vllm_available
+from optional_vllm import VLLM_REQUIRED, vllm_available
 
 pytestmark = pytest.mark.skipif(
     not VLLM_REQUIRED and not vllm_available(),

@@ -169,7 +169,7 @@ def test_the_storage_secret_never_shows(tmp_path):
 
 
 def test_vllms_scheduler_builds_the_connector_from_every_source(tmp_path, monkeypatch):
-    from helpers import VLLM_REQUIRED, vllm_available
+    from optional_vllm import VLLM_REQUIRED, vllm_available
 
     if not VLLM_REQUIRED and not vllm_available():
         pytest.skip("vllm (pip install -e '.[vllm]') not installed")

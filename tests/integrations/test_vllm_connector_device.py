@@ -24,7 +24,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers import DEVICES, stall_stream
+from cuda_streams import DEVICES, stall_stream
 from minivllm import MiniVllm, P, block_of, page_value, seq
 
 HOLD_S = 0.3  # how long a held CUDA copy stays queued; the host steps take milliseconds

@@ -24,7 +24,8 @@ import os
 import re
 
 import pytest
-from helpers import VLLM_REQUIRED, run_vllm, vllm_available, vllm_result
+from optional_vllm import VLLM_REQUIRED, vllm_available
+from vllm_processes import run_vllm, vllm_result
 
 pytestmark = pytest.mark.skipif(
     not VLLM_REQUIRED and not vllm_available(),

@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from helpers import VLLM_REQUIRED, run_vllm, vllm_available, vllm_result
+from optional_vllm import VLLM_REQUIRED, vllm_available
+from vllm_processes import run_vllm, vllm_result
 
 MOONCAKE_REQUIRED = os.environ.get("HICACHE_REQUIRE_MOONCAKE") == "1"
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from helpers import VLLM_REQUIRED, vllm_available
+from optional_vllm import VLLM_REQUIRED, vllm_available
 
 pytestmark = pytest.mark.skipif(
     not VLLM_REQUIRED and not vllm_available(),

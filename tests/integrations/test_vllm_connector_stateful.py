@@ -22,7 +22,7 @@ import os
 import random
 
 import pytest
-from helpers import VLLM_REQUIRED, vllm_available
+from optional_vllm import VLLM_REQUIRED, vllm_available
 
 pytestmark = pytest.mark.skipif(
     not VLLM_REQUIRED and not vllm_available(),

@@ -9,7 +9,7 @@ import dataclasses
 import random
 
 import pytest
-from helpers import VLLM_REQUIRED, vllm_available
+from optional_vllm import VLLM_REQUIRED, vllm_available
 
 pytestmark = pytest.mark.skipif(
     not VLLM_REQUIRED and not vllm_available(),
@@ -109,7 +109,7 @@ def test_a_real_engine_shows_hicache_on_its_registry_and_events():
     import sys
     from pathlib import Path
 
-    from helpers import vllm_result
+    from vllm_processes import vllm_result
 
     driver = Path(__file__).parent / "vllm_async_driver.py"
     root = str(Path(__file__).parents[2])  # this checkout's hicache, in every vLLM process

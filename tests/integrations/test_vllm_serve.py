@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import VLLM_REQUIRED, run_vllm, vllm_available
+from optional_vllm import VLLM_REQUIRED, vllm_available
+from vllm_processes import run_vllm
 
 pytestmark = pytest.mark.skipif(
     not VLLM_REQUIRED and not vllm_available(),

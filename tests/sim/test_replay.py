@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import TREE_KINDS
+from kv_layouts import TREE_KINDS
 
 from hicache.cli import main
 from hicache.sim.replay import frozen_gc, prepare_requests, replay_device, replay_hierarchical

@@ -15,9 +15,9 @@ import random
 import time
 
 import pytest
-from helpers import ENGINE_MAX_NEW_TOKENS as MAX_NEW_TOKENS
-from helpers import ENGINE_PAGE_SIZE as PAGE_SIZE
-from helpers import (
+from engine_processes import ENGINE_MAX_NEW_TOKENS as MAX_NEW_TOKENS
+from engine_processes import ENGINE_PAGE_SIZE as PAGE_SIZE
+from engine_processes import (
     assert_second_process_reuses_first,
     no_cache_tokens,
     run_engine_process,

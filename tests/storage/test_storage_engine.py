@@ -14,18 +14,17 @@ import random
 import time
 
 import pytest
-from helpers import ENGINE_MAX_NEW_TOKENS as MAX_NEW_TOKENS
-from helpers import ENGINE_PAGE_SIZE as PAGE_SIZE
-from helpers import (
-    KV,
-    assert_quiescent,
+from engine_processes import ENGINE_MAX_NEW_TOKENS as MAX_NEW_TOKENS
+from engine_processes import ENGINE_PAGE_SIZE as PAGE_SIZE
+from engine_processes import (
     assert_second_process_reuses_first,
     no_cache_tokens,
-    read_prefix,
     run_engine_process,
-    serve_kv,
     shared_prompts,
 )
+from kv_layouts import KV
+from leak_checks import assert_quiescent
+from serving import read_prefix, serve_kv
 
 from hicache.cache import HiCache
 from hicache.cli.benchmarks import multiturn

@@ -11,7 +11,9 @@ from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 import pytest
-from helpers import KV_TINY, assert_no_leaks, serve
+from kv_layouts import KV_TINY
+from leak_checks import assert_no_leaks
+from serving import serve
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig

@@ -21,7 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import KV, assert_quiescent, read_prefix, serve_kv
+from kv_layouts import KV
+from leak_checks import assert_quiescent
+from serving import read_prefix, serve_kv
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig

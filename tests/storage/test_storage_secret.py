@@ -12,7 +12,9 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from helpers import KV, P, assert_quiescent, compute, expected_kv, read_prefix, serve_kv
+from kv_layouts import KV, P
+from leak_checks import assert_quiescent
+from serving import compute, expected_kv, read_prefix, serve_kv
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig
@@ -231,7 +233,7 @@ def test_kv_of_other_weights_planted_under_the_models_identity_never_steers_a_se
     """The attacker runs other weights, claims the public model's identity, and fills a
     shared directory. Without a secret the victim is served that KV; with one it computes
     everything and generates exactly what the model generates without a cache."""
-    from helpers import ENGINE_MAX_NEW_TOKENS, ENGINE_PAGE_SIZE, no_cache_tokens
+    from engine_processes import ENGINE_MAX_NEW_TOKENS, ENGINE_PAGE_SIZE, no_cache_tokens
 
     from hicache.sim.engine import Engine
     from hicache.sim.model import Model, preset
@@ -276,7 +278,7 @@ def test_the_vllm_connector_opens_its_store_with_the_configured_secret(tmp_path)
     """Both halves open their backend through ``HiCacheConnector._open_storage``."""
     from types import SimpleNamespace
 
-    from helpers import vllm_available
+    from optional_vllm import vllm_available
 
     if not vllm_available():
         pytest.skip("vLLM is not installed")

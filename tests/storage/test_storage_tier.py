@@ -6,7 +6,9 @@ import threading
 
 import pytest
 import torch
-from helpers import KV, assert_quiescent, compute, read_prefix, serve_kv
+from kv_layouts import KV
+from leak_checks import assert_quiescent
+from serving import compute, read_prefix, serve_kv
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig

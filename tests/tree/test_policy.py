@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_no_leaks
+from leak_checks import assert_no_leaks
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig, EvictionPolicy, KVConfig

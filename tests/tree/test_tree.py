@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import pages
+from kv_layouts import pages
 
 from hicache.tree import IOStatus
 

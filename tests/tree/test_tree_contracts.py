@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TREE_KINDS, snapshot
+from kv_layouts import TREE_KINDS
+from tree_observation import snapshot
 
 from hicache.tree import IOStatus, RadixTree, native, token_key
 

@@ -19,9 +19,9 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 import torch
-from helpers import FORMS, as_form, host_takeable_by_definition, snapshot
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from tree_observation import FORMS, as_form, host_takeable_by_definition, snapshot
 
 from hicache.native import build as jit
 from hicache.tree import IOStatus, RadixTree, factory, native, token_key

@@ -22,7 +22,7 @@ import time
 
 import pytest
 import torch
-from helpers import snapshot
+from tree_observation import snapshot
 
 from hicache.tree import IOStatus, RadixTree, native, token_key
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import hypothesis.strategies as st
 import pytest
 import torch
-from helpers import TREE_KINDS
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from kv_layouts import TREE_KINDS
 
 from hicache.tree import RadixTree
 

@@ -1,0 +1,31 @@
+"""vLLM in fresh processes (tests/integrations only): start ``vllm_driver.py`` and read
+its result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+VLLM_DRIVER = Path(__file__).parent / "vllm_driver.py"
+
+
+def run_vllm(*args: str, **env_vars: str) -> subprocess.Popen:
+    """Start ``tests/integrations/vllm_driver.py ARGS`` (stdout and stderr in one pipe),
+    with ``env_vars`` added to its environment."""
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1", **env_vars)
+    return subprocess.Popen(
+        [sys.executable, str(VLLM_DRIVER), *args], stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, env=env,
+    )
+
+
+def vllm_result(proc: subprocess.Popen, timeout: int = 900) -> dict:
+    """The driver's last JSON line, after it exited 0; its whole output under ``"log"``."""
+    out, _ = proc.communicate(timeout=timeout)
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, f"vLLM driver failed:\n{out[-6000:]}"
+    return {**json.loads(lines[-1]), "log": out}
