@@ -13,6 +13,11 @@ from hicache.config import KVConfig
 from hicache.tree.native import native_available
 
 TREE_KINDS = ["python"] + (["native"] if native_available() else [])
+# (tree, lifecycle) pairs: the Python reference, the native tree under the Python
+# lifecycle, and the C++ lifecycle.
+LIFECYCLES = [("python", "python")] + (
+    [("native", "python"), ("native", "native")] if "native" in TREE_KINDS else []
+)
 
 P = 2  # tokens per page
 # float32, 2 layers, 1 head of 4: small enough to write each token's KV by formula.
@@ -29,3 +34,8 @@ def pages(*ids: int) -> torch.Tensor:
 def seq(first: int, num_pages: int) -> list[int]:
     """``num_pages`` whole pages of distinct tokens ``first, first + 1, ...``."""
     return list(range(first, first + num_pages * P))
+
+
+def kv_one_float(page_size: int) -> KVConfig:
+    """One layer, one head of one float32: bookkeeping scenarios at any page size."""
+    return KVConfig(1, 1, 1, "float32", page_size=page_size)

@@ -33,3 +33,15 @@ def finish_transfers(cache: HiCache) -> None:
 def assert_quiescent(cache: HiCache) -> None:
     finish_transfers(cache)
     assert_no_leaks(cache)
+
+
+def complete_transfers(cache: HiCache) -> None:
+    """Complete what a manual executor holds, apply it, and wait for the storage reads
+    that pin nodes. Unlike :func:`finish_transfers`, no ``wait_all()``."""
+    if cache.transfers.executor_name == "manual":
+        for t in cache.transfers.executor.pending():
+            cache.transfers.executor.complete(t)
+    cache.poll()
+    for job in set(cache._inflight.storage_pins.values()):
+        job.done.wait()
+    cache.poll()

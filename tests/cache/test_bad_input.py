@@ -13,8 +13,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kv_layouts import P, seq
+from kv_layouts import LIFECYCLES, P, kv_one_float, seq
+from leak_checks import assert_no_leaks
 from manual_executor import KV_F16, host_only, make_cache, serve_manual
+from serving import bookkeeping
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig
@@ -248,3 +250,29 @@ def test_a_rejected_call_leaves_the_cache_fully_usable():
     serve_manual(cache, seq(100, 2) + seq(7, 1))
     cache.check_integrity()
     assert kvcheck.verify_cache(cache) == []
+
+
+@pytest.mark.parametrize(("tree", "lifecycle"), LIFECYCLES)
+@pytest.mark.parametrize("bad", [
+    [1, 2, -1], [1, 2, 2**40], [1, 2, "x"], [1, 2, None], [1, 2, 1.5],
+    "np64", "np32", "torch64", "torch32", "np_big",
+])
+def test_token_ids_in_the_trailing_partial_page_are_validated(tree, lifecycle, bad):
+    made = {
+        "np64": np.array([1, 2, -1]), "np32": np.array([1, 2, -1], dtype=np.int32),
+        "torch64": torch.tensor([1, 2, -1]), "torch32": torch.tensor([1, 2, -1], dtype=torch.int32),
+        "np_big": np.array([1, 2, 2**40]),
+    }
+    tokens = made.get(bad, bad) if isinstance(bad, str) else bad
+    c = bookkeeping(tree, lifecycle, kv=kv_one_float(2), device_tokens=16, host_tokens=None)
+    before = c.stats()
+    with pytest.raises((ValueError, TypeError), match="tokens"):
+        c.match(tokens)
+    h = c.match([1, 2, 3])
+    assert c.alloc(h, 2) is not None
+    with pytest.raises((ValueError, TypeError), match="tokens"):
+        c.insert(h, tokens)
+    assert h.prefix_len == 0 and c.tree.match_prefix([1, 2]).device_len == 0
+    c.release(h)
+    assert c.stats()["device_cached_tokens"] == before["device_cached_tokens"]
+    assert_no_leaks(c)

@@ -7,9 +7,11 @@ tokens to recompute (``h.prefix_len`` is cut back, ``h.load_error`` set).
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
-from kv_layouts import TREE_KINDS, P, seq
-from leak_checks import assert_no_leaks
+from kv_layouts import KV, TREE_KINDS, P, seq
+from leak_checks import assert_no_leaks, complete_transfers
 from manual_executor import (
     KV_F16,
     complete,
@@ -21,6 +23,7 @@ from manual_executor import (
     settle,
     verify_prefix,
 )
+from serving import serve
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig
@@ -346,3 +349,47 @@ def test_a_transient_write_back_failure_drops_nothing(tree):
         cache.wait_all()
         assert kvcheck.verify_cache(cache) == []
         assert_no_leaks(cache)
+
+
+# A full hit only matches (no alloc, no insert): repeating a request repeats its match alone.
+serve_skipping_hits = partial(serve, skip_cached=True)
+
+
+@pytest.mark.parametrize("tree", TREE_KINDS)
+def test_selective_backup_in_match_does_not_evict_the_host_part_being_loaded(tree):
+    # write_through_selective backs up the matched device path inside match(); its host
+    # allocation used to evict the host-only continuation of that same match first.
+    # Since a host copy implies host copies of every ancestor, A's failed backup is
+    # retried (B has a host copy) and the state (device-only A above host-only B) that
+    # made this possible cannot arise; the test now checks the retry and the load.
+    cache = HiCache(CacheConfig(KV, device_tokens=16, host_tokens=8, executor="manual",
+                                write_policy="write_through_selective",
+                                backup_hit_threshold=2, tree=tree))
+    ex = cache.transfers.executor
+    a, ab = [1, 2, 3, 4], [1, 2, 3, 4, 5, 6]
+    for _ in range(3):
+        serve_skipping_hits(cache, a)  # the third reaches the threshold: A's backup in flight
+    node_a = cache.tree.match_prefix(a).last_node
+    rec_a = cache._inflight.by_node[node_a]
+    for _ in range(3):
+        serve_skipping_hits(cache, ab)  # B (child of A) backed up; A still in flight
+    (node_b,) = node_a.children.values()
+    ex.complete(cache._inflight.by_node[node_b].handle)
+    ex.fail(rec_a.handle, RuntimeError("injected backup failure"))
+    cache.poll()
+    assert node_a.on_host and cache._inflight.by_node[node_a] is not rec_a  # retried
+    assert cache.stats()["backups_retried"] == 1
+    cache.check_integrity()
+    for _ in range(3):
+        serve_skipping_hits(cache, [50, 51])
+    complete_transfers(cache)
+    hx = cache.match([100, 101])
+    assert cache.alloc(hx, 10) is not None  # pushes B off the device
+    cache.release(hx)
+    assert node_b.on_host and not node_b.on_device
+    h = cache.match(ab)
+    assert (h.device_len, h.host_len, h.prefix_len) == (4, 2, 6)
+    cache.release(h)
+    complete_transfers(cache)
+    cache.check_integrity()
+    cache.close()

@@ -1,6 +1,7 @@
 """Engine over the file storage tier: two processes share a prefix; outputs stay exact.
 
-The two-process tests run each engine in a fresh interpreter (``helpers.ENGINE_WORKER_SCRIPT``):
+The two-process tests run each engine in a fresh interpreter
+(``engine_processes.ENGINE_WORKER_SCRIPT``):
 process A generates and exits after ``Engine.close`` flushed its storage writes;
 process B starts with an empty device and host tier, so every prefix hit it gets
 came from storage. Greedy tokens are compared exactly with A's and with a no-cache

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,7 @@ import pytest
 import torch
 from kv_layouts import KV
 from leak_checks import assert_quiescent
-from serving import read_prefix, serve_kv
+from serving import read_prefix, serve, serve_kv
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig
@@ -319,7 +320,8 @@ def test_read_only_store_serves_every_intact_page(tmp_path, monkeypatch):
 READ_ONLY_WORKER = r"""
 import json, sys
 sys.path[:0] = sys.argv[2:]
-from helpers import KV, read_prefix, serve_kv
+from kv_layouts import KV
+from serving import read_prefix, serve_kv
 from test_storage_hazards import A, make
 from pathlib import Path
 cache = make(Path(sys.argv[1]), prefetch_policy="wait_complete")
@@ -356,7 +358,7 @@ def test_read_only_bind_mount_serves_every_intact_page(tmp_path):
         pytest.skip("needs unshare -m and mount (a private mount namespace)")
     root = tmp_path / "store"
     store_a(root)
-    here = Path(__file__).parent  # test_storage_hazards and, above it, helpers
+    here = Path(__file__).parent  # test_storage_hazards and, above it, the shared modules
     script = (f"mount --bind {root} {root} && mount -o remount,ro,bind {root} {root} && "
               f'exec "$0" -c "$1" {root} {here.parent} {here}')
     proc = subprocess.run(
@@ -366,3 +368,29 @@ def test_read_only_bind_mount_serves_every_intact_page(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report == {"lens": [0, 8], "hits": 8, "errors": 1, "backend_errors": 1}
+
+
+# A full hit only matches (no alloc, no insert): repeating a request repeats its match alone.
+serve_skipping_hits = partial(serve, skip_cached=True)
+
+
+def test_storage_worker_survives_an_unexpected_backend_exception(tmp_path):
+    cfg = dict(device_tokens=8, host_tokens=32, tree="python", storage=f"file:{tmp_path}",
+               model_id="test-model")
+    first = HiCache(CacheConfig(KV, executor="immediate", **cfg))
+    serve_skipping_hits(first, [1, 2])
+    first.close()
+    cache = HiCache(CacheConfig(KV, executor="immediate", **cfg))
+
+    def broken(keys, views):
+        raise RuntimeError("transport error")
+
+    cache.storage.backend.get_into = broken
+    job = cache.prefetch([1, 2])
+    assert job.done.wait(5), "the failed read never finished"
+    cache.poll()
+    s = cache.stats()
+    assert s["storage_errors"] == 1 and s["host_pages_used"] == 0
+    assert all(t.is_alive() for t in cache.storage._threads)
+    cache.check_integrity()
+    cache.close()

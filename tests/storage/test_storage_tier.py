@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import threading
+from functools import partial
 
 import pytest
 import torch
 from kv_layouts import KV
-from leak_checks import assert_quiescent
-from serving import compute, read_prefix, serve_kv
+from leak_checks import assert_quiescent, complete_transfers
+from serving import compute, read_prefix, serve, serve_kv
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig
@@ -304,3 +305,50 @@ def test_prefetch_counts_no_hit_on_the_cached_prefix(tmp_path):
     second.release(h)
     assert_quiescent(second)
     second.close()
+
+
+# A full hit only matches (no alloc, no insert): repeating a request repeats its match alone.
+serve_skipping_hits = partial(serve, skip_cached=True)
+
+
+@pytest.mark.parametrize("executor", ["manual", "immediate"])
+def test_storage_read_landing_during_load_setup_does_not_split_pinned_nodes(tmp_path, executor):
+    cfg = dict(device_tokens=8, host_tokens=32, tree="python", storage=f"file:{tmp_path}",
+               model_id="test-model")
+    first = HiCache(CacheConfig(KV, executor="immediate", **cfg))
+    serve_skipping_hits(first, [1, 2])
+    first.close()
+
+    cache = HiCache(CacheConfig(KV, executor=executor, write_policy="write_back", **cfg))
+    go = threading.Event()
+    backend = cache.storage.backend
+    get_into = backend.get_into
+
+    def slow_get(keys, views):
+        go.wait()
+        return get_into(keys, views)
+
+    backend.get_into = slow_get
+    job = cache.prefetch([1, 2])  # nothing cached yet: the read of [1, 2] is held back
+    serve_skipping_hits(cache, [1, 2, 3, 4])
+    hx = cache.match([100, 101])
+    cache.alloc(hx, 8)  # write-back eviction of [1, 2, 3, 4] to the host
+    complete_transfers(cache)
+    cache.release(hx)
+    complete_transfers(cache)
+    serve_skipping_hits(cache, [20, 21, 22, 23, 24, 25, 26, 27])
+    complete_transfers(cache)
+    backup = cache.transfers.backup
+
+    def backup_after_the_read(*args, **kwargs):  # the read lands while the load evicts
+        go.set()
+        job.done.wait()
+        return backup(*args, **kwargs)
+
+    cache.transfers.backup = backup_after_the_read
+    h = cache.match([1, 2, 3, 4])
+    assert h.host_len == 4
+    cache.release(h)
+    complete_transfers(cache)
+    cache.check_integrity()
+    cache.close()
