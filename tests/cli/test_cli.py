@@ -12,29 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_runs import assert_user_error, run_cli
 
 from hicache.cli import app as cli
 from hicache.cli.trace import _KIND_HELP
 from hicache.sim.replay import prepare_requests, replay_hicache_device_only
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    try:
-        rc = cli.main(argv)
-    except SystemExit as exc:  # argparse's own exit (usage errors, --help, --version)
-        rc = exc.code
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def assert_user_error(argv: list[str], capsys, expected: str) -> None:
-    rc, out, err = run_cli(argv, capsys)
-    assert rc == 2, (argv, rc, out, err)
-    assert err.count("\n") == 1 and err.endswith("\n"), err  # exactly one line
-    assert "Traceback" not in err and expected in err, err
-    assert out == "", out  # refused before any work or output
 
 
 @pytest.fixture(scope="module")

@@ -11,30 +11,12 @@ import argparse
 import json
 
 import pytest
+from cli_runs import assert_user_error, run_cli
 
 from hicache.cli import app as cli
 from hicache.cli.args import UsageError, run_guarded
 
 HUGE = "99999999999999"  # tokens: page allocators alone would need ~150 TB
-
-
-def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    try:
-        rc = cli.main(argv)
-    except SystemExit as exc:
-        rc = exc.code
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def assert_user_error(argv: list[str], capsys, *expected: str) -> str:
-    rc, out, err = run_cli(argv, capsys)
-    assert rc == 2, (argv, rc, out, err)
-    assert err.count("\n") == 1 and "Traceback" not in err, err
-    assert out == "", out  # refused before any work
-    for text in expected:
-        assert text in err, (text, err)
-    return err
 
 
 @pytest.fixture(scope="module")

@@ -7,21 +7,12 @@ import json
 
 import numpy as np
 import pytest
+from cli_runs import run_cli
 
-from hicache.cli import app as cli
 from hicache.storage import FileStorage, page_keys
 from hicache.storage.base import VALUE_HEADER_NBYTES
 
 PAGE = 64
-
-
-def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    try:
-        rc = cli.main(argv)
-    except SystemExit as exc:  # argparse's own exit
-        rc = exc.code
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def _tier(tmp_path, num_pages: int = 3) -> tuple[str, list[str]]:
