@@ -19,13 +19,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def sched():
-    import vllm_sched
-
-    return vllm_sched
-
-
 def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1, 500) for _ in range(n)]
 

@@ -19,13 +19,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def sched():
-    import vllm_sched
-
-    return vllm_sched
-
-
 class Subscriber:
     """A router's view: a zmq SUB socket connected to vLLM's publisher; replays
     BlockStored / BlockRemoved per medium into the set of hashes held."""

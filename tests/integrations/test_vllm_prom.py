@@ -17,13 +17,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def sched():
-    import vllm_sched
-
-    return vllm_sched
-
-
 def _scrape() -> str:
     from prometheus_client import REGISTRY, generate_latest
 
