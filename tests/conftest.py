@@ -1,3 +1,21 @@
+"""Fixtures every test folder may use; where the rest of the test support lives.
+
+Shared modules in ``tests/`` (importable from every folder: pytest puts ``tests/`` on
+``sys.path`` for this conftest), by subject:
+
+* ``kv_layouts``: tree kinds and lifecycles, the page size, KV layouts, page ids;
+* ``leak_checks``: quiescence checks (``assert_no_leaks``) and driving transfers home;
+* ``serving``: one request through a cache, bookkeeping only or with KV by formula;
+* ``tree_observation``: what the differential tests compare between two trees;
+* ``cuda_streams``: the devices a test runs on, holding a copy in flight on a stream;
+* ``optional_vllm``: whether vLLM is usable (``HICACHE_REQUIRE_VLLM``).
+
+A folder's own support sits in that folder: ``cache/manual_executor.py``,
+``storage/engine_processes.py``, ``integrations/vllm_processes.py`` (and the vLLM
+drivers beside it), ``cli/cli_runs.py``, fixtures in the folder's ``conftest.py``.
+``helpers.py`` re-exports the names test modules imported from it before this split.
+"""
+
 from __future__ import annotations
 
 import pytest
