@@ -26,6 +26,7 @@ from hicache.checks import (
     check_secret,
 )
 from hicache.configfile import config_from_dict, config_from_file, config_to_dict
+from hicache.errors import config_errors
 
 _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -84,6 +85,7 @@ class KVConfig:
     dtype: str | torch.dtype = "float16"  # element type of K and V
     page_size: int = 16  # tokens per page; the unit of caching and transfer
 
+    @config_errors
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
             _set_int(self, name, minimum=1)
@@ -218,6 +220,7 @@ class CacheConfig:
     kv_events: bool = False
     extra: dict = field(default_factory=dict, compare=False)  # backend-specific options
 
+    @config_errors
     def __post_init__(self) -> None:
         if not isinstance(self.kv, KVConfig):
             raise TypeError(f"kv: expected KVConfig, got {type(self.kv).__name__}")

@@ -38,6 +38,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from hicache.errors import config_errors
+
 ENV_PREFIX = "HICACHE_"
 
 C = TypeVar("C")  # the config class (hicache.CacheConfig)
@@ -102,6 +104,7 @@ def _parse_env(name: str, cls: type, field: str, text: str) -> Any:
     return value
 
 
+@config_errors
 def apply_env(cls: type, data: Mapping[str, Any],
               environ: Mapping[str, str] | None = None) -> dict:
     """``data`` with every ``HICACHE_<FIELD>`` / ``HICACHE_KV_<FIELD>`` variable of the
@@ -133,6 +136,7 @@ def apply_env(cls: type, data: Mapping[str, Any],
     return out
 
 
+@config_errors
 def config_from_dict(cls: type[C], data: Mapping[str, Any], *, env: bool = False) -> C:
     """See :meth:`hicache.CacheConfig.from_dict`."""
     kv_cls = _kv_class(cls)
@@ -171,6 +175,7 @@ def config_from_dict(cls: type[C], data: Mapping[str, Any], *, env: bool = False
     return cls(kv=kv, **fields)
 
 
+@config_errors
 def config_from_file(cls: type[C], path: str | os.PathLike[str], *, env: bool = True) -> C:
     """See :meth:`hicache.CacheConfig.from_file`."""
     path = Path(path)

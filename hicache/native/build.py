@@ -48,6 +48,7 @@ from typing import NamedTuple
 import torch
 
 from hicache.buildcache import DIR_LOCK_NAME, cache_root, hold, prune_stale
+from hicache.errors import NativeBuildError  # defined with the others; raised from here
 
 _PACKAGE = Path(__file__).resolve().parent
 _CSRC = _PACKAGE / "csrc"
@@ -57,10 +58,6 @@ BUILD_INFO_NAME = "_native_build.json"  # written by setup.py next to the instal
 _DIR_PREFIX = "native-"  # JIT build directories: native-<digest>, native-asan-<digest>
 _BUILT_MARKER = "hicache.built"  # written into a JIT build directory once its module loaded
 _log = logging.getLogger(__name__)
-
-
-class NativeBuildError(RuntimeError):
-    """The native tree cannot be built or loaded here; the message names why."""
 
 
 class _LoadResult(NamedTuple):

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hicache.errors import config_errors
 from hicache.storage.auth import check_secret
 
 _WRITE_POLICIES = ("write_through",)
@@ -140,6 +141,7 @@ class ConnectorConfig:
     storage_secret: str | None = field(default=None, repr=False, compare=False)
 
     @classmethod
+    @config_errors
     def from_sources(cls, extra: Mapping[str, Any] | None,
                      environ: Mapping[str, str] | None = None) -> ConnectorConfig:
         """``extra`` (``kv_connector_extra_config``) over the ``HICACHE_*`` variables of
@@ -172,6 +174,7 @@ class ConnectorConfig:
             raise type(exc)(_relabel(str(exc), origin)) from None
 
     @classmethod
+    @config_errors
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
         """Parse ``kv_connector_extra_config``; unknown keys are an error, not ignored."""
         extra = dict(extra or {})
@@ -183,6 +186,7 @@ class ConnectorConfig:
             )
         return cls(**extra)
 
+    @config_errors
     def __post_init__(self) -> None:
         if self.host_gb is not None and self.host_tokens is not None:
             raise ValueError(
