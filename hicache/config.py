@@ -17,6 +17,8 @@ import torch
 
 from hicache.checks import (
     check_bool,
+    check_device,
+    check_enum,
     check_fraction,
     check_int,
     check_model_id,
@@ -62,17 +64,6 @@ def _set_int(obj: object, name: str, minimum: int) -> None:
     """Check the int field ``name`` of a frozen config; store it as a Python int."""
     value = check_int(name, getattr(obj, name), minimum, maximum=MAX_INT_FIELD)
     object.__setattr__(obj, name, value)
-
-
-def check_device(device: str) -> None:
-    """Accept ``"cpu"``, ``"cuda"`` or ``"cuda:N"``."""
-    if not isinstance(device, str):
-        raise TypeError(f"device: expected str, got {type(device).__name__}")
-    if device in ("cpu", "cuda"):
-        return
-    if device.startswith("cuda:") and device[5:].isdigit():
-        return
-    raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r}")
 
 
 @dataclass(frozen=True)
@@ -149,14 +140,6 @@ class PrefetchPolicy(str, Enum):
     BEST_EFFORT = "best_effort"  # use what has arrived by the time the request is scheduled
     WAIT_COMPLETE = "wait_complete"  # wait for the whole prefetch
     TIMEOUT = "timeout"  # wait up to `prefetch_timeout_s`
-
-
-def _enum(cls: type[Enum], name: str, value: object) -> Enum:
-    try:
-        return cls(value)
-    except ValueError:
-        allowed = [m.value for m in cls]  # type: ignore[attr-defined]
-        raise ValueError(f"{name}: expected one of {allowed}, got {value!r}") from None
 
 
 GiB = 1 << 30
@@ -264,10 +247,10 @@ class CacheConfig:
                 f"{getattr(self, host_given[0])}"
             )
         _set_int(self, "host_reserve_nbytes", minimum=0)
-        object.__setattr__(self, "write_policy", _enum(WritePolicy, "write_policy", self.write_policy))
-        object.__setattr__(self, "eviction", _enum(EvictionPolicy, "eviction", self.eviction))
+        object.__setattr__(self, "write_policy", check_enum(WritePolicy, "write_policy", self.write_policy))
+        object.__setattr__(self, "eviction", check_enum(EvictionPolicy, "eviction", self.eviction))
         object.__setattr__(
-            self, "prefetch_policy", _enum(PrefetchPolicy, "prefetch_policy", self.prefetch_policy)
+            self, "prefetch_policy", check_enum(PrefetchPolicy, "prefetch_policy", self.prefetch_policy)
         )
         _set_int(self, "backup_hit_threshold", minimum=1)
         _set_int(self, "load_threshold_tokens", minimum=0)
