@@ -102,14 +102,14 @@ def check_enum(cls: type[E], name: str, value: object) -> E:
         raise
 
 
-def check_device(device: object) -> str:
+def check_device(device: object, name: str = "device") -> str:
     """``device`` if it is ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (whether it exists here is
     :func:`hicache.memory.pools.check_device_available`'s question)."""
     if not isinstance(device, str):
-        raise TypeError(f"device: expected str, got {type(device).__name__}")
+        raise TypeError(_named(name, f"expected str, got {type(device).__name__}"))
     if device in ("cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit()):
         return device
-    raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    raise ValueError(_named(name, f"expected 'cpu', 'cuda' or 'cuda:N', got {device!r}"))
 
 
 _TEXT_KINDS = {int: "an integer", float: "a number", dict: "JSON", list: "a list of ints"}
