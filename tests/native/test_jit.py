@@ -201,7 +201,9 @@ def test_a_wheel_install_ships_the_compiled_module(tmp_path):
     assert sorted(p.name for p in (target / "hicache" / "native").glob("_native*"))[-1] == (
         jit.BUILD_INFO_NAME)
     assert list((target / "hicache" / "native").glob(f"{jit._MODULE}.*.so"))
-    probe = "import hicache; print(hicache.__file__)\n" + _PROBE
+    assert list((target / "hicache" / "memory").glob("_copier.*.so"))  # the C copier too
+    probe = ("import hicache; print(hicache.__file__)\n" + _PROBE
+             + "from hicache.memory import copier; print(copier.load_copier().origin)\n")
     out = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(target)}, check=True,
@@ -209,6 +211,7 @@ def test_a_wheel_install_ships_the_compiled_module(tmp_path):
     where, status = out.stdout.splitlines()[:2]
     assert where == str(target / "hicache" / "__init__.py"), out.stdout
     assert status.split()[:2] == ["prebuilt", "0.0"], (out.stdout, out.stderr)
+    assert out.stdout.splitlines()[2] == "installed", out.stdout
 
 
 def test_a_jit_build_prunes_stale_build_directories_but_not_its_own(tmp_path, monkeypatch):
