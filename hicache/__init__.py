@@ -12,6 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 from hicache.cache import CacheStats, HiCache, LoadError, PrefixHandle, ResetResult
 from hicache.config import CacheConfig, EvictionPolicy, KVConfig, PrefetchPolicy, WritePolicy
+from hicache.errors import (
+    ConfigError,
+    ConfigTypeError,
+    HiCacheError,
+    NativeBuildError,
+    StorageError,
+)
 from hicache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from hicache.logs import configure_from_env as _configure_logging
 from hicache.memory import PageAllocator
@@ -23,18 +30,23 @@ __all__ = [
     "BlockStored",
     "CacheConfig",
     "CacheStats",
+    "ConfigError",
+    "ConfigTypeError",
     "Engine",
     "EvictionPolicy",
     "HiCache",
+    "HiCacheError",
     "IOStatus",
     "KVConfig",
     "LoadError",
     "Model",
+    "NativeBuildError",
     "PageAllocator",
     "PrefetchPolicy",
     "PrefixHandle",
     "RadixTree",
     "ResetResult",
+    "StorageError",
     "WritePolicy",
     "preset",
 ]

@@ -9,26 +9,136 @@ shape, device or contents, a number out of range). Nothing here knows the cache.
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Sequence
+from enum import Enum
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 INTEGERS = (int, np.integer)
 
+E = TypeVar("E", bound=Enum)
+
 MIN_PRIORITY, MAX_PRIORITY = -(2**62), 2**62  # inside C++'s int64 with room to negate
 
 
-def check_int(name: str, value: object, minimum: int = 0, maximum: int | None = None) -> int:
+def _named(name: str, text: str) -> str:
+    """``"name: text"``; ``text`` alone for an unnamed value (argparse names it)."""
+    return f"{name}: {text}" if name else text
+
+
+def _plain(x: float) -> str:
+    """A bound as written: ``4294967296``, not ``4.29497e+09``; ``0.5`` as is."""
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def _got(value: object, show_value: bool) -> str:
+    return repr(value) if show_value else type(value).__name__
+
+
+def check_int(name: str, value: object, minimum: int = 0, maximum: int | None = None, *,
+              what: str = "int", show_value: bool = False) -> int:
     """``value`` as an int >= ``minimum`` and, if given, < ``maximum`` (Python or numpy
-    integer, never a bool)."""
+    integer, never a bool). The TypeError says ``expected <what>, got`` the value's
+    type, or with ``show_value`` its repr (for values read from text, where the value
+    says more than its type)."""
     if type(value) is not int and (isinstance(value, bool) or not isinstance(value, INTEGERS)):
-        raise TypeError(f"{name}: expected int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected >= {minimum}, got {value}")
-    if maximum is not None and value >= maximum:
-        raise ValueError(f"{name}: expected < {maximum}, got {value}")
-    return int(value)
+        raise TypeError(_named(name, f"expected {what}, got {_got(value, show_value)}"))
+    return int(check_bounds(name, value, minimum=minimum, maximum=maximum))
+
+
+def check_number(name: str, value: object, *, what: str = "a number",
+                 show_value: bool = False) -> float:
+    """``value`` if it is an int or a float (never a bool); else a TypeError saying
+    ``expected <what>, got`` its type (or, with ``show_value``, its repr)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(_named(name, f"expected {what}, got {_got(value, show_value)}"))
+    return value
+
+
+def check_finite(name: str, value: float, *, shown: str | None = None) -> float:
+    """``value`` if it is neither NaN nor infinite (``shown``: how the message shows it)."""
+    if not math.isfinite(value):
+        raise ValueError(_named(name, f"expected a finite number, got "
+                                      f"{value if shown is None else shown}"))
+    return value
+
+
+def check_bounds(name: str, value: float, *, minimum: float | None = None, strict: bool = False,
+                 maximum: float | None = None, max_included: bool = False, what: str = "",
+                 shown: str | None = None) -> float:
+    """``value`` if it is ``>= minimum`` (``> minimum`` when ``strict``) and ``< maximum``
+    (``<= maximum`` when ``max_included``); None is no bound. The ValueError reads
+    ``name: expected [what ]>= minimum, got value``, the bound written as a plain
+    number, the value as ``shown`` if given (the user's text)."""
+    got = value if shown is None else shown
+    prefix = f"{what} " if what else ""
+    if minimum is not None and not (value > minimum if strict else value >= minimum):
+        raise ValueError(_named(name, f"expected {prefix}{'>' if strict else '>='} "
+                                      f"{_plain(minimum)}, got {got}"))
+    if maximum is not None and not (value <= maximum if max_included else value < maximum):
+        raise ValueError(_named(name, f"expected {prefix}{'<=' if max_included else '<'} "
+                                      f"{_plain(maximum)}, got {got}"))
+    return value
+
+
+def check_choice(name: str, value: object, allowed: Sequence[object]) -> object:
+    """``value`` if it is one of ``allowed``; the ValueError lists them."""
+    if value not in allowed:
+        raise ValueError(_named(name, f"expected one of {list(allowed)}, got {value!r}"))
+    return value
+
+
+def check_enum(cls: type[E], name: str, value: object) -> E:
+    """``value`` as a member of the Enum ``cls`` (a member or its value); the ValueError
+    lists the values."""
+    try:
+        return cls(value)
+    except ValueError:
+        check_choice(name, value, [m.value for m in cls])
+        raise
+
+
+def check_device(device: object, name: str = "device") -> str:
+    """``device`` if it is ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (whether it exists here is
+    :func:`hicache.memory.pools.check_device_available`'s question)."""
+    if not isinstance(device, str):
+        raise TypeError(_named(name, f"expected str, got {type(device).__name__}"))
+    if device in ("cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit()):
+        return device
+    raise ValueError(_named(name, f"expected 'cpu', 'cuda' or 'cuda:N', got {device!r}"))
+
+
+_TEXT_KINDS = {int: "an integer", float: "a number", dict: "JSON", list: "a list of ints"}
+
+
+def parse_text(name: str, text: str, kind: type) -> Any:
+    """``text`` (an environment variable, a command-line option) parsed as ``kind``:
+    bool (``1/true/yes/on``, ``0/false/no/off``), int, float (``_`` separators allowed),
+    dict (JSON) or list (of ints: JSON or comma-separated). The ValueError reads
+    ``name: expected an integer, got '<text>'``; range checks are the caller's."""
+    value = text.strip()
+    if kind is bool:
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(_named(name, f"expected true or false, got {text!r}"))
+    if kind not in _TEXT_KINDS:
+        raise TypeError(_named(name, f"no parser for {kind}"))
+    try:
+        if kind is int:
+            return int(value.replace("_", ""))
+        if kind is float:
+            return float(value.replace("_", ""))
+        if kind is dict or value.startswith("["):
+            return json.loads(value)
+        return [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(_named(name, f"expected {_TEXT_KINDS[kind]}, got {text!r}")) from None
 
 
 def check_priority(priority: object) -> int:
@@ -94,7 +204,7 @@ def check_page_ids(name: str, page_ids: object, num_pages: int) -> torch.Tensor:
 def check_bool(name: str, value: object) -> bool:
     """``value`` as a bool (only ``True`` or ``False``: no truthy stand-ins)."""
     if not isinstance(value, bool):
-        raise TypeError(f"{name}: expected bool, got {type(value).__name__}")
+        raise TypeError(_named(name, f"expected bool, got {type(value).__name__}"))
     return value
 
 
@@ -104,7 +214,7 @@ def check_timeout(name: str, timeout: object) -> float | None:
         return None
     _check_number(name, timeout, "seconds or None")
     if not timeout >= 0:  # also refuses NaN
-        raise ValueError(f"{name}: expected >= 0, got {timeout}")
+        raise ValueError(_named(name, f"expected >= 0, got {timeout}"))
     return None if math.isinf(timeout) else timeout
 
 
@@ -116,8 +226,7 @@ def check_ttl(name: str, ttl_s: object) -> float:
 
 
 def _check_number(name: str, value: object, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name}: expected {what}, got {type(value).__name__}")
+    check_number(name, value, what=what)
 
 
 def check_positive_number(name: str, value: object, *, what: str = "a number") -> float:
@@ -127,7 +236,7 @@ def check_positive_number(name: str, value: object, *, what: str = "a number") -
     """
     _check_number(name, value, what)
     if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name}: expected a finite number > 0, got {value}")
+        raise ValueError(_named(name, f"expected a finite number > 0, got {value}"))
     return float(value)
 
 
@@ -135,7 +244,7 @@ def check_seconds(name: str, value: object) -> float:
     """``value`` as a duration: a finite number of seconds >= 0."""
     _check_number(name, value, "seconds")
     if not (value >= 0 and math.isfinite(value)):
-        raise ValueError(f"{name}: expected a finite number >= 0, got {value}")
+        raise ValueError(_named(name, f"expected a finite number >= 0, got {value}"))
     return float(value)
 
 
@@ -143,7 +252,7 @@ def check_fraction(name: str, value: object) -> float:
     """``value`` as a fraction: a number in [0, 1]."""
     _check_number(name, value, "a number")
     if not 0 <= value <= 1:
-        raise ValueError(f"{name}: expected a fraction in [0, 1], got {value}")
+        raise ValueError(_named(name, f"expected a fraction in [0, 1], got {value}"))
     return float(value)
 
 

@@ -17,6 +17,8 @@ import torch
 
 from hicache.checks import (
     check_bool,
+    check_device,
+    check_enum,
     check_fraction,
     check_int,
     check_model_id,
@@ -26,6 +28,7 @@ from hicache.checks import (
     check_secret,
 )
 from hicache.configfile import config_from_dict, config_from_file, config_to_dict
+from hicache.errors import config_errors
 
 _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -63,17 +66,6 @@ def _set_int(obj: object, name: str, minimum: int) -> None:
     object.__setattr__(obj, name, value)
 
 
-def check_device(device: str) -> None:
-    """Accept ``"cpu"``, ``"cuda"`` or ``"cuda:N"``."""
-    if not isinstance(device, str):
-        raise TypeError(f"device: expected str, got {type(device).__name__}")
-    if device in ("cpu", "cuda"):
-        return
-    if device.startswith("cuda:") and device[5:].isdigit():
-        return
-    raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-
-
 @dataclass(frozen=True)
 class KVConfig:
     """Shape of the KV cache of one model: what one token and one page cost."""
@@ -84,6 +76,7 @@ class KVConfig:
     dtype: str | torch.dtype = "float16"  # element type of K and V
     page_size: int = 16  # tokens per page; the unit of caching and transfer
 
+    @config_errors
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
             _set_int(self, name, minimum=1)
@@ -149,14 +142,6 @@ class PrefetchPolicy(str, Enum):
     TIMEOUT = "timeout"  # wait up to `prefetch_timeout_s`
 
 
-def _enum(cls: type[Enum], name: str, value: object) -> Enum:
-    try:
-        return cls(value)
-    except ValueError:
-        allowed = [m.value for m in cls]  # type: ignore[attr-defined]
-        raise ValueError(f"{name}: expected one of {allowed}, got {value!r}") from None
-
-
 GiB = 1 << 30
 HOST_SIZE_FIELDS = ("host_tokens", "host_nbytes", "host_ratio", "host_gb")  # at most one
 DEVICE_SIZE_FIELDS = ("device_tokens", "device_nbytes")  # exactly one
@@ -218,6 +203,7 @@ class CacheConfig:
     kv_events: bool = False
     extra: dict = field(default_factory=dict, compare=False)  # backend-specific options
 
+    @config_errors
     def __post_init__(self) -> None:
         if not isinstance(self.kv, KVConfig):
             raise TypeError(f"kv: expected KVConfig, got {type(self.kv).__name__}")
@@ -261,10 +247,10 @@ class CacheConfig:
                 f"{getattr(self, host_given[0])}"
             )
         _set_int(self, "host_reserve_nbytes", minimum=0)
-        object.__setattr__(self, "write_policy", _enum(WritePolicy, "write_policy", self.write_policy))
-        object.__setattr__(self, "eviction", _enum(EvictionPolicy, "eviction", self.eviction))
+        object.__setattr__(self, "write_policy", check_enum(WritePolicy, "write_policy", self.write_policy))
+        object.__setattr__(self, "eviction", check_enum(EvictionPolicy, "eviction", self.eviction))
         object.__setattr__(
-            self, "prefetch_policy", _enum(PrefetchPolicy, "prefetch_policy", self.prefetch_policy)
+            self, "prefetch_policy", check_enum(PrefetchPolicy, "prefetch_policy", self.prefetch_policy)
         )
         _set_int(self, "backup_hit_threshold", minimum=1)
         _set_int(self, "load_threshold_tokens", minimum=0)

@@ -38,6 +38,9 @@ from typing import Any, TypeVar
 
 import torch
 
+from hicache.checks import parse_text
+from hicache.errors import config_errors
+
 ENV_PREFIX = "HICACHE_"
 
 C = TypeVar("C")  # the config class (hicache.CacheConfig)
@@ -76,32 +79,17 @@ def _env_kind(cls: type, field: str) -> tuple[type, bool]:
     raise TypeError(f"{cls.__name__}.{field}: no HICACHE_* parser for its type {hint}")
 
 
-_KIND_NAMES = {int: "an integer", float: "a number", dict: "JSON"}
-
-
 def _parse_env(name: str, cls: type, field: str, text: str) -> Any:
     kind, optional = _env_kind(cls, field)
     value = text.strip()
     if optional and value.lower() in ("", "none", "null"):
         return None
-    if kind is bool:
-        if value.lower() in ("1", "true", "yes", "on"):
-            return True
-        if value.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{name}: {field}: expected true or false, got {text!r}")
-    try:
-        if kind is int:
-            return int(value.replace("_", ""))
-        if kind is float:
-            return float(value.replace("_", ""))
-        if kind is dict:
-            return json.loads(value)
-    except ValueError:
-        raise ValueError(f"{name}: {field}: expected {_KIND_NAMES[kind]}, got {text!r}") from None
-    return value
+    if kind is str:
+        return value
+    return parse_text(f"{name}: {field}", text, kind)
 
 
+@config_errors
 def apply_env(cls: type, data: Mapping[str, Any],
               environ: Mapping[str, str] | None = None) -> dict:
     """``data`` with every ``HICACHE_<FIELD>`` / ``HICACHE_KV_<FIELD>`` variable of the
@@ -133,6 +121,7 @@ def apply_env(cls: type, data: Mapping[str, Any],
     return out
 
 
+@config_errors
 def config_from_dict(cls: type[C], data: Mapping[str, Any], *, env: bool = False) -> C:
     """See :meth:`hicache.CacheConfig.from_dict`."""
     kv_cls = _kv_class(cls)
@@ -171,6 +160,7 @@ def config_from_dict(cls: type[C], data: Mapping[str, Any], *, env: bool = False
     return cls(kv=kv, **fields)
 
 
+@config_errors
 def config_from_file(cls: type[C], path: str | os.PathLike[str], *, env: bool = True) -> C:
     """See :meth:`hicache.CacheConfig.from_file`."""
     path = Path(path)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hicache.checks import check_int
+from hicache.errors import LoadError  # defined with the others; raised from here
 
 if TYPE_CHECKING:  # annotations only
     from hicache.tree import TreeNode
@@ -38,10 +39,6 @@ class InFlightIO:
         # pages are freed once backed up; None for other backups
         self.evict: list[TreeNode] | None = None
         self.nbytes = nbytes  # KV bytes moved
-
-
-class LoadError(RuntimeError):
-    """A load this request depends on failed: its tokens past ``prefix_len`` must be recomputed."""
 
 
 class PrefixHandle:

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import NoReturn
+
+from hicache.checks import check_bounds, check_device, check_finite, parse_text
 
 TRACE_HELP = "trace file: JSON Lines, one request per line (format: docs/workloads.md)"
 
@@ -60,44 +61,41 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _number(text: str, kind: type) -> int | float:
+@contextmanager
+def _option_value() -> Iterator[None]:
+    """The checks of :mod:`hicache.checks` on an option's text: their ValueError is the
+    ArgumentTypeError argparse reports as ``--option: message``."""
     try:
-        value = kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected {'an integer' if kind is int else 'a number'}, got {text!r}"
-        ) from None
-    if kind is float and not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return value
+        yield
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _number(text: str, kind: type, *, minimum: float | None = None,
+            strict: bool = False) -> int | float:
+    """``text`` as an int or a finite float, ``> minimum`` (``strict``) or ``>= minimum``."""
+    with _option_value():
+        value = parse_text("", text, kind)
+        if kind is float:
+            check_finite("", value, shown=repr(text))
+        return check_bounds("", value, minimum=minimum, strict=strict, shown=text,
+                            what="an integer" if kind is int else "a number")
 
 
 def positive_int(text: str) -> int:
-    value = _number(text, int)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected an integer > 0, got {text}")
-    return value  # type: ignore[return-value]
+    return _number(text, int, minimum=0, strict=True)  # type: ignore[return-value]
 
 
 def nonneg_int(text: str) -> int:
-    value = _number(text, int)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
-    return value  # type: ignore[return-value]
+    return _number(text, int, minimum=0)  # type: ignore[return-value]
 
 
 def positive_float(text: str) -> float:
-    value = _number(text, float)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
-    return value
+    return _number(text, float, minimum=0, strict=True)
 
 
 def nonneg_float(text: str) -> float:
-    value = _number(text, float)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
-    return value
+    return _number(text, float, minimum=0)
 
 
 def probability(text: str) -> float:
@@ -123,8 +121,8 @@ def port(text: str) -> int:
 
 def device(text: str) -> str:
     """``cpu``, ``cuda`` or ``cuda:N``, and CUDA only where a CUDA device exists."""
-    if text != "cpu" and not (text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit())):
-        raise argparse.ArgumentTypeError(f"expected 'cpu', 'cuda' or 'cuda:N', got {text!r}")
+    with _option_value():
+        check_device(text, name="")
     if text.startswith("cuda"):
         import torch  # here: `hicache trace` imports this module and needs no torch
 

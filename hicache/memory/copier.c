@@ -11,9 +11,11 @@
    a transfer larger than the last-level cache. Only x86-64 has them here (SSE2 is part of
    its base ISA); elsewhere the flag is ignored.
 
-   Built at run time by load_native_copier() (copier.py) with the system C compiler into
-   ~/.cache/hicache (or $HICACHE_CACHE_DIR), under a name derived from this file's bytes:
-   editing it builds a new library. */
+   Compiled at install by setup.py into hicache/memory/_copier*.so; when that library is
+   missing or was built from other bytes than this file's, load_native_copier()
+   (copier.py) compiles it at run time with the system C compiler into ~/.cache/hicache
+   (or $HICACHE_CACHE_DIR), under a name derived from this file's bytes. Both compile
+   with the same command (hicache/buildcache.py), which defines HC_SOURCE_DIGEST. */
 
 #include <pthread.h>
 #include <stdint.h>
@@ -21,6 +23,14 @@
 #if defined(__x86_64__)
 #include <emmintrin.h>
 #endif
+
+#ifndef HC_SOURCE_DIGEST
+#define HC_SOURCE_DIGEST ""
+#endif
+
+/* The digest of the source bytes this library was compiled from: a loader refuses a
+   library whose digest is not the one of the copier.c beside it. */
+const char *hc_source_digest(void) { return HC_SOURCE_DIGEST; }
 
 typedef struct {
   int64_t num_planes;

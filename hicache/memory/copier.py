@@ -2,8 +2,8 @@
 
 :class:`PageCopier` is what the CPU executors of :mod:`hicache.transfer` call; it moves
 whole rows (one page's K or V of one layer) with the native row copier when one can be
-built (:func:`load_native_copier`, the C source in ``copier.c`` next to this module),
-else with torch gathers and scatters. :func:`copy_rows` is the one call into the native
+found (:func:`load_copier`: compiled from ``copier.c`` next to this module at install,
+or at run time as the fallback), else with torch gathers and scatters. :func:`copy_rows` is the one call into the native
 copier, shared with the vLLM connector's block copier. Nothing here knows streams,
 ordering or which pages are in use: callers hold the pages still while a copy runs.
 """
@@ -12,21 +12,31 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
+import sysconfig
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
+from hicache.buildcache import (
+    compile_copier,
+    copier_cache_path,
+    copier_digest,
+    hold,
+    prune_copier_cache,
+)
 from hicache.checks import check_int
 from hicache.memory.pools import DevicePool, HostPool, as_rows
 
 # The C source, shipped as package data beside this module.
 SOURCE_PATH = Path(__file__).with_name("copier.c")
+# The library setup.py compiles from it at install (an extension module by name only:
+# it is loaded with ctypes).
+INSTALLED_PATH = SOURCE_PATH.with_name("_copier" + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
 
 # Rows per call below which the native copier runs on one thread (threads cost ~20 us).
 _NATIVE_THREAD_MIN_NBYTES = 1 << 20
@@ -66,53 +76,100 @@ def copy_rows(
     )
 
 
-def _library_path(source: bytes) -> Path:
-    """Where the library built from ``source`` is cached.
+class CopierLoad(NamedTuple):
+    """What :func:`load_copier` found: the library, where it came from, or why none."""
 
-    The name carries the source's digest, so an edited ``copier.c`` builds a new
-    library instead of loading one compiled from an older source.
-    """
-    digest = hashlib.sha256(source).hexdigest()[:16]
-    cache_dir = Path(os.environ.get("HICACHE_CACHE_DIR", Path.home() / ".cache" / "hicache"))
-    return cache_dir / f"copier-{digest}.so"
+    lib: ctypes.CDLL | None
+    origin: str  # "installed", "jit-cache", "jit-build"; "" when lib is None
+    reason: str  # why lib is None, or why the installed library was passed over ("" if not)
+
+
+def _library_path(source: bytes) -> Path:
+    """Where the JIT fallback caches the library built from ``source``."""
+    return copier_cache_path(source)
+
+
+def _load_installed(digest: str) -> tuple[ctypes.CDLL | None, str]:
+    """The library compiled at install, if it was compiled from these source bytes."""
+    if not INSTALLED_PATH.is_file():
+        return None, "no copier compiled at install"
+    try:
+        lib = ctypes.CDLL(str(INSTALLED_PATH))
+        lib.hc_source_digest.restype = ctypes.c_char_p
+        built = lib.hc_source_digest().decode()
+    except (OSError, AttributeError) as exc:
+        return None, f"the copier compiled at install does not load: {exc}"
+    if built != digest:
+        return None, f"the copier compiled at install is stale (built from {built!r}, now {digest!r})"
+    return lib, ""
+
+
+def _load_jit(source: bytes) -> tuple[ctypes.CDLL | None, str, str]:
+    """The JIT fallback: the cached library of these bytes, compiled first if there is
+    none; returns (library, origin, reason). Compiling prunes stale libraries."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        return None, "", f"no C compiler ({os.environ.get('CC', 'cc')!r} not found on PATH; set CC)"
+    lib_path = _library_path(source)
+    origin = "jit-cache"
+    for _ in range(2):  # a second try if a pruner removed it between the build and the load
+        try:
+            if not lib_path.exists():
+                origin = "jit-build"
+                compile_copier(source, lib_path, compiler=compiler)
+                prune_copier_cache(source)
+            hold(lib_path)  # before loading: a pruner never removes it from now on
+            return ctypes.CDLL(str(lib_path)), origin, ""
+        except FileNotFoundError:
+            continue
+        except subprocess.CalledProcessError as exc:
+            first = exc.stderr.decode(errors="replace").strip().splitlines()[:1]
+            return None, "", f"the copier does not compile: {first[0] if first else exc}"
+        except (OSError, subprocess.SubprocessError) as exc:
+            return None, "", f"the copier does not build: {type(exc).__name__}: {exc}"
+    return None, "", f"{lib_path} vanished twice while loading"
 
 
 @functools.cache
-def load_native_copier() -> ctypes.CDLL | None:
-    """Compile (once per machine, cached on disk) and load the row copier; None if no C compiler.
-
-    The source is ``copier.c`` beside this module; the cache directory is
-    ``$HICACHE_CACHE_DIR``, else ``~/.cache/hicache``.
+def load_copier() -> CopierLoad:
+    """Load the row copier: the library compiled at install (``setup.py``) while it was
+    built from the ``copier.c`` beside this module, else the JIT fallback: compiled
+    once per version of that file with the system C compiler (``$CC``, else ``cc``)
+    into ``$HICACHE_CACHE_DIR`` (else ``$XDG_CACHE_HOME/hicache`` or ``~/.cache/hicache``).
+    Never raises for a missing or failing compiler: ``lib`` is None and ``reason`` says why.
     """
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        return None
     # Read once: the digest names exactly the bytes compiled. A missing file is a broken
     # install, not a missing compiler, so it raises rather than falling back quietly.
     source = SOURCE_PATH.read_bytes()
-    lib_path = _library_path(source)
-    cache_dir = lib_path.parent
-    try:
-        if not lib_path.exists():
-            cache_dir.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".so")
-            os.close(fd)
-            cmd = [compiler, "-O2", "-shared", "-fPIC", "-pthread", "-x", "c", "-", "-o", tmp]
-            proc = subprocess.run(cmd, input=source, capture_output=True, timeout=120)
-            if proc.returncode != 0:
-                os.unlink(tmp)
-                return None
-            os.replace(tmp, lib_path)  # atomic: concurrent builders never see half a file
-        lib = ctypes.CDLL(str(lib_path))
-    except (OSError, subprocess.SubprocessError):
-        return None
+    lib, installed_reason = _load_installed(copier_digest(source))
+    origin = "installed"
+    reason = ""
+    if lib is None:
+        lib, origin, reason = _load_jit(source)
+        reason = f"{installed_reason}; {reason}" if reason else installed_reason
+    if lib is None:
+        return CopierLoad(None, "", reason)
     lib.hc_copy_rows.restype = ctypes.c_int
     lib.hc_copy_rows.argtypes = [
         ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
         ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
         ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
     ]
-    return lib
+    return CopierLoad(lib, origin, reason)
+
+
+def load_native_copier() -> ctypes.CDLL | None:
+    """The row copier's library (see :func:`load_copier`), or None when there is none."""
+    return load_copier().lib
+
+
+def copier_status() -> str:
+    """One line for people: where the row copier came from, or why it is unavailable."""
+    loaded = load_copier()
+    if loaded.lib is None:
+        return f"unavailable, torch copies in use ({loaded.reason})"
+    return {"installed": "compiled at install", "jit-cache": "loaded from an earlier JIT build",
+            "jit-build": "compiled now"}[loaded.origin]
 
 
 class PageCopier:
@@ -152,7 +209,7 @@ class PageCopier:
         self.streaming_min_nbytes = streaming_min_nbytes
         self.lib = load_native_copier() if native is not False else None
         if native and self.lib is None:
-            raise RuntimeError("native page copier: no C compiler found or the build failed")
+            raise RuntimeError(f"native page copier unavailable: {load_copier().reason}")
         # (num_device_pages, row_words) per layer
         self._dev = [
             (as_rows(k, device_pool.num_pages), as_rows(v, device_pool.num_pages))

@@ -47,17 +47,17 @@ from typing import NamedTuple
 
 import torch
 
+from hicache.buildcache import DIR_LOCK_NAME, cache_root, hold, prune_stale
+from hicache.errors import NativeBuildError  # defined with the others; raised from here
+
 _PACKAGE = Path(__file__).resolve().parent
 _CSRC = _PACKAGE / "csrc"
 _SOURCES = ("tree.cpp", "lifecycle.cpp", "bindings.cpp")  # translation units; headers are hashed too
 _MODULE = "_native"  # the extension's name, installed as hicache.native._native
 BUILD_INFO_NAME = "_native_build.json"  # written by setup.py next to the installed module
+_DIR_PREFIX = "native-"  # JIT build directories: native-<digest>, native-asan-<digest>
 _BUILT_MARKER = "hicache.built"  # written into a JIT build directory once its module loaded
 _log = logging.getLogger(__name__)
-
-
-class NativeBuildError(RuntimeError):
-    """The native tree cannot be built or loaded here; the message names why."""
 
 
 class _LoadResult(NamedTuple):
@@ -111,11 +111,24 @@ _SANITIZE_FLAGS = [
 
 def build_directory(sanitize: bool = False) -> Path:
     """Where the JIT module is compiled and cached (``$HICACHE_BUILD_DIR`` overrides the root)."""
-    root = os.environ.get("HICACHE_BUILD_DIR")
-    if root is None:
-        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(cache, "hicache")
-    return Path(root) / f"native-{'asan-' if sanitize else ''}{source_digest()}"
+    return cache_root("HICACHE_BUILD_DIR") / f"{_DIR_PREFIX}{'asan-' if sanitize else ''}{source_digest()}"
+
+
+def prune_build_dirs(**kwargs: float) -> list[Path]:
+    """Remove the JIT build directories of other sources, checkouts or versions than this
+    one's that no process holds and none used for ``buildcache.MAX_AGE_DAYS``; return
+    them (see :func:`hicache.buildcache.prune_stale`). Runs after every JIT build and
+    at install."""
+    keep = {build_directory(sanitize=False).name, build_directory(sanitize=True).name}
+    return prune_stale(build_directory().parent, _DIR_PREFIX, keep, **kwargs)
+
+
+def _hold(build_dir: Path) -> None:
+    """Mark the build directory whose module this process loaded in use (never pruned
+    while the process lives; its age counts from now)."""
+    lock = build_dir / DIR_LOCK_NAME
+    lock.touch()
+    hold(lock)
 
 
 @contextlib.contextmanager
@@ -153,7 +166,7 @@ def _build_lock(build_dir: Path) -> Iterator[None]:
     """
     import fcntl
 
-    with open(build_dir / "hicache.flock", "a") as f:
+    with open(build_dir / DIR_LOCK_NAME, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             stale = build_dir / "lock"
@@ -217,49 +230,64 @@ def _load_built(build_dir: Path) -> ModuleType | None:
 def _jit_build(build_dir: Path, sanitize: bool = False) -> _LoadResult:
     """Compile the sources into ``build_dir`` (or import what an earlier build left there)."""
     cxx = os.environ.get("CXX", "c++")
-    start = time.perf_counter()
+    seconds = 0.0
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
         module = _load_built(build_dir)
         if module is not None:
+            _hold(build_dir)
             return _LoadResult(module, "", 0.0, "jit-cache")
         if shutil.which(cxx) is None:
             return _LoadResult(None, f"no C++ compiler ({cxx!r} not found on PATH; set CXX)", 0.0)
-        from torch.utils import cpp_extension
-
         with _ninja_on_path(), _build_lock(build_dir):
             module = _load_built(build_dir)  # another process may have built it meanwhile
-            if module is not None:
-                return _LoadResult(module, "", 0.0, "jit-cache")
-            if shutil.which("ninja") is None:
-                return _LoadResult(None, "ninja not found (pip install ninja)", 0.0)
-            # A user-visible notice, not a log record: a silent minute looks like a hang.
-            sys.stderr.write(
-                f"hicache: compiling the native extension into {build_dir} "
-                "(its sources changed since install, or it was not built at install; "
-                "about a minute)...\n"
-            )
-            sys.stderr.flush()
-            start = time.perf_counter()
-            module = cpp_extension.load(
-                name=_MODULE,
-                sources=[str(_CSRC / s) for s in _SOURCES],
-                extra_cflags=_SANITIZE_FLAGS if sanitize else ["-O3", "-std=c++20"],
-                extra_ldflags=["-fsanitize=address,undefined"] if sanitize else None,
-                build_directory=str(build_dir),
-                verbose=False,
-            )
-            seconds = time.perf_counter() - start
-            so_file = getattr(module, "__file__", None)
-            if so_file:
-                (build_dir / _BUILT_MARKER).write_text(os.path.basename(so_file) + "\n")
-            sys.stderr.write(f"hicache: native extension built in {seconds:.1f} s\n")
-            sys.stderr.flush()
+            built_by = "jit-cache"
+            if module is None:
+                built_by = "jit-build"
+                module, seconds = _compile(build_dir, sanitize)
+        _hold(build_dir)
+        if built_by == "jit-build":
+            for stale in prune_build_dirs():
+                _log.info("removed the stale JIT build directory %s", stale)
+    except NativeBuildError as exc:
+        return _LoadResult(None, str(exc), 0.0)
     except Exception as exc:  # any build or import failure means "fall back"
         first = str(exc).strip().splitlines()
         detail = first[0] if first else type(exc).__name__
         return _LoadResult(None, f"build error: {type(exc).__name__}: {detail}", 0.0)
-    return _LoadResult(module, "", seconds, "jit-build")
+    return _LoadResult(module, "", seconds, built_by)
+
+
+def _compile(build_dir: Path, sanitize: bool) -> tuple[ModuleType, float]:
+    """Run cpp_extension's build into ``build_dir`` (its lock held), mark it finished;
+    return the module and the seconds the build took."""
+    from torch.utils import cpp_extension
+
+    if shutil.which("ninja") is None:
+        raise NativeBuildError("ninja not found (pip install ninja)")
+    # A user-visible notice, not a log record: a silent minute looks like a hang.
+    sys.stderr.write(
+        f"hicache: compiling the native extension into {build_dir} "
+        "(its sources changed since install, or it was not built at install; "
+        "about a minute)...\n"
+    )
+    sys.stderr.flush()
+    start = time.perf_counter()
+    module = cpp_extension.load(
+        name=_MODULE,
+        sources=[str(_CSRC / s) for s in _SOURCES],
+        extra_cflags=_SANITIZE_FLAGS if sanitize else ["-O3", "-std=c++20"],
+        extra_ldflags=["-fsanitize=address,undefined"] if sanitize else None,
+        build_directory=str(build_dir),
+        verbose=False,
+    )
+    seconds = time.perf_counter() - start
+    so_file = getattr(module, "__file__", None)
+    if so_file:
+        (build_dir / _BUILT_MARKER).write_text(os.path.basename(so_file) + "\n")
+    sys.stderr.write(f"hicache: native extension built in {seconds:.1f} s\n")
+    sys.stderr.flush()
+    return module, seconds
 
 
 @functools.cache

@@ -15,12 +15,14 @@ notion here is the page-aligned working set that ``trace stats`` reports.
 from __future__ import annotations
 
 import json
-import math
 import sys
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import IO, NamedTuple
 
 import numpy as np
+
+from hicache.checks import check_int, check_seconds
 
 MAX_TOKEN_ID = 2**31 - 1  # token ids are held in int32 arrays
 
@@ -54,10 +56,21 @@ def _check_tokens(name: str, value: object, where: str) -> list[int]:
     return value
 
 
+@contextmanager
+def _field(name: str, where: str) -> Iterator[None]:
+    """A check of field ``name`` of the line at ``where``: its error, ValueError or
+    TypeError alike (a file's content is input, not a caller's type), becomes one
+    ValueError naming the line and the field."""
+    try:
+        yield
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: '{name}' {exc}") from None
+
+
 def _check_int(name: str, value: object, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{where}: '{name}' expected an int, got {value!r}")
-    return value
+    with _field(name, where):
+        return check_int("", value, minimum=-(2**63), maximum=2**63, what="an int",
+                         show_value=True)
 
 
 def _parse_line(line: str, where: str) -> Request:
@@ -74,10 +87,8 @@ def _parse_line(line: str, where: str) -> Request:
                          f"missing {', '.join(missing)}")
     t = obj.get("t")
     if t is not None:
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) \
-                or t < 0:
-            raise ValueError(f"{where}: 't' expected a finite number >= 0, got {t!r}")
-        t = float(t)
+        with _field("t", where):
+            t = float(check_seconds("", t))
     return Request(
         _check_int("id", obj["id"], where),
         _check_int("session", obj["session"], where),

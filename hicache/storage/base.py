@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from hicache.checks import check_int
+from hicache.errors import StorageError  # defined with the others; raised from here
 from hicache.storage.auth import TAG_NBYTES, PageAuthenticator, authenticator_for
 from hicache.storage.keys import check_key
 
@@ -63,10 +64,6 @@ assert _HEADER.size == VALUE_HEADER_NBYTES, "header layout must stay 64 bytes"
 INTACT = "intact"
 CORRUPT = "corrupt"  # damaged, truncated, another key's value, or not a value at all
 UNAUTHENTIC = "unauthentic"  # intact, but its tag does not verify under our secret
-
-
-class StorageError(Exception):
-    """The backend failed (unreachable, gone, I/O error); the cache counts it and carries on."""
 
 
 class StorageUsage(NamedTuple):

@@ -1,8 +1,6 @@
 from __future__ import annotations
 
 import collections
-import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +9,6 @@ import torch
 from hicache.checks import check_page_ids
 from hicache.config import KVConfig
 from hicache.memory import DevicePool, HostPool, PageCopier, load_native_copier
-from hicache.memory import copier as copier_module
 
 NATIVE_MODES = [
     pytest.param(True, marks=pytest.mark.skipif(load_native_copier() is None, reason="no C compiler")),
@@ -262,31 +259,3 @@ def test_layer_and_page_indices_are_checked_like_every_int():
         HostPool(kv, 3, pin_memory=False, reserve_nbytes=1.0)
     with pytest.raises(ValueError, match="reserve_nbytes: expected >= 0, got -1"):
         HostPool(kv, 3, pin_memory=False, reserve_nbytes=-1)
-
-
-def test_the_copier_source_ships_with_the_package():
-    root = Path(__file__).resolve().parents[2]
-    assert copier_module.SOURCE_PATH == root / "hicache" / "memory" / "copier.c"
-    assert "int hc_copy_rows(" in copier_module.SOURCE_PATH.read_text()
-    assert '"memory/copier.c"' in (root / "pyproject.toml").read_text()  # wheel
-    assert "include hicache/memory/copier.c" in (root / "MANIFEST.in").read_text()  # sdist
-
-
-@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
-def test_the_native_copier_is_rebuilt_when_its_source_changes(tmp_path, monkeypatch):
-    """The library's name carries the digest of the bytes it was built from: an edited
-    copier.c never loads a library compiled from the old source."""
-    source = copier_module.SOURCE_PATH.read_bytes()
-    edited = tmp_path / "copier.c"
-    edited.write_bytes(source + b"/* edited */\n")
-    monkeypatch.setenv("HICACHE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(copier_module, "SOURCE_PATH", edited)
-    load_native_copier.cache_clear()
-    try:
-        lib = load_native_copier()
-        built = sorted(p.name for p in (tmp_path / "cache").iterdir())
-    finally:
-        load_native_copier.cache_clear()  # later callers load the shipped source's library
-    assert lib is not None and lib.hc_copy_rows is not None
-    assert built == [copier_module._library_path(edited.read_bytes()).name]
-    assert copier_module._library_path(source) != copier_module._library_path(edited.read_bytes())

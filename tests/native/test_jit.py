@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -200,7 +201,9 @@ def test_a_wheel_install_ships_the_compiled_module(tmp_path):
     assert sorted(p.name for p in (target / "hicache" / "native").glob("_native*"))[-1] == (
         jit.BUILD_INFO_NAME)
     assert list((target / "hicache" / "native").glob(f"{jit._MODULE}.*.so"))
-    probe = "import hicache; print(hicache.__file__)\n" + _PROBE
+    assert list((target / "hicache" / "memory").glob("_copier.*.so"))  # the C copier too
+    probe = ("import hicache; print(hicache.__file__)\n" + _PROBE
+             + "from hicache.memory import copier; print(copier.load_copier().origin)\n")
     out = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(target)}, check=True,
@@ -208,3 +211,38 @@ def test_a_wheel_install_ships_the_compiled_module(tmp_path):
     where, status = out.stdout.splitlines()[:2]
     assert where == str(target / "hicache" / "__init__.py"), out.stdout
     assert status.split()[:2] == ["prebuilt", "0.0"], (out.stdout, out.stderr)
+    assert out.stdout.splitlines()[2] == "installed", out.stdout
+
+
+def test_a_jit_build_prunes_stale_build_directories_but_not_its_own(tmp_path, monkeypatch):
+    """After a JIT build, build directories of other digests unused for
+    buildcache.MAX_AGE_DAYS go; the new one, the sanitized one of these sources, a
+    recent one and one a live process holds stay."""
+    from hicache import buildcache
+
+    monkeypatch.setenv("HICACHE_BUILD_DIR", str(tmp_path))
+    build_dir = jit.build_directory()
+    old_stamp = time.time() - 40 * 86400
+    kept = [jit.build_directory(sanitize=True).name, "native-recent", "native-held"]
+    for name in ["native-0123456789abcdef", "native-asan-0123456789abcdef", *kept]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / buildcache.DIR_LOCK_NAME).write_bytes(b"")
+        if name != "native-recent":
+            for f in [tmp_path / name / buildcache.DIR_LOCK_NAME, tmp_path / name]:
+                os.utime(f, (old_stamp, old_stamp))
+    buildcache.hold(tmp_path / "native-held" / buildcache.DIR_LOCK_NAME)
+    os.utime(tmp_path / "native-held" / buildcache.DIR_LOCK_NAME, (old_stamp, old_stamp))
+    module = types.ModuleType("fake")
+    module.__file__ = str(build_dir / "_native.so")
+
+    def fake_compile(directory, sanitize):
+        Path(module.__file__).write_bytes(b"")
+        (directory / jit._BUILT_MARKER).write_text("_native.so\n")
+        return module, 1.0
+
+    monkeypatch.setattr(jit, "_compile", fake_compile)
+    monkeypatch.setattr(jit, "_import_file", lambda path: module)
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+    result = jit._jit_build(build_dir)
+    assert result.module is module and result.origin == "jit-build", result.reason
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([build_dir.name, *kept])

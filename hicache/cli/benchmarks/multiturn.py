@@ -46,6 +46,7 @@ from collections.abc import Callable, Sequence
 import psutil
 import torch
 
+from hicache.checks import check_bounds
 from hicache.cli import args as cliargs
 from hicache.cli.args import (
     UsageError,
@@ -124,9 +125,8 @@ def workload_from_args(args: argparse.Namespace) -> dict:
     shape = {"kind": DEFAULT_WORKLOAD["kind"]}
     for flag, name, _ in _WORKLOAD_OPTIONS:
         value = getattr(args, name)
-        if value < 1:
-            raise UsageError(f"{flag}: expected >= 1, got {value}")
-        shape[name] = value
+        with user_input():
+            shape[name] = check_bounds(flag, value, minimum=1)
     return shape
 
 
@@ -192,8 +192,8 @@ def prepare(args: argparse.Namespace) -> tuple[list[Request], int, int, int]:
         with user_input():  # the generator names the shape parameter it refuses
             trace = generated_trace(args.seed, workload_from_args(args))
     if args.requests is not None:
-        if args.requests < 1:
-            raise UsageError(f"--requests: expected >= 1, got {args.requests}")
+        with user_input():
+            check_bounds("--requests", args.requests, minimum=1)
         trace = trace[: args.requests]
     if not trace:
         raise UsageError("workload: expected at least one request, got none")
@@ -217,8 +217,8 @@ def storage_setup(
         raise UsageError(
             f"--storage-host-tokens: expected >= page size ({args.page_size}), got {small}"
         )
-    if not args.prefetch_timeout_s >= 0:
-        raise UsageError(f"--prefetch-timeout-s: expected >= 0, got {args.prefetch_timeout_s}")
+    with user_input():
+        check_bounds("--prefetch-timeout-s", args.prefetch_timeout_s, minimum=0)
     return StorageSetup(small, args.storage, args.prefetch_policy, args.prefetch_timeout_s,
                         args.lookahead)
 
@@ -257,8 +257,8 @@ def measure(args: argparse.Namespace, log: Callable[[str], None], metrics=None) 
         raise UsageError(
             f"--configs: expected names from {list(ALL_CONFIGS)}, got {args.configs!r}"
         )
-    if args.lookahead < 0:
-        raise UsageError(f"--lookahead: expected >= 0, got {args.lookahead}")
+    with user_input():
+        check_bounds("--lookahead", args.lookahead, minimum=0)
     _check_storage(args, names)
     requests, ws, device_tokens, host_tokens = prepare(args)
     storage = storage_setup(args, requests, host_tokens)

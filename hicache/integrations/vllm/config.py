@@ -31,6 +31,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hicache.checks import (
+    check_bounds,
+    check_choice,
+    check_finite,
+    check_int,
+    check_number,
+    parse_text,
+)
+from hicache.errors import config_errors
 from hicache.storage.auth import check_secret
 
 _WRITE_POLICIES = ("write_through",)
@@ -48,38 +57,20 @@ MAX_INT = 1 << 62
 MAX_CPU = 1 << 16  # CPU ids: Linux's NR_CPUS is at most 8192
 
 
-def _plain(x: float) -> str:
-    """A bound as written: ``4294967296``, not ``4.29497e+09``; ``0.5`` as is."""
-    return str(int(x)) if float(x).is_integer() else str(x)
-
-
 def _number(name: str, value: object, *, minimum: float, strict: bool,
             maximum: float = MAX_GB, max_included: bool = False) -> float:
     """``value`` as a finite number between ``minimum`` (excluded when ``strict``) and
     ``maximum`` (included when ``max_included``). NaN and infinities, valid in the
     JSON vLLM parses, are refused here, not in a worker."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"kv_connector_extra_config.{name}: expected a number, got {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"kv_connector_extra_config.{name}: expected a finite number, "
-                         f"got {value}")
-    if not (value > minimum if strict else value >= minimum):
-        raise ValueError(f"kv_connector_extra_config.{name}: expected {'>' if strict else '>='} "
-                         f"{_plain(minimum)}, got {value}")
-    if not (value <= maximum if max_included else value < maximum):
-        raise ValueError(f"kv_connector_extra_config.{name}: expected "
-                         f"{'<=' if max_included else '<'} {_plain(maximum)}, got {value}")
-    return value
+    full = f"kv_connector_extra_config.{name}"
+    check_finite(full, check_number(full, value, show_value=True))
+    return check_bounds(full, value, minimum=minimum, strict=strict, maximum=maximum,
+                        max_included=max_included)
 
 
 def _int(name: str, value: object, *, minimum: int, maximum: int = MAX_INT) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"kv_connector_extra_config.{name}: expected an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"kv_connector_extra_config.{name}: expected >= {minimum}, got {value}")
-    if value >= maximum:
-        raise ValueError(f"kv_connector_extra_config.{name}: expected < {maximum}, got {value}")
-    return value
+    return check_int(f"kv_connector_extra_config.{name}", value, minimum, maximum,
+                     what="an int", show_value=True)
 
 
 # Number options of the storage backends (hicache/storage/__init__.py lists them): the
@@ -107,11 +98,7 @@ def _storage_options(options: dict) -> None:
 
 
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> str:
-    if value not in allowed:
-        raise ValueError(
-            f"kv_connector_extra_config.{name}: expected one of {list(allowed)}, got {value!r}"
-        )
-    return value  # type: ignore[return-value]
+    return check_choice(f"kv_connector_extra_config.{name}", value, allowed)  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -140,6 +127,7 @@ class ConnectorConfig:
     storage_secret: str | None = field(default=None, repr=False, compare=False)
 
     @classmethod
+    @config_errors
     def from_sources(cls, extra: Mapping[str, Any] | None,
                      environ: Mapping[str, str] | None = None) -> ConnectorConfig:
         """``extra`` (``kv_connector_extra_config``) over the ``HICACHE_*`` variables of
@@ -172,6 +160,7 @@ class ConnectorConfig:
             raise type(exc)(_relabel(str(exc), origin)) from None
 
     @classmethod
+    @config_errors
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
         """Parse ``kv_connector_extra_config``; unknown keys are an error, not ignored."""
         extra = dict(extra or {})
@@ -183,6 +172,7 @@ class ConnectorConfig:
             )
         return cls(**extra)
 
+    @config_errors
     def __post_init__(self) -> None:
         if self.host_gb is not None and self.host_tokens is not None:
             raise ValueError(
@@ -329,27 +319,9 @@ def _parse_env(var: str, name: str, hint: Any, text: str) -> Any:
         return None
     if str in kinds:
         return value if value or not optional else None
-    if bool in kinds:
-        if value.lower() in ("1", "true", "yes", "on"):
-            return True
-        if value.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{var}: {name}: expected true or false, got {text!r}")
-    try:
-        if int in kinds and float not in kinds:
-            return int(value.replace("_", ""))
-        if float in kinds:
-            return float(value.replace("_", ""))
-        if dict in kinds:
-            return json.loads(value)
-        if list in kinds:
-            if value.startswith("["):
-                return json.loads(value)
-            return [int(x) for x in value.split(",") if x.strip()]
-    except ValueError:
-        kind = ("an integer" if int in kinds and float not in kinds else "a number"
-                if float in kinds else "JSON" if dict in kinds else "a list of ints")
-        raise ValueError(f"{var}: {name}: expected {kind}, got {text!r}") from None
+    for kind in (bool, float, int, dict, list):  # float before int: a float field takes 1
+        if kind in kinds:
+            return parse_text(f"{var}: {name}", text, kind)
     raise TypeError(f"{var}: {name}: no parser for the field's type {hint}")
 
 

@@ -29,7 +29,7 @@ import ctypes
 import torch
 
 from hicache.config import KVConfig
-from hicache.memory import HostPool, copy_rows, load_native_copier
+from hicache.memory import HostPool, copy_rows, load_copier, load_native_copier
 
 
 def block_planes(kv: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
@@ -159,7 +159,7 @@ class BlockCopier:
         strides = {q.stride(0) * q.element_size() for p in layout.planes for q in p}
         self.lib = load_native_copier() if native is not False else None
         if native and self.lib is None:
-            raise RuntimeError("native page copier: no C compiler found or the build failed")
+            raise RuntimeError(f"native page copier unavailable: {load_copier().reason}")
         # The native copier takes one stride per side: fall back when layers differ.
         if len(strides) != 1:
             self.lib = None
