@@ -19,15 +19,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hicache"
 
-# Circles left to the tree's own restructuring (issue 28, "The reference tree,
-# readable"), which owns hicache/tree: the native tree and its node proxies refer to
-# each other, and the protocol's annotations import the package that re-exports it.
-# Only circles inside these sets are tolerated; any other circle fails.
-ALLOWED_CIRCLES = [
-    {"hicache.tree.native", "hicache.tree.native_node"},
-    {"hicache.tree", "hicache.tree.factory", "hicache.tree.protocol"},
-]
-
 # The harness and the command line sit on top of the library; nothing below them
 # imports them.
 ABOVE_THE_LIBRARY = ("hicache.sim", "hicache.cli", "hicache.testing")
@@ -138,9 +129,7 @@ def test_graph_sees_function_level_and_type_checking_imports():
 
 
 def test_no_import_circle_between_hicache_modules():
-    unexpected = [sorted(c) for c in circles(import_graph())
-                  if not any(c <= allowed for allowed in ALLOWED_CIRCLES)]
-    assert unexpected == []
+    assert [sorted(c) for c in circles(import_graph())] == []
 
 
 def test_the_library_imports_neither_the_harness_nor_the_cli():

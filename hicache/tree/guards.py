@@ -9,7 +9,7 @@ from both. Knows nothing of the trees' structure.
 from __future__ import annotations
 
 MAX_PAGE_SIZE = 2**24  # far above any real page; keeps every size inside C++'s int64
-# What the backup hook may call besides reads (hicache/tree/python.py module docstring).
+# What the backup hook may call besides reads (hicache/tree/python/__init__.py docstring).
 _BACKUP_MAY = "host_lock, host_unlock, attach_host, set_io_status and evict_host"
 
 

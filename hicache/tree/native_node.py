@@ -8,15 +8,25 @@ dicts by them. It knows nothing of tree operations (the tree does them).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from hicache.tree.types import IOStatus
 
-if TYPE_CHECKING:
-    from hicache.tree.native import NativeRadixTree
+
+class NodeOwner(Protocol):
+    """What a proxy reads through: its tree's binding, and the tree's one proxy per handle.
+
+    :class:`hicache.tree.native.NativeRadixTree` is one; naming it here instead
+    keeps this module below the tree (which makes the proxies).
+    """
+
+    @property
+    def _impl(self) -> Any: ...  # the binding's tree (hicache/native/csrc/bindings.cpp)
+
+    def _node(self, handle: int) -> NativeNode: ...
 
 
 class NativeNode:
@@ -29,7 +39,7 @@ class NativeNode:
 
     __slots__ = ("_tree", "_h", "__weakref__")
 
-    def __init__(self, tree: NativeRadixTree, handle: int) -> None:
+    def __init__(self, tree: NodeOwner, handle: int) -> None:
         self._tree = tree
         self._h = handle
 

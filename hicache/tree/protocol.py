@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from hicache.tree import EvictResult, InsertResult, IOStatus, MatchResult, TokenLike
+    from hicache.tree.types import EvictResult, InsertResult, IOStatus, MatchResult, TokenLike
 
 
 @runtime_checkable

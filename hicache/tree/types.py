@@ -20,6 +20,11 @@ TokenLike = list[int] | tuple[int, ...] | np.ndarray | torch.Tensor
 _MAX_TOKEN = 2**31 - 1
 
 
+# One KV event a tree logs (``take_events``): (stored, tier, namespace, parent_hash,
+# page hashes, num_tokens); stored is False when the pages left the tier.
+TreeEvent = tuple[bool, str, str | None, int | None, list[int], int]
+
+
 class IOStatus(Enum):
     NONE = 0
     LOADING = 1  # host to device copy in flight

@@ -1,0 +1,102 @@
+"""One node of the Python radix tree, and how the tree keeps the page ids it is given.
+
+A :class:`TreeNode` is one edge: a run of whole pages of token ids and where their
+KV lives (device page ids, host page ids, or both), plus what orders and guards
+their eviction (locks, IO status, access clock, hit count, priority). The node
+holds no logic beyond reading itself: the tree changes nodes, and keeps the
+counters derived from them (:mod:`hicache.tree.python.state`).
+
+Page ids the tree keeps are its own: :func:`copy_pages` copies what a caller
+hands in, :func:`own_pages` bounds what a split's slices keep alive.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hicache.tree.types import IOStatus
+
+# The page ids of a root (it holds no tokens), and an evict call that freed nothing.
+EMPTY_PAGES = torch.empty(0, dtype=torch.int64)
+
+
+def copy_pages(indices: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of page ids the tree keeps (it owns what it stores)."""
+    return indices.clone(memory_format=torch.contiguous_format)
+
+
+def own_pages(indices: torch.Tensor) -> torch.Tensor:
+    """``indices``, or a copy when it is a view into storage more than twice its size.
+
+    Callers hand the tree slices of larger tensors (a request's whole page table,
+    one allocation split across nodes); keeping such a view would keep the whole
+    storage alive for as long as the node lives. Bounded this way, the index
+    storage the tree holds is at most twice the bytes of the page ids it caches.
+    """
+    if indices.untyped_storage().nbytes() > 2 * indices.nbytes:
+        return indices.clone()
+    return indices
+
+
+class TreeNode:
+    """One edge of the radix tree: a run of whole pages and where their KV lives."""
+
+    __slots__ = (
+        "id", "key", "parent", "children", "namespace", "device_indices", "host_indices",
+        "lock_ref", "host_lock_ref", "io_status", "hit_count", "last_access", "created",
+        "priority", "_dev_seq", "_host_seq", "_end_hash", "_host_children", "_busy_children",
+    )
+
+    def __init__(
+        self, node_id: int, key: bytes, parent: TreeNode | None, namespace: str | None
+    ) -> None:
+        self.id = node_id
+        self.key = key  # token ids as int32 bytes, a whole number of pages
+        self.parent = parent
+        self.children: dict[bytes, TreeNode] = {}  # keyed by the first page of the child's run
+        self.namespace = namespace
+        self.device_indices: torch.Tensor | None = None  # one device page id per page
+        self.host_indices: torch.Tensor | None = None  # one host page id per page
+        self.lock_ref = 0  # running requests using the device pages of this node
+        self.host_lock_ref = 0  # loads / third-tier writes reading the host pages
+        self.io_status = IOStatus.NONE
+        self.hit_count = 0  # times a match went through this node
+        self.last_access = 0  # tree clock tick of the last match or insert touching it
+        self.created = 0  # tree clock tick of the insert that created it (a split keeps it)
+        self.priority = 0  # largest priority a match or insert gave it (raise_priority)
+        self._dev_seq = 0  # seq of this node's newest device-heap entry
+        self._host_seq = 0  # seq of this node's newest host-heap entry
+        self._end_hash: int | None = None  # chained hash of its last page (events), lazily
+        # Children with a host copy: a host copy is a host-eviction candidate only
+        # without them (evicting it first would leave a host copy under a node without
+        # one, against the invariant that host copies are closed under ancestors).
+        self._host_children = 0
+        # Children whose host copy is "busy": host-locked, IO in flight, or above a
+        # busy host child. Host eviction can never take a busy host copy.
+        self._busy_children = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.key) >> 2
+
+    def num_pages(self, page_size: int) -> int:
+        return (len(self.key) >> 2) // page_size
+
+    @property
+    def on_device(self) -> bool:
+        return self.device_indices is not None
+
+    @property
+    def on_host(self) -> bool:
+        return self.host_indices is not None
+
+    def tokens(self) -> np.ndarray:
+        return np.frombuffer(self.key, dtype=np.int32)
+
+    def __repr__(self) -> str:
+        return (
+            f"TreeNode(id={self.id}, tokens={self.num_tokens}, device={self.on_device}, "
+            f"host={self.on_host}, lock={self.lock_ref}, host_lock={self.host_lock_ref}, "
+            f"io={self.io_status.name})"
+        )

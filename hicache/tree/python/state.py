@@ -1,0 +1,116 @@
+"""What the Python radix tree holds, and the guards every operation starts with.
+
+:class:`TreeState` owns the fields all the other parts share: one root per
+namespace, the size counters, the clock that orders accesses, the two eviction
+heaps, the KV-event log and the name of the hook running now. It offers:
+
+* :meth:`TreeState.root`: the root of a namespace, made on first use;
+* :meth:`TreeState.nodes`: every non-root node, parents before children;
+* the two guards: :meth:`TreeState._check_live` (a call names a node of this
+  tree that is still in it) and :meth:`TreeState._refuse_reentry` (a hook may
+  not call what would change the tree under it).
+
+The counters are kept by the parts that change nodes; what they must equal is
+checked by :mod:`hicache.tree.python.integrity`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from hicache.checks import check_namespace
+from hicache.config import EvictionPolicy
+from hicache.tree.guards import check_page_size, reentry_message
+from hicache.tree.policies import CandidateHeap, priority_fn
+from hicache.tree.python.node import EMPTY_PAGES, TreeNode
+from hicache.tree.types import TreeEvent
+
+
+class TreeState:
+    """The fields of :class:`hicache.tree.RadixTree` and the checks on its arguments."""
+
+    def __init__(
+        self,
+        page_size: int,
+        eviction: EvictionPolicy | str = EvictionPolicy.LRU,
+        on_split: Callable[[TreeNode, TreeNode], None] | None = None,
+    ) -> None:
+        self.page_size = check_page_size(page_size)
+        self._key_nbytes_per_page = 4 * page_size  # key bytes of one page (int32 tokens)
+        self.on_split = on_split  # called as on_split(prefix, suffix) by every split
+        self._roots: dict[str | None, TreeNode] = {}
+        self._next_id = 1
+        self._clock = 0
+        self.num_nodes = 0  # non-root nodes
+        self.device_evictable_tokens = 0  # on device, lock_ref == 0
+        self.device_protected_tokens = 0  # on device, lock_ref > 0
+        self.host_evictable_tokens = 0  # on host, host_lock_ref == 0
+        self.host_protected_tokens = 0  # on host, host_lock_ref > 0
+        # On host and not busy (see TreeNode._busy_children): exactly the host tokens
+        # evict_host can take, leaf by leaf, once nothing changes meanwhile.
+        self.host_takeable_tokens = 0
+        self.eviction = EvictionPolicy(eviction)
+        prio = priority_fn(self.eviction)
+        self._device_heap = CandidateHeap(prio, "_dev_seq")
+        self._host_heap = CandidateHeap(prio, "_host_seq")
+        # KV event log (hicache/events.py), None while off: raw entries
+        # (stored, tier, namespace, parent hash, page hashes, num_tokens).
+        self._events: list[TreeEvent] | None = None
+        self._hook: str | None = None  # the hook running now: "on_split", "backup" or None
+
+    def root(self, namespace: str | None = None) -> TreeNode:
+        """The root of a namespace (created on first use). Roots hold no tokens."""
+        try:
+            root = self._roots.get(namespace)
+        except TypeError:  # unhashable: say what a namespace must be
+            check_namespace(namespace)
+            raise
+        if root is None:
+            check_namespace(namespace)
+            if namespace is not None:
+                try:
+                    namespace.encode()
+                except UnicodeEncodeError:
+                    raise ValueError(
+                        f"namespace: expected a str encodable as UTF-8, got {namespace!r}"
+                    ) from None
+            root = TreeNode(0, b"", None, namespace)
+            root.device_indices = EMPTY_PAGES
+            root.host_indices = EMPTY_PAGES
+            root.lock_ref = 1  # roots are never evicted
+            self._roots[namespace] = root
+        return root
+
+    @property
+    def device_tokens(self) -> int:
+        return self.device_evictable_tokens + self.device_protected_tokens
+
+    @property
+    def host_tokens(self) -> int:
+        return self.host_evictable_tokens + self.host_protected_tokens
+
+    def nodes(self) -> Iterator[TreeNode]:
+        """All non-root nodes, parents before children."""
+        stack = [c for r in self._roots.values() for c in r.children.values()]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def _refuse_reentry(self, op: str, backup_may: bool = False) -> None:
+        """Raise RuntimeError if a hook runs that may not call ``op`` (hicache.tree.python)."""
+        hook = self._hook
+        if hook is not None and not (backup_may and hook == "backup"):
+            raise RuntimeError(reentry_message(op, hook))
+
+    def _check_live(self, node: TreeNode, op: str) -> None:
+        """Raise unless ``node`` is a node (or root) of this tree that is still in it."""
+        if not isinstance(node, TreeNode):
+            raise TypeError(f"{op}: expected a TreeNode, got {type(node).__name__}")
+        if node.parent is None:
+            if node.id != 0:  # removed (the native tree's words)
+                raise ValueError(f"{op}: node {node.id} is no longer in the tree (stale)")
+            if self._roots.get(node.namespace) is not node:
+                raise ValueError(f"{op}: node {node.id} is not a root of this tree")
+        elif node.parent.children.get(node.key[: self._key_nbytes_per_page]) is not node:
+            raise ValueError(f"{op}: node {node.id} is no longer in the tree (stale)")
