@@ -14,10 +14,8 @@ or that another user owns, is refused at start-up; ``shared=True`` allows it (an
 leaves modes to the umask) for a deliberately shared cache, which should then set
 a storage secret (a warning says so when none is set).
 
-The tier's epoch is ``ROOT/EPOCH`` (a decimal number; absent: 0), advanced under an
-``flock`` of ``ROOT/.epoch.lock`` so that concurrent bumps from several processes
-each get their own epoch; ``clear`` removes pages only, never the epoch (a process
-still salting with an old epoch must not meet a reused one).
+The tier's epoch is ``ROOT/EPOCH``, read and advanced by ``fileepoch.py``; ``clear``
+removes pages only, never the epoch.
 
 Safety across threads and processes that share a directory:
 
@@ -32,11 +30,9 @@ Safety across threads and processes that share a directory:
 - recency lives in the file's mtime: a hit stamps it, so every process sees one
   LRU order. Stamps and removals are best effort, so a read-only store still
   serves every intact page. With ``capacity_nbytes`` set, a write that takes this
-  process's view of the total past the cap scans the directory (the truth,
-  including other processes' files and temp files of writes in progress) and
-  removes values oldest-first down to ``low_watermark * cap``. Between scans a
-  process does not see other writers, so several writers can overshoot the cap by
-  what the others wrote since this one last scanned;
+  process's view of the total past the cap removes values oldest-first down to
+  ``low_watermark * cap`` (``filelru.py`` says how, and by how much several
+  writers can overshoot the cap);
 - temp files whose writer is gone are removed by the scans at open, clean-up and
   ``clear()`` (``filelayout.temp_is_stale``); until then they count toward the cap.
 
@@ -45,15 +41,12 @@ This module knows nothing about keys' meaning, KV layout or the cache.
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import fcntl
 import itertools
 import logging
 import os
 import stat
 import threading
-import time
 from pathlib import Path
 
 from hicache.checks import check_bool, check_int
@@ -66,9 +59,10 @@ from hicache.storage.base import (
     StorageUsage,
     verify_value,
 )
+from hicache.storage.fileepoch import bump_epoch, read_epoch
+from hicache.storage.filelru import Stamps, evict_oldest
 
 _log = logging.getLogger(__name__)
-EPOCH_FILE = "EPOCH"  # the tier's epoch, in ROOT (values live in two-hex-digit folders)
 
 
 class FileStorage(StorageBackend):
@@ -107,7 +101,7 @@ class FileStorage(StorageBackend):
             raise StorageError(f"file storage: cannot open {root}: {e}") from e
         self._lock = threading.Lock()
         self._evict_lock = threading.Lock()
-        self._last_stamp_ns = 0
+        self._stamps = Stamps()
         self._temp_ids = itertools.count()
         try:
             try:
@@ -206,7 +200,7 @@ class FileStorage(StorageBackend):
                 verdict = "not a value"
                 self._count(num_corrupt_values=1)
             if verdict == INTACT:
-                self._stamp_fd(fd)
+                self._stamps.stamp_fd(fd)
         except OSError as e:
             raise StorageError(f"file storage: read {key}: {e}") from e
         finally:
@@ -257,7 +251,7 @@ class FileStorage(StorageBackend):
                     raise StorageError(f"file storage: stat {key}: {e}") from e
                 if st is not None and stat.S_ISREG(st.st_mode):
                     if self._auth is None or self._authentic(sub, key, scratch):
-                        self._stamp_name(sub, key)  # a re-offered page is a recent page
+                        self._stamps.stamp_name(sub, key)  # a re-offered page is a recent page
                         continue
                     # With a secret, a value we cannot verify (planted, or another
                     # secret's) must not stand in for ours: it is replaced below.
@@ -326,53 +320,10 @@ class FileStorage(StorageBackend):
         os.close(self._root_fd)
 
     def _read_epoch(self) -> int:
-        name = f"{self.root}/{layout.EPOCH_NAME}"
-        try:
-            fd = os.open(layout.EPOCH_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         dir_fd=self._root_fd)
-        except FileNotFoundError:
-            return 0
-        except OSError as e:
-            raise StorageError(f"file storage: read {name}: {e}") from e
-        try:
-            text = os.read(fd, 64).decode("ascii", "replace")
-        except OSError as e:
-            raise StorageError(f"file storage: read {name}: {e}") from e
-        finally:
-            os.close(fd)
-        if not text.strip().isdigit():
-            raise StorageError(f"file storage: {name} holds {text[:40]!r}, expected a decimal "
-                               "epoch")
-        return int(text)
+        return read_epoch(self._root_fd, str(self.root))
 
     def _bump_epoch(self) -> int:
-        root = self._root_fd
-        try:
-            lock_fd = os.open(layout.EPOCH_LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
-                              | os.O_CLOEXEC, self._file_mode, dir_fd=root)
-        except OSError as e:
-            raise StorageError(f"file storage: bump the epoch in {self.root}: {e}") from e
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX)  # read-advance-write, one process at a time
-            epoch = self._read_epoch() + 1
-            temp = layout.epoch_temp_name()
-            try:
-                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-                             | os.O_CLOEXEC, self._file_mode, dir_fd=root)
-                try:
-                    os.write(fd, f"{epoch}\n".encode())
-                    os.fsync(fd)  # an epoch that went back would serve stale pages
-                finally:
-                    os.close(fd)
-                os.replace(temp, layout.EPOCH_NAME, src_dir_fd=root, dst_dir_fd=root)
-            except OSError as e:
-                with contextlib.suppress(OSError):
-                    os.unlink(temp, dir_fd=root)
-                raise StorageError(f"file storage: write {self.root}/{layout.EPOCH_NAME}: "
-                                   f"{e}") from e
-            return epoch
-        finally:
-            os.close(lock_fd)  # releases the flock
+        return bump_epoch(self._root_fd, str(self.root), self._file_mode)
 
     def _usage(self) -> StorageUsage:
         values = self._scan(sweep=False).values
@@ -392,7 +343,7 @@ class FileStorage(StorageBackend):
                     parts = _advance(parts, written)
                 if self.fsync:
                     os.fsync(fd)
-                stamp = self._next_stamp()
+                stamp = self._stamps.next()
                 os.utime(fd, ns=(stamp, stamp))
             finally:
                 os.close(fd)
@@ -430,29 +381,6 @@ class FileStorage(StorageBackend):
             with self._lock:
                 self._tracked_nbytes = max(0, self._tracked_nbytes - read_stat.st_size)
 
-    def _next_stamp(self) -> int:
-        # Strictly increasing within the process, so LRU order is exact even when
-        # two accesses fall in one clock tick; wall-clock based so processes agree.
-        with self._lock:
-            self._last_stamp_ns = max(time.time_ns(), self._last_stamp_ns + 1)
-            return self._last_stamp_ns
-
-    def _stamp_fd(self, fd: int) -> None:
-        """Mark the open value recently used. Best effort: recency is a hint for clean-up,
-        and a read-only store (mount, permissions) must still serve reads."""
-        stamp = self._next_stamp()
-        try:
-            os.utime(fd, ns=(stamp, stamp))
-        except OSError:
-            pass
-
-    def _stamp_name(self, sub: int, name: str) -> None:
-        stamp = self._next_stamp()
-        try:
-            os.utime(name, ns=(stamp, stamp), dir_fd=sub, follow_symlinks=False)
-        except OSError:
-            pass  # evicted by someone else since, or the store is read-only
-
     def _subdirs(self, *, create: bool) -> layout.Subdirs:
         return layout.Subdirs(self._root_fd, create=create, dir_mode=self._dir_mode)
 
@@ -465,33 +393,13 @@ class FileStorage(StorageBackend):
     def _evict(self) -> None:
         assert self.capacity_nbytes is not None, "eviction needs a capacity"
         with self._evict_lock:
-            values, temp_nbytes, _ = self._scan(sweep=True)
-            values.sort()
-            total = sum(nbytes for _, nbytes, _, _ in values) + temp_nbytes
             target = int(self.capacity_nbytes * self.low_watermark)
-            num_evicted = 0
-            dirs = self._subdirs(create=False)
-            try:
-                for _, nbytes, subdir, name in values:
-                    if total <= target:
-                        break
-                    sub = dirs.fd(subdir)
-                    if sub is None:
-                        continue
-                    try:
-                        os.unlink(name, dir_fd=sub)
-                        num_evicted += 1
-                    except FileNotFoundError:
-                        pass
-                    except OSError:  # cannot remove it (permissions): it still takes room
-                        self._count(num_errors=1)
-                        continue
-                    total -= nbytes
-            finally:
-                dirs.close()
+            done = evict_oldest(self._root_fd, self._scan(sweep=True), target, self._dir_mode)
             with self._lock:
-                self._tracked_nbytes = total
-        self._count(num_evicted_pages=num_evicted)
+                self._tracked_nbytes = done.total_nbytes
+        if done.num_errors:
+            self._count(num_errors=done.num_errors)
+        self._count(num_evicted_pages=done.num_evicted)
 
 
 def _advance(parts: list[memoryview], nbytes: int) -> list[memoryview]:
