@@ -52,8 +52,9 @@ def test_config_rejects_bad_fields_by_name():
         ConnectorConfig.from_extra({"host_tokens": "64"})
     with pytest.raises(ValueError, match="storage: expected 'file:DIR'"):
         ConnectorConfig.from_extra({"storage": "s3://bucket"})
-    with pytest.raises(ValueError, match="write_policy: expected one of \\['write_through'\\]"):
-        ConnectorConfig.from_extra({"write_policy": "write_back"})
+    with pytest.raises(ValueError, match="write_policy: expected one of \\['write_through', "
+                       "'write_through_selective', 'write_back'\\], got 'write_behind'"):
+        ConnectorConfig.from_extra({"write_policy": "write_behind"})
     with pytest.raises(ValueError, match="storage_options: given without storage"):
         ConnectorConfig.from_extra({"storage_options": {"fsync": True}})
     with pytest.raises(ValueError, match="executor: expected one of"):

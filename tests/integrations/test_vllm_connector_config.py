@@ -22,7 +22,8 @@ def _number_fields() -> list[str]:
 
 def test_the_number_fields_are_all_tested():
     assert _number_fields() == ["host_gb", "host_tokens", "host_reserve_gb",
-                                "load_threshold_tokens", "storage_timeout_s"]
+                                "backup_hit_threshold", "load_threshold_tokens",
+                                "storage_timeout_s"]
 
 
 def _refused(extra_json: str, name: str) -> None:
@@ -64,6 +65,8 @@ def test_number_storage_options_refuse_non_finite_values(name, text):
     ({"host_tokens": 1 << 62}, f"host_tokens: expected < {1 << 62}, got {1 << 62}"),
     ({"host_tokens": 0}, "host_tokens: expected >= 1, got 0"),
     ({"load_threshold_tokens": -1}, "load_threshold_tokens: expected >= 0, got -1"),
+    ({"backup_hit_threshold": 0}, "backup_hit_threshold: expected >= 1, got 0"),
+    ({"backup_hit_threshold": 1.5}, "backup_hit_threshold: expected an int, got 1.5"),
     ({"load_threshold_tokens": 1 << 62}, f"load_threshold_tokens: expected < {1 << 62}"),
     ({"copy_cpus": [0, 1 << 16]}, "copy_cpus: expected one or more CPU ids >= 0 and < 65536"),
     ({"storage": "file:/x", "storage_options": {"low_watermark": 1.5}},

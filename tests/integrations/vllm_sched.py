@@ -238,6 +238,7 @@ class Engine:
         self.outputs: dict[str, list[int]] = {}  # finished requests' output tokens
         self.failed: set[str] = set()  # finished with FINISHED_ERROR
         self.finished_ids: set[str] = set()  # finished, as the engine reported them
+        self.transfer_params: dict[str, dict] = {}  # finished requests' kv_transfer_params
         self.last_tables: dict[str, list[int]] = {}  # finished requests' last block tables
         self.invalid_by_step: dict[int, set[int]] = {}
         self.violations: list[Violation] = []
@@ -247,13 +248,16 @@ class Engine:
 
     # ------------------------------------------------------------ requests
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 4,
-            cache_salt: str | None = None) -> None:
+            cache_salt: str | None = None, kv_transfer_params: dict | None = None) -> None:
         from vllm import SamplingParams
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher
         from vllm.v1.request import Request
 
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        params = SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, temperature=0.0,
+            extra_args=None if kv_transfer_params is None
+            else {"kv_transfer_params": kv_transfer_params})
         req = Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=params,
                       pooling_params=None, block_hasher=get_request_block_hasher(B, sha256),
                       cache_salt=cache_salt)
@@ -302,6 +306,8 @@ class Engine:
                     self.failed.add(o.request_id)
                 if o.finish_reason is not None:
                     self.finished_ids.add(o.request_id)
+                if o.kv_transfer_params is not None:
+                    self.transfer_params[o.request_id] = o.kv_transfer_params
 
     def run(self, max_steps: int = 400) -> None:
         """Step until nothing is left (the scheduler and the connector idle)."""

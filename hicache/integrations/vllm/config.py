@@ -42,7 +42,7 @@ from hicache.checks import (
 from hicache.errors import config_errors
 from hicache.storage.auth import check_secret
 
-_WRITE_POLICIES = ("write_through",)
+_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 _EVICTIONS = ("lru", "lfu")
 _TREES = ("auto", "python", "native")
 _EXECUTORS = ("auto", "sync", "thread", "cuda", "manual")
@@ -110,7 +110,11 @@ class ConnectorConfig:
     host_reserve_gb: float = 2.0  # host memory (GB) the pool must leave to the rest of the machine
     storage: str | None = None  # third tier: "file:DIR" or "mooncake://HOST:PORT?metadata=URL"
     storage_options: dict = field(default_factory=dict, compare=False)  # backend keywords
-    write_policy: str = "write_through"  # when a computed block gets its host copy
+    # When a block gets its host copy: "write_through" (when computed),
+    # "write_through_selective" (once vLLM's prefix cache served it backup_hit_threshold
+    # times) or "write_back" (when vLLM evicts it from its prefix cache for reuse)
+    write_policy: str = "write_through"
+    backup_hit_threshold: int = 2  # write_through_selective: hits before the save (as CacheConfig)
     eviction: str = "lru"  # host tier eviction order: "lru" or "lfu"
     load_threshold_tokens: int = 0  # host/storage hits shorter than this are recomputed
     tree: str = "auto"  # radix tree implementation: "auto", "python" or "native"
@@ -209,6 +213,7 @@ class ConnectorConfig:
             raise TypeError("kv_connector_extra_config.storage_epoch_on_reset: expected a bool, "
                             f"got {self.storage_epoch_on_reset!r}")
         _choice("write_policy", self.write_policy, _WRITE_POLICIES)
+        _int("backup_hit_threshold", self.backup_hit_threshold, minimum=1)
         _choice("eviction", self.eviction, _EVICTIONS)
         _int("load_threshold_tokens", self.load_threshold_tokens, minimum=0)
         _choice("tree", self.tree, _TREES)

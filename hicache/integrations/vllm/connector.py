@@ -18,9 +18,9 @@ load or forward of that step. See docs/vllm.md.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import hashlib
-import os
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -36,7 +36,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hicache.integrations.vllm.config import ConnectorConfig
+from hicache.integrations.vllm.identity import page_nbytes, storage_identity
+from hicache.integrations.vllm.params import (
+    ERROR_KEY,
+    RequestControl,
+    check_cache_salt,
+    parse_request_control,
+    tree_namespace,
+)
 from hicache.integrations.vllm.plan import StepPlan
+from hicache.integrations.vllm.pool_hooks import EvictionHook
 from hicache.integrations.vllm.requests import ScheduledRequest
 from hicache.integrations.vllm.scheduler import SchedulerHalf
 from hicache.integrations.vllm.stats import HiCacheConnectorStats, SchedulerReport
@@ -63,6 +72,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from hicache.integrations.vllm.kv_events import HostTierEvents
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -121,61 +132,6 @@ _timed = _clocked(_add_worker_seconds)
 _timed_scheduler = _clocked(_add_scheduler_seconds)
 
 
-def storage_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
-                     config: ConnectorConfig) -> tuple[str, str]:
-    """What third-tier keys are salted with: ``(KV layout fingerprint, model_id)``.
-
-    Two vLLM instances share stored pages only when both are equal: same KV dtype and
-    shape, block size, and same model — ``model_id`` from the extra config when given
-    (the deliberate way to share), else one derived from vLLM's model config: the model
-    (path or name) with its revision, or for a local directory without a revision a
-    digest of its files' names, sizes and modification times (weights changed in place
-    give new keys), the compute dtype and the tensor-parallel size.
-    """
-    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    layers = len(kv_cache_config.kv_cache_groups[0].layer_names)
-    layout = (
-        f"vllm-{type(spec).__name__}-L{layers}-H{getattr(spec, 'num_kv_heads', '?')}"
-        f"-D{getattr(spec, 'head_size', '?')}-{str(getattr(spec, 'dtype', '?')).removeprefix('torch.')}"
-        f"-B{spec.block_size}-bytes{spec.page_size_bytes}"
-    )
-    if config.model_id is not None:
-        return layout, config.model_id
-    from hicache.storage import model_identity
-
-    mc = vllm_config.model_config
-    pc = vllm_config.parallel_config
-    revision = mc.revision
-    digest = None
-    if revision is None:
-        digest = _directory_digest(str(mc.model)) if os.path.isdir(str(mc.model)) else None
-        if digest is None:
-            revision = "main"  # a hub name without a pinned revision: vLLM loads main
-    model_id = model_identity(
-        str(mc.model), weights_digest=digest, revision=revision, dtype=str(mc.dtype),
-        tp_size=pc.tensor_parallel_size,  # each rank's worker salts its own keys further
-    )
-    return layout, model_id
-
-
-def _directory_digest(path: str) -> str:
-    """sha256 over (relative name, size, mtime) of every file under ``path``: a cheap
-    stand-in for hashing the weights that changes whenever a file is replaced."""
-    h = hashlib.sha256()
-    for root, dirs, files in os.walk(path):
-        dirs.sort()
-        for name in sorted(files):
-            full = os.path.join(root, name)
-            st = os.stat(full)
-            h.update(f"{os.path.relpath(full, path)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return h.hexdigest()
-
-
-def _page_nbytes(kv_cache_config: KVCacheConfig) -> int:
-    group = kv_cache_config.kv_cache_groups[0]
-    return group.kv_cache_spec.page_size_bytes * len(group.layer_names)
-
-
 class HiCacheConnector(KVConnectorBase_V1):
     """hicache's host tier and third tier behind vLLM's prefix cache."""
 
@@ -193,13 +149,16 @@ class HiCacheConnector(KVConnectorBase_V1):
                 f"layer), got {len(kv_cache_config.kv_cache_groups)}"
             )
         self.block_size = vllm_config.cache_config.block_size
-        self.page_nbytes = _page_nbytes(kv_cache_config)
+        self.page_nbytes = page_nbytes(kv_cache_config)
         self.num_host_pages = self.hc_config.num_host_pages(self.block_size, self.page_nbytes)
         self._identity = storage_identity(vllm_config, kv_cache_config, self.hc_config)
         self._requests: dict[str, Request] = {}
         self._hit_sources: dict[str, tuple[int, int]] = {}
         self._scheduler_report = SchedulerReport()  # the scheduler side's stats and clock
         self._block_pool: BlockPool | None = None  # vLLM's (scheduler side)
+        self._eviction_hook: EvictionHook | None = None  # vLLM's evictions -> write_back
+        # Per request: (its control, its namespace in hicache's tiers); see params.py
+        self._controls: dict[str, tuple[RequestControl, str | None]] = {}
         self._events: HostTierEvents | None = None  # the host tier's KV cache events, when on
         self.scheduler_half: SchedulerHalf | None = None
         self.worker_half: WorkerHalf | None = None
@@ -345,15 +304,45 @@ class HiCacheConnector(KVConnectorBase_V1):
         if self.worker_half is not None:
             self.worker_half.close()
             self.worker_half = None
+        if self._eviction_hook is not None:
+            self._eviction_hook.close()
         if self.scheduler_half is not None:
             self.scheduler_half.close()
 
     # ========================================================= scheduler side
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         self._block_pool = gpu_block_pool
+        half = self.scheduler_half
+        if half is not None and half.saves.policy == "write_back":
+            if not getattr(gpu_block_pool, "enable_caching", True):
+                _log.warning("hicache: write_back saves blocks vLLM evicts from its prefix "
+                             "cache, which is off: nothing will be saved")
+            self._eviction_hook = EvictionHook(gpu_block_pool, half.saves.block_evicted)
 
     def on_new_request(self, request: Request) -> None:
         self._requests[request.request_id] = request
+        self._namespace(request)
+
+    def _namespace(self, request: Request) -> str | None:
+        """The request's namespace in hicache's tiers; its control is parsed (and given
+        to the scheduler half) the first time. A mistake fails closed (params.py)."""
+        known = self._controls.get(request.request_id)
+        if known is not None:
+            return known[1]
+        salt = getattr(request, "cache_salt", None)
+        control = parse_request_control(getattr(request, "kv_transfer_params", None))
+        salt_error = check_cache_salt(salt)
+        if control.error is None and salt_error is not None:
+            control = control._replace(skip_load=True, skip_save=True, error=salt_error)
+        namespace = tree_namespace(salt, control)
+        if control.error is not None:
+            _log.warning("hicache: request %s served without hicache: %s",
+                         request.request_id, control.error)
+        self._controls[request.request_id] = (control, namespace)
+        if not control.is_default and self.scheduler_half is not None:
+            self.scheduler_half.set_control(request.request_id, request.all_token_ids,
+                                            namespace, control, request.num_prompt_tokens)
+        return namespace
 
     @_timed_scheduler
     def get_num_new_matched_tokens(self, request: Request,
@@ -362,7 +351,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         self._requests[request.request_id] = request
         num = self.scheduler_half.num_matched_tokens(
             request.request_id, request.all_token_ids, num_computed_tokens,
-            getattr(request, "cache_salt", None),
+            self._namespace(request),
         )
         return num, False
 
@@ -374,7 +363,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         before = (half.counters.host_hit_tokens, half.counters.storage_hit_tokens)
         half.after_alloc(
             request.request_id, request.all_token_ids, blocks.get_block_ids()[0],
-            num_external_tokens, getattr(request, "cache_salt", None),
+            num_external_tokens, self._namespace(request),
         )
         if num_external_tokens:
             self._hit_sources[request.request_id] = (
@@ -400,7 +389,7 @@ class HiCacheConnector(KVConnectorBase_V1):
             tokens = req.all_token_ids if req is not None else (new.prompt_token_ids or [])
             scheduled.append(ScheduledRequest(
                 new.req_id, tokens, list(new.block_ids[0]), True, new.num_computed_tokens,
-                num_tokens.get(new.req_id, 0), getattr(req, "cache_salt", None),
+                num_tokens.get(new.req_id, 0), self._namespace(req) if req else None,
             ))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -411,7 +400,7 @@ class HiCacheConnector(KVConnectorBase_V1):
             scheduled.append(ScheduledRequest(
                 req_id, req.all_token_ids, list(new_ids[0]) if new_ids is not None else None,
                 req_id in cached.resumed_req_ids, cached.num_computed_tokens[i],
-                num_tokens.get(req_id, 0), getattr(req, "cache_salt", None),
+                num_tokens.get(req_id, 0), self._namespace(req),
             ))
         plan = self.scheduler_half.build_plan(scheduled)
         return HiCacheConnectorMetadata(
@@ -424,11 +413,14 @@ class HiCacheConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, HiCacheWorkerMetadata) and self.scheduler_half is not None:
             self.scheduler_half.mark_bad(meta.bad_host_pages)
+            self.scheduler_half.saves.forget_blocks(meta.poisoned_blocks)  # never saved
             if meta.poisoned_blocks and self._block_pool is not None:
                 # No later request may hit them in vLLM's prefix cache: a request that
                 # still holds one is recomputed by vLLM (a load error) or was computed
                 # over one (its saves were dropped); the block itself is not freed.
-                self._block_pool.evict_blocks(meta.poisoned_blocks)
+                hook = self._eviction_hook
+                with hook.paused() if hook is not None else contextlib.nullcontext():
+                    self._block_pool.evict_blocks(meta.poisoned_blocks)
 
     @_timed_scheduler
     def request_finished(self, request: Request,
@@ -440,8 +432,11 @@ class HiCacheConnector(KVConnectorBase_V1):
                 request.request_id, request.num_computed_tokens, block_ids
             )
         self._requests.pop(request.request_id, None)
+        control = self._controls.pop(request.request_id, (None,))[0]
         # Never delays the free: the last blocks are saved before the next forward can
         # write a block vLLM hands out again (see StepPlan.early_saves).
+        if control is not None and control.error is not None:
+            return False, {ERROR_KEY: control.error}  # in the request's output
         return False, None
 
     def take_events(self) -> Iterable[KVCacheEvent]:

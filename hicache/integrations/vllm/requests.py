@@ -29,7 +29,7 @@ class RequestState:
     """One live request, from its first lookup (or first scheduling) until it finishes."""
 
     __slots__ = ("token_ids", "namespace", "block_ids", "num_checked_pages", "key", "keys",
-                 "lookup", "vllm_hit_pages")
+                 "lookup", "vllm_hit_pages", "skip_load", "skip_save", "max_save_pages")
 
     def __init__(self, token_ids: Sequence[int], namespace: str | None = None) -> None:
         self.token_ids = token_ids
@@ -40,6 +40,10 @@ class RequestState:
         self.keys: list[str] = []  # storage keys of the leading pages (computed lazily)
         self.lookup: tuple[int, int, int] | None = None  # (num_computed, host, storage pages)
         self.vllm_hit_pages = 0  # whole pages vLLM's own prefix cache served (last lookup)
+        # Per-request control (params.py): no loads, no saves, save at most this many pages
+        self.skip_load = False
+        self.skip_save = False
+        self.max_save_pages: int | None = None
 
     def set_tokens(self, token_ids: Sequence[int]) -> None:
         """The request's token ids now. vLLM hands the same sequence every time and only

@@ -13,9 +13,10 @@ One hicache page is one vLLM block. For one request, in tokens::
                                 ^ a                           ^ b   (pages)
 
 The tree holds *host* pages only: vLLM owns its blocks and evicts them itself,
-so a device tier here would only shadow vLLM's prefix cache. Every block that a
-step fills completely is saved (write-through) unless the tree already holds
-that page. Nodes the current step loads from or saves to are host-pinned until
+so a device tier here would only shadow vLLM's prefix cache. When a block is
+saved is the write policy's (:mod:`~hicache.integrations.vllm.saves`); what a
+request asked for, :mod:`~hicache.integrations.vllm.params`'. Nodes the current
+step loads from or saves to are host-pinned until
 the plan is built, so making room for one request never reuses a page another
 request's copy of this step touches; ordering across steps is the workers' job
 (they finish copies into or out of a host page before the next one that touches
@@ -28,15 +29,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Protocol
+from dataclasses import asdict
 
 import numpy as np
 import torch
 
 from hicache.integrations.vllm.config import ConnectorConfig
+from hicache.integrations.vllm.params import RequestControl
 from hicache.integrations.vllm.plan import LoadOp, SaveOp, StepPlan
 from hicache.integrations.vllm.requests import RequestState, ScheduledRequest
+from hicache.integrations.vllm.saves import WRITE_BACK, Saves
+from hicache.integrations.vllm.scheduler_stats import (  # noqa: F401 (re-exported)
+    SNAPSHOT_STATS,
+    PageListener,
+    SchedulerStats,
+)
 from hicache.integrations.vllm.third_tier import (
     StorageProbe,
     extend_storage_keys,
@@ -47,35 +54,6 @@ from hicache.memory import PageAllocator
 from hicache.tree import TreeNode, make_tree, token_key
 
 _log = logging.getLogger(__name__)
-
-
-@dataclass
-class SchedulerStats:
-    """Counters since start-up, in tokens unless the name says otherwise."""
-
-    lookups: int = 0  # get_num_new_matched_tokens calls
-    lookup_tokens: int = 0  # tokens looked up beyond vLLM's own hit
-    host_hit_tokens: int = 0  # tokens planned to load from host memory
-    storage_hit_tokens: int = 0  # tokens planned to read from storage, then load
-    load_failed_tokens: int = 0  # promised tokens that could not be planned (reported failed)
-    saved_tokens: int = 0  # tokens planned to save to host memory
-    save_skipped_tokens: int = 0  # not saved: host tier full of pinned pages
-    host_evicted_tokens: int = 0
-
-
-# Stats the connector reports with the counters' deltas that are snapshots (the host
-# tier's occupancy): of two reports, the later one holds; they are never summed.
-SNAPSHOT_STATS = frozenset({"host_pages_used", "host_pages_free"})
-
-
-class PageListener(Protocol):
-    """What :attr:`SchedulerHalf.page_listener` is told, as it happens."""
-
-    def cached(self, req_id: str, first_page: int, host_pages: list[int]) -> None:
-        """``host_pages`` now hold pages ``first_page, first_page + 1, ...`` of the request."""
-
-    def evicted(self, host_pages: list[int]) -> None:
-        """``host_pages`` were evicted (free again)."""
 
 
 class SchedulerHalf:
@@ -118,6 +96,7 @@ class SchedulerHalf:
         self._gap_saves: list[SaveOp] = []
         self._bad: set[int] = set()  # host pages the workers reported bad, still in the tree
         self.counters = SchedulerStats()
+        self.saves = Saves(self, config.write_policy, config.backup_hit_threshold)
         # Told of every host page cached and evicted (the connector's KV cache events):
         # ``cached(req_id, first_page, pages)``, ``evicted(pages)``; None: nobody listens.
         self.page_listener: PageListener | None = None
@@ -130,6 +109,15 @@ class SchedulerHalf:
             st = self._reqs[req_id] = RequestState(token_ids, namespace)
         st.set_tokens(token_ids)
         return st
+
+    def set_control(self, req_id: str, token_ids: Sequence[int], namespace: str | None,
+                    control: RequestControl, num_prompt_tokens: int) -> None:
+        """The request's per-request control (:mod:`~hicache.integrations.vllm.params`),
+        before its first lookup: ``save_max_tokens`` counts prompt tokens (whole pages)."""
+        st = self._state(req_id, token_ids, namespace)
+        st.skip_load, st.skip_save = control.skip_load, control.skip_save
+        if control.save_max_tokens is not None:
+            st.max_save_pages = min(control.save_max_tokens, num_prompt_tokens) // self.page_size
 
     def num_matched_tokens(self, req_id: str, token_ids: Sequence[int], num_computed: int,
                            namespace: str | None = None) -> int:
@@ -146,7 +134,7 @@ class SchedulerHalf:
         limit = (len(token_ids) - 1) // P  # pages that may be loaded
         c = self.counters
         c.lookups += 1
-        if limit * P <= num_computed:
+        if limit * P <= num_computed or st.skip_load:
             return 0
         c.lookup_tokens += limit * P - num_computed
         key = self._key(st, limit)
@@ -180,6 +168,9 @@ class SchedulerHalf:
             # vLLM's own hit is a hit of the host tier's copy too: a prefix vLLM keeps hot
             # must not be the host tier's first victim (its LRU/LFU order sees it).
             self.tree.match_key(self._key(st, st.vllm_hit_pages), st.namespace)
+            save = self.saves.vllm_hit(req_id, st, st.vllm_hit_pages)  # selective
+            if save is not None:
+                self._gap_saves.append(save)  # after the forward, as the gap's below
             st.vllm_hit_pages = 0
         if num_external <= 0:
             return
@@ -234,7 +225,8 @@ class SchedulerHalf:
                 op.storage_keys = self._keys(st, b)[first:b]
                 c.storage_hit_tokens += (b - first) * P
         c.host_hit_tokens += max(0, min(have, b) - a) * P
-        st.num_checked_pages = max(st.num_checked_pages, b)
+        if self.saves.policy != WRITE_BACK:  # write_back records every block it holds
+            st.num_checked_pages = max(st.num_checked_pages, b)
         self._loads.append(op)
 
     # ------------------------------------------------------------------ steps
@@ -245,68 +237,26 @@ class SchedulerHalf:
                         early_saves=self._early_saves)
         self._loads, self._early_saves, self._gap_saves = [], [], []
         try:
+            plan.early_saves += self.saves.plan_evicted()  # write_back
             for s in scheduled:
                 st = self._state(s.req_id, s.token_ids, s.namespace)
                 if s.new_block_ids is not None:
                     if s.resumed:
                         st.block_ids = list(s.new_block_ids)
+                        if self.saves.policy == WRITE_BACK:
+                            st.num_checked_pages = 0  # its new blocks are recorded again
                     else:
                         st.block_ids.extend(s.new_block_ids)
                     plan.new_block_ids.extend(s.new_block_ids)
                     plan.blocks.append((s.req_id, list(s.new_block_ids), s.resumed))
                 end = s.num_computed_tokens + s.num_scheduled_tokens
                 plan.computes.append((s.req_id, s.num_computed_tokens, end))
-                save = self._plan_save(s.req_id, st, end)
+                save = self.saves.computed(s.req_id, st, end)
                 if save is not None:
                     plan.saves.append(save)
         finally:
             self._unpin_all()
         return plan
-
-    def _plan_save(self, req_id: str, st: RequestState, num_done: int) -> SaveOp | None:
-        P = self.page_size
-        # Only tokens known now: with async scheduling the last sampled one may not be.
-        full = min(num_done, len(st.token_ids), len(st.block_ids) * P) // P
-        if full <= st.num_checked_pages:
-            return None
-        st.num_checked_pages = full
-        key = self._key(st, full)
-        ns = st.namespace
-        cached = self.tree.probe_key(key, ns) // P
-        # Bad pages this request computed again: saved again, into the same host pages.
-        repair_from = self._first_bad(st, key, cached)
-        repair: list[int] = []
-        path: list[TreeNode] = []
-        if repair_from < cached:
-            path = self.tree.probe_path(key, ns)
-            repair = torch.cat([n.host_indices for n in path]).tolist()[repair_from:cached]
-            for node in path:
-                self._pin(node)
-            self._bad.difference_update(repair)
-        if cached >= full and not repair:
-            return None
-        new_pages: list[int] = []
-        if cached < full:
-            if cached and not path:
-                # The new pages extend the cached prefix: pin it, or making room for them
-                # could evict it (nothing else pins it when vLLM's own cache served the
-                # request) and the insert would then adopt placeholder pages for it.
-                # Pinning the deepest node protects its ancestors (eviction takes leaves).
-                self._pin(self.tree.probe_path(key, ns)[-1])
-            pages = self._alloc_host(full - cached)
-            if pages is not None and not self._insert_extension(st, cached, pages, req_id):
-                pages = None
-            if pages is None:
-                self.counters.save_skipped_tokens += (full - cached) * P
-                full = cached
-            else:
-                new_pages = pages.tolist()
-        if not repair and not new_pages:
-            return None
-        first = repair_from if repair else cached
-        self.counters.saved_tokens += (full - first) * P
-        keys = self._keys(st, full)[first:full] if self.storage is not None else []
-        return SaveOp(req_id, st.block_ids[first:full], repair + new_pages, keys)
 
     def mark_bad(self, host_pages) -> None:
         """The workers found these host pages bad (a save or storage read failed): lookups
@@ -347,7 +297,7 @@ class SchedulerHalf:
         if st is None or num_computed_tokens is None or block_ids is None:
             return
         st.block_ids = list(block_ids)
-        save = self._plan_save(req_id, st, num_computed_tokens)
+        save = self.saves.computed(req_id, st, num_computed_tokens)
         if save is not None:
             self._early_saves.append(save)  # pinned until that plan is built
 
@@ -366,6 +316,7 @@ class SchedulerHalf:
         for op in self._early_saves + self._gap_saves:
             self._bad.update(op.host_pages)  # never filled: gone with the eviction below
         self._early_saves, self._gap_saves = [], []
+        self.saves.forget_all()
         self._unpin_all()
         num = self.tree.host_tokens
         result = self.tree.evict_host(num) if num else None

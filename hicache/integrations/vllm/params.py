@@ -1,0 +1,119 @@
+"""Per-request control: ``kv_transfer_params={"hicache": {...}}`` on a vLLM request.
+
+vLLM hands a request's ``kv_transfer_params`` (``SamplingParams.extra_args``, or the
+OpenAI server's ``kv_transfer_params`` request field) to the connector. Under the key
+``"hicache"`` the connector reads:
+
+=================== ======== =====================================================
+key                 type     meaning
+=================== ======== =====================================================
+``skip_load``       bool     nothing is loaded from hicache's tiers for the request
+``skip_save``       bool     nothing the request computes is saved to them
+``save_max_tokens`` int >= 0 at most this many leading prompt tokens are saved
+                             (whole blocks only)
+``namespace``       str      a tenant: pages of two namespaces are never shared
+                             (combined with vLLM's ``cache_salt``)
+=================== ======== =====================================================
+
+A mistake (an unknown key, a value of the wrong type) fails *closed*: raising in
+vLLM's scheduler would stop the engine for every request, so the request is
+served by vLLM alone (no load, no save, no namespace shared with anyone) and the
+error, which names the key and the value, goes back in the request's output
+``kv_transfer_params`` as ``hicache_error`` (and to the log). This module knows
+neither vLLM nor the tree.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+PARAMS_KEY = "hicache"  # kv_transfer_params[PARAMS_KEY]
+ERROR_KEY = "hicache_error"  # in the request's output kv_transfer_params
+_KEYS = ("skip_load", "skip_save", "save_max_tokens", "namespace")
+
+
+class RequestControl(NamedTuple):
+    """What a request asked of hicache (the defaults: everything on, no namespace)."""
+
+    skip_load: bool = False
+    skip_save: bool = False
+    save_max_tokens: int | None = None  # None: no limit
+    namespace: str | None = None
+    error: str | None = None  # set: the params were refused; load and save are off
+
+    @property
+    def is_default(self) -> bool:
+        return self == DEFAULT
+
+
+DEFAULT = RequestControl()
+
+
+def parse_request_control(kv_transfer_params: Mapping[str, Any] | None) -> RequestControl:
+    """The control of one request from its ``kv_transfer_params`` (``None``: defaults).
+
+    Never raises: a mistake gives a control with ``error`` set (the message names the
+    key and the value) and loads and saves off. Keys other than ``"hicache"`` belong
+    to other connectors and are ignored.
+    """
+    if kv_transfer_params is None:
+        return DEFAULT
+    if not isinstance(kv_transfer_params, Mapping):
+        return _refused(f"kv_transfer_params: expected a dict, got "
+                        f"{type(kv_transfer_params).__name__}")
+    params = kv_transfer_params.get(PARAMS_KEY)
+    if params is None:
+        return DEFAULT
+    where = f"kv_transfer_params.{PARAMS_KEY}"
+    if not isinstance(params, Mapping):
+        return _refused(f"{where}: expected a dict, got {type(params).__name__} {params!r:.80}")
+    unknown = sorted(str(k) for k in params if k not in _KEYS)
+    if unknown:
+        return _refused(f"{where}: unknown key(s) {unknown}; expected some of {list(_KEYS)}")
+    values: dict[str, Any] = {}
+    for name in ("skip_load", "skip_save"):
+        if name in params:
+            value = params[name]
+            if not isinstance(value, bool):
+                return _refused(f"{where}.{name}: expected true or false, got {value!r:.80}")
+            values[name] = value
+    if "save_max_tokens" in params:
+        value = params["save_max_tokens"]
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < 0):
+            return _refused(f"{where}.save_max_tokens: expected an int >= 0, got {value!r:.80}")
+        values["save_max_tokens"] = value
+    if "namespace" in params:
+        value = params["namespace"]
+        if value is not None and (not isinstance(value, str) or not value):
+            return _refused(f"{where}.namespace: expected a non-empty str, got {value!r:.80}")
+        values["namespace"] = value
+    return RequestControl(**values)
+
+
+def _refused(message: str) -> RequestControl:
+    return RequestControl(skip_load=True, skip_save=True, error=message)
+
+
+# A tree namespace made of a cache_salt and a hicache namespace starts with NUL; a
+# cache_salt that does is refused (parse error), so no salt can name another tenant's pages.
+_COMBINED = "\x00"
+
+
+def tree_namespace(cache_salt: str | None, control: RequestControl) -> str | None:
+    """The namespace of the request's pages in hicache's tiers: vLLM's ``cache_salt``
+    alone (unchanged), or with a hicache ``namespace`` both, encoded so that no other
+    pair and no salt alone gives the same string."""
+    if control.namespace is None:
+        return cache_salt
+    return _COMBINED + json.dumps([cache_salt, control.namespace])
+
+
+def check_cache_salt(cache_salt: str | None) -> str | None:
+    """An error message for a ``cache_salt`` hicache cannot keep apart from combined
+    namespaces (one that starts with NUL), else None."""
+    if isinstance(cache_salt, str) and cache_salt.startswith(_COMBINED):
+        return "cache_salt: expected no leading NUL character (hicache's combined namespaces)"
+    return None

@@ -1,0 +1,40 @@
+"""What the scheduler half reports: its counters, and who it tells of host pages.
+
+:class:`SchedulerStats` goes out through vLLM's scheduler-side stats (deltas, see
+:mod:`~hicache.integrations.vllm.stats`); :class:`PageListener` is told of every host
+page cached and evicted (the KV cache events of :mod:`~hicache.integrations.vllm.kv_events`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since start-up, in tokens unless the name says otherwise."""
+
+    lookups: int = 0  # get_num_new_matched_tokens calls
+    lookup_tokens: int = 0  # tokens looked up beyond vLLM's own hit
+    host_hit_tokens: int = 0  # tokens planned to load from host memory
+    storage_hit_tokens: int = 0  # tokens planned to read from storage, then load
+    load_failed_tokens: int = 0  # promised tokens that could not be planned (reported failed)
+    saved_tokens: int = 0  # tokens planned to save to host memory
+    save_skipped_tokens: int = 0  # not saved: host tier full of pinned pages
+    host_evicted_tokens: int = 0
+
+
+# Stats the connector reports with the counters' deltas that are snapshots (the host
+# tier's occupancy): of two reports, the later one holds; they are never summed.
+SNAPSHOT_STATS = frozenset({"host_pages_used", "host_pages_free"})
+
+
+class PageListener(Protocol):
+    """What :attr:`SchedulerHalf.page_listener` is told, as it happens."""
+
+    def cached(self, req_id: str, first_page: int, host_pages: list[int]) -> None:
+        """``host_pages`` now hold pages ``first_page, first_page + 1, ...`` of the request."""
+
+    def evicted(self, host_pages: list[int]) -> None:
+        """``host_pages`` were evicted (free again)."""
