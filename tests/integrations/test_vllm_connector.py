@@ -151,10 +151,10 @@ def test_auto_executor_on_cpu_copies_beside_or_between_forwards(make_vllm, monke
     With no core free, a save is copied in wait_for_save itself (the model runner's
     thread, while vLLM's compute threads are idle): nothing is in flight after a step.
     Either way a block reused at the next step holds its page."""
-    import hicache.integrations.vllm.worker as worker_module
+    import hicache.integrations.vllm.executor_choice as choice_module
 
     cpu = min(os.sched_getaffinity(0))
-    monkeypatch.setattr(worker_module, "spare_cpus",
+    monkeypatch.setattr(choice_module, "spare_cpus",
                         lambda: frozenset({cpu} if spare else ()))
     m = make_vllm(executor="auto")
     if spare:
@@ -181,7 +181,7 @@ def test_auto_executor_on_cpu_copies_beside_or_between_forwards(make_vllm, monke
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs Linux affinity")
 def test_copy_cpus_pin_the_copy_threads_and_a_refused_set_is_an_error(make_vllm, monkeypatch):
-    import hicache.integrations.vllm.worker as worker_module
+    import hicache.integrations.vllm.executor_choice as choice_module
 
     cpu = max(os.sched_getaffinity(0))
     m = make_vllm(executor="thread", copy_cpus=[cpu])
@@ -191,7 +191,7 @@ def test_copy_cpus_pin_the_copy_threads_and_a_refused_set_is_an_error(make_vllm,
     with pytest.raises(ValueError, match=r"cpus: expected CPUs this process may run on, got \[4095\]"):
         make_vllm(executor="auto", copy_cpus=[4095])
     # Spare cores found but outside this process's cpuset: auto falls back to "sync".
-    monkeypatch.setattr(worker_module, "spare_cpus", lambda: frozenset({4095}))
+    monkeypatch.setattr(choice_module, "spare_cpus", lambda: frozenset({4095}))
     m2 = make_vllm(executor="auto")
     assert m2.worker.transfers.executor_name == "sync"
     m2.check()

@@ -4,7 +4,7 @@ Used by tests/integrations/test_vllm_connector_e2e.py in a subprocess: vLLM spaw
 so it must run under ``if __name__ == "__main__"``. Usage::
 
     python tests/integrations/vllm_driver.py make-model DIR
-    python tests/integrations/vllm_driver.py run DIR SCENARIO[,SCENARIO...] [--storage file:DIR] [--no-connector] [--policy recompute|fail] [--host-tokens N]
+    python tests/integrations/vllm_driver.py run DIR SCENARIO[,SCENARIO...] [--storage file:DIR] [--no-connector] [--policy recompute|fail] [--host-tokens N] [--tp N]
 
 SCENARIO is a comma-separated list run in order on one engine: ``multiturn``
 (conversations whose working set is several times vLLM's KV cache, one request at a
@@ -67,7 +67,7 @@ def system_prompt() -> list[int]:
 
 
 def make_llm(model: str, connector: bool, storage: str | None, policy: str | None = None,
-             host_tokens: int = 8192):
+             host_tokens: int = 8192, tp: int = 1):
     from vllm import LLM
 
     kwargs = {}
@@ -86,7 +86,7 @@ def make_llm(model: str, connector: bool, storage: str | None, policy: str | Non
     return LLM(
         model=model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
         block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=NUM_GPU_BLOCKS,
-        gpu_memory_utilization=0.1, max_num_seqs=4, seed=0, **kwargs,
+        gpu_memory_utilization=0.1, max_num_seqs=4, seed=0, tensor_parallel_size=tp, **kwargs,
     )
 
 
@@ -106,9 +106,9 @@ def _generate(llm, prompt: list[int], cache_salt: str | None = None):
 
 
 def run(model: str, scenarios: str, connector: bool, storage: str | None,
-        policy: str | None = None, host_tokens: int = 8192) -> dict:
+        policy: str | None = None, host_tokens: int = 8192, tp: int = 1) -> dict:
     """Run the comma-separated ``scenarios`` in order on one engine."""
-    llm = make_llm(model, connector, storage, policy, host_tokens)
+    llm = make_llm(model, connector, storage, policy, host_tokens, tp)
     result: dict = {"connector": connector}
     system = system_prompt()
     for scenario in scenarios.split(","):
@@ -181,13 +181,14 @@ def main() -> None:
     parser.add_argument("--no-connector", action="store_true")
     parser.add_argument("--policy", choices=["recompute", "fail"])
     parser.add_argument("--host-tokens", type=int, default=8192)
+    parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     args = parser.parse_args()
     if args.command == "make-model":
         make_model(args.model)
         return
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     result = run(args.model, args.scenario, not args.no_connector, args.storage, args.policy,
-                 args.host_tokens)
+                 args.host_tokens, args.tp)
     sys.stdout.flush()
     print(json.dumps(result), flush=True)
 

@@ -43,21 +43,22 @@ VOCAB = 509
 POISON = -1.0
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 
-_MODEL_DIR: str | None = None
+_MODEL_DIRS: dict[int, str] = {}
 
 
-def model_dir() -> str:
-    """A tiny model config (no weights: the scheduler only reads the config)."""
-    global _MODEL_DIR
-    if _MODEL_DIR is None:
+def model_dir(num_heads: int = 1) -> str:
+    """A tiny model config (no weights: the scheduler only reads the config), with
+    ``num_heads`` attention and KV heads (tensor parallelism shards them)."""
+    if num_heads not in _MODEL_DIRS:
         from transformers import LlamaConfig
 
         path = tempfile.mkdtemp(prefix="hicache-sched-model-")
         LlamaConfig(vocab_size=VOCAB + 1, hidden_size=16, intermediate_size=32,
-                    num_hidden_layers=L, num_attention_heads=1, num_key_value_heads=H,
-                    head_dim=D, max_position_embeddings=8192).save_pretrained(path)
-        _MODEL_DIR = path
-    return _MODEL_DIR
+                    num_hidden_layers=L, num_attention_heads=num_heads,
+                    num_key_value_heads=H * num_heads, head_dim=D,
+                    max_position_embeddings=8192).save_pretrained(path)
+        _MODEL_DIRS[num_heads] = path
+    return _MODEL_DIRS[num_heads]
 
 
 def prefix_values(tokens: Sequence[int]) -> np.ndarray:
@@ -162,6 +163,7 @@ class Engine:
     max_num_seqs: int = 4
     seed: int = 0
     kv_events: dict | None = None  # vLLM's KVEventsConfig fields (None: events off)
+    parallel: dict | None = None  # vLLM's ParallelConfig fields (None: one rank)
 
     def __post_init__(self) -> None:
         from vllm.config import (
@@ -170,6 +172,7 @@ class Engine:
             KVEventsConfig,
             KVTransferConfig,
             ModelConfig,
+            ParallelConfig,
             SchedulerConfig,
             VllmConfig,
         )
@@ -186,7 +189,8 @@ class Engine:
 
         init_none_hash(sha256)
         extra = {"host_tokens": 8 * B, "executor": "sync", **self.extra}
-        mc = ModelConfig(model=model_dir(), skip_tokenizer_init=True, dtype="float32", seed=0,
+        tp = (self.parallel or {}).get("tensor_parallel_size", 1)
+        mc = ModelConfig(model=model_dir(tp), skip_tokenizer_init=True, dtype="float32", seed=0,
                          max_model_len=4096)
         sc = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                              max_num_batched_tokens=self.max_num_batched_tokens,
@@ -202,6 +206,7 @@ class Engine:
             cache_config=CacheConfig(block_size=B, enable_prefix_caching=True),
             kv_transfer_config=transfer, device_config=DeviceConfig("cpu"),
             kv_events_config=KVEventsConfig(**self.kv_events) if self.kv_events else None,
+            parallel_config=ParallelConfig(**(self.parallel or {})),
         )
         spec = FullAttentionSpec(block_size=B, num_kv_heads=H, head_size=D, dtype=torch.float32)
         self.kv_cache_config = KVCacheConfig(
@@ -321,12 +326,39 @@ class Engine:
         raise AssertionError(f"not done after {max_steps} steps: a request hangs")
 
     def _execute(self, out):
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.outputs import KVConnectorOutput
 
         self.step_no += 1
         n = self.step_no
         w = self.worker
         meta = out.kv_connector_metadata
+        scheduled = self._follow_tables(out)
+        # The model runner's order (vLLM 0.32, kv_connector_model_runner_mixin.py).
+        w.handle_preemptions(meta)
+        w.bind_connector_metadata(meta)
+        if out.has_sync_kv_loads:
+            w.start_load_kv(None)
+        for name in LAYERS:
+            w.wait_for_layer_load(name)
+        reads = self._forward(scheduled)
+        if not out.has_sync_kv_loads:
+            w.start_load_kv(None)
+        w.wait_for_save()
+        finished_sending, finished_recving = w.get_finished(out.finished_req_ids)
+        invalid = w.get_block_ids_with_load_errors()
+        self._check_reads(n, reads, invalid, getattr(w.worker_half, "_poisoned", set()))
+        worker_meta = w.build_connector_worker_meta()
+        w.clear_connector_metadata()
+        kv_out = KVConnectorOutput(
+            finished_sending=finished_sending, finished_recving=finished_recving,
+            invalid_block_ids=invalid, kv_connector_worker_meta=worker_meta,
+            kv_connector_stats=w.get_kv_connector_stats(),  # as vLLM's model runner does
+        )
+        return self._runner_output(scheduled, kv_out)
+
+    def _follow_tables(self, out) -> list[tuple[str, int, int]]:
+        """The model runner's block tables follow the scheduler output; returns what each
+        scheduled request computes: (req id, tokens computed before, tokens now)."""
         scheduled: list[tuple[str, int, int]] = []
         for new in out.scheduled_new_reqs:
             self.tables[new.req_id] = list(new.block_ids[0])
@@ -343,19 +375,10 @@ class Engine:
         for rid in out.finished_req_ids:
             if rid in self.tables:
                 self.last_tables[rid] = self.tables.pop(rid)
-        # The model runner's order (vLLM 0.32, kv_connector_model_runner_mixin.py).
-        w.handle_preemptions(meta)
-        w.bind_connector_metadata(meta)
-        if out.has_sync_kv_loads:
-            w.start_load_kv(None)
-        for name in LAYERS:
-            w.wait_for_layer_load(name)
-        reads = self._forward(scheduled)
-        if not out.has_sync_kv_loads:
-            w.start_load_kv(None)
-        w.wait_for_save()
-        finished_sending, finished_recving = w.get_finished(out.finished_req_ids)
-        invalid = w.get_block_ids_with_load_errors()
+        return scheduled
+
+    def _check_reads(self, n: int, reads, invalid: set[int], known: set[int]) -> None:
+        """Record a violation for every wrong read vLLM was not told of."""
         self.invalid_by_step[n] = set(invalid)
         # vLLM rolls back (or fails) every running request whose computed blocks include
         # a load error, once it sees the error: in this step, or with async scheduling the
@@ -364,14 +387,16 @@ class Engine:
         # vLLM's to recompute; vLLM 0.32's async rollback of a request that shared a
         # failed block keeps the token it computed in the next step.
         reported = invalid | self.invalid_by_step.get(n - 1, set())
-        known = getattr(w.worker_half, "_poisoned", set())
         for rid, wrong, done in reads:
             if wrong - known and reported.isdisjoint(self.tables[rid][: (done + B - 1) // B]):
                 self.violations.append(Violation(
                     n, f"{rid} read wrong KV in blocks {sorted(wrong)} "
                     f"(table {self.tables[rid][: (done + B - 1) // B]}, computed {done})"))
-        worker_meta = w.build_connector_worker_meta()
-        w.clear_connector_metadata()
+
+    def _runner_output(self, scheduled, kv_out):
+        """The step's ``ModelRunnerOutput``: the sampled tokens and ``kv_out``."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
         req_ids = [rid for rid, _, _ in scheduled]
         sampled = []
         for rid, done, num in scheduled:
@@ -382,11 +407,6 @@ class Engine:
                 sampled.append([])
             else:
                 sampled.append([next_token(self._tokens(rid, done + num))])
-        kv_out = KVConnectorOutput(
-            finished_sending=finished_sending, finished_recving=finished_recving,
-            invalid_block_ids=invalid, kv_connector_worker_meta=worker_meta,
-            kv_connector_stats=w.get_kv_connector_stats(),  # as vLLM's model runner does
-        )
         return ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},

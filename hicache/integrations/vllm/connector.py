@@ -50,6 +50,7 @@ from hicache.integrations.vllm.requests import ScheduledRequest
 from hicache.integrations.vllm.scheduler import SchedulerHalf
 from hicache.integrations.vllm.stats import HiCacheConnectorStats, SchedulerReport
 from hicache.integrations.vllm.third_tier import rank_salt
+from hicache.integrations.vllm.tp import check_parallelism, vllm_rank_group
 from hicache.integrations.vllm.worker import WorkerHalf
 
 if TYPE_CHECKING:
@@ -143,6 +144,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.hc_config = ConnectorConfig.from_sources(extra)  # extra > HICACHE_* > file
+        check_parallelism(vllm_config.parallel_config)
         if len(kv_cache_config.kv_cache_groups) != 1:
             raise ValueError(
                 "HiCacheConnector: expected one KV cache group (full attention in every "
@@ -200,16 +202,13 @@ class HiCacheConnector(KVConnectorBase_V1):
     # ============================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         backend = self._open_storage() if self.hc_config.storage else None
-        salt = None
         tp = self._vllm_config.parallel_config.tensor_parallel_size
-        if tp > 1:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-            salt = rank_salt(get_tensor_model_parallel_rank(), tp)
+        ranks = vllm_rank_group() if tp > 1 else None
         self.worker_half = WorkerHalf(
             self.hc_config, kv_caches, num_blocks=self._kv_cache_config.num_blocks,
             block_size=self.block_size, num_host_pages=self.num_host_pages,
-            storage_backend=backend, key_salt=salt,
+            storage_backend=backend, rank_group=ranks,
+            key_salt=rank_salt(ranks.rank, ranks.world_size) if ranks is not None else None,
         )
         if self.worker_half.layout.page_nbytes != self.page_nbytes:
             raise ValueError(

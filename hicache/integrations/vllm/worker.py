@@ -44,14 +44,15 @@ from dataclasses import dataclass
 import torch
 
 from hicache.integrations.vllm.config import ConnectorConfig
+from hicache.integrations.vllm.executor_choice import choose_executor
 from hicache.integrations.vllm.faults import ENV as FAULTS_ENV
 from hicache.integrations.vllm.faults import FaultRates, FaultyBackend, FaultyCopier
 from hicache.integrations.vllm.layout import BlockCopier, BlockLayout, BlockPool
 from hicache.integrations.vllm.plan import StepPlan
 from hicache.integrations.vllm.third_tier import salt_keys
+from hicache.integrations.vllm.tp import RankGroup, share_load_errors
 from hicache.memory import HostPool
 from hicache.transfer import Transfer, TransferEngine
-from hicache.transfer.affinity import spare_cpus
 
 _log = logging.getLogger(__name__)
 
@@ -115,10 +116,14 @@ class WorkerHalf:
         num_host_pages: int,
         storage_backend=None,
         key_salt: str | None = None,
+        rank_group: RankGroup | None = None,
         native: bool | None = None,
         copier_hook=None,
     ) -> None:
-        """``copier_hook`` (tests): wraps the CPU copier, e.g. to delay or fail copies."""
+        """``key_salt``: this rank's storage key salt; ``rank_group``: the engine's
+        tensor-parallel ranks (None with one), with which this worker shares each
+        step's load errors. ``copier_hook`` (tests): wraps the CPU copier, e.g. to
+        delay or fail copies."""
         self.config = config
         self.layout = BlockLayout(kv_caches, num_blocks, block_size)
         kv = self.layout.host_kv_config()
@@ -127,26 +132,8 @@ class WorkerHalf:
         self.host_pool = HostPool(kv, num_host_pages, reserve_nbytes=config.host_reserve_nbytes,
                                   prefault=True)
         pool = BlockPool(self.layout, kv)
-        executor = config.executor
-        copy_cpus = None if config.copy_cpus is None else frozenset(config.copy_cpus)
-        detected = False
-        if executor == "auto":
-            if self.layout.device.type == "cuda":
-                executor = "cuda"
-            elif copy_cpus is None:
-                # vLLM's CPU worker binds one compute thread to each of its cores, and a
-                # thread started here inherits the model runner's single-core affinity: a
-                # copy thread left there can only preempt a compute thread, and the others
-                # then wait for it at the next barrier of the forward (measured on 2 cores:
-                # decode steps ~10% slower while saving). So the copy threads go to the
-                # cores vLLM keeps off its workers (for the scheduler and KV connectors)
-                # and copy while the forward runs; with none, "sync" copies between two
-                # forwards, in the model runner's thread.
-                copy_cpus = spare_cpus() or None
-                detected = copy_cpus is not None
-                executor = "thread" if detected else "sync"
-            else:
-                executor = "thread"
+        executor, copy_cpus, detected = choose_executor(config, self.layout.device.type,
+                                                        rank_group)
         copier = None
         if executor == "cuda":
             if pool.k_buffers is None:
@@ -185,6 +172,7 @@ class WorkerHalf:
 
             self.storage = StorageTier(storage_backend, self.host_pool)
         self._key_salt = key_salt
+        self._ranks = rank_group
         self._load: Transfer | None = None
         self._load_blocks: list[int] = []
         self._saves: list[_Save] = []  # saves and their storage writes in flight
@@ -274,6 +262,8 @@ class WorkerHalf:
         if self._load is not None:
             self._load.wait()
             self._poll()
+        if plan.loads and self._ranks is not None:  # every rank: the plan is the same
+            self._errors = share_load_errors(self._ranks, self._errors)
         if not (plan.loads or plan.saves or self._errors or self._poisoned):
             return  # most decode steps: nothing moves, nothing to follow
         loaded = [b for op in plan.loads for b in op.block_ids]
