@@ -98,11 +98,12 @@ def test_storage_epoch_on_reset_must_be_a_bool():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("load=0.2,bogus=1", "expected load=, save=, read= or seed= entries, got 'bogus=1'"),
-    ("load", "expected load=, save=, read= or seed= entries, got 'load'"),
+    ("load=0.2,bogus=1", "expected load=, save=, read=, seed= or rank= entries, got 'bogus=1'"),
+    ("load", "expected load=, save=, read=, seed= or rank= entries, got 'load'"),
     ("save=lots", "save: expected a number, got 'lots'"),
     ("read=1.5", "read: expected a fraction in [0, 1], got 1.5"),
     ("seed=0.5", "seed: expected a number, got '0.5'"),
+    ("rank=first", "rank: expected a number, got 'first'"),
 ])
 def test_fault_hook_refuses_bad_entries_by_name(text, message):
     from hicache.integrations.vllm.faults import FaultRates
@@ -119,3 +120,6 @@ def test_fault_hook_is_off_unless_set(monkeypatch):
     assert FaultRates.from_env() is None
     monkeypatch.setenv("HICACHE_FAULTS", "load=0.25,seed=3")
     assert FaultRates.from_env() == FaultRates(load=0.25, seed=3)
+    monkeypatch.setenv("HICACHE_FAULTS", "load=0.25,rank=1")  # tensor-parallel rank 1 only
+    assert FaultRates.from_env(0) is None
+    assert FaultRates.from_env(1) == FaultRates(load=0.25, rank=1)

@@ -214,3 +214,88 @@ def test_a_stored_page_missing_one_ranks_shard_is_not_promised(tp, tmp_path):
     assert fresh.storage_errors() == []
     fresh.close()
     assert threading.active_count() < 50
+
+
+def _block_hashes(tokens: list[int], B: int, salt: str | None = None) -> list:
+    """vLLM's block hashes of ``tokens``' whole blocks (a fresh Request's)."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, maybe_convert_block_hash
+    from vllm.v1.request import Request
+
+    req = Request(request_id="truth", prompt_token_ids=list(tokens),
+                  sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
+                  block_hasher=get_request_block_hasher(B, sha256), cache_salt=salt)
+    return [maybe_convert_block_hash(h) for h in req.block_hashes]
+
+
+def test_third_tier_announced_once_every_rank_stored_it(tp, tmp_path):
+    """KV cache events of the third tier (medium STORAGE), two ranks: a block is announced
+    once both ranks' writes of its page landed, never twice however often it is written
+    again, never when one rank's write failed; invalidating the tier removes them all.
+    A subscriber on vLLM's own ZMQ publisher replays the stream."""
+    import time
+
+    from test_vllm_kv_events import Subscriber
+    from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE
+
+    from hicache.integrations.vllm.third_tier import rank_salt, salt_keys
+    from hicache.storage import make_storage
+
+    B = tp.B
+    endpoint = f"ipc://{tmp_path}/kv-events"
+    store = tmp_path / "store"
+    e = tp.TPEngine(num_blocks=24, max_num_batched_tokens=256,
+                    extra={"host_tokens": 8 * B, "tree": "python", "storage": f"file:{store}"},
+                    kv_events={"enable_kv_cache_events": True, "publisher": "zmq",
+                               "endpoint": endpoint, "topic": "kv"})
+    sub = Subscriber(endpoint)
+    time.sleep(0.5)
+    tier = e.workers[1].worker_half.storage
+    real = tier.backend
+
+    class NoWrites:  # rank 1's store refuses writes while set
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def set(self, keys, views):
+            raise OSError("injected storage write failure")
+
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, 500) for _ in range(3 * B + 5)] for _ in range(3)]
+    for turn, i in enumerate([0, 1, 0, 2, 1, 0]):
+        tier.backend = NoWrites() if i == 2 else real  # prompt 2: rank 0's shards only
+        e.add(f"r{turn}", prompts[i] + [turn + 1], max_tokens=2)
+        e.run()
+        e.quiesce()
+        e.step()  # the writes' reports reach the scheduler
+        assert e.scheduler.reset_prefix_cache()
+    e.check()
+    events = e.connector._tier_events
+    assert events.num_pending == 0
+    # Truth: the blocks whose pages the tier holds for both ranks.
+    from hicache.integrations.vllm.requests import RequestState
+
+    backend = make_storage(f"file:{store}", page_nbytes=e.connector.page_nbytes)
+    half = e.connector.scheduler_half
+    expected = set()
+    for seq in e.sequences:
+        keys = half._keys(RequestState(seq, None), len(seq) // B)
+        num = min(backend.exists(salt_keys(keys, rank_salt(r, 2))) for r in range(2))
+        expected |= set(_block_hashes(seq, B)[:num])
+    backend.close()
+    assert events.num_announced == len(expected) > 0
+    # Invalidated (a new epoch): every block announced is removed.
+    e.scheduler.reset_prefix_cache(reset_connector=True)
+    e.step()
+    assert events.num_announced == 0
+    e.scheduler.kv_event_publisher.shutdown()
+    sub.drain()
+    held, errors = sub.replay(MEDIUM_STORAGE)
+    assert errors == [] and held == set()
+    assert sub.ever_stored(MEDIUM_STORAGE) == expected
+    # prompt 2's blocks: in host memory (CPU), never in the tier (rank 1 never stored them)
+    p2 = set(_block_hashes(prompts[2] + [4], B)[:3])
+    assert p2 <= sub.ever_stored(MEDIUM_CPU) and not p2 & sub.ever_stored(MEDIUM_STORAGE)
+    e.close()
+    sub.close()

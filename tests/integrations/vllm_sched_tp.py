@@ -123,6 +123,9 @@ class TPEngine(Engine):
             if w.worker_half.storage is not None:
                 tier = w.worker_half.storage
                 tier.backend = faults.wrap_backend(tier.backend)
+                if self.kv_events:  # as register_kv_caches does
+                    w.worker_half.write_reports = ([], [])
+            w._rank = r
             self.workers.append(w)
             self.kvs.append(kv)
             self.rank_faults.append(faults)

@@ -19,10 +19,7 @@ load or forward of that step. See docs/vllm.md.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
-import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,8 +32,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from hicache.integrations.vllm.clocks import timed_scheduler_hook as _timed_scheduler
+from hicache.integrations.vllm.clocks import timed_worker_hook as _timed
 from hicache.integrations.vllm.config import ConnectorConfig
 from hicache.integrations.vllm.identity import page_nbytes, storage_identity
+from hicache.integrations.vllm.metadata import HiCacheConnectorMetadata, HiCacheWorkerMetadata
 from hicache.integrations.vllm.params import (
     ERROR_KEY,
     RequestControl,
@@ -73,64 +73,11 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from hicache.integrations.vllm.kv_events import HostTierEvents
+    from hicache.integrations.vllm.tier_events import StorageTierEvents
 
 _log = logging.getLogger(__name__)
 
 
-@dataclass
-class HiCacheConnectorMetadata(StepPlan, KVConnectorMetadata):
-    """The step plan, as vLLM's connector metadata."""
-
-
-@dataclass
-class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: host pages that turned bad this step (union over workers)."""
-
-    bad_host_pages: set[int] = field(default_factory=set)
-    # vLLM blocks found to hold wrong KV (a failed load, or computed over one)
-    poisoned_blocks: set[int] = field(default_factory=set)
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        if isinstance(other, HiCacheWorkerMetadata):
-            self.bad_host_pages |= other.bad_host_pages
-            self.poisoned_blocks |= other.poisoned_blocks
-        return self
-
-
-def _clocked(add):
-    """A hook decorator: each call's wall and CPU seconds (this thread's) go to
-    ``add(connector, wall, cpu)``. Wall time includes waits for a core, and for copies
-    of other threads; CPU time is what the hook itself took from its core."""
-
-    def decorate(hook):
-        @functools.wraps(hook)
-        def timed(self: HiCacheConnector, *args: Any, **kwargs: Any) -> Any:
-            start, start_cpu = time.perf_counter(), time.thread_time()
-            try:
-                return hook(self, *args, **kwargs)
-            finally:
-                add(self, time.perf_counter() - start, time.thread_time() - start_cpu)
-
-        return timed
-
-    return decorate
-
-
-def _add_worker_seconds(self: HiCacheConnector, wall: float, cpu: float) -> None:
-    if self.worker_half is not None:
-        self.worker_half.counters.hook_seconds += wall
-        self.worker_half.counters.hook_cpu_seconds += cpu
-
-
-def _add_scheduler_seconds(self: HiCacheConnector, wall: float, cpu: float) -> None:
-    self._scheduler_report.add_seconds(wall, cpu)
-
-
-# A worker-side hook's time goes to the worker's ``hook_seconds`` (the connector's share
-# of vLLM's step on the worker, copies made there included); a scheduler-side hook's to
-# the scheduler half's clock (lookups, plans, request ends).
-_timed = _clocked(_add_worker_seconds)
-_timed_scheduler = _clocked(_add_scheduler_seconds)
 
 
 class HiCacheConnector(KVConnectorBase_V1):
@@ -162,6 +109,10 @@ class HiCacheConnector(KVConnectorBase_V1):
         # Per request: (its control, its namespace in hicache's tiers); see params.py
         self._controls: dict[str, tuple[RequestControl, str | None]] = {}
         self._events: HostTierEvents | None = None  # the host tier's KV cache events, when on
+        self._tier_events: StorageTierEvents | None = None  # the third tier's, when on
+        events = getattr(vllm_config, "kv_events_config", None)
+        self._events_on = events is not None and events.enable_kv_cache_events
+        self._rank = 0  # this worker's tensor-parallel rank (worker side)
         self.scheduler_half: SchedulerHalf | None = None
         self.worker_half: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -172,14 +123,17 @@ class HiCacheConnector(KVConnectorBase_V1):
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
             )
             self._scheduler_report.start(self.scheduler_half)
-            events = getattr(vllm_config, "kv_events_config", None)
-            if events is not None and events.enable_kv_cache_events:
+            if self._events_on:
                 from hicache.integrations.vllm.kv_events import HostTierEvents
+                from hicache.integrations.vllm.tier_events import StorageTierEvents
 
                 self._events = HostTierEvents(
                     self.block_size, self._requests.get,
                     getattr(kv_cache_config, "hash_block_size", None))
                 self.scheduler_half.page_listener = self._events
+                if backend is not None:
+                    self._tier_events = StorageTierEvents(
+                        self._events, vllm_config.parallel_config.tensor_parallel_size)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -210,6 +164,9 @@ class HiCacheConnector(KVConnectorBase_V1):
             storage_backend=backend, rank_group=ranks,
             key_salt=rank_salt(ranks.rank, ranks.world_size) if ranks is not None else None,
         )
+        self._rank = ranks.rank if ranks is not None else 0
+        if self._events_on and backend is not None:
+            self.worker_half.write_reports = ([], [])  # for the third tier's events
         if self.worker_half.layout.page_nbytes != self.page_nbytes:
             raise ValueError(
                 f"HiCacheConnector: registered KV holds {self.worker_half.layout.page_nbytes} "
@@ -279,11 +236,16 @@ class HiCacheConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if self.worker_half is None:
             return None
-        bad = self.worker_half.take_bad_pages()
-        poisoned = self.worker_half.take_poisoned_blocks()
-        if not (bad or poisoned):
+        half = self.worker_half
+        bad, poisoned = half.take_bad_pages(), half.take_poisoned_blocks()
+        written, unwritten = half.write_reports or ((), ())
+        if not (bad or poisoned or written or unwritten):
             return None
-        return HiCacheWorkerMetadata(bad_host_pages=bad, poisoned_blocks=poisoned)
+        if half.write_reports is not None:
+            half.write_reports = ([], [])
+        return HiCacheWorkerMetadata(
+            bad_host_pages=bad, poisoned_blocks=poisoned,
+            written_keys={key: {self._rank} for key in written}, unwritten_keys=set(unwritten))
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
@@ -402,6 +364,8 @@ class HiCacheConnector(KVConnectorBase_V1):
                 num_tokens.get(req_id, 0), self._namespace(req),
             ))
         plan = self.scheduler_half.build_plan(scheduled)
+        if self._tier_events is not None:
+            self._tier_events.planned(plan.early_saves + plan.saves)
         return HiCacheConnectorMetadata(
             loads=plan.loads, saves=plan.saves, early_saves=plan.early_saves,
             new_block_ids=plan.new_block_ids, blocks=plan.blocks, computes=plan.computes,
@@ -412,6 +376,8 @@ class HiCacheConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, HiCacheWorkerMetadata) and self.scheduler_half is not None:
             self.scheduler_half.mark_bad(meta.bad_host_pages)
+            if self._tier_events is not None:
+                self._tier_events.written(meta.written_keys, meta.unwritten_keys)
             self.scheduler_half.saves.forget_blocks(meta.poisoned_blocks)  # never saved
             if meta.poisoned_blocks and self._block_pool is not None:
                 # No later request may hit them in vLLM's prefix cache: a request that
@@ -439,11 +405,18 @@ class HiCacheConnector(KVConnectorBase_V1):
         return False, None
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        """The host tier's ``BlockStored`` / ``BlockRemoved`` events since the last call
-        (vLLM publishes them with its own; see :mod:`~hicache.integrations.vllm.kv_events`)."""
-        return self._events.take() if self._events is not None else ()
+        """The host tier's and the third tier's ``BlockStored`` / ``BlockRemoved`` events
+        since the last call (vLLM publishes them with its own; see
+        :mod:`~hicache.integrations.vllm.kv_events`, :mod:`~hicache.integrations.vllm.tier_events`)."""
+        if self._events is None:
+            return ()
+        return self._events.take() + (self._tier_events.take() if self._tier_events else [])
 
     def reset_cache(self) -> bool | None:
         if self.scheduler_half is None:
             return None
-        return self.scheduler_half.reset()
+        epoch = self.scheduler_half.epoch
+        ok = self.scheduler_half.reset()
+        if self._tier_events is not None and self.scheduler_half.epoch != epoch:
+            self._tier_events.invalidated()
+        return ok

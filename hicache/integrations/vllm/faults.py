@@ -8,7 +8,8 @@ broken device, a full disk or a flaky store would::
 
 ``load``/``save``: the fraction of host -> block / block -> host copies that raise
 (CPU executors: the CUDA executor copies on its own streams); ``read``: the fraction
-of third-tier reads that raise. Each injected failure is logged at WARNING
+of third-tier reads that raise; ``rank=N``: only tensor-parallel rank ``N`` fails
+(default: every rank, each with the same seed). Each injected failure is logged at WARNING
 (``hicache faults: injected ...``). Nothing here is used unless the variable is set.
 """
 
@@ -30,30 +31,33 @@ class FaultRates:
     save: float = 0.0
     read: float = 0.0
     seed: int = 0
+    rank: int | None = None  # only this tensor-parallel rank injects (None: every rank)
 
     @classmethod
     def parse(cls, text: str) -> FaultRates:
-        """``"load=0.2,save=0.1,read=0.2,seed=1"`` (any subset); a bad entry is a
+        """``"load=0.2,save=0.1,read=0.2,seed=1,rank=0"`` (any subset); a bad entry is a
         ValueError naming it."""
         values: dict[str, float | int] = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             name, sep, value = item.partition("=")
-            if not sep or name not in ("load", "save", "read", "seed"):
-                raise ValueError(f"{ENV}: expected load=, save=, read= or seed= entries, "
-                                 f"got {item!r}")
+            if not sep or name not in ("load", "save", "read", "seed", "rank"):
+                raise ValueError(f"{ENV}: expected load=, save=, read=, seed= or rank= "
+                                 f"entries, got {item!r}")
             try:
-                number = int(value) if name == "seed" else float(value)
+                number = int(value) if name in ("seed", "rank") else float(value)
             except ValueError:
                 raise ValueError(f"{ENV}: {name}: expected a number, got {value!r}") from None
-            if name != "seed" and not 0.0 <= number <= 1.0:
+            if name not in ("seed", "rank") and not 0.0 <= number <= 1.0:
                 raise ValueError(f"{ENV}: {name}: expected a fraction in [0, 1], got {value}")
             values[name] = number
         return cls(**values)  # type: ignore[arg-type]
 
     @classmethod
-    def from_env(cls) -> FaultRates | None:
+    def from_env(cls, rank: int = 0) -> FaultRates | None:
+        """The rates for tensor-parallel rank ``rank`` (None: this rank injects nothing)."""
         text = os.environ.get(ENV)
-        return cls.parse(text) if text else None
+        rates = cls.parse(text) if text else None
+        return None if rates is None or rates.rank not in (None, rank) else rates
 
 
 class FaultyCopier:

@@ -18,6 +18,7 @@ vLLM's cache.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,9 @@ class HostTierEvents:
         self.medium = medium
         self._announced: dict[int, Any] = {}  # host page -> the block hash it was stored as
         self._events: list[KVCacheEvent] = []
+        # Host page -> its block's own one-block BlockStored (medium None), kept while
+        # the page is announced, for the third tier's events (see tier_events.py).
+        self.blocks: dict[int, BlockStored] | None = None
 
     # The scheduler half's PageListener
     def cached(self, req_id: str, first_page: int, host_pages: list[int]) -> None:
@@ -76,24 +80,28 @@ class HostTierEvents:
             keys, mm_idx = generate_block_hash_extra_keys(request, i * P, (i + 1) * P, mm_idx)
             extra.append(keys)
         lora = request.lora_request
-        self._events.append(BlockStored(
-            block_hashes=new,
-            parent_block_hash=(maybe_convert_block_hash(hashes[first_block - 1])
-                               if first_block else None),
-            token_ids=list(request.all_token_ids[start:end]),
-            block_size=P,
-            lora_id=lora.adapter_id if lora else None,
-            medium=self.medium,
-            lora_name=lora.name if lora else None,
-            extra_keys=to_event_extra_keys(extra),
-            group_idx=0,
-            session_id=getattr(request, "session_id", None),
-        ))
+        parent = maybe_convert_block_hash(hashes[first_block - 1]) if first_block else None
+        tokens = list(request.all_token_ids[start:end])
+        run = functools.partial(
+            BlockStored, block_size=P, lora_id=lora.adapter_id if lora else None,
+            lora_name=lora.name if lora else None, group_idx=0,
+            session_id=getattr(request, "session_id", None))
+        self._events.append(run(block_hashes=new, parent_block_hash=parent, token_ids=tokens,
+                                medium=self.medium, extra_keys=to_event_extra_keys(extra)))
+        if self.blocks is not None:
+            for i, page in enumerate(pages):
+                self.blocks[page] = run(
+                    block_hashes=[new[i]], parent_block_hash=new[i - 1] if i else parent,
+                    token_ids=tokens[i * P:(i + 1) * P], medium=None,
+                    extra_keys=to_event_extra_keys(extra[i:i + 1]))
 
     def removed(self, host_pages: Sequence[int]) -> None:
         """``host_pages`` left the host tier: one ``BlockRemoved`` of the hashes they
         were announced with (pages never announced are skipped)."""
         gone = [self._announced.pop(int(p)) for p in host_pages if int(p) in self._announced]
+        if self.blocks is not None:
+            for p in host_pages:
+                self.blocks.pop(int(p), None)
         if gone:
             self._events.append(BlockRemoved(block_hashes=gone, medium=self.medium,
                                              group_idx=0))

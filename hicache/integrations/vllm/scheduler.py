@@ -434,6 +434,11 @@ class SchedulerHalf:
 
     # ------------------------------------------------------------ inspection
     @property
+    def epoch(self) -> int:
+        """The third tier's epoch that storage keys are salted with (bumped by reset)."""
+        return self._epoch
+
+    @property
     def num_live_requests(self) -> int:
         return len(self._reqs)
 

@@ -23,7 +23,7 @@ REPORT_EVERY_STEPS = 32
 @dataclass
 class HiCacheConnectorStats(KVConnectorStats):
     """Counters of one interval: the workers' (see
-    :class:`~hicache.integrations.vllm.worker.WorkerStats`), the scheduler half's (see
+    :class:`~hicache.integrations.vllm.worker_stats.WorkerStats`), the scheduler half's (see
     :class:`~hicache.integrations.vllm.scheduler.SchedulerStats`, and its
     ``scheduler_steps``, ``scheduler_hook_seconds``, ``scheduler_hook_cpu_seconds``),
     and the host tier's ``host_pages_used`` / ``host_pages_free`` (snapshots)."""

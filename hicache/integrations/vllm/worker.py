@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -51,35 +50,11 @@ from hicache.integrations.vllm.layout import BlockCopier, BlockLayout, BlockPool
 from hicache.integrations.vllm.plan import StepPlan
 from hicache.integrations.vllm.third_tier import salt_keys
 from hicache.integrations.vllm.tp import RankGroup, share_load_errors
+from hicache.integrations.vllm.worker_stats import CLOCK_STATS, WorkerStats
 from hicache.memory import HostPool
 from hicache.transfer import Transfer, TransferEngine
 
 _log = logging.getLogger(__name__)
-
-
-@dataclass
-class WorkerStats:
-    """Counters of one worker since the last :meth:`WorkerHalf.take_stats`."""
-
-    load_blocks: int = 0  # blocks loaded into vLLM's KV
-    load_host_blocks: int = 0  # of which found in host memory
-    load_storage_blocks: int = 0  # of which read from the third tier first
-    load_failed_blocks: int = 0  # reported through get_block_ids_with_load_errors
-    load_bytes: int = 0
-    load_seconds: float = 0.0
-    save_blocks: int = 0
-    save_failed_blocks: int = 0
-    save_bytes: int = 0
-    save_seconds: float = 0.0
-    storage_read_bytes: int = 0
-    storage_read_seconds: float = 0.0
-    storage_write_bytes: int = 0
-    storage_write_seconds: float = 0.0
-    storage_errors: int = 0
-    storage_timeouts: int = 0  # reads that did not finish within storage_timeout_s
-    steps: int = 0  # vLLM steps (wait_for_save calls)
-    hook_seconds: float = 0.0  # spent in the connector's worker-side hooks (copies too)
-    hook_cpu_seconds: float = 0.0  # of which the model runner's thread was on a core
 
 
 class _Save:
@@ -145,7 +120,7 @@ class WorkerHalf:
             copier = BlockCopier(self.layout, self.host_pool, native=native, max_threads=1)
             if copier_hook is not None:
                 copier = copier_hook(copier)
-        faults = FaultRates.from_env()
+        faults = FaultRates.from_env(rank_group.rank if rank_group is not None else 0)
         if faults is not None:
             _log.warning("hicache worker: %s set, injecting faults %s", FAULTS_ENV, faults)
             if copier is not None:
@@ -173,6 +148,9 @@ class WorkerHalf:
             self.storage = StorageTier(storage_backend, self.host_pool)
         self._key_salt = key_salt
         self._ranks = rank_group
+        # Third-tier writes that ended (stored, not stored), for the KV cache events
+        # (tier_events.py); None: not reported (events off).
+        self.write_reports: tuple[list[str], list[str]] | None = None
         self._load: Transfer | None = None
         self._load_blocks: list[int] = []
         self._saves: list[_Save] = []  # saves and their storage writes in flight
@@ -297,6 +275,7 @@ class WorkerHalf:
                 busy and not busy.isdisjoint(op.host_pages)
             ):
                 self._mark_bad(op.host_pages)
+                self._report_write(op.storage_keys, 0)
                 self.counters.save_failed_blocks += len(op.block_ids)
                 continue
             host_ids += op.host_pages
@@ -365,7 +344,7 @@ class WorkerHalf:
         """Counters since the last call, or None when nothing moved. Steps and hook time
         alone are not worth a report each step: they ride along with the next one."""
         s = vars(self.counters)  # flat numbers: no deep copy (asdict) on every step
-        if not any(v for k, v in s.items() if k not in _CLOCKS):
+        if not any(v for k, v in s.items() if k not in CLOCK_STATS):
             return None
         self.counters = WorkerStats()
         return dict(s)
@@ -477,6 +456,11 @@ class WorkerHalf:
         self._mark_good(host_pages[:num_done])
         self._mark_bad(host_pages[num_done:])
 
+    def _report_write(self, keys: list[str], num_written: int) -> None:
+        if self.write_reports is not None:
+            self.write_reports[0].extend(keys[:num_written])
+            self.write_reports[1].extend(keys[num_written:])
+
     def _salted(self, keys: list[str]) -> list[str]:
         return salt_keys(keys, self._key_salt)
 
@@ -499,6 +483,7 @@ class WorkerHalf:
             if handle.error is not None:
                 c.save_failed_blocks += handle.num_pages
                 self._mark_bad(rec.host_pages)
+                self._report_write(rec.keys, 0)
                 self._saves.remove(rec)
                 continue
             c.save_blocks += handle.num_pages
@@ -525,6 +510,7 @@ class WorkerHalf:
                 rec = next(r for r in self._saves if r.job is job)
                 self._saves.remove(rec)
                 c.storage_write_seconds += job.seconds
+                self._report_write(rec.keys, job.num_done if job.error is None else 0)
                 if job.error is not None:
                     c.storage_errors += 1
                 else:
@@ -557,9 +543,6 @@ class WorkerHalf:
         self.transfers.close()
         if self.storage is not None:
             self.storage.close()
-
-
-_CLOCKS = ("steps", "hook_seconds", "hook_cpu_seconds")
 
 
 def _ids(ids: list[int]) -> torch.Tensor:

@@ -1,0 +1,45 @@
+"""What the connector's halves send each other through vLLM, once a step.
+
+Scheduler -> workers: the step plan (:class:`HiCacheConnectorMetadata`, a
+:class:`~hicache.integrations.vllm.plan.StepPlan`). Workers -> scheduler:
+:class:`HiCacheWorkerMetadata`, which vLLM aggregates over the tensor-parallel ranks
+(``KVOutputAggregator``) before the scheduler sees it: sets are united.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+from hicache.integrations.vllm.plan import StepPlan
+
+
+@dataclass
+class HiCacheConnectorMetadata(StepPlan, KVConnectorMetadata):
+    """The step plan, as vLLM's connector metadata."""
+
+
+@dataclass
+class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: host pages that turned bad this step (union over workers)."""
+
+    bad_host_pages: set[int] = field(default_factory=set)
+    # vLLM blocks found to hold wrong KV (a failed load, or computed over one)
+    poisoned_blocks: set[int] = field(default_factory=set)
+    # Third-tier writes that ended (KV cache events on): unsalted key -> the ranks that
+    # stored the page, and keys some rank did not store (failed, cancelled or dropped).
+    written_keys: dict[str, set[int]] = field(default_factory=dict)
+    unwritten_keys: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, HiCacheWorkerMetadata):
+            self.bad_host_pages |= other.bad_host_pages
+            self.poisoned_blocks |= other.poisoned_blocks
+            for key, ranks in other.written_keys.items():
+                self.written_keys.setdefault(key, set()).update(ranks)
+            self.unwritten_keys |= other.unwritten_keys
+        return self
