@@ -16,8 +16,8 @@ before the scheduler sees it. What the ranks must agree on, and where it is done
   the same saves (their host pages turn bad on every rank) and never writes that KV
   to the third tier, where a later lookup would find every rank's shard.
 - **Copy cores** (:func:`assign_copy_cpus`). The cores vLLM keeps free of compute are
-  shared out between the ranks, so that no rank's copy thread lands on another rank's
-  compute core or on the core another rank copies on.
+  shared out between the ranks, one each, so that no rank's copy thread lands on another
+  rank's compute core (nor, while spare cores last, on another rank's copy core).
 
 Pipeline parallelism is refused (:func:`check_parallelism`): a stage holds only some
 layers, and the connector's host page is every layer of a block.
