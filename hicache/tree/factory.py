@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 from hicache.config import EvictionPolicy
 from hicache.tree.protocol import RadixTreeLike
@@ -28,7 +29,7 @@ def make_tree(
     kind: str,
     page_size: int,
     eviction: EvictionPolicy | str = EvictionPolicy.LRU,
-    on_split: Callable | None = None,
+    on_split: Callable[[Any, Any], None] | None = None,
 ) -> RadixTreeLike:
     """A radix tree of ``kind``: ``"python"``, ``"native"`` or ``"auto"``.
 

@@ -20,12 +20,14 @@ from __future__ import annotations
 import sys
 import weakref
 from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import numpy as np
 import torch
 
 from hicache.checks import check_int, check_priority
 from hicache.config import EvictionPolicy
+from hicache.native.binding import TreeBinding
 from hicache.native.build import (  # noqa: F401  (re-exported: the tree's build status)
     NativeBuildError,
     load_native,
@@ -41,6 +43,7 @@ from hicache.tree.types import (
     IOStatus,
     MatchResult,
     TokenLike,
+    TreeEvent,
     token_key,
 )
 
@@ -56,7 +59,9 @@ def readable_in_place(tokens: object) -> bool:
     :func:`hicache.tree.token_key`.
     """
     tp = type(tokens)
-    return (tp is np.ndarray or tp is torch.Tensor) and tokens.dtype in _FAST_TOKEN_DTYPES
+    if tp is np.ndarray or tp is torch.Tensor:
+        return cast("np.ndarray[Any, Any] | torch.Tensor", tokens).dtype in _FAST_TOKEN_DTYPES
+    return False
 
 
 def _probe_key_bytes(key: bytes, namespace: object, page_size: int) -> bytes:
@@ -88,7 +93,7 @@ class NativeRadixTree:
         policy = EvictionPolicy(eviction)
         self.eviction = policy
         self.page_size = page_size
-        self._impl = load_native().Tree(page_size, policy.value)
+        self._impl: TreeBinding = load_native().Tree(page_size, policy.value)
         self._proxies: dict[int, NativeNode] = {}
         self._prune_at = 256  # prune proxies of removed nodes when the cache grows past this
         self._on_split: Callable[[NativeNode, NativeNode], None] | None = None
@@ -215,9 +220,8 @@ class NativeRadixTree:
     # --------------------------------------------------------- match/insert
     def match_prefix(self, tokens: TokenLike, namespace: str | None = None) -> MatchResult:
         """Longest cached prefix of ``tokens`` (whole pages); see :meth:`RadixTree.match_prefix`."""
-        if not readable_in_place(tokens):
-            tokens = token_key(tokens, self.page_size)
-        device_len, host_len, last_device, last = self._impl.match(tokens, namespace)
+        arg = tokens if readable_in_place(tokens) else token_key(tokens, self.page_size)
+        device_len, host_len, last_device, last = self._impl.match(arg, namespace)
         proxies = self._proxies
         return MatchResult(
             device_len,
@@ -242,9 +246,8 @@ class NativeRadixTree:
         The tree keeps a copy of ``device_indices`` (it owns what it stores), as the
         Python tree does.
         """
-        if not readable_in_place(tokens):
-            tokens = token_key(tokens, self.page_size)
-        num_cached, last = self._impl.insert(tokens, device_indices, namespace)
+        arg = tokens if readable_in_place(tokens) else token_key(tokens, self.page_size)
+        num_cached, last = self._impl.insert(arg, device_indices, namespace)
         return InsertResult(num_cached, self._proxies.get(last) or self._node(last))
 
     def insert_key(
@@ -329,13 +332,13 @@ class NativeRadixTree:
         """Start logging pages entering or leaving a tier; see :meth:`RadixTree.take_events`."""
         self._impl.enable_events()
 
-    def take_events(self) -> list[tuple]:
+    def take_events(self) -> list[TreeEvent]:
         """Drain the event log; see :meth:`RadixTree.take_events`."""
-        return [tuple(e) for e in self._impl.take_events()]
+        return self._impl.take_events()
 
     def node_hashes(self, node: NativeNode) -> tuple[int | None, list[int]]:
         """``(parent_hash, page hashes)`` of ``node``'s pages; see :meth:`RadixTree.node_hashes`."""
-        return tuple(self._impl.node_hashes(self._handle(node, "node_hashes")))
+        return self._impl.node_hashes(self._handle(node, "node_hashes"))
 
     # ------------------------------------------------------------- eviction
     def evict_device(

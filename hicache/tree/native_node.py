@@ -8,11 +8,13 @@ dicts by them. It knows nothing of tree operations (the tree does them).
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
+from hicache.native.binding import TreeBinding
 from hicache.tree.types import IOStatus
 
 
@@ -24,7 +26,7 @@ class NodeOwner(Protocol):
     """
 
     @property
-    def _impl(self) -> Any: ...  # the binding's tree (hicache/native/csrc/bindings.cpp)
+    def _impl(self) -> TreeBinding: ...
 
     def _node(self, handle: int) -> NativeNode: ...
 
@@ -117,7 +119,7 @@ class NativeNode:
     def num_pages(self, page_size: int) -> int:
         return self._tree._impl.num_tokens(self._h) // page_size
 
-    def tokens(self) -> np.ndarray:
+    def tokens(self) -> npt.NDArray[np.int32]:
         return np.frombuffer(self.key, dtype=np.int32)
 
     def __repr__(self) -> str:

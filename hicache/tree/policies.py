@@ -35,8 +35,11 @@ from hicache.config import EvictionPolicy
 # SLRU: a node hit this many times leaves the probationary segment (SGLang's threshold).
 SLRU_PROTECTED_HITS = 2
 
+# A heap key: ints compared in order (the rank first in the heap, then the policy's key).
+EvictionKey = tuple[int, ...]
 
-def priority_fn(policy: EvictionPolicy) -> Callable[[Any], tuple]:
+
+def priority_fn(policy: EvictionPolicy) -> Callable[[Any], EvictionKey]:
     """Return the key function for a policy: smaller keys are evicted first."""
     if policy is EvictionPolicy.LRU:
         return lambda node: (node.last_access,)
@@ -64,10 +67,10 @@ class CandidateHeap:
     before dropping host copies of device-resident ones.
     """
 
-    def __init__(self, priority: Callable[[Any], tuple], seq_attr: str) -> None:
+    def __init__(self, priority: Callable[[Any], EvictionKey], seq_attr: str) -> None:
         self._priority = priority
         self._seq_attr = seq_attr
-        self._heap: list[tuple[tuple, int, Any]] = []
+        self._heap: list[tuple[EvictionKey, int, Any]] = []
         self._seq = 0
 
     def __len__(self) -> int:
@@ -97,11 +100,11 @@ class CandidateHeap:
             return node
         return None
 
-    def live_priorities(self) -> dict[int, tuple]:
+    def live_priorities(self) -> dict[int, EvictionKey]:
         """Map each entry's seq to its priority; for integrity checks (O(n))."""
         return {seq: prio for prio, seq, _ in self._heap}
 
-    def expected_priority(self, node: Any, rank: int) -> tuple:
+    def expected_priority(self, node: Any, rank: int) -> EvictionKey:
         return (rank, *self._priority(node))
 
     def rebuild(self, candidates: Iterable[tuple[Any, int]]) -> None:

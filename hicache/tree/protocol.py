@@ -13,9 +13,17 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import numpy as np
+    import numpy.typing as npt
     import torch
 
-    from hicache.tree.types import EvictResult, InsertResult, IOStatus, MatchResult, TokenLike
+    from hicache.tree.types import (
+        EvictResult,
+        InsertResult,
+        IOStatus,
+        MatchResult,
+        TokenLike,
+        TreeEvent,
+    )
 
 
 @runtime_checkable
@@ -57,7 +65,7 @@ class NodeLike(Protocol):
     @property
     def on_host(self) -> bool: ...
     def num_pages(self, page_size: int) -> int: ...
-    def tokens(self) -> np.ndarray: ...
+    def tokens(self) -> npt.NDArray[np.int32]: ...
 
 
 @runtime_checkable
@@ -66,12 +74,20 @@ class RadixTreeLike(Protocol):
 
     page_size: int
     on_split: Callable[[Any, Any], None] | None
-    num_nodes: int
-    device_evictable_tokens: int
-    device_protected_tokens: int
-    host_evictable_tokens: int
-    host_protected_tokens: int
-    host_takeable_tokens: int  # host tokens evict_host can take (not held by a lock or IO)
+
+    # Read-only for callers: the tree keeps them.
+    @property
+    def num_nodes(self) -> int: ...
+    @property
+    def device_evictable_tokens(self) -> int: ...
+    @property
+    def device_protected_tokens(self) -> int: ...
+    @property
+    def host_evictable_tokens(self) -> int: ...
+    @property
+    def host_protected_tokens(self) -> int: ...
+    @property
+    def host_takeable_tokens(self) -> int: ...  # host tokens evict_host can take (no lock, no IO)
 
     @property
     def device_tokens(self) -> int: ...
@@ -111,6 +127,6 @@ class RadixTreeLike(Protocol):
     def host_only_path(self, result: MatchResult) -> list[Any]: ...
     def path_to(self, node: Any) -> list[Any]: ...
     def enable_events(self) -> None: ...
-    def take_events(self) -> list[tuple]: ...
+    def take_events(self) -> list[TreeEvent]: ...
     def node_hashes(self, node: Any) -> tuple[int | None, list[int]]: ...
     def check_integrity(self) -> None: ...

@@ -146,6 +146,7 @@ class PrefixIndex(TierMembership):
         assert 0 < num_pages < len(node.key) // self._key_nbytes_per_page, "split point outside the node"
         cut = num_pages * self._key_nbytes_per_page
         parent = node.parent
+        assert parent is not None, "split of a root"
         prefix = TreeNode(self._next_id, node.key[:cut], parent, node.namespace)
         self._next_id += 1
         self.num_nodes += 1

@@ -182,6 +182,7 @@ class Eviction(PrefixIndex):
             return
         node.key += child.key
         node._end_hash = child._end_hash  # node now ends where child ended
+        assert node.host_indices is not None and child.host_indices is not None, "host-only"
         node.host_indices = torch.cat((node.host_indices, child.host_indices))
         node.children = child.children
         for grandchild in node.children.values():
@@ -199,6 +200,7 @@ class Eviction(PrefixIndex):
 
     def _remove(self, node: TreeNode) -> None:
         parent = node.parent
+        assert parent is not None, "removal of a root"
         del parent.children[node.key[: self._key_nbytes_per_page]]
         node.parent = None
         self.num_nodes -= 1

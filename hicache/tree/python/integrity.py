@@ -47,6 +47,7 @@ class IntegrityCheck(EvictionCandidates):
             count += 1
             where = f"node {node.id} ({node.namespace!r})"
             parent = node.parent
+            assert parent is not None, f"{where}: a non-root node without a parent"
             assert len(node.key) > 0 and len(node.key) % pnb == 0, f"{where}: key not whole pages"
             assert parent.children.get(node.key[:pnb]) is node, f"{where}: not keyed by first page"
             assert node.namespace == parent.namespace, f"{where}: namespace differs from parent"
@@ -59,11 +60,11 @@ class IntegrityCheck(EvictionCandidates):
                         f"{where}: {name} has {len(idx)} entries for {num_pages} pages"
                     )
             assert node.on_device or node.on_host, f"{where}: no copy in any tier"
-            if node.on_device:
+            if node.device_indices is not None:
                 assert parent.on_device, f"{where}: on the device but its parent is not"
                 dev_pages.append(node.device_indices)
                 sums["dev_pr" if node.lock_ref else "dev_ev"] += node.num_tokens
-            if node.on_host:
+            if node.host_indices is not None:
                 host_pages.append(node.host_indices)
                 sums["host_pr" if node.host_lock_ref else "host_ev"] += node.num_tokens
                 if not self._host_busy(node):

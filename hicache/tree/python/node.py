@@ -13,6 +13,7 @@ hands in, :func:`own_pages` bounds what a split's slices keep alive.
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from hicache.tree.types import IOStatus
@@ -91,7 +92,7 @@ class TreeNode:
     def on_host(self) -> bool:
         return self.host_indices is not None
 
-    def tokens(self) -> np.ndarray:
+    def tokens(self) -> npt.NDArray[np.int32]:
         return np.frombuffer(self.key, dtype=np.int32)
 
     def __repr__(self) -> str:

@@ -165,8 +165,10 @@ class TierMembership(EvictionCandidates, EventLog):
         node.io_status = IOStatus.NONE
         self._host_changed(node, True, was_busy)
         self.device_evictable_tokens -= node.num_tokens
+        parent = node.parent
+        assert parent is not None, "detach_device: a root is always locked"
         self._refresh(node)
-        self._refresh(node.parent)
+        self._refresh(parent)
         return pages
 
     def attach_host(self, node: TreeNode, host_indices: torch.Tensor) -> None:
