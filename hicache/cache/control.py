@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, NamedTuple
 from hicache.events import AllBlocksCleared, BlockStored, KVEvent, to_event
 
 if TYPE_CHECKING:  # annotations only
+    from hicache.memory import PageAllocator
+    from hicache.storage.worker import EventPages
     from hicache.tree.protocol import RadixTreeLike
 
 
@@ -39,7 +41,9 @@ class ResetResult(NamedTuple):
         return self.kept_device_tokens == 0 and self.kept_host_tokens == 0
 
 
-def drop_unheld(tree: RadixTreeLike, device_allocator, host_allocator) -> tuple[int, int]:
+def drop_unheld(
+    tree: RadixTreeLike, device_allocator: PageAllocator, host_allocator: PageAllocator
+) -> tuple[int, int]:
     """Evict every unlocked device and host copy; (device tokens, host tokens) dropped."""
     num_device = num_host = 0
     while True:  # host-only children leave first, then their device-only parents can
@@ -81,7 +85,7 @@ class EventLog:
         if storage_cleared:
             self._events.append(AllBlocksCleared("storage"))
 
-    def log_storage_stored(self, event_pages: list[tuple], num_pages: int) -> None:
+    def log_storage_stored(self, event_pages: list[EventPages], num_pages: int) -> None:
         """Storage events for the first ``num_pages`` pages a landed write covered.
 
         ``event_pages``: ``(namespace, parent hash, page hashes)`` per node written,

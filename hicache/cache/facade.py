@@ -26,6 +26,8 @@ it owns (:mod:`hicache.cache.parts` lists them and wires them together).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from hicache.cache.control import ResetResult, drop_unheld
@@ -45,6 +47,10 @@ from hicache.checks import (
 from hicache.config import CacheConfig
 from hicache.events import KVEvent
 from hicache.tree import TokenLike, token_key
+
+if TYPE_CHECKING:  # annotations only
+    from hicache.storage.worker import StorageJob
+    from hicache.transfer.base import Transfer
 
 
 class HiCache:
@@ -109,7 +115,7 @@ class HiCache:
             self._lifecycle.raise_priority(h, priority)
         return h
 
-    def load_back(self, h: PrefixHandle):
+    def load_back(self, h: PrefixHandle) -> Transfer | None:
         """Start loading the host-only part of ``h``'s prefix into new device pages.
 
         For handles matched with ``load_back=False``: the tree is matched again,
@@ -214,8 +220,10 @@ class HiCache:
             return 0  # nothing can have finished
         done = self.transfers.poll()
         if storage is not None and not self._loads.setting_up:
+            third_tier = self._third_tier
+            assert third_tier is not None, "a storage worker belongs to a third tier"
             for job in storage.poll():
-                self._third_tier.finish(job)
+                third_tier.finish(job)
         for handle in done:
             rec = self._inflight.pop(handle)
             if rec.kind == "load":
@@ -241,7 +249,7 @@ class HiCache:
         self.poll()
 
     # ------------------------------------------------------------ third tier
-    def prefetch(self, tokens: TokenLike, namespace: str | None = None):
+    def prefetch(self, tokens: TokenLike, namespace: str | None = None) -> StorageJob | None:
         """Start reading the pages of ``tokens`` that only storage holds into host memory.
 
         Call it when a request arrives; :meth:`match` (when the request is scheduled)
@@ -291,7 +299,10 @@ class HiCache:
         dropped_pins = self._pins.drop_all()
         discarded = 0 if self._third_tier is None else self._third_tier.discard_prefetches()
         num_device, num_host = drop_unheld(self.tree, self.device_allocator, self.host_allocator)
-        deleted = self.storage.backend.clear() if clear_storage else None
+        deleted = None
+        if clear_storage:
+            assert self.storage is not None, "a third tier has a storage worker"
+            deleted = self.storage.backend.clear()
         epoch = self._third_tier.new_epoch() if new_epoch and self._third_tier else None
         if self._events is not None:  # a new epoch retires every stored page, as a clear does
             self._events.note_reset(clear_storage or epoch is not None)
@@ -368,7 +379,7 @@ class HiCache:
             self._native.add_counters(self._counters)
         return self._counters
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """Counters plus current occupancy; bandwidths in GB/s (1e9 bytes per second).
 
         After :meth:`close` it still reports the final state (nothing is polled).
@@ -412,6 +423,6 @@ class HiCache:
     def __enter__(self) -> HiCache:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 

@@ -9,7 +9,7 @@ refer to each other.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +17,7 @@ from hicache.checks import check_int
 from hicache.errors import LoadError  # defined with the others; raised from here
 
 if TYPE_CHECKING:  # annotations only
+    from hicache.transfer.base import Transfer
     from hicache.tree import TreeNode
     from hicache.tree.protocol import RadixTreeLike
 
@@ -30,7 +31,7 @@ class InFlightIO:
 
     __slots__ = ("handle", "kind", "nodes", "requests", "evict", "nbytes")
 
-    def __init__(self, handle, kind: str, nodes: list[TreeNode], nbytes: int) -> None:
+    def __init__(self, handle: Transfer, kind: str, nodes: list[TreeNode], nbytes: int) -> None:
         self.handle = handle  # the transfer engine's handle
         self.kind = kind  # "load" | "backup"
         self.nodes = nodes  # grows when a node is split while in flight
@@ -51,7 +52,7 @@ class PrefixHandle:
 
     def __init__(
         self, owner: object, tree: RadixTreeLike, num_layers: int, key: bytes,
-        namespace: str | None, device_len: int, host_len: int, lock_node: TreeNode,
+        namespace: str | None, device_len: int, host_len: int, lock_node: Any,
     ) -> None:
         self._owner = owner  # the HiCache that made it (calls check it is theirs)
         self._tree = tree  # the owner's tree: the prefix's pages are read from it
@@ -62,7 +63,9 @@ class PrefixHandle:
         self.host_len = host_len  # matched only in host memory at match time
         self.prefix_len = device_len  # tokens whose KV is (or is being loaded) on device
         self.load_error: BaseException | None = None
-        self._lock_node = lock_node  # locked; ends the prefix (a native handle: see native_lifecycle.py)
+        # Locked; ends the prefix. A node of the owner's tree (TreeNode or NativeNode); a
+        # native handle is given the node's int handle (see native_lifecycle.py).
+        self._lock_node: Any = lock_node
         self._prefix_pages: torch.Tensor | None = None  # lazily gathered from the tree
         self._new_pages: list[torch.Tensor] = []  # allocated by alloc, owned until inserted
         self._loads: list[InFlightIO] = []

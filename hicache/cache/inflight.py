@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 from hicache.cache.handle import InFlightIO, PrefixHandle
 
 if TYPE_CHECKING:  # annotations only
+    from hicache.storage.worker import StorageJob
+    from hicache.transfer.base import Transfer
     from hicache.tree import TreeNode
     from hicache.tree.protocol import RadixTreeLike
 
@@ -31,7 +33,7 @@ class InFlightTable:
         self._tree = tree
         self.records: dict[int, InFlightIO] = {}  # id(transfer handle) -> record
         self.by_node: dict[TreeNode, InFlightIO] = {}  # nodes with a transfer in flight
-        self.storage_pins: dict[TreeNode, object] = {}  # host-pinned by a storage write (job)
+        self.storage_pins: dict[TreeNode, StorageJob] = {}  # host-pinned by a storage write (job)
         self.num_loading_nodes = 0  # nodes a load is writing (0: no path needs a check)
 
     @property
@@ -47,7 +49,7 @@ class InFlightTable:
         if rec.kind == "load":
             self.num_loading_nodes += len(rec.nodes)
 
-    def pop(self, handle) -> InFlightIO:
+    def pop(self, handle: Transfer) -> InFlightIO:
         """Stop tracking the finished transfer ``handle``; return its record."""
         rec = self.records.pop(id(handle))
         for node in rec.nodes:
@@ -56,10 +58,10 @@ class InFlightTable:
             self.num_loading_nodes -= len(rec.nodes)
         return rec
 
-    def is_tracked(self, handle) -> bool:
+    def is_tracked(self, handle: Transfer) -> bool:
         return id(handle) in self.records
 
-    def pin_for_storage(self, nodes: list[TreeNode], job) -> None:
+    def pin_for_storage(self, nodes: list[TreeNode], job: StorageJob) -> None:
         """Track ``nodes`` as read by the storage write ``job`` (the caller host-locks them)."""
         self._watch_splits()
         for node in nodes:
@@ -68,7 +70,7 @@ class InFlightTable:
     def unpin_storage(self, node: TreeNode) -> None:
         del self.storage_pins[node]
 
-    def storage_writes(self) -> set:
+    def storage_writes(self) -> set[StorageJob]:
         """The storage write jobs in flight."""
         return set(self.storage_pins.values())
 

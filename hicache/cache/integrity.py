@@ -19,15 +19,17 @@ if TYPE_CHECKING:  # annotations only
     from hicache.cache.handle import PrefixHandle
     from hicache.cache.inflight import InFlightTable
     from hicache.cache.pins import Pins
+    from hicache.memory import PageAllocator
+    from hicache.transfer import TransferEngine
     from hicache.tree import TreeNode
     from hicache.tree.protocol import RadixTreeLike
 
 
 def check_cache_integrity(
     tree: RadixTreeLike,
-    device_allocator,
-    host_allocator,
-    transfers,
+    device_allocator: PageAllocator,
+    host_allocator: PageAllocator,
+    transfers: TransferEngine,
     *,
     page_size: int,
     live: Iterable[PrefixHandle],

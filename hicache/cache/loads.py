@@ -18,6 +18,7 @@ import torch
 
 from hicache.cache.inflight import InFlightIO, node_depth
 from hicache.tree import IOStatus
+from hicache.tree.pages import device_pages_of, host_pages_of
 
 if TYPE_CHECKING:  # annotations only
     from hicache.cache.handle import PrefixHandle
@@ -25,6 +26,8 @@ if TYPE_CHECKING:  # annotations only
     from hicache.cache.space import TierSpace
     from hicache.cache.stats import CacheStats
     from hicache.config import CacheConfig
+    from hicache.transfer import TransferEngine
+    from hicache.transfer.base import Transfer
     from hicache.tree import MatchResult, TreeNode
     from hicache.tree.protocol import RadixTreeLike
 
@@ -38,7 +41,7 @@ class Loads:
         tree: RadixTreeLike,
         space: TierSpace,
         inflight: InFlightTable,
-        transfers,
+        transfers: TransferEngine,
         counters: CacheStats,
         *,
         bookkeeping: bool,
@@ -60,7 +63,7 @@ class Loads:
         # would insert host pages (splitting the pinned nodes the load is about to use).
         self.setting_up = False
 
-    def start(self, h: PrefixHandle, result: MatchResult):
+    def start(self, h: PrefixHandle, result: MatchResult) -> Transfer | None:
         """Load ``result``'s host-only path for ``h``; the transfer handle, or None.
 
         None when the load completed as it started (bookkeeping only), or was
@@ -143,13 +146,14 @@ class Loads:
         # failed nodes (and recompute the rest); then the nodes lose their device copy.
         c.loads_failed += 1
         nodes = sorted(rec.nodes, key=node_depth)
-        top = nodes[0]
+        top = nodes[0].parent
+        assert top is not None, "a load into a root"
         for h in rec.requests:
             # Applied by h's own next call (apply_failures): this poll may run
             # inside another request's call, and h's pages must not change under it.
             # The record stays in h._loads so that h.wait_layer raises LoadError.
             if not h.released:
-                h._failed_loads.append((rec, top.parent))
+                h._failed_loads.append((rec, top))
         for node in reversed(nodes):
             if node.lock_ref or any(ch.on_device for ch in node.children.values()):
                 # Someone cached KV below it before the failure was seen: load it again.
@@ -162,7 +166,7 @@ class Loads:
             self._tree.set_io_status(node, IOStatus.LOADING)
             self._tree.host_lock(node)
         handle = self._transfers.load(
-            torch.cat([n.host_indices for n in nodes]), torch.cat([n.device_indices for n in nodes])
+            host_pages_of(nodes), device_pages_of(nodes)
         )
         num_pages = sum(n.num_tokens for n in nodes) // self._page_size
         self._counters.loads_reloaded += 1
@@ -180,7 +184,7 @@ class Loads:
             h._failure_unreported = True
         h._failed_loads = []
 
-    def _truncate(self, h: PrefixHandle, node: TreeNode, error: BaseException) -> None:
+    def _truncate(self, h: PrefixHandle, node: TreeNode, error: BaseException | None) -> None:
         tree = self._tree
         depth = sum(n.num_tokens for n in tree.path_to(node))
         if depth >= h.prefix_len:

@@ -13,19 +13,20 @@ holds both lifecycles to identical trees, pages and counters.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from hicache.cache.handle import PrefixHandle
 from hicache.cache.stats import CacheStats
-from hicache.config import CacheConfig
+from hicache.config import CacheConfig, WritePolicy
 from hicache.tree import TokenLike, token_key
-from hicache.tree.native import NativeNode, readable_in_place
+from hicache.tree.native import NativeNode, NativeRadixTree, readable_in_place
 
 if TYPE_CHECKING:  # annotations only
-    from hicache.tree.native import NativeRadixTree
-    from hicache.tree.protocol import RadixTreeLike
+    from hicache.memory import PageAllocator
+    from hicache.native.binding import LifecycleBinding
+    from hicache.tree.protocol import NodeLike, RadixTreeLike
 
 
 class NativePrefixHandle(PrefixHandle):
@@ -36,29 +37,39 @@ class NativePrefixHandle(PrefixHandle):
     readable from then on, as proxies are); after release the node may be gone.
     """
 
+    _tree: NativeRadixTree
+    _lock_h: int  # the lock node's handle
+
     @property
     def _lock_node(self) -> NativeNode:
         return self._tree._adopt(self._lock_h)
 
     @_lock_node.setter
-    def _lock_node(self, node: NativeNode | int) -> None:
-        self._lock_h = node if type(node) is int else node._h
+    def _lock_node(self, node: NodeLike | int) -> None:
+        if type(node) is int:
+            self._lock_h = node
+        else:
+            assert type(node) is NativeNode, f"a native handle holds native nodes, got {node!r}"
+            self._lock_h = node._h
+
+
+def _native(h: PrefixHandle) -> NativePrefixHandle:
+    """``h``, which :meth:`NativeLifecycle.match` made (HiCache checks a handle is its own)."""
+    return cast(NativePrefixHandle, h)
 
 
 def open_native_lifecycle(
-    config: CacheConfig, tree: RadixTreeLike, device_allocator, host_allocator
+    config: CacheConfig, tree: RadixTreeLike, device_allocator: PageAllocator,
+    host_allocator: PageAllocator,
 ) -> NativeLifecycle | None:
     """The C++ lifecycle where it applies (``config.lifecycle``), else None (Python runs it)."""
     if config.lifecycle == "python" or config.allocate_kv or config.storage is not None:
         return None
-    from hicache.tree.native import NativeRadixTree
-
-    usable = (
-        type(tree) is NativeRadixTree
-        and device_allocator.backend == "native"
-        and host_allocator.backend == "native"
-    )
-    if not usable:
+    if (
+        type(tree) is not NativeRadixTree
+        or device_allocator.backend != "native"
+        or host_allocator.backend != "native"
+    ):
         if config.lifecycle == "native":
             raise ValueError(
                 "lifecycle='native': expected the native tree and free lists, got "
@@ -72,7 +83,7 @@ def open_native_lifecycle(
         tree._impl,
         device_allocator._native,
         host_allocator._native,
-        config.write_policy.value,
+        WritePolicy(config.write_policy).value,
         config.backup_hit_threshold,
         config.load_threshold_tokens,
         config.kv.page_nbytes,
@@ -93,8 +104,8 @@ class NativeLifecycle:
     """
 
     def __init__(
-        self, core, counter_names: list[str], tree: NativeRadixTree, device_allocator,
-        page_size: int, num_layers: int,
+        self, core: LifecycleBinding, counter_names: list[str], tree: NativeRadixTree,
+        device_allocator: PageAllocator, page_size: int, num_layers: int,
     ) -> None:
         self._core = core
         self._device_allocator = device_allocator
@@ -110,16 +121,13 @@ class NativeLifecycle:
                 setattr(c, name, getattr(c, name) + value)
 
     def match(
-        self, owner, tokens: TokenLike, namespace: str | None, load_back: bool
+        self, owner: object, tokens: TokenLike, namespace: str | None, load_back: bool
     ) -> PrefixHandle:
-        if readable_in_place(tokens):  # the binding reads int32/int64 arrays in place
-            num_tokens = len(tokens)
-        else:
-            key = token_key(tokens, self._page_size)  # checks what tokens are first
-            num_tokens = len(tokens)
-            tokens = key
+        # The binding reads int32/int64 arrays in place; token_key checks the others first.
+        arg = tokens if readable_in_place(tokens) else token_key(tokens, self._page_size)
+        num_tokens = len(tokens)
         lock, device_len, host_len, prefix_len, key = self._core.match(
-            tokens, namespace, num_tokens, load_back
+            arg, namespace, num_tokens, load_back
         )
         h = NativePrefixHandle(
             owner, self._tree, self._num_layers, key, namespace, device_len, host_len, lock
@@ -128,17 +136,17 @@ class NativeLifecycle:
         return h
 
     def raise_priority(self, h: PrefixHandle, priority: int) -> None:
-        self._tree._impl.raise_priority(h._lock_h, priority)
+        self._tree._impl.raise_priority(_native(h)._lock_h, priority)
 
     def alloc(self, h: PrefixHandle, num_pages: int) -> torch.Tensor | None:
         return self._core.alloc(num_pages)
 
     def insert(self, h: PrefixHandle, tokens: TokenLike) -> int:
-        if not readable_in_place(tokens):
-            tokens = token_key(tokens, self._page_size)
+        h = _native(h)
+        arg = tokens if readable_in_place(tokens) else token_key(tokens, self._page_size)
         owned = h._new_pages
         run = owned[0] if len(owned) == 1 else torch.cat(owned) if owned else None
-        done = self._core.insert(tokens, h.namespace, h._lock_h, run, h.key, h.prefix_len)
+        done = self._core.insert(arg, h.namespace, h._lock_h, run, h.key, h.prefix_len)
         if done is None:  # no whole page past the prefix
             return 0
         h._lock_h, new_tokens, h.key, rest = done
@@ -148,6 +156,7 @@ class NativeLifecycle:
         return new_tokens
 
     def release(self, h: PrefixHandle) -> None:
+        h = _native(h)
         if len(h._new_pages) <= 1:  # one crossing releases the lock and one run of pages
             self._core.release(h._lock_h, h._new_pages[0] if h._new_pages else None)
             return

@@ -102,7 +102,7 @@ class Pins:
 
     def pinned_device_tokens(self) -> int:
         """Device tokens that pins hold (each node counted once, however many pins share it)."""
-        seen: set = set()
+        seen: set[TreeNode] = set()
         total = 0
         for pin in self._pins.values():
             node = pin.node
@@ -124,7 +124,7 @@ class Pins:
             self._tree.unlock(self._pins.pop(ident).node)
         self._next_expiry = min((pin.expires_at for pin in self._pins.values()), default=math.inf)
 
-    def check(self, want_locks: dict) -> None:
+    def check(self, want_locks: dict[TreeNode, int]) -> None:
         """Integrity: add the pins' locks to ``want_locks``; pins are live and within budget."""
         for (namespace, key), pin in self._pins.items():
             node = pin.node

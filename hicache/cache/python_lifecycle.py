@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # annotations only
     from hicache.cache.stats import CacheStats
     from hicache.cache.storage import ThirdTier
     from hicache.cache.writes import Writes
+    from hicache.transfer.base import Transfer
     from hicache.tree import TreeNode
     from hicache.tree.protocol import RadixTreeLike
 
@@ -61,7 +62,7 @@ class PythonLifecycle:
         self._poll = poll  # the cache's: applies finished transfers and storage jobs
 
     def match(
-        self, owner, tokens: TokenLike, namespace: str | None, load_back: bool
+        self, owner: object, tokens: TokenLike, namespace: str | None, load_back: bool
     ) -> PrefixHandle:
         """Lock the longest cached prefix; start loading its host-only part (``load_back``)."""
         self._poll()
@@ -88,7 +89,7 @@ class PythonLifecycle:
         self._writes.after_match(h._lock_node)
         return h
 
-    def load_back(self, h: PrefixHandle):
+    def load_back(self, h: PrefixHandle) -> Transfer | None:
         """Match ``h``'s tokens again and load what is host-only under its lock now."""
         self._poll()
         self._loads.apply_failures(h)

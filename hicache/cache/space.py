@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # annotations only
     from hicache.cache.inflight import InFlightTable
     from hicache.cache.stats import CacheStats
     from hicache.memory import PageAllocator
+    from hicache.transfer import TransferEngine
     from hicache.tree import TreeNode
     from hicache.tree.protocol import RadixTreeLike
 
@@ -35,7 +36,7 @@ class TierSpace:
         tree: RadixTreeLike,
         device_allocator: PageAllocator,
         host_allocator: PageAllocator,
-        transfers,
+        transfers: TransferEngine,
         inflight: InFlightTable,
         counters: CacheStats,
         *,
@@ -136,7 +137,7 @@ class TierSpace:
         """
         tokens = self.tree.device_evictable_tokens
         if self._inflight.by_node:
-            seen: set = set()
+            seen: set[TreeNode] = set()
             for node in self._inflight.by_node:
                 while node.parent is not None and node.lock_ref == 0 and node not in seen:
                     seen.add(node)

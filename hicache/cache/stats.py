@@ -9,9 +9,10 @@ or the free lists beyond the counts they report.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # annotations only
+    from hicache.memory import PageAllocator
     from hicache.tree.protocol import RadixTreeLike
 
 
@@ -56,7 +57,7 @@ class CacheStats:
     pins_refused: int = 0  # pin calls refused: the pin budget (max_pinned_fraction) was spent
 
 
-def stats_report(c: CacheStats) -> dict:
+def stats_report(c: CacheStats) -> dict[str, Any]:
     """``c`` as a dict, plus hit totals and ratio and the load/backup bandwidths (GB/s)."""
     s = asdict(c)
     s["hit_tokens"] = c.device_hit_tokens + c.host_hit_tokens
@@ -66,7 +67,9 @@ def stats_report(c: CacheStats) -> dict:
     return s
 
 
-def tier_occupancy(tree: RadixTreeLike, device_allocator, host_allocator) -> dict:
+def tier_occupancy(
+    tree: RadixTreeLike, device_allocator: PageAllocator, host_allocator: PageAllocator
+) -> dict[str, int]:
     """Pages used and free in each tier's free list, tokens cached in each tier now."""
     return {
         "device_pages_used": device_allocator.num_used_pages,

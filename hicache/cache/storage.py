@@ -20,11 +20,14 @@ import torch
 from hicache.config import CacheConfig, PrefetchPolicy
 from hicache.storage.base import StorageError
 from hicache.tree import TreeNode
+from hicache.tree.pages import host_pages_of
 
 if TYPE_CHECKING:  # annotations only
     from hicache.cache.inflight import InFlightTable
     from hicache.cache.space import TierSpace
     from hicache.cache.stats import CacheStats
+    from hicache.memory import HostPool
+    from hicache.storage.worker import EventPages, StorageJob
     from hicache.tree.protocol import RadixTreeLike
 
 
@@ -35,13 +38,13 @@ class ThirdTier:
         self,
         config: CacheConfig,
         tree: RadixTreeLike,
-        host_pool,
+        host_pool: HostPool | None,
         space: TierSpace,
         inflight: InFlightTable,
         counters: CacheStats,
         *,
         poll: Callable[[], int],
-        log_stored: Callable[[list[tuple], int], None] | None,
+        log_stored: Callable[[list[EventPages], int], None] | None,
     ) -> None:
         from hicache.storage import make_storage
         from hicache.storage.worker import StorageTier
@@ -53,6 +56,7 @@ class ThirdTier:
             )
         self.page_size = config.page_size
         self._page_nbytes = config.kv.page_nbytes
+        assert config.storage is not None, "a third tier needs a storage spec"
         backend = make_storage(
             config.storage, page_nbytes=self._page_nbytes, secret=config.storage_secret,
             **config.extra.get("storage", {}),
@@ -72,9 +76,9 @@ class ThirdTier:
         self._counters = counters
         self._poll = poll  # the cache's
         self._log_stored = log_stored  # KV events for landed writes; None: events off
-        self.prefetches: list = []  # storage reads in flight
+        self.prefetches: list[StorageJob] = []  # storage reads in flight
 
-    def finish(self, job) -> None:
+    def finish(self, job: StorageJob) -> None:
         """Apply a storage job that finished (the cache's poll)."""
         if job.kind == "write":
             self._finish_write(job)
@@ -107,7 +111,7 @@ class ThirdTier:
         self.epoch = self.worker.backend.bump_epoch()
         return self.epoch
 
-    def start_prefetch(self, key: bytes, namespace: str | None):
+    def start_prefetch(self, key: bytes, namespace: str | None) -> StorageJob | None:
         from hicache.storage.worker import StorageJob
 
         pnb = 4 * self.page_size
@@ -159,7 +163,9 @@ class ThirdTier:
         self._counters.storage_prefetches += 1
         return job
 
-    def _prefetch_continuing(self, key: bytes, namespace: str | None, start: int, end: int):
+    def _prefetch_continuing(
+        self, key: bytes, namespace: str | None, start: int, end: int
+    ) -> StorageJob | None:
         """The read in flight that fetches pages ``start`` onward of ``key`` (at least one
         of them, all as ``key`` has them up to ``end``), or None."""
         pnb = 4 * self.page_size
@@ -181,7 +187,7 @@ class ThirdTier:
                 job.done.wait(self._prefetch_timeout_s)
             self._poll()
 
-    def _finish_read(self, job) -> None:
+    def _finish_read(self, job: StorageJob) -> None:
         self.prefetches.remove(job)
         c = self._counters
         c.storage_read_seconds += job.seconds
@@ -231,7 +237,7 @@ class ThirdTier:
         live = [n for n in nodes if n.host_indices is not None]
         if not live:
             return
-        job = StorageJob("write", keys, torch.cat([n.host_indices for n in live]))
+        job = StorageJob("write", keys, host_pages_of(live))
         self._inflight.pin_for_storage(live, job)
         for node in live:
             self.tree.host_lock(node)
@@ -241,7 +247,7 @@ class ThirdTier:
         self.worker.submit(job)
         self._counters.storage_writes += 1
 
-    def _finish_write(self, job) -> None:
+    def _finish_write(self, job: StorageJob) -> None:
         for node in job.nodes:
             self.tree.host_unlock(node)
             self._inflight.unpin_storage(node)

@@ -47,6 +47,6 @@ def build_tiers(config: CacheConfig) -> Tiers:
     return Tiers(tree, device_allocator, host_allocator, device_pool, host_pool, transfers)
 
 
-def make_tree(config: CacheConfig):
+def make_tree(config: CacheConfig) -> RadixTreeLike:
     """The radix tree ``config.tree`` names: the Python reference tree or the native one."""
     return make_radix_tree(config.tree, config.page_size, config.eviction)

@@ -24,12 +24,14 @@ import torch
 from hicache.cache.inflight import InFlightIO, node_depth
 from hicache.config import WritePolicy
 from hicache.tree import IOStatus
+from hicache.tree.pages import device_pages_of, host_pages_of
 
 if TYPE_CHECKING:  # annotations only
     from hicache.cache.inflight import InFlightTable
     from hicache.cache.space import TierSpace
     from hicache.cache.stats import CacheStats
     from hicache.config import CacheConfig
+    from hicache.transfer import TransferEngine
     from hicache.tree import TreeNode
     from hicache.tree.protocol import RadixTreeLike
 
@@ -43,7 +45,7 @@ class Writes:
         tree: RadixTreeLike,
         space: TierSpace,
         inflight: InFlightTable,
-        transfers,
+        transfers: TransferEngine,
         counters: CacheStats,
         *,
         bookkeeping: bool,
@@ -110,6 +112,7 @@ class Writes:
         started: list[TreeNode] = []
         for i, node in enumerate(nodes):
             parent = node.parent
+            assert parent is not None, "a backup of a root"
             if parent.parent is not None and parent.host_indices is None:
                 break  # the parent first: a later backup through this path takes these
             num_pages = node.num_tokens // self._page_size
@@ -143,10 +146,12 @@ class Writes:
         if not moving:
             return False
         if len(moving) == 1:
-            dev, host = moving[0].device_indices, moving[0].host_indices
+            (node,) = moving
+            dev, host = node.device_indices, node.host_indices
+            assert dev is not None and host is not None, "a backup moves nodes on both tiers"
         else:
-            dev = torch.cat([n.device_indices for n in moving])
-            host = torch.cat([n.host_indices for n in moving])
+            dev = device_pages_of(moving)
+            host = host_pages_of(moving)
         rec = self._submit(dev, host, moving)
         if evict is not None and started[-1] is evict:
             rec.evict = [evict]
@@ -196,8 +201,8 @@ class Writes:
         """Copy ``nodes`` (root side first) into the host pages they keep, again."""
         for node in nodes:
             self._tree.set_io_status(node, IOStatus.BACKING_UP)
-        dev = torch.cat([n.device_indices for n in nodes])
-        host = torch.cat([n.host_indices for n in nodes])
+        dev = device_pages_of(nodes)
+        host = host_pages_of(nodes)
         rec = self._submit(dev, host, nodes)
         if failed.evict is not None:
             rec.evict = [n for n in failed.evict if n in nodes] or None

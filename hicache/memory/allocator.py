@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from hicache.checks import check_int, check_page_tensor
+from hicache.native.binding import FreeListBinding
 
 BACKENDS = ("auto", "native", "numpy")
 
@@ -39,7 +40,7 @@ class PageAllocator:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
         self.name = name
         self.num_pages = num_pages
-        self._native = None
+        self._native: FreeListBinding | None = None
         if backend != "numpy":
             from hicache.native import build as jit
 

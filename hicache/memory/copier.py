@@ -18,7 +18,7 @@ import subprocess
 import sysconfig
 import threading
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -48,9 +48,13 @@ _STAGING_NBYTES = 4 << 20
 # 1.4-2.5x faster.
 STREAMING_MIN_NBYTES = 8 << 20
 
+if TYPE_CHECKING:
+    # One pointer per plane (a layer's K or V), the layout the C copier walks.
+    PointerArray = ctypes.Array[ctypes.c_void_p]
+
 
 def copy_rows(
-    lib: ctypes.CDLL, dst_ptrs, src_ptrs, first_plane: int, num_planes: int,
+    lib: ctypes.CDLL, dst_ptrs: PointerArray, src_ptrs: PointerArray, first_plane: int, num_planes: int,
     dst_stride: int, src_stride: int, row_nbytes: int,
     dst_ids: torch.Tensor, src_ids: torch.Tensor, *,
     max_threads: int | None = None, streaming: bool = False,
@@ -231,7 +235,9 @@ class PageCopier:
         self._buffers = (device_pool.k_buffers, device_pool.v_buffers, host_pool.buffer)
         self._local = threading.local()  # .staging: {is_load: tensor} of this thread
 
-    def load(self, host_ids: torch.Tensor, device_ids: torch.Tensor, first: int, last: int):
+    def load(
+        self, host_ids: torch.Tensor, device_ids: torch.Tensor, first: int, last: int
+    ) -> None:
         """Copy layers ``first .. last-1`` of host pages to device pages."""
         if self.lib is not None:
             self._copy_native(self._dev_ptrs, self._host_ptrs, self.row_nbytes,
@@ -244,7 +250,9 @@ class PageCopier:
         ]
         self._copy_torch(planes, device_ids, host_ids, True)
 
-    def backup(self, device_ids: torch.Tensor, host_ids: torch.Tensor, first: int, last: int):
+    def backup(
+        self, device_ids: torch.Tensor, host_ids: torch.Tensor, first: int, last: int
+    ) -> None:
         """Copy layers ``first .. last-1`` of device pages to host pages."""
         if self.lib is not None:
             self._copy_native(self._host_ptrs, self._dev_ptrs, self.page_nbytes,
@@ -257,7 +265,7 @@ class PageCopier:
         ]
         self._copy_torch(planes, host_ids, device_ids, False)
 
-    def _copy_torch(self, planes, dst_ids: torch.Tensor, src_ids: torch.Tensor,
+    def _copy_torch(self, planes: list[tuple[torch.Tensor, torch.Tensor]], dst_ids: torch.Tensor, src_ids: torch.Tensor,
                     is_load: bool) -> None:
         num_rows = dst_ids.numel()
         if num_rows == 0 or not planes:
@@ -277,7 +285,7 @@ class PageCopier:
                 torch.index_select(src, 0, s_ids, out=chunk)
                 dst.index_copy_(0, d_ids, chunk)
 
-    def _copy_native(self, dst_ptrs, src_ptrs, dst_stride: int, src_stride: int,
+    def _copy_native(self, dst_ptrs: PointerArray, src_ptrs: PointerArray, dst_stride: int, src_stride: int,
                      dst_ids: torch.Tensor, src_ids: torch.Tensor, first: int, last: int) -> None:
         assert 0 <= first <= last <= self.num_layers, (
             f"layer range [{first}, {last}) outside [0, {self.num_layers}): would copy "
@@ -286,6 +294,7 @@ class PageCopier:
         num_rows = dst_ids.numel()
         if num_rows == 0 or first == last:
             return
+        assert self.lib is not None, "native copy without the native copier"
         dst_ids = dst_ids.contiguous()
         src_ids = src_ids.contiguous()
         copy_rows(

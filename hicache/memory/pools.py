@@ -19,6 +19,7 @@ nor how pages move between them (:mod:`hicache.memory.copier`).
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import psutil
 import torch
@@ -75,7 +76,7 @@ def check_device_available(device: str) -> None:
 def available_nbytes(device: str) -> int:
     """Memory a new buffer on ``device`` can take now: CPU available memory, or free CUDA memory."""
     if device == "cpu":
-        return psutil.virtual_memory().available
+        return int(psutil.virtual_memory().available)
     return torch.cuda.mem_get_info(torch.device(device))[0]
 
 
@@ -213,7 +214,7 @@ class DevicePool:
             raise ValueError(f"layer: expected 0 <= layer < {self.kv.num_layers}, got {i}")
 
 
-def _unregister(cudart, ptrs: list[int], buffer: torch.Tensor) -> None:
+def _unregister(cudart: Any, ptrs: list[int], buffer: torch.Tensor) -> None:
     # `buffer` is an argument only to keep the memory alive until it is unregistered.
     for ptr in ptrs:
         cudart.cudaHostUnregister(ptr)
