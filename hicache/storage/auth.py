@@ -41,10 +41,10 @@ class PageAuthenticator:
     __slots__ = ("_mac_key",)
 
     def __init__(self, secret: str | bytes) -> None:
-        secret = check_secret("storage_secret", secret)
-        if secret is None:
+        checked = check_secret("storage_secret", secret)
+        if checked is None:
             raise ValueError("storage_secret: expected a non-empty str or bytes, got None")
-        raw = secret.encode() if isinstance(secret, str) else bytes(secret)
+        raw = checked.encode() if isinstance(checked, str) else bytes(checked)
         # A derived key: the secret itself is not kept, and tags under another label
         # (a future format) never verify as these.
         self._mac_key = hmac.digest(raw, _KDF_LABEL, "sha256")

@@ -41,8 +41,8 @@ import struct
 import threading
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -51,6 +51,8 @@ from hicache.checks import check_int
 from hicache.errors import StorageError  # defined with the others; raised from here
 from hicache.storage.auth import TAG_NBYTES, PageAuthenticator, authenticator_for
 from hicache.storage.keys import check_key
+
+_T = TypeVar("_T")  # what a storage primitive returns
 
 VALUE_HEADER_NBYTES = 64
 _MAGIC = b"HKV1"
@@ -107,7 +109,7 @@ def encode_header(key: str, payload: memoryview, auth: PageAuthenticator | None 
 
 def verify_value(
     key: str,
-    header: bytes | memoryview,
+    header: bytes | bytearray | memoryview,
     payload: memoryview,
     auth: PageAuthenticator | None = None,
 ) -> str:
@@ -127,7 +129,7 @@ def verify_value(
     return INTACT if auth is None else UNAUTHENTIC
 
 
-def check_value(key: str, header: bytes | memoryview, payload: memoryview) -> bool:
+def check_value(key: str, header: bytes | bytearray | memoryview, payload: memoryview) -> bool:
     """True when ``header`` + ``payload`` is an intact value stored under ``key`` (no secret)."""
     return verify_value(key, header, payload) == INTACT
 
@@ -140,11 +142,11 @@ def byte_view(buf: Any, nbytes: int | None, *, writable: bool) -> memoryview:
             raise ValueError(f"buffer: expected a CPU tensor, got device {buf.device}")
         if not buf.is_contiguous():
             raise ValueError("buffer: expected a contiguous tensor, got a strided view")
-        view = memoryview(buf.detach().reshape(-1).view(torch.uint8).numpy())
+        view = buf.detach().reshape(-1).view(torch.uint8).numpy().data
     elif isinstance(buf, np.ndarray):
         if not buf.flags.c_contiguous:
             raise ValueError("buffer: expected a C-contiguous array, got a strided view")
-        view = memoryview(buf.reshape(-1).view(np.uint8))
+        view = buf.reshape(-1).view(np.uint8).data
     else:
         try:
             view = memoryview(buf)
@@ -329,7 +331,7 @@ class StorageBackend(ABC):
         """The header to store in front of ``payload`` (tagged with a secret)."""
         return encode_header(key, payload, self._auth)
 
-    def _verify(self, key: str, header: bytes | memoryview, payload: memoryview) -> str:
+    def _verify(self, key: str, header: bytes | bytearray | memoryview, payload: memoryview) -> str:
         """Verify a value read back; count it when it is not intact."""
         verdict = verify_value(key, header, payload, self._auth)
         if verdict == CORRUPT:
@@ -350,7 +352,7 @@ class StorageBackend(ABC):
             raise TypeError("keys: expected a sequence of keys, got a single str")
         return [check_key(k) for k in keys]
 
-    def _run(self, op: Any, *args: Any) -> int:
+    def _run(self, op: Callable[..., _T], *args: Any) -> _T:
         """Run a primitive; whatever it raises reaches the caller as a counted StorageError.
 
         Arguments were validated before, so an exception here is the backend's

@@ -166,7 +166,7 @@ def foreign_entries(root_fd: int, limit: int = 3) -> list[str]:
 def _foreign_in_subdir(root_fd: int, subdir: str, limit: int) -> list[str]:
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(subdir, flags, dir_fd=root_fd)
-    found = []
+    found: list[str] = []
     try:
         with os.scandir(fd) as entries:
             for entry in entries:

@@ -213,7 +213,7 @@ class MooncakeStorage(StorageBackend):
         # force: without it objects under a lease (read or written in the last few
         # seconds) stay, and a clear right after a run removed nothing.
         epoch = self._read_epoch()
-        code = self._call("remove_all", True)
+        code: int = self._call("remove_all", True)
         if code < 0:
             self._fail(f"remove_all: code {code}")
         if epoch:

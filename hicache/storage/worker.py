@@ -16,11 +16,15 @@ import queue
 import threading
 import time
 from collections import deque
+from typing import Any
 
 import torch
 
 from hicache.memory import HostPool
 from hicache.storage import StorageBackend
+
+# KV events of one node a write covers: (namespace, parent hash, page hashes).
+EventPages = tuple[str | None, int | None, list[int]]
 
 
 class StorageJob:
@@ -36,7 +40,8 @@ class StorageJob:
         self.kind = kind  # "write" (host -> storage) | "read" (storage -> host)
         self.keys = keys
         self.host_pages = host_pages  # one host page id per key; kept alive until done
-        self.nodes: list = []  # write: host-pinned tree nodes whose pages are read
+        # write: host-pinned tree nodes whose pages are read (the cache's; never read here)
+        self.nodes: list[Any] = []
         self.num_done = 0  # leading pages written / read and verified
         self.num_unauthentic = 0  # read jobs: pages refused, their tag did not verify
         self.error: BaseException | None = None
@@ -49,7 +54,7 @@ class StorageJob:
         self.committed = False
         self.stale = False  # read jobs: a reset came meanwhile, throw the pages away
         # write jobs with KV events on: (namespace, parent hash, page hashes) per node
-        self.event_pages: list[tuple] = []
+        self.event_pages: list[EventPages] = []
         # StorageTier.cancel before the job started: it finishes moving nothing (num_done 0)
         self.cancelled = False
         self.started = False
@@ -64,7 +69,9 @@ class StorageTier:
         backend.register_memory(host_pool.buffer)
         self._finished: deque[StorageJob] = deque()
         self._lock = threading.Lock()  # a job starts or is cancelled, never both
-        self._queues = {"write": queue.SimpleQueue(), "read": queue.SimpleQueue()}
+        self._queues: dict[str, queue.SimpleQueue[StorageJob | None]] = {
+            "write": queue.SimpleQueue(), "read": queue.SimpleQueue(),
+        }
         self._threads = [
             threading.Thread(target=self._work, args=(kind,), name=f"hicache-storage-{kind}",
                              daemon=True)

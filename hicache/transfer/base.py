@@ -17,6 +17,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from enum import Enum
+from typing import Protocol
 
 import torch
 
@@ -62,11 +63,35 @@ class CudaFence:
         self.event = event
 
     def is_set(self) -> bool:
-        return self.event.query()
+        return bool(self.event.query())
 
     def wait(self, timeout: float | None = None) -> bool:
         self.event.synchronize()
         return True
+
+
+
+
+class LayerCopier(Protocol):
+    """What the CPU executors copy pages with: :class:`hicache.memory.PageCopier`, the
+    vLLM connector's block copier, or a test's wrapper around one. Layers ``first ..
+    last-1`` of each page; called from the executors' threads."""
+
+    def load(
+        self, host_ids: torch.Tensor, device_ids: torch.Tensor, first: int, last: int
+    ) -> None: ...
+    def backup(
+        self, device_ids: torch.Tensor, host_ids: torch.Tensor, first: int, last: int
+    ) -> None: ...
+
+
+class DeviceEvents(Protocol):
+    """What the CUDA executor (:mod:`hicache.transfer.cuda`) attaches to a transfer it
+    runs: the transfer's progress, read from its stream events."""
+
+    def check(self, transfer: Transfer) -> bool: ...
+    def wait(self, transfer: Transfer, timeout: float | None) -> bool: ...
+    def wait_layer(self, transfer: Transfer, i: int) -> bool: ...
 
 
 class Transfer:
@@ -107,7 +132,7 @@ class Transfer:
         self._finished = False
         # The thread executor's ThreadExecutor.drive; None: no other thread changes the state.
         self._drive = drive
-        self._cuda = None  # its events on the CUDA executor (hicache.transfer.cuda)
+        self._cuda: DeviceEvents | None = None  # its events on the CUDA executor
         # Thread executor bookkeeping, guarded by its condition: the next layer nobody has
         # claimed, whether a thread is copying a layer now, the layers_done value at which
         # a blocked thread wants to be woken, and when the first layer was claimed.

@@ -104,7 +104,7 @@ class _CudaState:
         self.layer_events: list[torch.cuda.Event] = []
         self.start = torch.cuda.Event(enable_timing=True)
         self.end = torch.cuda.Event(enable_timing=True)
-        self.keep_alive: tuple = ()
+        self.keep_alive: tuple[torch.Tensor, ...] = ()
 
     def check(self, transfer: Transfer) -> bool:
         while transfer.layers_done < len(self.layer_events) and self.layer_events[
@@ -207,7 +207,9 @@ class CudaExecutor(Executor):
     def _runs(self, host_ids: torch.Tensor) -> list[tuple[int, int, int]]:
         return host_runs(host_ids, self._chunk_pages)
 
-    def _submit_load(self, transfer: Transfer, state: _CudaState, compute) -> None:
+    def _submit_load(
+        self, transfer: Transfer, state: _CudaState, compute: torch.cuda.Stream
+    ) -> None:
         """Land the load layer by layer: copy layer ``l`` of every page, scatter it, record
         its event, then layer ``l + 1``; the model starts on layer 0 while the rest moves.
 
@@ -245,6 +247,7 @@ class CudaExecutor(Executor):
             host_base, stage_base = self._host.data_ptr(), stage.data_ptr()
             for layer, (k, v) in enumerate(self._dev):
                 for c in plan[layer] if plan is not None else ():
+                    assert cudart is not None, "a copy plan is made only with the CUDA runtime"
                     err = cudart.cudaMemcpy2DAsync(
                         stage_base + c.dst_offset, c.dst_pitch, host_base + c.src_offset,
                         c.src_pitch, c.width, c.height, _CUDA_MEMCPY_HOST_TO_DEVICE,
@@ -260,7 +263,9 @@ class CudaExecutor(Executor):
             state.end.record(stream)
             state.keep_alive = (stage, dev_ids)
 
-    def _submit_backup(self, transfer: Transfer, state: _CudaState, compute) -> None:
+    def _submit_backup(
+        self, transfer: Transfer, state: _CudaState, compute: torch.cuda.Stream
+    ) -> None:
         stream = self._backup_stream
         fence = transfer.fence
         with torch.cuda.stream(stream):
@@ -290,7 +295,11 @@ class CudaExecutor(Executor):
         out = super().poll()
         for queue in self._in_flight.values():
             # Each stream runs its transfers in order: stop at the first unfinished one.
-            while queue and queue[0]._cuda.check(queue[0]):
+            while queue:
+                events = queue[0]._cuda
+                assert events is not None, "a transfer on the CUDA executor has its events"
+                if not events.check(queue[0]):
+                    break
                 out.append(queue.popleft())
         return out
 

@@ -46,7 +46,7 @@ import torch
 from hicache.checks import check_page_ids, check_page_tensor
 from hicache.memory.copier import PageCopier
 from hicache.memory.pools import DevicePool, HostPool
-from hicache.transfer.base import CudaFence, Executor, Fence, Transfer, TransferKind
+from hicache.transfer.base import CudaFence, Executor, Fence, LayerCopier, Transfer, TransferKind
 from hicache.transfer.cuda import CudaExecutor
 from hicache.transfer.executors import (
     ImmediateExecutor,
@@ -79,7 +79,7 @@ class TransferEngine:
         executor: str = "auto",
         *,
         native: bool | None = None,
-        copier: PageCopier | None = None,
+        copier: LayerCopier | None = None,
         copy_cpus: Collection[int] | None = None,
     ) -> None:
         if executor == "auto":
@@ -113,7 +113,8 @@ class TransferEngine:
                     "executor: expected 'auto', 'cuda', 'thread', 'sync', 'manual' or "
                     f"'immediate', got {executor!r}"
                 )
-        kv = (device_pool or host_pool).kv if (device_pool or host_pool) else None
+        pool = device_pool or host_pool
+        kv = pool.kv if pool is not None else None
         self._num_layers = kv.num_layers if kv else 1
         self._page_nbytes = kv.page_nbytes if kv else 0
         self._drive = self.executor.driver()
@@ -170,10 +171,13 @@ class TransferEngine:
     def __enter__(self) -> TransferEngine:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _submit(self, kind, host_pages, device_pages, fence) -> Transfer:
+    def _submit(
+        self, kind: TransferKind, host_pages: torch.Tensor, device_pages: torch.Tensor,
+        fence: Fence | CudaFence | None,
+    ) -> Transfer:
         self._check_ids(host_pages, device_pages)
         transfer = Transfer(
             kind, host_pages, device_pages, self._num_layers,

@@ -16,11 +16,10 @@ import threading
 import time
 from collections.abc import Collection
 
-from hicache.memory.copier import PageCopier
-from hicache.transfer.base import DriveFn, Executor, Transfer, TransferKind
+from hicache.transfer.base import DriveFn, Executor, LayerCopier, Transfer, TransferKind
 
 
-def _copy_layers(copier: PageCopier, transfer: Transfer, first: int, last: int) -> None:
+def _copy_layers(copier: LayerCopier, transfer: Transfer, first: int, last: int) -> None:
     if transfer.kind is TransferKind.LOAD:
         copier.load(transfer.host_pages, transfer.device_pages, first, last)
     else:
@@ -50,7 +49,7 @@ class SyncExecutor(Executor):
     fence, which another thread must pass (on CPU, ``compute_fence()`` has passed).
     """
 
-    def __init__(self, copier: PageCopier) -> None:
+    def __init__(self, copier: LayerCopier) -> None:
         super().__init__()
         self._copier = copier
 
@@ -79,7 +78,7 @@ class ManualExecutor(Executor):
     completion sees the corruption a real race would cause.
     """
 
-    def __init__(self, copier: PageCopier) -> None:
+    def __init__(self, copier: LayerCopier) -> None:
         super().__init__()
         self._copier = copier
         self._pending: list[Transfer] = []
@@ -158,11 +157,13 @@ class ThreadExecutor(Executor):
     ``ValueError`` (the threads stopped) if the system refuses the set.
     """
 
-    def __init__(self, copier: PageCopier, *, cpus: Collection[int] | None = None) -> None:
+    def __init__(self, copier: LayerCopier, *, cpus: Collection[int] | None = None) -> None:
         super().__init__()
         self._copier = copier
         self._cond = threading.Condition()
-        self._queues = {kind: collections.deque() for kind in TransferKind}
+        self._queues: dict[TransferKind, collections.deque[Transfer]] = {
+            kind: collections.deque() for kind in TransferKind
+        }
         self._closed = False
         self.cpus = None if cpus is None else _check_cpus(cpus)
         self._pin_errors: list[OSError] = []
@@ -178,7 +179,7 @@ class ThreadExecutor(Executor):
         if self._pin_errors:
             self.close()
             raise ValueError(
-                f"cpus: expected CPUs this process may run on, got {sorted(self.cpus)} "
+                f"cpus: expected CPUs this process may run on, got {sorted(self.cpus or ())} "
                 f"({self._pin_errors[0]})"
             )
 
