@@ -47,7 +47,7 @@ def check_int(name: str, value: object, minimum: int = 0, maximum: int | None = 
     says more than its type)."""
     if type(value) is not int and (isinstance(value, bool) or not isinstance(value, INTEGERS)):
         raise TypeError(_named(name, f"expected {what}, got {_got(value, show_value)}"))
-    return int(check_bounds(name, value, minimum=minimum, maximum=maximum))
+    return int(check_bounds(name, int(value), minimum=minimum, maximum=maximum))
 
 
 def check_number(name: str, value: object, *, what: str = "a number",
@@ -179,7 +179,7 @@ def check_page_tensor(name: str, page_ids: object) -> torch.Tensor:
 
 def check_page_count(name: str, page_ids: object, num_pages: int) -> torch.Tensor:
     """:func:`check_page_tensor`, and exactly ``num_pages`` ids (one per whole page)."""
-    check_page_tensor(name, page_ids)
+    page_ids = check_page_tensor(name, page_ids)
     if page_ids.shape[0] != num_pages:
         raise ValueError(
             f"{name}: expected one page id per whole page ({num_pages}), got {page_ids.shape[0]}"
@@ -189,7 +189,7 @@ def check_page_count(name: str, page_ids: object, num_pages: int) -> torch.Tenso
 
 def check_page_ids(name: str, page_ids: object, num_pages: int) -> torch.Tensor:
     """:func:`check_page_tensor`, and each id in ``[0, num_pages)`` (a pool's range)."""
-    check_page_tensor(name, page_ids)
+    page_ids = check_page_tensor(name, page_ids)
     if page_ids.numel():
         # One reduction for both bounds: this runs on every transfer submission.
         lo_t, hi_t = page_ids.aminmax()
@@ -212,7 +212,7 @@ def check_timeout(name: str, timeout: object) -> float | None:
     """``timeout`` as seconds to wait, >= 0, or None (no limit; infinity also means none)."""
     if timeout is None:
         return None
-    _check_number(name, timeout, "seconds or None")
+    timeout = check_number(name, timeout, what="seconds or None")
     if not timeout >= 0:  # also refuses NaN
         raise ValueError(_named(name, f"expected >= 0, got {timeout}"))
     return None if math.isinf(timeout) else timeout
@@ -225,16 +225,12 @@ def check_ttl(name: str, ttl_s: object) -> float:
     return check_positive_number(name, ttl_s, what="a number of seconds or None")
 
 
-def _check_number(name: str, value: object, what: str) -> None:
-    check_number(name, value, what=what)
-
-
 def check_positive_number(name: str, value: object, *, what: str = "a number") -> float:
     """``value`` as a finite number > 0 (an int or float, never a bool; NaN refused).
 
     ``what`` names the expected type in the TypeError (``"a number of seconds or None"``).
     """
-    _check_number(name, value, what)
+    value = check_number(name, value, what=what)
     if not (value > 0 and math.isfinite(value)):
         raise ValueError(_named(name, f"expected a finite number > 0, got {value}"))
     return float(value)
@@ -242,7 +238,7 @@ def check_positive_number(name: str, value: object, *, what: str = "a number") -
 
 def check_seconds(name: str, value: object) -> float:
     """``value`` as a duration: a finite number of seconds >= 0."""
-    _check_number(name, value, "seconds")
+    value = check_number(name, value, what="seconds")
     if not (value >= 0 and math.isfinite(value)):
         raise ValueError(_named(name, f"expected a finite number >= 0, got {value}"))
     return float(value)
@@ -250,7 +246,7 @@ def check_seconds(name: str, value: object) -> float:
 
 def check_fraction(name: str, value: object) -> float:
     """``value`` as a fraction: a number in [0, 1]."""
-    _check_number(name, value, "a number")
+    value = check_number(name, value, what="a number")
     if not 0 <= value <= 1:
         raise ValueError(_named(name, f"expected a fraction in [0, 1], got {value}"))
     return float(value)

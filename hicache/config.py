@@ -201,7 +201,7 @@ class CacheConfig:
     max_pinned_fraction: float = 0.5
     # Log KV events (pages entering / leaving each tier) for HiCache.take_events.
     kv_events: bool = False
-    extra: dict = field(default_factory=dict, compare=False)  # backend-specific options
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)  # backend-specific options
 
     @config_errors
     def __post_init__(self) -> None:

@@ -34,7 +34,7 @@ import typing
 from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 
@@ -43,7 +43,18 @@ from hicache.errors import config_errors
 
 ENV_PREFIX = "HICACHE_"
 
-C = TypeVar("C")  # the config class (hicache.CacheConfig)
+
+
+class ConfigClass(Protocol):
+    """What this module reads of the config class (:class:`hicache.CacheConfig`, which
+    imports this module: it is passed in, never imported)."""
+
+    SIZE_FIELD_GROUPS: ClassVar[tuple[tuple[str, ...], ...]]
+
+    def __init__(self, kv: Any, **fields: Any) -> None: ...
+
+
+C = TypeVar("C", bound=ConfigClass)  # the config class (hicache.CacheConfig)
 
 def _fields(cls: type) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls)}
@@ -62,12 +73,13 @@ def _env_kind(cls: type, field: str) -> tuple[type, bool]:
     field cannot go unparsed."""
     hint = typing.get_type_hints(cls)[field]
     union = typing.get_origin(hint) in (typing.Union, types.UnionType)
-    members: set = set()
+    members: set[Any] = set()
     for member in typing.get_args(hint) if union else (hint,):
-        if typing.get_origin(member) is typing.Literal:  # a literal parses as its values' type
+        origin = typing.get_origin(member)
+        if origin is typing.Literal:  # a literal parses as its values' type
             members |= {type(v) for v in typing.get_args(member)}
         else:
-            members.add(member)
+            members.add(origin or member)  # dict[str, Any] parses as a dict
     optional = type(None) in members
     members.discard(type(None))
     for kind in (bool, int, float, dict):  # bool first: a bool is an int too
@@ -90,8 +102,8 @@ def _parse_env(name: str, cls: type, field: str, text: str) -> Any:
 
 
 @config_errors
-def apply_env(cls: type, data: Mapping[str, Any],
-              environ: Mapping[str, str] | None = None) -> dict:
+def apply_env(cls: type[ConfigClass], data: Mapping[str, Any],
+              environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """``data`` with every ``HICACHE_<FIELD>`` / ``HICACHE_KV_<FIELD>`` variable of the
     config class ``cls`` (:class:`hicache.CacheConfig`) applied."""
     environ = os.environ if environ is None else environ

@@ -96,7 +96,7 @@ def page_hashes(key: bytes, page_size: int, prev: int) -> list[int]:
     return out
 
 
-def to_event(raw: tuple) -> KVEvent:
+def to_event(raw: tuple[bool, str, str | None, int | None, list[int], int]) -> KVEvent:
     """A tree's raw log entry ``(stored, tier, namespace, parent, hashes, num_tokens)`` as an event."""
     stored, tier, namespace, parent, hashes, num_tokens = raw
     if stored:

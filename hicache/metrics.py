@@ -41,6 +41,8 @@ except ImportError as exc:  # the optional extra is not installed
 from hicache.cache import HiCache
 
 if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
     from hicache.transfer import Transfer
 
 _log = logging.getLogger(__name__)
@@ -109,7 +111,7 @@ class CacheMetrics:
         # name -> the transfer observer track() installed on that cache (untrack removes it)
         self._observers: dict[str, Callable[[Transfer], None]] = {}
         self._snapshots: dict[str, dict] = {}
-        self._server = None
+        self._server: WSGIServer | None = None
         self.transfer_seconds = Histogram(
             "hicache_transfer_seconds", "copy time of one finished device/host transfer",
             ["cache", "direction"], buckets=_SECONDS_BUCKETS, registry=self.registry,
@@ -180,11 +182,11 @@ class CacheMetrics:
                     family.add_metric([name, tier], float(s.get(key, 0)))
             yield family
         for metric, help_text, keys in _TIER_GAUGES:
-            family = GaugeMetricFamily(metric, help_text, labels=["cache", "tier"])
+            gauge = GaugeMetricFamily(metric, help_text, labels=["cache", "tier"])
             for name, s in snapshots.items():
                 for tier, key in keys.items():
-                    family.add_metric([name, tier], float(s.get(key, 0)))
-            yield family
+                    gauge.add_metric([name, tier], float(s.get(key, 0)))
+            yield gauge
         occupancy = GaugeMetricFamily("hicache_occupancy_ratio",
                                       "fraction of a tier's pages in use", labels=["cache", "tier"])
         for name, s in snapshots.items():
@@ -193,10 +195,10 @@ class CacheMetrics:
                 occupancy.add_metric([name, tier], s[f"{tier}_pages_used"] / total if total else 0)
         yield occupancy
         for metric, key, help_text in _GAUGES:
-            family = GaugeMetricFamily(metric, help_text, labels=["cache"])
+            gauge = GaugeMetricFamily(metric, help_text, labels=["cache"])
             for name, s in snapshots.items():
-                family.add_metric([name], float(s.get(key, 0)))
-            yield family
+                gauge.add_metric([name], float(s.get(key, 0)))
+            yield gauge
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> int:
         """Start the HTTP exporter (``/metrics``) on a daemon thread; returns the bound port

@@ -56,7 +56,10 @@ def _version() -> str:
     return __version__
 
 
-def _add(subparsers, name: str, module: str, help_text: str) -> None:
+def _add(
+    subparsers: argparse._SubParsersAction[Parser], name: str, module: str,
+    help_text: str,
+) -> None:
     parser = subparsers.add_parser(name, help=help_text, description=help_text)
     mod = importlib.import_module(module)
     mod.add_arguments(parser)

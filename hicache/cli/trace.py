@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from hicache.cli.args import (
     TRACE_HELP,
@@ -115,10 +116,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             p.add_argument("--preset", choices=sorted(PRESETS[kind]),
                            help="a named shape; explicit options override it")
         for flag, dest, typ, help_text in options:
-            kw = {"choices": ["bfs", "dfs"]} if dest == "order" else {}
-            typ = nonneg_float if typ is float else nonneg_int if typ is int else typ
+            kw: dict[str, Any] = {"choices": ["bfs", "dfs"]} if dest == "order" else {}
+            parse = nonneg_float if typ is float else nonneg_int if typ is int else typ
             default = GENERATOR_DEFAULTS[kind].get(dest)
-            p.add_argument(flag, dest=dest, type=typ, default=None, **kw,
+            p.add_argument(flag, dest=dest, type=parse, default=None, **kw,
                            help=f"{help_text} (default: {default})")
     stats = sub.add_parser("stats", help="sizes, working set and ideal hit ratio of a trace",
                            description="Sizes, working set and ideal hit ratio of a trace.")

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import time
 from enum import Enum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -103,7 +103,7 @@ class Engine:
         storage: str | None = None,
         prefetch_policy: PrefetchPolicy | str = PrefetchPolicy.BEST_EFFORT,
         prefetch_timeout_s: float = 0.05,
-        storage_options: dict | None = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(model, Model):
             raise TypeError(f"model: expected a hicache.sim.model.Model, got {type(model).__name__}")
@@ -164,6 +164,7 @@ class Engine:
                 extra={"storage": dict(storage_options)} if storage_options else {},
             )
             self.cache = HiCache(config)
+            assert self.cache.device_pool is not None, "the engine's cache holds KV"
             self.pool = self.cache.device_pool
         self.num_device_pages = self.pool.num_pages
 
@@ -219,7 +220,7 @@ class Engine:
         # generate() matches prompt[:-1]: the last token is always computed.
         return self.cache.prefetch(prompt[:-1], namespace) is not None
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """The cache's counters (see :meth:`HiCache.stats`); empty in mode ``none``."""
         return self.cache.stats() if self.cache is not None else {}
 
@@ -245,7 +246,7 @@ class Engine:
     def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ------------------------------------------------------------ internals
@@ -343,6 +344,7 @@ class Engine:
     def _alloc(self, h: PrefixHandle, seq_len: int) -> None:
         """Make ``h`` own the pages its sequence needs past ``h.prefix_len``."""
         num_pages = -(-(seq_len - h.prefix_len) // self.page_size) - h.num_owned_pages
+        assert self.cache is not None, "a handle comes from the engine's cache"
         if num_pages > 0 and self.cache.alloc(h, num_pages * self.page_size) is None:
             raise ValueError(
                 f"request needs {-(-seq_len // self.page_size)} device pages "

@@ -18,8 +18,8 @@ import time
 import torch
 
 from hicache.cache import HiCache
-from hicache.memory import PageCopier
 from hicache.transfer import ManualExecutor, ThreadExecutor
+from hicache.transfer.base import LayerCopier
 from hicache.tree import IOStatus, TreeNode
 
 
@@ -37,7 +37,7 @@ class FaultyCopier:
     same time, so the RNGs and counters are guarded by a lock.
     """
 
-    def __init__(self, inner: PageCopier, seed: int, fault_rate: float = 0.0,
+    def __init__(self, inner: LayerCopier, seed: int, fault_rate: float = 0.0,
                  max_delay_s: float = 0.0) -> None:
         if not 0.0 <= fault_rate <= 1.0:
             raise ValueError(f"fault_rate: expected 0 <= rate <= 1, got {fault_rate}")
@@ -108,7 +108,8 @@ class EvictionProbe:
         self.num_evictions = 0
         self.num_blocked_by_io = 0
         self._evict = cache.tree.evict_device
-        self.tree.evict_device = self._probe  # instance attribute: only this tree
+        # An instance attribute shadows the method on this one tree only.
+        self.tree.__dict__["evict_device"] = self._probe
 
     def _device_leaves(self) -> tuple[list[TreeNode], dict[TreeNode, int]]:
         busy, on_device = [], {}

@@ -45,7 +45,8 @@ from hicache.storage.keys import model_identity
 # here, where users of the model look (``from hicache.sim.model import Model, preset``).
 __all__ = ["PRESET_NAMES", "LayerLoadHandle", "Model", "ModelConfig", "preset"]
 
-_SDPA_HAS_GQA = torch.__version__ >= (2, 5)  # enable_gqa= appeared in torch 2.5
+# enable_gqa= appeared in torch 2.5 ("2.13.0+cpu" -> (2, 13))
+_SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 _DIGEST_CHUNK_NBYTES = 64 << 20  # unit of parallel hashing in weights_digest (part of its value)
 
 
@@ -124,7 +125,7 @@ class Model:
             with ThreadPoolExecutor(workers, thread_name_prefix="hicache-digest") as pool:
                 for t in self._weight_tensors():
                     cpu = t.detach().to("cpu").contiguous()  # one tensor on the host at a time
-                    flat = memoryview(cpu.reshape(-1).view(torch.uint8).numpy())
+                    flat = cpu.reshape(-1).view(torch.uint8).numpy().data
                     chunks = [flat[i : i + _DIGEST_CHUNK_NBYTES]
                               for i in range(0, len(flat), _DIGEST_CHUNK_NBYTES)]
                     total.update(f"{cpu.dtype}{tuple(cpu.shape)};".encode())

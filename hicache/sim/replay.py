@@ -32,6 +32,7 @@ from hicache.config import CacheConfig, EvictionPolicy, KVConfig, WritePolicy
 from hicache.memory import PageAllocator
 from hicache.sim.traces import Request, load_trace_arrays
 from hicache.tree import RadixTree, make_tree
+from hicache.tree.protocol import RadixTreeLike
 
 
 class ReplayResult(NamedTuple):
@@ -83,7 +84,7 @@ def replay_device(
     page_size: int,
     device_tokens: int,
     eviction: EvictionPolicy | str = EvictionPolicy.LRU,
-    tree: RadixTree | None = None,
+    tree: RadixTreeLike | None = None,
 ) -> ReplayResult:
     """Replay ``(prompt, full)`` int32 arrays through a device-only radix tree and allocator."""
     tree = tree if tree is not None else RadixTree(page_size, eviction)
@@ -223,5 +224,5 @@ def replay_arrays(requests: list[Request], page_size: int) -> list[tuple[np.ndar
     for req in requests:
         full = np.concatenate((req.prompt, req.output))
         full = full[: len(full) // page_size * page_size]
-        prepared.append((req.prompt, full))
+        prepared.append((np.asarray(req.prompt, dtype=np.int32), full))
     return prepared

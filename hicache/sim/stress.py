@@ -121,8 +121,9 @@ class StressRun:
         self.live.append(_Request(h, tokens, ns, conv))
 
     def _verify(self, req: _Request, end: int) -> None:
-        bad = kvcheck.verify_kv(self.cache.device_pool, req.h.page_table(), req.tokens, end,
-                                req.ns)
+        pool = self.cache.device_pool
+        assert pool is not None, "a stress run's cache holds KV"
+        bad = kvcheck.verify_kv(pool, req.h.page_table(), req.tokens, end, req.ns)
         self.counts["verified_tokens"] += end
         if bad:
             self.counts["corruptions"] += 1
@@ -144,8 +145,10 @@ class StressRun:
                 h.prefix_len + h.num_owned_pages * self.P < len(req.tokens)
             ):
                 return  # cut back by a failure applied during alloc: allocate again
-            kvcheck.write_kv(cache.device_pool, h.page_table(), req.tokens, h.prefix_len,
-                             len(req.tokens), req.ns)
+            pool = cache.device_pool
+            assert pool is not None, "a stress run's cache holds KV"
+            kvcheck.write_kv(pool, h.page_table(), req.tokens, h.prefix_len, len(req.tokens),
+                             req.ns)
             req.stage = 1
         elif req.stage == 1:
             cache.insert(h, req.tokens)

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from typing import IO, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
 from hicache.checks import check_int, check_seconds
 
@@ -32,8 +33,8 @@ class Request(NamedTuple):
 
     id: int  # unique within the trace
     session: int  # the conversation / agent / branch it belongs to
-    prompt: Sequence[int]  # every token sent, history included
-    output: Sequence[int]  # tokens generated; cached after the request
+    prompt: Sequence[int] | npt.NDArray[np.int32]  # every token sent, history included
+    output: Sequence[int] | npt.NDArray[np.int32]  # tokens generated; cached after it
     t: float | None = None  # arrival time in seconds, if the trace has one
 
 
@@ -144,7 +145,7 @@ def load_trace_arrays(path: str) -> list[Request]:
 # ----------------------------------------------------------------------------- writing
 
 
-def _tokens_json(tokens: Sequence[int]) -> str:
+def _tokens_json(tokens: Sequence[int] | npt.NDArray[np.int32]) -> str:
     items = tokens.tolist() if isinstance(tokens, np.ndarray) else tokens
     return "[" + ", ".join(map(str, items)) + "]"
 

@@ -104,17 +104,20 @@ class MooncakeMaster:
         self.stop()
 
 
-def _wait_ready(proc: subprocess.Popen, host: str, ports: list[int], log: Path, deadline: float):
+def _wait_ready(
+    proc: subprocess.Popen[bytes], host: str, ports: list[int], log: Path, deadline: float
+) -> None:
+    program = str(proc.args[0] if isinstance(proc.args, list) else proc.args)
     while True:
         if proc.poll() is not None:
             tail = log.read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}:\n{tail}")
+            raise RuntimeError(f"{program} exited with {proc.returncode}:\n{tail}")
         if all(port_open(host, p, 0.2) for p in ports):
             return
         if time.monotonic() > deadline:
             proc.kill()
             proc.wait()
-            raise RuntimeError(f"{proc.args[0]} not listening on {host}:{ports}; see {log}")
+            raise RuntimeError(f"{program} not listening on {host}:{ports}; see {log}")
         time.sleep(0.05)
 
 

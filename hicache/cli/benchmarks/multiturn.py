@@ -286,9 +286,9 @@ def measure(args: argparse.Namespace, log: Callable[[str], None], metrics=None) 
     for line in format_table(summaries):
         log(line)
     log(conclusion(summaries))
-    line = storage_conclusion(summaries)
-    if line is not None:
-        log(line)
+    note = storage_conclusion(summaries)
+    if note is not None:
+        log(note)
     return {
         "preset": cfg.name,
         "page_size": args.page_size,

@@ -36,7 +36,7 @@ import torch
 
 from hicache.cli.args import UsageError, add_json, positive_int
 from hicache.cli.benchmarks import standalone_main
-from hicache.storage import PageAuthenticator, StorageBackend, make_storage
+from hicache.storage import FileStorage, PageAuthenticator, StorageBackend, make_storage
 
 _SECRET = "hicache-bench-storage-secret-0123456789abcdef"
 
@@ -62,7 +62,7 @@ def _gbps(nbytes: int, seconds: float) -> float:
 def _per_core(args: argparse.Namespace) -> dict[str, float]:
     """Single-thread GB/s of the authenticator, crc32 and a copy over one page."""
     page = torch.randint(0, 256, (max(args.page_kib) * 1024,), dtype=torch.uint8).numpy()
-    view = memoryview(page)
+    view = page.data
     out = np.empty_like(page)
     auth = PageAuthenticator(_SECRET)
     key = hashlib.blake2b(b"page", digest_size=16).hexdigest()
@@ -162,8 +162,9 @@ def run(args: argparse.Namespace) -> int:
                 finally:
                     for store in backends.values():
                         store.close()
-                    if name == "file":
-                        shutil.rmtree(backends[False].root, ignore_errors=True)
+                    store = backends[False]
+                    if isinstance(store, FileStorage):
+                        shutil.rmtree(store.root, ignore_errors=True)
     finally:
         if master is not None:
             master.stop()

@@ -33,6 +33,8 @@ import json
 import statistics
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -102,14 +104,14 @@ class _Limits:
             src2 = torch.ones(words, dtype=torch.int32)
             dst2 = torch.zeros(words, dtype=torch.int32)
 
-            def both() -> None:  # one copy per thread, as the thread executor runs them
+            def both_cpu() -> None:  # one copy per thread, as the thread executor runs them
                 other = threading.Thread(target=lambda: dst2.copy_(src2))
                 other.start()
                 dst.copy_(src)
                 other.join()
 
             self.cases = {"copy": (lambda: dst.copy_(src), total_nbytes),
-                          "copy_both": (both, 2 * total_nbytes)}
+                          "copy_both": (both_cpu, 2 * total_nbytes)}
             return
         gpu = torch.ones(words, dtype=torch.int32, device=device)
         gpu2 = torch.ones(words, dtype=torch.int32, device=device)
@@ -179,11 +181,12 @@ def _measure_page_size(args, page_kib: int, device: torch.device, gen, limits: _
         saving.wait()
 
     modes = {"backup": backup, "load": load, "both": both}
-    ops = [("limit", None)] + [(m, modes[m]) for m in MODES if m in args.modes]
-    times: dict[str, list[float]] = {name: [] for name, fn in ops if fn is not None}
+    timed = [(m, modes[m]) for m in MODES if m in args.modes]
+    ops: list[tuple[str, Callable[[], None] | None]] = [("limit", None), *timed]
+    times: dict[str, list[float]] = {name: [] for name, _ in timed}
     limit_gbps: dict[str, list[float]] = {}
-    for _, fn in ops[1:]:
-        fn()  # warm-up
+    for _, op in timed:
+        op()  # warm-up
     # The op run right after a large copy pays for writing back its dirty cache lines:
     # rotate the order so that every op follows every other one equally often.
     for rep in range(args.repeats):
@@ -204,7 +207,8 @@ def _measure_page_size(args, page_kib: int, device: torch.device, gen, limits: _
 def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     gen = torch.Generator().manual_seed(args.seed)
-    rows, all_limits = [], {}
+    rows: list[dict[str, Any]] = []
+    all_limits: dict[str, list[float]] = {}
     limit_copies = _Limits(args.total_mib << 20, device)
     lines = [f"{'op':<8}{'page_kib':>9}{'GB/s':>8}{'x limit':>9}"]
     odd = [k for k in args.page_kib if k * 1024 % (_HEADS * _HEAD_DIM * 2)]

@@ -50,8 +50,8 @@ class StatsSink:
 
     def __init__(self) -> None:
         self.recording = False  # off during the warm-up request
-        self.prompt_tokens = defaultdict(int)  # computed / local_cache_hit / external_kv_transfer
-        self.connector_hits_by_source = defaultdict(int)  # CacheHitSource value -> tokens
+        self.prompt_tokens: defaultdict[str, int] = defaultdict(int)  # computed / local_cache_hit / external_kv_transfer
+        self.connector_hits_by_source: defaultdict[object, int] = defaultdict(int)  # CacheHitSource value -> tokens
         self.connector_queries = 0  # tokens the connector was asked about
         self.connector_hits = 0  # tokens it said it had
         self.connector_stats: dict = {}  # kv_connector_stats summed over steps (numbers only)

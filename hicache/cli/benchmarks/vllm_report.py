@@ -98,9 +98,10 @@ def _steps_in_ttft(recs: list[dict], step_times: list[float] | None) -> float | 
 
 
 def _times(steps: float | None, *per_step_ms: float | None) -> float | None:
-    if steps is None or any(ms is None for ms in per_step_ms):
+    known = [ms for ms in per_step_ms if ms is not None]
+    if steps is None or len(known) != len(per_step_ms):
         return None
-    return round(steps * sum(per_step_ms), 3)
+    return round(steps * sum(known), 3)
 
 
 def _per_step_ms(cstats: dict, prefix: str, clock: str = "") -> float | None:
