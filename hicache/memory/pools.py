@@ -19,7 +19,7 @@ nor how pages move between them (:mod:`hicache.memory.copier`).
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Protocol
 
 import psutil
 import torch
@@ -139,6 +139,25 @@ def check_cache_memory(config: CacheConfig) -> None:
                if config.num_host_pages else "")
             + f"); lower {options}"
         )
+
+
+
+class DevicePages(Protocol):
+    """What the transfer engine reads of a device pool: a :class:`DevicePool`, or a view of
+    KV tensors someone else owns (the vLLM connector's ``BlockPool``). ``k_buffers`` /
+    ``v_buffers`` (per layer, ``(num_pages, ...)``) are None when the KV is not laid out
+    as split K and V; such a pool is copied by a copier given to the engine."""
+
+    @property
+    def kv(self) -> KVConfig: ...
+    @property
+    def num_pages(self) -> int: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def k_buffers(self) -> list[torch.Tensor] | None: ...
+    @property
+    def v_buffers(self) -> list[torch.Tensor] | None: ...
 
 
 class DevicePool:

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from hicache.memory.pools import DevicePool, HostPool, as_rows
+from hicache.memory.pools import DevicePages, HostPool, as_rows
 from hicache.transfer.base import CudaFence, Executor, Transfer, TransferKind
 
 _CUDA_MEMCPY_HOST_TO_DEVICE = 1  # cudaMemcpyKind
@@ -160,7 +160,7 @@ class CudaExecutor(Executor):
     so ``wait_layer(0)`` passes after 1/num_layers of the copy, not all of it.
     """
 
-    def __init__(self, device_pool: DevicePool, host_pool: HostPool) -> None:
+    def __init__(self, device_pool: DevicePages, host_pool: HostPool) -> None:
         super().__init__()
         if device_pool.device.type != "cuda":
             raise ValueError(f"device pool: expected a CUDA device, got {device_pool.device}")
@@ -171,9 +171,13 @@ class CudaExecutor(Executor):
         self._load_stream = torch.cuda.Stream(self.device)
         self._backup_stream = torch.cuda.Stream(self.device)
         # (num_device_pages, row_words) per layer, K then V
+        k_buffers, v_buffers = device_pool.k_buffers, device_pool.v_buffers
+        if k_buffers is None or v_buffers is None:
+            raise ValueError("device pool: the CUDA executor copies split K and V buffers, "
+                             "got a pool without them")
         self._dev = [
             (as_rows(k, device_pool.num_pages), as_rows(v, device_pool.num_pages))
-            for k, v in zip(device_pool.k_buffers, device_pool.v_buffers, strict=True)
+            for k, v in zip(k_buffers, v_buffers, strict=True)
         ]
         # (num_host_pages, num_layers, 2, row_words)
         self._host = as_rows(host_pool.buffer, host_pool.num_pages * kv.num_layers * 2).view(

@@ -45,7 +45,7 @@ import torch
 
 from hicache.checks import check_page_ids, check_page_tensor
 from hicache.memory.copier import PageCopier
-from hicache.memory.pools import DevicePool, HostPool
+from hicache.memory.pools import DevicePages, DevicePool, HostPool
 from hicache.transfer.base import CudaFence, Executor, Fence, LayerCopier, Transfer, TransferKind
 from hicache.transfer.cuda import CudaExecutor
 from hicache.transfer.executors import (
@@ -74,7 +74,7 @@ class TransferEngine:
 
     def __init__(
         self,
-        device_pool: DevicePool | None,
+        device_pool: DevicePages | None,
         host_pool: HostPool | None,
         executor: str = "auto",
         *,
@@ -101,6 +101,11 @@ class TransferEngine:
                 self.executor = CudaExecutor(device_pool, host_pool)
             elif executor in _CPU_EXECUTORS:
                 if copier is None:
+                    if not isinstance(device_pool, DevicePool):
+                        raise TypeError(
+                            "copier: expected one for a device pool other than a DevicePool, "
+                            f"got none for a {type(device_pool).__name__}"
+                        )
                     copier = PageCopier(device_pool, host_pool, native=native)
                 if copy_cpus is not None and executor != "thread":
                     raise ValueError(
