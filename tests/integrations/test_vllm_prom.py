@@ -117,3 +117,7 @@ def test_a_real_engine_shows_hicache_on_its_registry_and_events():
     assert r["host_hit_tokens"] == blocks * 32 and r["host_pages_used"] == blocks
     assert r["load_bytes"] > 0
     assert r["events"].get("BlockStored/CPU", 0) >= 1 and "BlockRemoved/CPU" not in r["events"]
+    # the third tier: one event a block, once its write landed (reported with a later
+    # step: the last writes may land after the last step)
+    assert 1 <= r["events"].get("BlockStored/STORAGE", 0) <= blocks
+    assert "BlockRemoved/STORAGE" not in r["events"]

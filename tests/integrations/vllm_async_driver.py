@@ -2,7 +2,7 @@
 connector, vLLM's Prometheus stat logger and its ZMQ KV events publisher; prints one
 JSON line: the cached tokens per request, the hicache series missing from the
 registry, the host hits it shows, and the KV events a subscriber received, by type
-and medium. Run by tests/integrations/test_vllm_prom.py:
+and medium (host memory ``CPU``, the ``file:`` third tier ``STORAGE``). Run by tests/integrations/test_vllm_prom.py:
 
     python tests/integrations/vllm_async_driver.py
 """
@@ -41,7 +41,9 @@ async def run() -> dict:
         kv_transfer_config={"kv_connector": "HiCacheConnector",
                             "kv_connector_module_path": "hicache.integrations.vllm",
                             "kv_role": "kv_both",
-                            "kv_connector_extra_config": {"host_tokens": 8192}},
+                            "kv_connector_extra_config": {
+                                "host_tokens": 8192,
+                                "storage": f"file:{tempfile.mkdtemp(prefix='hicache-store-')}"}},
         kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq",
                           "endpoint": endpoint, "topic": "kv"},
     )

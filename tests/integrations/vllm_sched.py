@@ -235,6 +235,8 @@ class Engine:
         if self.worker.worker_half.storage is not None:
             tier = self.worker.worker_half.storage
             tier.backend = self.faults.wrap_backend(tier.backend)
+            if self.kv_events:  # as register_kv_caches does: the third tier's events
+                self.worker.worker_half.write_reports = ([], [])
         self.step_no = 0
         self.prompts: dict[str, list[int]] = {}  # req id -> prompt
         self.tables: dict[str, list[int]] = {}  # the model runner's block tables
