@@ -458,6 +458,37 @@ def test_compare_ratios_against_vllm():
     assert c["storage_keeps_hits"] == 0.9
 
 
+def test_write_policy_configs_compare_bytes_written_with_write_through():
+    base = {"ttft_mean_ms": 100.0, "computed_tokens": 300, "req_per_s": 3.0,
+            "decode_step_ms": 20.0, "vllm_hit_tokens": 200, "external_hit_tokens": 600,
+            "failed": 0}
+    configs = {"vllm": {**base, "external_hit_tokens": 0, "host_bytes_written": None},
+               "vllm+host": {**base, "host_bytes_written": 1000},
+               "vllm+host+wb": {**base, "ttft_mean_ms": 99.0, "host_bytes_written": 100},
+               "vllm+host+sel": {**base, "external_hit_tokens": 500, "host_bytes_written": 0}}
+    c = compare(configs)
+    assert c["vllm+host+wb vs vllm+host"] == {
+        "bytes_written_reduction": 10.0, "host_bytes_written": [1000, 100],
+        "ttft_mean_ratio": 0.99, "cached_tokens_delta": 0}
+    assert c["vllm+host+sel vs vllm+host"]["bytes_written_reduction"] is None  # 0 written
+    assert c["vllm+host+sel vs vllm+host"]["cached_tokens_delta"] == -100
+
+
+def test_write_policy_configs_run_vllm_host_under_their_policy():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    bv.add_arguments(parser)
+    args = parser.parse_args(["--configs", "vllm,vllm+host,vllm+host+wb,vllm+host+sel"])
+    plan = bv.Plan(32, 1024, 4096, 32, 8192, 2048)
+    extras = {name: bv._connector_config(name, plan, args, "/tmp/x")["kv_connector_extra_config"]
+              for name in ("vllm+host", "vllm+host+wb", "vllm+host+sel")}
+    assert extras == {"vllm+host": {"host_tokens": 8192},
+                      "vllm+host+wb": {"write_policy": "write_back", "host_tokens": 8192},
+                      "vllm+host+sel": {"write_policy": "write_through_selective",
+                                        "host_tokens": 8192}}
+
+
 # ----------------------------------------------------------------------------- real vLLM
 
 

@@ -12,7 +12,9 @@ tests/integrations/vllm_driver.py), on a tiny random Llama saved to a temporary 
 * replay: a second process on the same ``file:`` directory, no core kept off the
   worker, so the connector copies between forwards;
 * faults: two more, with a test-only hook failing a fraction of loads, saves and
-  third-tier reads (``HICACHE_FAULTS``), under each ``kv_load_failure_policy``.
+  third-tier reads (``HICACHE_FAULTS``), under each ``kv_load_failure_policy``;
+* write_back: the multi-turn workload with ``write_policy`` ``write_back`` (blocks saved
+  when vLLM evicts them).
 
 Skipped without vLLM, unless ``HICACHE_REQUIRE_VLLM=1`` (CI), where a missing or
 broken install fails instead.
@@ -43,7 +45,7 @@ def runs(tmp_path_factory):
     assert proc.returncode == 0, out[-4000:]
     baseline = run_vllm("run", model, "multiturn,fixed", "--no-connector")
     spare = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"} if (os.cpu_count() or 1) >= 2 else {}
-    connector = run_vllm("run", model, "multiturn,reset,salt", "--storage", storage,
+    connector = run_vllm("run", model, "multiturn,reset,salt,params", "--storage", storage,
                          HICACHE_LOG_LEVEL="INFO", **spare)
     results = {"baseline": vllm_result(baseline), "connector": vllm_result(connector)}
     replay = run_vllm("run", model, "replay", "--storage", storage, HICACHE_LOG_LEVEL="INFO",
@@ -58,9 +60,12 @@ def runs(tmp_path_factory):
         "--policy", policy, "--host-tokens", "1024",
         HICACHE_FAULTS="load=0.34,save=0.1,read=0.34,seed=3", HICACHE_LOG_LEVEL="WARNING",
         VLLM_CPU_NUM_OF_RESERVED_CPU="0") for policy in ("recompute", "fail")}
+    write_back = run_vllm("run", model, "multiturn", "--write-policy", "write_back",
+                          HICACHE_LOG_LEVEL="WARNING", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
     results["replay"] = vllm_result(replay)
     for policy, proc in faults.items():
         results[f"faults-{policy}"] = vllm_result(proc)
+    results["write_back"] = vllm_result(write_back)
     return results
 
 
@@ -122,6 +127,30 @@ def test_cache_salt_keeps_tenants_apart(runs):
     assert r["cached"][1] == 0
     assert r["cached"][2] == (r["prompt_tokens"] - 1) // 32 * 32
     assert r["outputs"][0] == r["outputs"][1] == r["outputs"][2]
+
+
+def test_write_back_outputs_identical_and_evicted_blocks_served(runs):
+    """write_back: greedy outputs are vLLM's own, and the blocks vLLM evicted come back
+    from the host tier (more prompt tokens cached than vLLM alone)."""
+    base, wb = runs["baseline"]["multiturn"], runs["write_back"]["multiturn"]
+    assert wb["prompts"] == base["prompts"]
+    assert wb["outputs"] == base["outputs"]
+    assert wb["cached_tokens"] > base["cached_tokens"]
+    assert wb["cached_tokens"] <= sum(_reachable_hits(wb["prompts"], wb["outputs"]))
+
+
+def test_request_params_end_to_end(runs):
+    """A mistake in kv_transfer_params: served by vLLM alone (same tokens), the error in
+    the output's kv_transfer_params; namespaces a and b never share, a hits its pages."""
+    r = runs["connector"]["params"]
+    assert r["bad_output"] == r["plain_output"]
+    assert r["bad_params"] == {"hicache_error": "kv_transfer_params.hicache: unknown key(s) "
+                               "['bogus']; expected some of ['skip_load', 'skip_save', "
+                               "'save_max_tokens', 'namespace']"}
+    whole = (r["prompt_tokens"] - 1) // 32 * 32
+    assert r["namespace_cached"] == [0, 0, whole]
+    assert r["namespace_outputs"][0] == r["namespace_outputs"][1] == r["namespace_outputs"][2]
+    assert r["namespace_outputs"][0] == r["plain_output"]
 
 
 def _injected(log: str, what: str) -> int:

@@ -3,7 +3,7 @@
 Each example builds one engine of ``vllm_sched.py`` (vLLM's real ``Scheduler`` or
 ``AsyncScheduler`` with the connector, a worker connector, a forward that writes
 verifiable KV), draws its configuration (scheduler, load-failure policy, Python or C++
-tree, sync or thread copies, with or without a ``file:`` tier), then a sequence of
+tree, sync or thread copies, with or without a ``file:`` tier, write policy), then a sequence of
 what an engine sees: new conversations and follow-up turns sharing prefixes, steps,
 aborts at any point (also between a forward and its ``update_from_output``), vLLM's
 own evictions, ``reset_prefix_cache`` with and without running requests or the
@@ -59,13 +59,16 @@ class ConnectorMachine(RuleBasedStateMachine):
         tree=st.sampled_from(["python", "native"]), executor=st.sampled_from(["sync", "thread"]),
         storage=st.booleans(), host_pages=st.integers(2, 24), num_blocks=st.integers(12, 20),
         seed=st.integers(0, 2**16),
+        write_policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
+        hit_threshold=st.integers(1, 3),
     )
     def build(self, async_scheduling, policy, tree, executor, storage, host_pages, num_blocks,
-              seed):
+              seed, write_policy, hit_threshold):
         import tempfile
 
         extra = {"host_tokens": host_pages * self.sched.B, "tree": tree, "executor": executor,
-                 "storage_timeout_s": 0.05}
+                 "storage_timeout_s": 0.05, "write_policy": write_policy,
+                 "backup_hit_threshold": hit_threshold}
         if storage:
             extra["storage"] = f"file:{tempfile.mkdtemp(prefix='hicache-stateful-')}"
         self.e = self.sched.Engine(async_scheduling=async_scheduling, policy=policy,

@@ -4,7 +4,7 @@ Used by tests/integrations/test_vllm_connector_e2e.py in a subprocess: vLLM spaw
 so it must run under ``if __name__ == "__main__"``. Usage::
 
     python tests/integrations/vllm_driver.py make-model DIR
-    python tests/integrations/vllm_driver.py run DIR SCENARIO[,SCENARIO...] [--storage file:DIR] [--no-connector] [--policy recompute|fail] [--host-tokens N] [--tp N]
+    python tests/integrations/vllm_driver.py run DIR SCENARIO[,SCENARIO...] [--storage file:DIR] [--no-connector] [--policy recompute|fail] [--host-tokens N] [--tp N] [--write-policy P]
 
 SCENARIO is a comma-separated list run in order on one engine: ``multiturn``
 (conversations whose working set is several times vLLM's KV cache, one request at a
@@ -67,12 +67,14 @@ def system_prompt() -> list[int]:
 
 
 def make_llm(model: str, connector: bool, storage: str | None, policy: str | None = None,
-             host_tokens: int = 8192, tp: int = 1):
+             host_tokens: int = 8192, tp: int = 1, write_policy: str | None = None):
     from vllm import LLM
 
     kwargs = {}
     if connector:
-        extra = {"host_tokens": host_tokens}
+        extra: dict = {"host_tokens": host_tokens}
+        if write_policy:
+            extra["write_policy"] = write_policy
         if storage:
             extra["storage"] = storage
         kwargs["kv_transfer_config"] = {
@@ -95,10 +97,13 @@ def generate(llm, prompt: list[int], cache_salt: str | None = None) -> tuple[lis
     return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)
 
 
-def _generate(llm, prompt: list[int], cache_salt: str | None = None):
+def _generate(llm, prompt: list[int], cache_salt: str | None = None,
+              hicache: dict | None = None):
     from vllm import SamplingParams, TokensPrompt
 
-    params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True,
+                            extra_args=None if hicache is None
+                            else {"kv_transfer_params": {"hicache": hicache}})
     inputs = TokensPrompt(prompt_token_ids=prompt)
     if cache_salt is not None:
         inputs["cache_salt"] = cache_salt
@@ -106,9 +111,10 @@ def _generate(llm, prompt: list[int], cache_salt: str | None = None):
 
 
 def run(model: str, scenarios: str, connector: bool, storage: str | None,
-        policy: str | None = None, host_tokens: int = 8192, tp: int = 1) -> dict:
+        policy: str | None = None, host_tokens: int = 8192, tp: int = 1,
+        write_policy: str | None = None) -> dict:
     """Run the comma-separated ``scenarios`` in order on one engine."""
-    llm = make_llm(model, connector, storage, policy, host_tokens, tp)
+    llm = make_llm(model, connector, storage, policy, host_tokens, tp, write_policy)
     result: dict = {"connector": connector}
     system = system_prompt()
     for scenario in scenarios.split(","):
@@ -163,6 +169,22 @@ def run(model: str, scenarios: str, connector: bool, storage: str | None,
             again, hit_a2 = generate(llm, prompt, "tenant-a")
             result["salt"] = {"outputs": [first, other, again], "cached": [hit_a, hit_b, hit_a2],
                               "prompt_tokens": len(prompt)}
+        elif scenario == "params":
+            # Per-request control: a mistake is served by vLLM alone and reported; two
+            # namespaces never share pages (vLLM's own cache emptied in between).
+            prompt = system + conversations()[3][0]
+            bad = _generate(llm, prompt, hicache={"bogus": 1})
+            plain, _ = generate(llm, prompt)
+            runs = []
+            for ns in ("a", "b", "a"):
+                llm.reset_prefix_cache()
+                out = _generate(llm, prompt, hicache={"namespace": ns})
+                runs.append((list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)))
+            result["params"] = {
+                "bad_output": list(bad.outputs[0].token_ids), "plain_output": plain,
+                "bad_params": bad.kv_transfer_params, "prompt_tokens": len(prompt),
+                "namespace_outputs": [o for o, _ in runs], "namespace_cached": [c for _, c in runs],
+            }
         elif scenario == "replay":
             prompt = system + conversations()[0][0]
             out, hit = generate(llm, prompt)
@@ -182,13 +204,14 @@ def main() -> None:
     parser.add_argument("--policy", choices=["recompute", "fail"])
     parser.add_argument("--host-tokens", type=int, default=8192)
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    parser.add_argument("--write-policy")
     args = parser.parse_args()
     if args.command == "make-model":
         make_model(args.model)
         return
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     result = run(args.model, args.scenario, not args.no_connector, args.storage, args.policy,
-                 args.host_tokens, args.tp)
+                 args.host_tokens, args.tp, args.write_policy)
     sys.stdout.flush()
     print(json.dumps(result), flush=True)
 

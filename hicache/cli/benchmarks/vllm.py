@@ -10,7 +10,10 @@ Configurations, each in its own process with its own engine (vLLM's async engine
 * ``vllm+host+storage``: a host tier a quarter of the working set, over a
   ``file:`` third tier (a fresh temporary directory, or ``--storage SPEC``);
 * ``vllm+host+storage+secret``: the same with a storage secret (every third-tier page
-  tagged and verified), to measure what the authenticator costs; not run by default.
+  tagged and verified), to measure what the authenticator costs; not run by default;
+* ``vllm+host+wb``, ``vllm+host+sel``: ``vllm+host`` under the ``write_back`` and the
+  ``write_through_selective`` write policies (``vllm+host`` is ``write_through``);
+  not run by default. The host-tier bytes written are reported for every configuration.
 
 The regime: vLLM's KV cache is capped (default: a quarter of the working set,
 so vLLM alone evicts prefixes before they come back); the model is a random
@@ -68,7 +71,10 @@ from hicache.cli.benchmarks.vllm_plan import (
 from hicache.cli.benchmarks.vllm_report import report
 from hicache.sim.traces import Request
 
-CONFIG_NAMES = ("vllm", "vllm+host", "vllm+host+storage", "vllm+host+storage+secret")
+CONFIG_NAMES = ("vllm", "vllm+host", "vllm+host+storage", "vllm+host+storage+secret",
+                "vllm+host+wb", "vllm+host+sel")
+# The write policy of the configurations that name one (the others: write_through).
+WRITE_POLICIES = {"vllm+host+wb": "write_back", "vllm+host+sel": "write_through_selective"}
 DEFAULT_CONFIGS = CONFIG_NAMES[:3]
 CONNECTOR_MODULE = "hicache.integrations.vllm"
 
@@ -192,7 +198,9 @@ def _connector_config(name: str, plan: Plan, args: argparse.Namespace,
     if name == "vllm":
         return None
     extra: dict = {}
-    if name == "vllm+host":
+    if name in WRITE_POLICIES:
+        extra["write_policy"] = WRITE_POLICIES[name]
+    if name == "vllm+host" or name in WRITE_POLICIES:
         if args.host_gb is not None:
             extra["host_gb"] = args.host_gb
         else:

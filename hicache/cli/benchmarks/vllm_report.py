@@ -79,6 +79,9 @@ def summarize(result: dict) -> dict:
         "connector_ttft_ms": _times(in_ttft, worker_ms, sched_ms),
         "connector_ttft_cpu_ms": _times(in_ttft, worker_cpu, sched_cpu),
         "preemptions": int(sum(r["preemptions"] for r in recs)),
+        # bytes copied into the host tier (the write policy's traffic), None without one
+        "host_bytes_written": int(cstats["save_bytes"]) if "save_bytes" in cstats else (
+            0 if cstats else None),
         "engine_start_s": round(result["engine_start_s"], 1),
         "connector_stats": result["connector_stats"] or None,  # the connector's totals
     }
@@ -119,7 +122,8 @@ TIMED_KEYS = ("ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "req_per_s", "wall_s
               "steps_in_ttft", "connector_ttft_ms", "connector_ttft_cpu_ms",
               "engine_start_s")
 COUNT_KEYS = ("computed_tokens", "vllm_hit_tokens", "external_hit_tokens", "host_hit_tokens",
-              "storage_hit_tokens", "unspecified_hit_tokens", "preemptions")
+              "storage_hit_tokens", "unspecified_hit_tokens", "preemptions",
+              "host_bytes_written")
 
 
 def summarize_runs(runs: list[dict]) -> dict:
@@ -209,6 +213,17 @@ def compare(configs: dict[str, dict]) -> dict:
     if host is not None and storage is not None:
         out["storage_keeps_hits"] = _ratio(storage["external_hit_tokens"],
                                            host["external_hit_tokens"])
+    for name in ("vllm+host+wb", "vllm+host+sel"):  # write policies vs write_through
+        c = complete.get(name)
+        if host is not None and c is not None:
+            out[f"{name} vs vllm+host"] = {
+                "bytes_written_reduction": _ratio(host["host_bytes_written"] or 0,
+                                                  c["host_bytes_written"] or 0),
+                "host_bytes_written": [host["host_bytes_written"], c["host_bytes_written"]],
+                "ttft_mean_ratio": _ratio(c["ttft_mean_ms"], host["ttft_mean_ms"]),
+                "cached_tokens_delta": (c["vllm_hit_tokens"] + c["external_hit_tokens"]
+                                        - host["vllm_hit_tokens"] - host["external_hit_tokens"]),
+            }
     return out
 
 
@@ -245,6 +260,7 @@ def print_table(configs: dict[str, dict], comparisons: dict, identical: tuple[bo
         ("connector within a TTFT (ms)", "connector_ttft_ms"),
         ("  its CPU time (ms)", "connector_ttft_cpu_ms"),
         ("preemptions", "preemptions"),
+        ("host tier bytes written", "host_bytes_written"),
         ("failed requests", "failed"), ("engine start (s)", "engine_start_s"),
     ]
     width = max(20, *(len(n) + 2 for n in names))
@@ -263,6 +279,12 @@ def print_table(configs: dict[str, dict], comparisons: dict, identical: tuple[bo
             print(f"{name}: {c['tokens_differ_vs_first']} finished requests generated other "
                   f"tokens than {names[0]}", file=out)
     for name, c in comparisons.items():
+        if name.endswith(" vs vllm+host"):
+            print(f"{name}: host-tier bytes written {_fmt(c['bytes_written_reduction'])}x fewer "
+                  f"({_fmt(c['host_bytes_written'][1])} vs {_fmt(c['host_bytes_written'][0])}); "
+                  f"mean TTFT x{_fmt(c['ttft_mean_ratio'])}; cached prompt tokens "
+                  f"{c['cached_tokens_delta']:+,}", file=out)
+            continue
         if name == "storage_keeps_hits":
             print(f"vllm+host+storage / vllm+host hicache-served tokens: {_fmt(c)} "
                   f"(target >= {STORAGE_KEEP_TARGET}, working set >= 4x vLLM's cache)", file=out)
