@@ -83,6 +83,27 @@ def test_write_back_saves_exactly_the_blocks_vllm_evicts_before_their_reuse(
     assert not e.failed
 
 
+def test_write_back_saves_earlier_pages_from_the_blocks_another_request_shares(sched):
+    """a's page 3 is evicted while its pages 0-1 are blocks a2 shared (a2's prefix hit
+    in vLLM's cache): the save takes pages 0-3 from those blocks, and they hold a's KV."""
+    B = sched.B
+    e = sched.Engine(num_blocks=13, extra={"host_tokens": 32 * B, "write_policy": "write_back"},
+                     max_num_batched_tokens=256)
+    half = e.connector.scheduler_half
+    rng = random.Random(7)
+    a = _prompt(rng, 4 * B + 1)
+    e.add("a", a, max_tokens=1)
+    e.run()
+    e.add("a2", a[:2 * B] + _prompt(rng, 3 * B + 1), max_tokens=1)
+    e.run()
+    assert half.counters.saved_tokens == 0
+    e.add("c", _prompt(rng, 5 * B + 5), max_tokens=1)  # evicts a's last full block
+    e.run()
+    e.check()
+    assert _host_pages(e, a) == 4
+    assert half.counters.saved_tokens == 4 * B
+
+
 def test_write_back_saves_nothing_vllm_keeps(sched):
     """Requests whose blocks all fit in vLLM's cache: write_back writes no byte (the
     same workload under write_through saves every block it computes)."""

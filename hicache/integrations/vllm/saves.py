@@ -166,10 +166,10 @@ class Saves:
             return False
         if other.st is st:
             return True
-        n = (page + 1) * self._half.page_size
-        o = other.st
-        return (o.namespace == st.namespace and len(o.token_ids) >= n
-                and list(o.token_ids[:n]) == list(st.token_ids[:n]))
+        o, n = other.st, page + 1
+        # The tree keys (built once per request) compare in C, token lists would not.
+        return (o.namespace == st.namespace and len(o.token_ids) >= n * self._half.page_size
+                and self._half._key(o, n) == self._half._key(st, n))
 
     @property
     def num_recorded_blocks(self) -> int:
