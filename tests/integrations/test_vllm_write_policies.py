@@ -104,6 +104,33 @@ def test_write_back_saves_earlier_pages_from_the_blocks_another_request_shares(s
     assert half.counters.saved_tokens == 4 * B
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_write_back_page_evicted_in_a_step_serves_a_lookup_of_that_step(sched,
+                                                                         async_scheduling):
+    """q's allocation evicts a's last 2 blocks; r (a's prompt), scheduled after q in the
+    same step, hits a's first 2 blocks in vLLM's cache and the other 2 in the host tier:
+    saved as they were evicted, loaded in the same step after the save."""
+    B = sched.B
+    e = sched.Engine(async_scheduling=async_scheduling, num_blocks=13,
+                     extra={"host_tokens": 32 * B, "write_policy": "write_back"},
+                     max_num_batched_tokens=256)
+    half = e.connector.scheduler_half
+    rng = random.Random(8)
+    a, z = _prompt(rng, 4 * B + 1), _prompt(rng, 4 * B + 1)
+    for rid, prompt in (("a", a), ("z", z)):
+        e.add(rid, prompt, max_tokens=1)
+        e.run()
+    e.add("q", _prompt(rng, 5 * B + 3), max_tokens=1)  # 2 partial, 2 unused, a's last 2
+    e.add("r", a, max_tokens=2)
+    e.step(hold=True)
+    out = e._pending[0]  # this step's scheduler output
+    assert {n.req_id for n in out.scheduled_new_reqs} == {"q", "r"}  # one step
+    e.run()
+    e.check()
+    assert half.counters.host_hit_tokens == 2 * B
+    assert _host_pages(e, a) == 4
+
+
 def test_write_back_saves_nothing_vllm_keeps(sched):
     """Requests whose blocks all fit in vLLM's cache: write_back writes no byte (the
     same workload under write_through saves every block it computes)."""

@@ -113,12 +113,26 @@ class Saves:
         return self.save_pages(req_id, st, num_hot, st.block_ids) if num_hot else None
 
     # ----------------------------------------------------- vLLM's evictions
-    def block_evicted(self, block_id: int, cached: bool) -> None:
-        """vLLM reuses ``block_id``; ``cached``: it held a prefix-cache entry until now
-        (write_back saves it with the next plan), else what it held is forgotten."""
+    def block_evicted(self, block_id: int, cached: bool, reused: bool = True) -> None:
+        """vLLM took ``block_id`` out of its prefix cache (``cached``: it held an entry
+        until now; write_back saves it with the next plan) or hands it out again (else
+        what it held is forgotten); ``reused``: for the step being scheduled.
+
+        A reused block's save is planned at once when the host tier has free pages for
+        it: a lookup later in the same scheduler step then finds the page (its load, in
+        the same plan, runs after the save). Otherwise making room could evict a page a
+        lookup of this step promised before its ``after_alloc`` pinned it: planned with
+        the plan instead."""
         rec = self._blocks.pop(block_id, None)
-        if rec is not None and cached and self.policy == WRITE_BACK:
-            self._evicted[block_id] = rec
+        if rec is None or not cached or self.policy != WRITE_BACK:
+            return
+        self._evicted[block_id] = rec
+        if (reused and not rec.st.skip_save
+                and self._half.host_allocator.num_free_pages > rec.page):
+            del self._evicted[block_id]
+            op = self._save_evicted(rec, self._evicted)
+            if op is not None:
+                self._half._early_saves.append(op)  # pinned until the plan is built
 
     def forget_blocks(self, block_ids) -> None:
         """These blocks hold wrong KV (or are no longer vLLM's to trust): never saved."""
