@@ -299,3 +299,17 @@ def test_third_tier_announced_once_every_rank_stored_it(tp, tmp_path):
     assert p2 <= sub.ever_stored(MEDIUM_CPU) and not p2 & sub.ever_stored(MEDIUM_STORAGE)
     e.close()
     sub.close()
+
+
+def test_torch_rank_group_exchanges_over_a_gloo_group(tmp_path):
+    """The group vLLM's workers use (a gloo process group, as vLLM's TP CPU group), in
+    two processes: rank 0 had no load error, rank 1 one; both end with rank 1's."""
+    import json
+
+    import torch.multiprocessing as mp
+    from vllm_sched_tp import gloo_rank  # a light module: each child imports it
+
+    out = str(tmp_path / "errors")
+    mp.start_processes(gloo_rank, args=(str(tmp_path / "rendezvous"), out), nprocs=2,
+                       start_method="spawn", join=True)
+    assert [json.load(open(f"{out}.{r}")) for r in range(2)] == [[11], [11]]

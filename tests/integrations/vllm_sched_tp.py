@@ -86,6 +86,25 @@ def on_ranks(fns) -> None:
     assert not any(t.is_alive() for t in threads), "a rank hangs in a collective"
 
 
+def gloo_rank(rank: int, path: str, out: str) -> None:
+    """Rank ``rank`` of a 2-process gloo group (``torch.multiprocessing`` child): shares
+    its load errors (rank 1 has one, block ``11``) and writes the union to ``out.RANK``."""
+    import json
+
+    import torch.distributed as dist
+
+    from hicache.integrations.vllm.tp import TorchRankGroup, share_load_errors
+
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+    try:
+        errors = share_load_errors(TorchRankGroup(dist.group.WORLD, rank, 2),
+                                   {10 + rank} if rank else set())
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump(sorted(errors), f)
+    finally:
+        dist.destroy_process_group()
+
+
 @dataclass
 class TPEngine(Engine):
     """vLLM's scheduler and ``tp`` worker connectors (ranks), stepped by hand."""

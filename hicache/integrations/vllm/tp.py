@@ -75,8 +75,8 @@ def vllm_rank_group() -> TorchRankGroup | None:
 
 
 def check_parallelism(parallel_config: Any) -> None:
-    """Refuse what the connector cannot serve: pipeline parallelism (one stage holds
-    some layers; a host page is every layer of one block). ``ConfigError`` otherwise."""
+    """Refuse, with one ``ConfigError``, what the connector cannot serve: pipeline
+    parallelism (one stage holds some layers; a host page is every layer of a block)."""
     pp = getattr(parallel_config, "pipeline_parallel_size", 1)
     if pp != 1:
         raise ConfigError(
