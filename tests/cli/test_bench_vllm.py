@@ -140,6 +140,9 @@ def test_plan_sizes_are_exact():
     # generated: min(20, 16) + 5 + 16 = 37; (160 + 37) -> 224 tokens, + 16 blocks of slack
     assert plan.host_tokens == 224 + 16 * 32
     assert plan.small_host_tokens == 2 * 160
+    # vllm-fits: the 5 working-set blocks, one block past each prompt's last whole one
+    # (a: 0 + 16 tokens, b: 8 + 5, a2: 8 + 16), vLLM's null block
+    assert plan.fits_blocks == 5 + 3 + 1
     assert bv.make_plan(_args(vllm_blocks=40), reqs).vllm_blocks == 40
 
 
@@ -301,6 +304,55 @@ def test_steps_within_a_ttft_count_the_first_tokens_step():
     assert s["connector_ttft_cpu_ms"] == 0.6  # 2 steps x (0.1 + 0.2) ms
 
 
+def test_breakdown_splits_ttft_and_the_steps_that_load():
+    stats = {"computed": 40, "local_cache_hit": 0, "external_kv_transfer": 0, "total": 40}
+    r = _result([0.25, 0.05], [[1], [2]], stats)
+    for rec, queued, prefill in zip(r["requests"], (0.05, 0.0), (0.15, 0.04), strict=True):
+        rec["queued_s"], rec["prefill_s"] = queued, prefill
+    r["step_times"] = [100.3, 100.0, 100.1, 100.25]  # intervals 100, 150, 50 ms
+    b = summarize(r)["breakdown"]
+    assert (b["queued_ms"], b["prefill_ms"], b["front_ms"]) == (25.0, 95.0, 30.0)
+    assert b["step_ms_median"] == 100.0
+    # vLLM alone: no connector clocks
+    assert b["model_ms_per_step"] is None and b["load_steps"] is None
+    assert b["worker_hooks_ms"] == {} and b["scheduler_hooks_ms"] == {}
+    r["connector_stats"] = {
+        "steps": 10, "scheduler_steps": 20, "model_seconds": 0.9, "model_steps": 10,
+        "load_forward_seconds": 0.4, "load_forward_steps": 4, "load_seconds": 0.02,
+        "hook_seconds.wait_for_layer_load": 0.004, "hook_seconds.wait_for_save": 0.01,
+        "hook_calls.wait_for_save": 10, "scheduler_hook_seconds.build_connector_meta": 0.006}
+    b = summarize(r)["breakdown"]
+    assert b["model_ms_per_step"] == 90.0 and b["load_steps"] == 4
+    # per load step: 5 ms of copy under a 100 ms forward, of which it waited 1 ms
+    assert (b["load_copy_ms"], b["load_forward_ms"], b["load_wait_ms"]) == (5.0, 100.0, 1.0)
+    assert b["load_hidden"] == 0.8
+    assert b["worker_hooks_ms"] == {"wait_for_layer_load": 0.4, "wait_for_save": 1.0}
+    assert b["scheduler_hooks_ms"] == {"build_connector_meta": 0.3}
+    # a request without vLLM's timestamps: no split rather than a wrong one
+    r["requests"][1]["queued_s"] = None
+    assert summarize(r)["breakdown"]["front_ms"] is None
+
+
+def test_breakdown_medians_over_runs_and_in_the_table(capsys):
+    from hicache.cli.benchmarks.vllm_breakdown import median_breakdown
+
+    each = [{"load_copy_ms": v, "load_steps": n, "worker_hooks_ms": hooks}
+            for v, n, hooks in ((1.0, 4, {"a": 0.1}), (3.0, 6, {"a": 0.3, "b": 1.0}),
+                                (None, 5, {}))]
+    assert median_breakdown(each) == {"load_copy_ms": 2.0, "load_steps": 5,
+                                      "worker_hooks_ms": {"a": 0.1, "b": 0.0}}
+    stats = {"computed": 40, "local_cache_hit": 0, "external_kv_transfer": 0, "total": 40}
+    host = _result([0.1], [[1]], stats)
+    host["connector_stats"] = {"steps": 2, "hook_seconds.start_load_kv": 0.001}
+    report({"vllm": [_result([0.2], [[1]], stats)], "vllm+host": [host]}, {}, {},
+           out=sys.stdout, plot=None, title="t")
+    text = capsys.readouterr().out
+    assert "where the time goes" in text
+    assert "connector per step by hook, worker (ms):" in text
+    assert "start_load_kv" in text and "0.500" in text
+    assert "TTFT gain / computed-token gain 2.00 (target >= 0.9)" in text
+
+
 def test_connector_stats_are_summed_over_steps():
     sink = StatsSink()
     sink.recording = True
@@ -336,6 +388,7 @@ def test_compare_skips_configs_with_failed_requests():
           "external_hit_tokens": 1, "failed": 0}
     assert compare({"vllm": ok, "vllm+host": ok, "vllm+host+storage": {**ok, "failed": 3}}) \
         == {"vllm+host": {"ttft_mean_speedup": 1.0, "computed_reduction": 1.0,
+                          "ttft_gain_per_computed_gain": 1.0,
                           "req_per_s_ratio": 1.0, "ttft_mean_delta_ms": 0.0,
                           "decode_step_delta_ms": 0.0}}
 
@@ -432,6 +485,34 @@ def test_repeat_runs_every_config_n_times_with_a_fresh_third_tier(
     assert len(summary["comparisons_per_run"]) == 2
 
 
+def test_vllm_fits_runs_vllm_alone_with_the_working_set_in_its_cache(
+        monkeypatch, capfd, everything_installed, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 4,
+        "intermediate_size": 352, "vocab_size": 32000}))
+    specs = {}
+
+    def fake_run_config(name, spec, workdir, progress_fd, tag=None):
+        specs[name] = spec
+        stats = {"computed": 100, "local_cache_hit": 0, "external_kv_transfer": 0,
+                 "total": 100}
+        return _result([0.1], [[1]], stats)
+
+    monkeypatch.setattr(bv, "run_config", fake_run_config)
+    argv = ["bench", "vllm", "--model", str(model), "--configs", "vllm,vllm+host,vllm-fits",
+            "--json"]
+    assert cli_main.main(argv) == 0
+    assert specs["vllm"]["vllm_blocks"] == specs["vllm+host"]["vllm_blocks"] == 292
+    # every block the agentic trace fills: its 1,168-block working set, one block past
+    # each of the 192 page-aligned prompts (16 generated tokens), vLLM's null block
+    assert specs["vllm-fits"]["vllm_blocks"] == 1168 + 192 + 1
+    assert specs["vllm-fits"]["kv_transfer_config"] is None
+    assert specs["vllm+host"]["kv_transfer_config"]["kv_connector"] == "HiCacheConnector"
+    assert "vllm-fits" in json.loads(capfd.readouterr().out)["comparisons"]
+
+
 def test_plot_ttft_cdf_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     a = _result([0.1, 0.2, 0.4], [[1], [2], [3]], {})
@@ -453,9 +534,21 @@ def test_compare_ratios_against_vllm():
     }
     c = compare(configs)
     assert c["vllm+host"] == {"ttft_mean_speedup": 3.0, "computed_reduction": 3.0,
+                              "ttft_gain_per_computed_gain": 1.0,
                               "req_per_s_ratio": 1.5, "ttft_mean_delta_ms": -200.0,
                               "decode_step_delta_ms": 0.25}
     assert c["storage_keeps_hits"] == 0.9
+    # with vllm-fits (vLLM's own cache holding the working set): the bound at the same
+    # computed tokens, and each connector configuration's TTFT against it
+    configs["vllm-fits"] = {"ttft_mean_ms": 80.0, "computed_tokens": 300, "req_per_s": 3.2,
+                            "decode_step_ms": 20.0, "external_hit_tokens": 0, "failed": 0}
+    c = compare(configs)
+    assert c["vllm-fits"]["ttft_mean_speedup"] == 3.75
+    assert c["vllm-fits"]["ttft_gain_per_computed_gain"] == 1.25
+    assert "ttft_vs_fits" not in c["vllm-fits"]
+    assert c["vllm+host"]["ttft_vs_fits"] == 1.25
+    assert c["vllm+host+storage"]["ttft_vs_fits"] == 1.875
+    assert c["vllm+host+storage"]["ttft_gain_per_computed_gain"] == 0.8
 
 
 def test_write_policy_configs_compare_bytes_written_with_write_through():

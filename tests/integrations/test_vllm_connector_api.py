@@ -150,6 +150,53 @@ def test_save_then_load_through_the_connector_api():
     sched.shutdown()
 
 
+def test_hook_clocks_split_the_connectors_time_per_hook_and_time_the_forward():
+    from hicache.integrations.vllm.clocks import per_hook
+
+    sched, worker, kv = _connectors({"host_tokens": 256})
+    tokens = list(range(1, 70))
+    a = SimpleNamespace(request_id="a", all_token_ids=tokens, num_computed_tokens=0)
+    sched.on_new_request(a)
+    sched.get_num_new_matched_tokens(a, 0)
+    sched.update_state_after_alloc(a, SimpleNamespace(get_block_ids=lambda: ([0, 1, 2],)), 0)
+    _run_step(worker, sched.build_connector_meta(_output(new=[(a, [0, 1, 2], 0)],
+                                                         num_tokens={"a": 69})))
+    a.num_computed_tokens = 69
+    sched.request_finished(a, [0, 1, 2])
+    _run_step(worker, sched.build_connector_meta(_output()))
+    b = SimpleNamespace(request_id="b", all_token_ids=tokens, num_computed_tokens=0)
+    sched.on_new_request(b)
+    assert sched.get_num_new_matched_tokens(b, 0) == (64, False)
+    sched.update_state_after_alloc(b, SimpleNamespace(get_block_ids=lambda: ([5, 6, 7],)), 64)
+    _run_step(worker, sched.build_connector_meta(_output(new=[(b, [5, 6, 7], 64)],
+                                                         num_tokens={"b": 5})))
+    data = worker.get_kv_connector_stats().data
+    calls = per_hook(data, kind="calls")
+    # three steps; wait_for_layer_load is timed only in the step that loads (2 layers)
+    assert calls == {"handle_preemptions": 3, "start_load_kv": 3, "wait_for_layer_load": 2,
+                     "wait_for_save": 3, "get_finished": 3,
+                     "get_block_ids_with_load_errors": 3}
+    # the hooks' times add up to the total, wall and CPU
+    assert sum(per_hook(data).values()) == pytest.approx(data["hook_seconds"])
+    assert sum(per_hook(data, kind="cpu_seconds").values()) == pytest.approx(
+        data["hook_cpu_seconds"])
+    # the model runner's work: every step from handle_preemptions to wait_for_save; the
+    # forward a load runs under: the one step that loaded, from start_load_kv on
+    assert data["model_steps"] == 3 and data["load_forward_steps"] == 1
+    assert 0 < data["load_forward_seconds"] <= data["model_seconds"]
+    # taken: the next report starts from zero
+    assert worker._worker_clock.take() == {}
+    sdata = sched.get_kv_connector_stats().data
+    assert per_hook(sdata, "scheduler_", "calls") == {
+        "get_num_new_matched_tokens": 2, "update_state_after_alloc": 2,
+        "build_connector_meta": 3, "request_finished": 1}
+    assert sum(per_hook(sdata, "scheduler_").values()) == pytest.approx(
+        sdata["scheduler_hook_seconds"])
+    assert "model_steps" not in sdata and per_hook(sdata) == {}  # the worker's keys only
+    worker.shutdown()
+    sched.shutdown()
+
+
 @pytest.mark.parametrize(("extra", "match"), [
     ({"host_gb": "big"}, "kv_connector_extra_config.host_gb: expected a number"),
     ({"hostgb": 1}, "unknown field\\(s\\) \\['hostgb'\\]"),

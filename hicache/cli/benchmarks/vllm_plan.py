@@ -132,6 +132,9 @@ class Plan(NamedTuple):
     vllm_blocks: int
     host_tokens: int  # vllm+host (unless --host-gb)
     small_host_tokens: int  # vllm+host+storage
+    # vllm-fits: every block the trace ever fills (its working set, and each request's
+    # blocks past its last whole prompt block), plus vLLM's null block: nothing evicted
+    fits_blocks: int
 
 
 def make_plan(args: argparse.Namespace, requests: list[Request]) -> Plan:
@@ -149,7 +152,10 @@ def make_plan(args: argparse.Namespace, requests: list[Request]) -> Plan:
     generated = sum(max_tokens_of(r, args.max_tokens) for r in requests)
     host_tokens = -(-(ws + generated) // B) * B + 16 * B  # slack: partial turns, in flight
     small_host = max(ws // 4 // B * B, 2 * max_model_len)
-    return Plan(B, max_model_len, ws, vllm_blocks, host_tokens, small_host)
+    tails = sum(-(-(len(r.prompt) % B + max_tokens_of(r, args.max_tokens)) // B)
+                for r in requests)
+    fits_blocks = max(vllm_blocks, ws // B + tails + 1)
+    return Plan(B, max_model_len, ws, vllm_blocks, host_tokens, small_host, fits_blocks)
 
 
 def max_tokens_of(req: Request, cap: int) -> int:

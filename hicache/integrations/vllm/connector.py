@@ -32,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from hicache.integrations.vllm.clocks import HookClock
 from hicache.integrations.vllm.clocks import timed_scheduler_hook as _timed_scheduler
 from hicache.integrations.vllm.clocks import timed_worker_hook as _timed
 from hicache.integrations.vllm.config import ConnectorConfig
@@ -104,6 +105,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         self._requests: dict[str, Request] = {}
         self._hit_sources: dict[str, tuple[int, int]] = {}
         self._scheduler_report = SchedulerReport()  # the scheduler side's stats and clock
+        self._worker_clock = HookClock()  # the worker side's time per hook, and the forward
         self._block_pool: BlockPool | None = None  # vLLM's (scheduler side)
         self._eviction_hook: EvictionHook | None = None  # vLLM's evictions -> write_back
         # Per request: (its control, its namespace in hicache's tiers); see params.py
@@ -230,7 +232,10 @@ class HiCacheConnector(KVConnectorBase_V1):
         if self.worker_half is None:
             return None
         data = self.worker_half.take_stats()
-        return None if data is None else HiCacheConnectorStats(data=data)
+        if data is None:
+            return None  # the clocks ride along with the next report
+        data.update(self._worker_clock.take())
+        return HiCacheConnectorStats(data=data)
 
     @_timed
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from hicache.integrations.vllm.clocks import HookClock
 from hicache.integrations.vllm.scheduler import SNAPSHOT_STATS, SchedulerHalf
 
 # The scheduler side reports its clock alone every this many steps (not with every step).
@@ -26,7 +27,9 @@ class HiCacheConnectorStats(KVConnectorStats):
     :class:`~hicache.integrations.vllm.worker_stats.WorkerStats`), the scheduler half's (see
     :class:`~hicache.integrations.vllm.scheduler.SchedulerStats`, and its
     ``scheduler_steps``, ``scheduler_hook_seconds``, ``scheduler_hook_cpu_seconds``),
-    and the host tier's ``host_pages_used`` / ``host_pages_free`` (snapshots)."""
+    both sides' time per hook and the worker's forward (see
+    :class:`~hicache.integrations.vllm.clocks.HookClock`), and the host tier's
+    ``host_pages_used`` / ``host_pages_free`` (snapshots)."""
 
     data: dict[str, Any] = field(default_factory=dict)
 
@@ -66,14 +69,18 @@ class SchedulerReport:
         self.steps = 0  # plans built since the last report
         self.seconds = 0.0  # wall seconds in scheduler-side hooks since the last report
         self.cpu_seconds = 0.0  # of which the hooks' thread ran
+        self.clock = HookClock("scheduler_")  # the same, per hook
         self._reported: dict[str, int] = {}  # the half's counters at the last report
 
     def start(self, half: SchedulerHalf) -> None:
         self._reported = dict(vars(half.counters))
 
-    def add_seconds(self, wall: float, cpu: float) -> None:
+    def add_seconds(self, wall: float, cpu: float, hook: str | None = None) -> None:
+        """One hook call's wall and CPU seconds (per hook too, when ``hook`` is named)."""
         self.seconds += wall
         self.cpu_seconds += cpu
+        if hook is not None:
+            self.clock.add(hook, 0.0, wall, cpu)
 
     def take(self, half: SchedulerHalf) -> HiCacheConnectorStats | None:
         """A report when a counter moved since the last one (a scrape then sees a hit in
@@ -83,7 +90,8 @@ class SchedulerReport:
             return None
         data: dict[str, Any] = {"scheduler_steps": self.steps,
                                 "scheduler_hook_seconds": self.seconds,
-                                "scheduler_hook_cpu_seconds": self.cpu_seconds}
+                                "scheduler_hook_cpu_seconds": self.cpu_seconds,
+                                **self.clock.take()}
         for name, value in counters.items():
             data[name] = value - self._reported.get(name, 0)
         data["host_pages_used"] = half.host_allocator.num_used_pages

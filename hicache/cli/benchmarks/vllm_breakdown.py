@@ -1,0 +1,130 @@
+"""Where the time to first token goes, per configuration of ``hicache bench vllm``.
+
+A request's TTFT (vLLM's: its first token's step time minus its arrival) splits on
+vLLM's own per-request timestamps (engine core clock)::
+
+    arrival        queued                  scheduled                first token
+       |<- front end ->|<---- queued ---->|<------- prefill -------->|
+                        waiting in vLLM's   the steps that computed its
+                        queue               prompt, shared with others'
+
+and each step it waits for splits, on the connector's clocks (worker side; see
+:mod:`hicache.integrations.vllm.clocks`), into the connector's hooks (per hook)
+and vLLM's model runner. For the steps that load, the loads' copy time (on the copy
+thread) is set against the forward it runs under and the part of it the forward
+waited for (``wait_for_layer_load``): what the forward did not wait for is hidden.
+
+Every figure is a mean (ms) over requests or steps; ``None`` where a run has no such
+data (vLLM alone has no connector clocks). This module reads result dicts as
+:mod:`hicache.cli.benchmarks.vllm_engine` writes them; it prints nothing itself
+but :func:`print_breakdown`.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import IO
+
+import numpy as np
+
+from hicache.integrations.vllm.clocks import per_hook
+
+# Figures of breakdown(), in the order they are printed, with their labels.
+ROWS = (
+    ("TTFT: front end (ms)", "front_ms"),
+    ("  queued in vLLM (ms)", "queued_ms"),
+    ("  scheduled to first token (ms)", "prefill_ms"),
+    ("step interval, median (ms)", "step_ms_median"),
+    ("worker: model runner per step (ms)", "model_ms_per_step"),
+    ("steps that load", "load_steps"),
+    ("  per load step: copy (ms)", "load_copy_ms"),
+    ("  forward it ran under (ms)", "load_forward_ms"),
+    ("  forward waited for it (ms)", "load_wait_ms"),
+    ("  load hidden (share of copy)", "load_hidden"),
+)
+
+
+def breakdown(result: dict) -> dict:
+    """The TTFT and step breakdown of one run (see the module docstring)."""
+    recs = result["requests"]
+    c = result.get("connector_stats") or {}
+    out: dict = {}
+    ttft = _mean_ms([r["ttft_s"] for r in recs])
+    queued = _mean_ms([r.get("queued_s") for r in recs])
+    prefill = _mean_ms([r.get("prefill_s") for r in recs])
+    out["queued_ms"], out["prefill_ms"] = queued, prefill
+    out["front_ms"] = (None if None in (ttft, queued, prefill)
+                       else round(ttft - queued - prefill, 2))
+    steps = np.diff(np.sort(np.asarray(result.get("step_times") or [], dtype=float)))
+    out["step_ms_median"] = round(float(np.median(steps)) * 1e3, 2) if steps.size else None
+    out["model_ms_per_step"] = _ratio_ms(c.get("model_seconds"), c.get("model_steps"))
+    n_load = c.get("load_forward_steps") or 0
+    out["load_steps"] = n_load if c else None
+    waits = per_hook(c).get("wait_for_layer_load", 0.0)
+    out["load_copy_ms"] = _ratio_ms(c.get("load_seconds"), n_load)
+    out["load_forward_ms"] = _ratio_ms(c.get("load_forward_seconds"), n_load)
+    out["load_wait_ms"] = _ratio_ms(waits, n_load)
+    copy_s = c.get("load_seconds") or 0.0
+    out["load_hidden"] = round(max(0.0, 1.0 - waits / copy_s), 3) if n_load and copy_s else None
+    out["worker_hooks_ms"] = _hooks_ms(c, "", c.get("steps"))
+    out["scheduler_hooks_ms"] = _hooks_ms(c, "scheduler_", c.get("scheduler_steps"))
+    return out
+
+
+def median_breakdown(each: list[dict]) -> dict:
+    """Each figure's median over runs (per hook for the hook tables)."""
+    out: dict = {}
+    for key in each[0]:
+        if key.endswith("_hooks_ms"):
+            hooks = {h for b in each for h in b[key]}
+            out[key] = {h: round(statistics.median([b[key].get(h, 0.0) for b in each]), 4)
+                        for h in sorted(hooks)}
+            continue
+        values = [b[key] for b in each if b[key] is not None]
+        out[key] = round(statistics.median(values), 4) if values else None
+    return out
+
+
+def print_breakdown(configs: dict[str, dict], out: IO[str], width: int,
+                    fmt: Callable[[object], str]) -> None:
+    """The breakdown rows of every configuration (``configs[name]["breakdown"]``, each
+    value written by ``fmt``), then the connector's time per step by hook (wall ms;
+    configurations with a connector)."""
+    names = list(configs)
+    print("\nwhere the time goes", file=out)
+    for label, key in ROWS:
+        print(f"{label:<32}" + "".join(f"{fmt(configs[n]['breakdown'][key]):>{width}}"
+                                        for n in names), file=out)
+    for side in ("worker", "scheduler"):
+        key = f"{side}_hooks_ms"
+        hooks = sorted({h for n in names for h in configs[n]["breakdown"][key]})
+        if hooks:
+            print(f"connector per step by hook, {side} (ms):", file=out)
+        for h in hooks:
+            print(f"  {h:<30}" + "".join(
+                f"{_fmt_ms(configs[n]['breakdown'][key].get(h)):>{width}}" for n in names),
+                file=out)
+
+
+def _fmt_ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def _mean_ms(values: list) -> float | None:
+    if not values or any(v is None for v in values):
+        return None
+    return round(float(np.mean(values)) * 1e3, 2)
+
+
+def _ratio_ms(seconds: float | None, count: int | None) -> float | None:
+    if not count or seconds is None:
+        return None
+    return round(seconds / count * 1e3, 3)
+
+
+def _hooks_ms(c: dict, prefix: str, steps: int | None) -> dict[str, float]:
+    """ms per step of each hook (wall), over the side's steps."""
+    if not steps:
+        return {}
+    return {hook: round(s / steps * 1e3, 4) for hook, s in per_hook(c, prefix).items()}
