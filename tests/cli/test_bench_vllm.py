@@ -313,6 +313,12 @@ def test_breakdown_splits_ttft_and_the_steps_that_load():
     b = summarize(r)["breakdown"]
     assert (b["queued_ms"], b["prefill_ms"], b["front_ms"]) == (25.0, 95.0, 30.0)
     assert b["step_ms_median"] == 100.0
+    assert b["step_fixed_ms"] is None  # no per-step token counts
+    # the steps at 100.1, 100.25, 100.3 computed 1,000, 2,000 and 0 prompt tokens:
+    # intervals 100, 150 and 50 ms = 50 ms + 50 ms per 1,000 tokens
+    r["step_computed"] = [0, 7, 1000, 2000]
+    b = summarize(r)["breakdown"]
+    assert (b["step_fixed_ms"], b["step_ms_per_1k_computed"]) == (50.0, 50.0)
     # vLLM alone: no connector clocks
     assert b["model_ms_per_step"] is None and b["load_steps"] is None
     assert b["worker_hooks_ms"] == {} and b["scheduler_hooks_ms"] == {}
@@ -320,7 +326,8 @@ def test_breakdown_splits_ttft_and_the_steps_that_load():
         "steps": 10, "scheduler_steps": 20, "model_seconds": 0.9, "model_steps": 10,
         "load_forward_seconds": 0.4, "load_forward_steps": 4, "load_seconds": 0.02,
         "hook_seconds.wait_for_layer_load": 0.004, "hook_seconds.wait_for_save": 0.01,
-        "hook_calls.wait_for_save": 10, "scheduler_hook_seconds.build_connector_meta": 0.006}
+        "hook_calls.wait_for_save": 10, "hook_cpu_seconds.wait_for_save": 0.005,
+        "scheduler_hook_seconds.build_connector_meta": 0.006}
     b = summarize(r)["breakdown"]
     assert b["model_ms_per_step"] == 90.0 and b["load_steps"] == 4
     # per load step: 5 ms of copy under a 100 ms forward, of which it waited 1 ms
@@ -328,6 +335,7 @@ def test_breakdown_splits_ttft_and_the_steps_that_load():
     assert b["load_hidden"] == 0.8
     assert b["worker_hooks_ms"] == {"wait_for_layer_load": 0.4, "wait_for_save": 1.0}
     assert b["scheduler_hooks_ms"] == {"build_connector_meta": 0.3}
+    assert b["worker_hooks_cpu_ms"] == {"wait_for_save": 0.5}
     # a request without vLLM's timestamps: no split rather than a wrong one
     r["requests"][1]["queued_s"] = None
     assert summarize(r)["breakdown"]["front_ms"] is None
@@ -343,13 +351,14 @@ def test_breakdown_medians_over_runs_and_in_the_table(capsys):
                                       "worker_hooks_ms": {"a": 0.1, "b": 0.0}}
     stats = {"computed": 40, "local_cache_hit": 0, "external_kv_transfer": 0, "total": 40}
     host = _result([0.1], [[1]], stats)
-    host["connector_stats"] = {"steps": 2, "hook_seconds.start_load_kv": 0.001}
+    host["connector_stats"] = {"steps": 2, "hook_seconds.start_load_kv": 0.001,
+                               "hook_cpu_seconds.start_load_kv": 0.0004}
     report({"vllm": [_result([0.2], [[1]], stats)], "vllm+host": [host]}, {}, {},
            out=sys.stdout, plot=None, title="t")
     text = capsys.readouterr().out
     assert "where the time goes" in text
-    assert "connector per step by hook, worker (ms):" in text
-    assert "start_load_kv" in text and "0.500" in text
+    assert "connector per step by hook, worker: wall / CPU (ms)" in text
+    assert re.search(r"start_load_kv +- +0\.500 / 0\.200\n", text)
     assert "TTFT gain / computed-token gain 2.00 (target >= 0.9)" in text
 
 

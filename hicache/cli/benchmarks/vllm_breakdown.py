@@ -8,7 +8,8 @@ vLLM's own per-request timestamps (engine core clock)::
                         waiting in vLLM's   the steps that computed its
                         queue               prompt, shared with others'
 
-and each step it waits for splits, on the connector's clocks (worker side; see
+each step's interval is fitted as a fixed part plus a part per prompt token it
+computed (what a TTFT cannot shed by computing fewer tokens), and each step splits, on the connector's clocks (worker side; see
 :mod:`hicache.integrations.vllm.clocks`), into the connector's hooks (per hook)
 and vLLM's model runner. For the steps that load, the loads' copy time (on the copy
 thread) is set against the forward it runs under and the part of it the forward
@@ -36,6 +37,8 @@ ROWS = (
     ("  queued in vLLM (ms)", "queued_ms"),
     ("  scheduled to first token (ms)", "prefill_ms"),
     ("step interval, median (ms)", "step_ms_median"),
+    ("  fit: fixed per step (ms)", "step_fixed_ms"),
+    ("  fit: per 1k computed tokens (ms)", "step_ms_per_1k_computed"),
     ("worker: model runner per step (ms)", "model_ms_per_step"),
     ("steps that load", "load_steps"),
     ("  per load step: copy (ms)", "load_copy_ms"),
@@ -58,6 +61,7 @@ def breakdown(result: dict) -> dict:
                        else round(ttft - queued - prefill, 2))
     steps = np.diff(np.sort(np.asarray(result.get("step_times") or [], dtype=float)))
     out["step_ms_median"] = round(float(np.median(steps)) * 1e3, 2) if steps.size else None
+    out["step_fixed_ms"], out["step_ms_per_1k_computed"] = _step_fit(result)
     out["model_ms_per_step"] = _ratio_ms(c.get("model_seconds"), c.get("model_steps"))
     n_load = c.get("load_forward_steps") or 0
     out["load_steps"] = n_load if c else None
@@ -69,6 +73,9 @@ def breakdown(result: dict) -> dict:
     out["load_hidden"] = round(max(0.0, 1.0 - waits / copy_s), 3) if n_load and copy_s else None
     out["worker_hooks_ms"] = _hooks_ms(c, "", c.get("steps"))
     out["scheduler_hooks_ms"] = _hooks_ms(c, "scheduler_", c.get("scheduler_steps"))
+    out["worker_hooks_cpu_ms"] = _hooks_ms(c, "", c.get("steps"), "cpu_seconds")
+    out["scheduler_hooks_cpu_ms"] = _hooks_ms(c, "scheduler_", c.get("scheduler_steps"),
+                                              "cpu_seconds")
     return out
 
 
@@ -76,7 +83,7 @@ def median_breakdown(each: list[dict]) -> dict:
     """Each figure's median over runs (per hook for the hook tables)."""
     out: dict = {}
     for key in each[0]:
-        if key.endswith("_hooks_ms"):
+        if key.endswith(("_hooks_ms", "_hooks_cpu_ms")):
             hooks = {h for b in each for h in b[key]}
             out[key] = {h: round(statistics.median([b[key].get(h, 0.0) for b in each]), 4)
                         for h in sorted(hooks)}
@@ -89,26 +96,42 @@ def median_breakdown(each: list[dict]) -> dict:
 def print_breakdown(configs: dict[str, dict], out: IO[str], width: int,
                     fmt: Callable[[object], str]) -> None:
     """The breakdown rows of every configuration (``configs[name]["breakdown"]``, each
-    value written by ``fmt``), then the connector's time per step by hook (wall ms;
-    configurations with a connector)."""
+    value written by ``fmt``), then the connector's time per step by hook (wall / CPU
+    ms; configurations with a connector)."""
     names = list(configs)
     print("\nwhere the time goes", file=out)
     for label, key in ROWS:
         print(f"{label:<32}" + "".join(f"{fmt(configs[n]['breakdown'][key]):>{width}}"
                                         for n in names), file=out)
     for side in ("worker", "scheduler"):
-        key = f"{side}_hooks_ms"
-        hooks = sorted({h for n in names for h in configs[n]["breakdown"][key]})
+        wall = {n: configs[n]["breakdown"][f"{side}_hooks_ms"] for n in names}
+        cpu = {n: configs[n]["breakdown"][f"{side}_hooks_cpu_ms"] for n in names}
+        hooks = sorted({h for n in names for h in wall[n]})
         if hooks:
-            print(f"connector per step by hook, {side} (ms):", file=out)
+            print(f"connector per step by hook, {side}: wall / CPU (ms)", file=out)
         for h in hooks:
             print(f"  {h:<30}" + "".join(
-                f"{_fmt_ms(configs[n]['breakdown'][key].get(h)):>{width}}" for n in names),
-                file=out)
+                f"{_fmt_ms(wall[n].get(h), cpu[n].get(h)):>{width}}" for n in names), file=out)
 
 
-def _fmt_ms(v: float | None) -> str:
-    return "-" if v is None else f"{v:.3f}"
+def _step_fit(result: dict) -> tuple[float | None, float | None]:
+    """Least squares of each step's interval (since the previous step's outputs) on the
+    prompt tokens it computed: ``interval = fixed + per_token x computed``, returned as
+    (fixed ms, ms per 1,000 computed tokens); Nones without per-step counts."""
+    times = np.asarray(result.get("step_times") or [], dtype=float)
+    computed = np.asarray(result.get("step_computed") or [], dtype=float)
+    if times.size != computed.size or times.size < 3:
+        return None, None
+    order = np.argsort(times, kind="stable")
+    dt, x = np.diff(times[order]), computed[order][1:]
+    if np.ptp(x) == 0:
+        return None, None
+    per_token, fixed = np.polyfit(x, dt, 1)
+    return round(float(fixed) * 1e3, 2), round(float(per_token) * 1e6, 2)
+
+
+def _fmt_ms(wall: float | None, cpu: float | None) -> str:
+    return "-" if wall is None else f"{wall:.3f} / {cpu or 0.0:.3f}"
 
 
 def _mean_ms(values: list) -> float | None:
@@ -123,8 +146,10 @@ def _ratio_ms(seconds: float | None, count: int | None) -> float | None:
     return round(seconds / count * 1e3, 3)
 
 
-def _hooks_ms(c: dict, prefix: str, steps: int | None) -> dict[str, float]:
-    """ms per step of each hook (wall), over the side's steps."""
+def _hooks_ms(c: dict, prefix: str, steps: int | None,
+              kind: str = "seconds") -> dict[str, float]:
+    """ms per step of each hook (``kind``: wall ``seconds`` or ``cpu_seconds``), over the
+    side's steps."""
     if not steps:
         return {}
-    return {hook: round(s / steps * 1e3, 4) for hook, s in per_hook(c, prefix).items()}
+    return {hook: round(s / steps * 1e3, 4) for hook, s in per_hook(c, prefix, kind).items()}

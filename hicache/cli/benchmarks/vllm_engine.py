@@ -58,6 +58,7 @@ class StatsSink:
         self.connector_stats: dict = {}  # kv_connector_stats summed over steps (numbers only)
         self.num_preempted = 0
         self.step_times: list[float] = []  # wall clock (time.time) of each step's outputs
+        self.step_computed: list[int] = []  # prompt tokens each of those steps computed
 
     def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         if not self.recording:
@@ -65,6 +66,7 @@ class StatsSink:
         if iteration_stats is not None:
             self.step_times.append(iteration_stats.iteration_timestamp)
             p = iteration_stats.prompt_token_stats
+            self.step_computed.append(p.computed)
             self.prompt_tokens["computed"] += p.computed
             self.prompt_tokens["local_cache_hit"] += p.local_cache_hit
             self.prompt_tokens["external_kv_transfer"] += p.external_kv_transfer
@@ -312,6 +314,7 @@ async def _run(spec: dict) -> dict:
         "connector_stats": sink.connector_stats,
         "num_preempted": sink.num_preempted,
         "step_times": sink.step_times,
+        "step_computed": sink.step_computed,
     }
 
 
