@@ -319,6 +319,11 @@ def test_breakdown_splits_ttft_and_the_steps_that_load():
     r["step_computed"] = [0, 7, 1000, 2000]
     b = summarize(r)["breakdown"]
     assert (b["step_fixed_ms"], b["step_ms_per_1k_computed"]) == (50.0, 50.0)
+    assert b["computed_in_ttft"] is None  # the requests' arrival times are not recorded
+    # request 0 arrived at 100.0, first token at 100.25: steps 100.1 and 100.25 (3,000
+    # tokens); request 1 at 100.25, first token at 100.3: step 100.3 (0 tokens)
+    r["requests"][0]["arrival_s"], r["requests"][1]["arrival_s"] = 100.0, 100.25
+    assert summarize(r)["breakdown"]["computed_in_ttft"] == 1500.0
     # vLLM alone: no connector clocks
     assert b["model_ms_per_step"] is None and b["load_steps"] is None
     assert b["worker_hooks_ms"] == {} and b["scheduler_hooks_ms"] == {}
@@ -336,6 +341,11 @@ def test_breakdown_splits_ttft_and_the_steps_that_load():
     assert b["worker_hooks_ms"] == {"wait_for_layer_load": 0.4, "wait_for_save": 1.0}
     assert b["scheduler_hooks_ms"] == {"build_connector_meta": 0.3}
     assert b["worker_hooks_cpu_ms"] == {"wait_for_save": 0.5}
+    assert b["cpu_worker_s"] is None  # no process accounting in this result
+    r["cpu_seconds"] = {"front end": 3.5, "VLLM::EngineCor": 2.0, "VLLM::Worker": 40.0,
+                        "python": 0.01}
+    b = summarize(r)["breakdown"]
+    assert (b["cpu_worker_s"], b["cpu_engine_core_s"], b["cpu_front_end_s"]) == (40.0, 2.0, 3.5)
     # a request without vLLM's timestamps: no split rather than a wrong one
     r["requests"][1]["queued_s"] = None
     assert summarize(r)["breakdown"]["front_ms"] is None
@@ -648,6 +658,10 @@ def test_real_run_accounts_every_prompt_token(real_run):
         assert 0 < c["ttft_p50_ms"] <= c["ttft_p99_ms"], name
         assert c["decode_step_ms"] > 0, name
         assert c["steps_in_ttft"] >= 1, name  # the first token's step at least
+        b = c["breakdown"]  # vLLM's own per-request timestamps split every TTFT
+        assert b["queued_ms"] >= 0 and b["prefill_ms"] > 0 and b["front_ms"] is not None, name
+        assert b["computed_in_ttft"] > 0 and b["step_ms_median"] > 0, name
+        assert b["cpu_worker_s"] > 0 and b["cpu_engine_core_s"] > 0, name  # Linux /proc
     base = summary["configs"]["vllm"]
     assert base["external_hit_tokens"] == 0
     # 16 agentic requests replayed on a cache of a quarter of their working set still
@@ -672,6 +686,14 @@ def test_real_run_connector_configs_serve_from_hicache(real_run):
     for c in (host, storage):  # both halves' clocks reached the report, CPU time too
         assert c["connector_ms_per_step"] > 0 and c["connector_cpu_ms_per_step"] > 0
         assert c["connector_ttft_ms"] > 0 and c["connector_ttft_cpu_ms"] > 0
+        # per hook, both sides; the model runner timed between the worker's hooks
+        b = c["breakdown"]
+        assert {"handle_preemptions", "start_load_kv", "wait_for_save"} <= set(
+            b["worker_hooks_ms"])
+        assert {"get_num_new_matched_tokens", "build_connector_meta"} <= set(
+            b["scheduler_hooks_ms"])
+        assert b["model_ms_per_step"] > 0
+    assert base["breakdown"]["worker_hooks_ms"] == {}  # vLLM alone: no connector clocks
 
 
 def test_every_config_runs_on_the_same_cores(monkeypatch, tmp_path):

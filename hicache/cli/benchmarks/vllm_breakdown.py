@@ -14,6 +14,8 @@ computed (what a TTFT cannot shed by computing fewer tokens), and each step spli
 and vLLM's model runner. For the steps that load, the loads' copy time (on the copy
 thread) is set against the forward it runs under and the part of it the forward
 waited for (``wait_for_layer_load``): what the forward did not wait for is hidden.
+Last, the CPU seconds each of vLLM's processes used over the replay: unlike wall
+times, they hardly move with what else runs on a shared machine.
 
 Every figure is a mean (ms) over requests or steps; ``None`` where a run has no such
 data (vLLM alone has no connector clocks). This module reads result dicts as
@@ -29,6 +31,7 @@ from typing import IO
 
 import numpy as np
 
+from hicache.cli.benchmarks.proc_cpu import FRONT_END
 from hicache.integrations.vllm.clocks import per_hook
 
 # Figures of breakdown(), in the order they are printed, with their labels.
@@ -36,6 +39,7 @@ ROWS = (
     ("TTFT: front end (ms)", "front_ms"),
     ("  queued in vLLM (ms)", "queued_ms"),
     ("  scheduled to first token (ms)", "prefill_ms"),
+    ("prompt tokens computed within a TTFT", "computed_in_ttft"),
     ("step interval, median (ms)", "step_ms_median"),
     ("  fit: fixed per step (ms)", "step_fixed_ms"),
     ("  fit: per 1k computed tokens (ms)", "step_ms_per_1k_computed"),
@@ -45,7 +49,14 @@ ROWS = (
     ("  forward it ran under (ms)", "load_forward_ms"),
     ("  forward waited for it (ms)", "load_wait_ms"),
     ("  load hidden (share of copy)", "load_hidden"),
+    ("CPU over the replay (s): worker", "cpu_worker_s"),
+    ("  engine core (scheduler)", "cpu_engine_core_s"),
+    ("  front end", "cpu_front_end_s"),
 )
+
+# Process names (Linux's 15-character ``comm``) of vLLM's processes, by what they run.
+_PROCESSES = {"cpu_worker_s": "VLLM::Worker", "cpu_engine_core_s": "VLLM::EngineC",
+              "cpu_front_end_s": FRONT_END}
 
 
 def breakdown(result: dict) -> dict:
@@ -62,6 +73,7 @@ def breakdown(result: dict) -> dict:
     steps = np.diff(np.sort(np.asarray(result.get("step_times") or [], dtype=float)))
     out["step_ms_median"] = round(float(np.median(steps)) * 1e3, 2) if steps.size else None
     out["step_fixed_ms"], out["step_ms_per_1k_computed"] = _step_fit(result)
+    out["computed_in_ttft"] = _computed_in_ttft(result)
     out["model_ms_per_step"] = _ratio_ms(c.get("model_seconds"), c.get("model_steps"))
     n_load = c.get("load_forward_steps") or 0
     out["load_steps"] = n_load if c else None
@@ -71,6 +83,10 @@ def breakdown(result: dict) -> dict:
     out["load_wait_ms"] = _ratio_ms(waits, n_load)
     copy_s = c.get("load_seconds") or 0.0
     out["load_hidden"] = round(max(0.0, 1.0 - waits / copy_s), 3) if n_load and copy_s else None
+    cpu = result.get("cpu_seconds") or {}
+    for key, prefix in _PROCESSES.items():
+        seconds = [s for name, s in cpu.items() if name.startswith(prefix)]
+        out[key] = round(sum(seconds), 2) if seconds else None
     out["worker_hooks_ms"] = _hooks_ms(c, "", c.get("steps"))
     out["scheduler_hooks_ms"] = _hooks_ms(c, "scheduler_", c.get("scheduler_steps"))
     out["worker_hooks_cpu_ms"] = _hooks_ms(c, "", c.get("steps"), "cpu_seconds")
@@ -112,6 +128,26 @@ def print_breakdown(configs: dict[str, dict], out: IO[str], width: int,
         for h in hooks:
             print(f"  {h:<30}" + "".join(
                 f"{_fmt_ms(wall[n].get(h), cpu[n].get(h)):>{width}}" for n in names), file=out)
+
+
+def _computed_in_ttft(result: dict) -> float | None:
+    """Mean over requests of the prompt tokens computed by the steps within its TTFT
+    (those whose outputs came after its arrival, up to its first token's step): the
+    work its first token waited for, its own prompt's and the others' of those steps."""
+    recs = result["requests"]
+    times = np.asarray(result.get("step_times") or [], dtype=float)
+    computed = np.asarray(result.get("step_computed") or [], dtype=float)
+    if not recs or times.size == 0 or times.size != computed.size or any(
+            "arrival_s" not in r for r in recs):
+        return None
+    order = np.argsort(times, kind="stable")
+    times, cumulative = times[order], np.concatenate([[0.0], np.cumsum(computed[order])])
+    arrival = np.array([r["arrival_s"] for r in recs])
+    first = arrival + np.array([r["ttft_s"] for r in recs])
+    # the same steps as vllm_report's steps_in_ttft: (arrival, first token]
+    hi = np.searchsorted(times, first + 1e-6, "right")
+    lo = np.searchsorted(times, arrival, "right")
+    return round(float(np.mean(cumulative[hi] - cumulative[lo])), 1)
 
 
 def _step_fit(result: dict) -> tuple[float | None, float | None]:

@@ -26,7 +26,8 @@ queued in the engine core before first scheduled and from then to the first toke
 the decode interval) and ``num_cached_tokens``; per engine, a stat logger that sums the
 prompt-token breakdown (computed / local prefix cache / external KV transfer)
 and the connector's hits per tier (``CacheHitSource``), and keeps the last
-connector stats. One warm-up request (not recorded) runs first.
+connector stats; and the CPU seconds each of the run's processes used over the replay
+(:mod:`~hicache.cli.benchmarks.proc_cpu`). One warm-up request (not recorded) runs first.
 
 This module knows nothing of the report or of targets; it imports vLLM.
 """
@@ -44,6 +45,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
+
+from hicache.cli.benchmarks.proc_cpu import cpu_seconds_by_name, cpu_seconds_since
 
 
 class StatsSink:
@@ -281,6 +284,7 @@ async def _run(spec: dict) -> dict:
         await _generate(engine, "warmup", warm, 2)
         await asyncio.sleep(0.2)  # let the warm-up's stats drain before recording
         sink.recording = True
+        cpu_before = cpu_seconds_by_name()
         # The parent's terminal (or its stderr under --json): this process's own stdout
         # and stderr, where vLLM logs, go to the configuration's log file.
         progress_file = os.fdopen(spec["progress_fd"], "w", closefd=False)
@@ -298,6 +302,7 @@ async def _run(spec: dict) -> dict:
         progress.close()
         progress_file.flush()
         await asyncio.sleep(0.5)  # the last steps' stats reach the logger asynchronously
+        cpu_s = cpu_seconds_since(cpu_before, cpu_seconds_by_name())
     finally:
         engine.shutdown()
     return {
@@ -315,6 +320,7 @@ async def _run(spec: dict) -> dict:
         "num_preempted": sink.num_preempted,
         "step_times": sink.step_times,
         "step_computed": sink.step_computed,
+        "cpu_seconds": cpu_s,  # per process name, over the replay (proc_cpu)
     }
 
 
