@@ -68,8 +68,9 @@ def breakdown(result: dict) -> dict:
     queued = _mean_ms([r.get("queued_s") for r in recs])
     prefill = _mean_ms([r.get("prefill_s") for r in recs])
     out["queued_ms"], out["prefill_ms"] = queued, prefill
-    out["front_ms"] = (None if None in (ttft, queued, prefill)
-                       else round(ttft - queued - prefill, 2))
+    out["front_ms"] = (round(ttft - queued - prefill, 2)
+                       if ttft is not None and queued is not None and prefill is not None
+                       else None)
     steps = np.diff(np.sort(np.asarray(result.get("step_times") or [], dtype=float)))
     out["step_ms_median"] = round(float(np.median(steps)) * 1e3, 2) if steps.size else None
     out["step_fixed_ms"], out["step_ms_per_1k_computed"] = _step_fit(result)
