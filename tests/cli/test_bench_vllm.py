@@ -592,7 +592,7 @@ def test_write_policy_configs_run_vllm_host_under_their_policy():
     parser = argparse.ArgumentParser()
     bv.add_arguments(parser)
     args = parser.parse_args(["--configs", "vllm,vllm+host,vllm+host+wb,vllm+host+sel"])
-    plan = bv.Plan(32, 1024, 4096, 32, 8192, 2048)
+    plan = bv.Plan(32, 1024, 4096, 32, 8192, 2048, 160)
     extras = {name: bv._connector_config(name, plan, args, "/tmp/x")["kv_connector_extra_config"]
               for name in ("vllm+host", "vllm+host+wb", "vllm+host+sel")}
     assert extras == {"vllm+host": {"host_tokens": 8192},
