@@ -138,6 +138,33 @@ def test_a_load_failing_on_one_rank_is_recomputed_by_every_rank(tp, tmp_path, sh
     assert e.ranks.num_gathers == e.num_load_steps == 1
 
 
+def test_a_host_page_is_a_hit_only_when_every_rank_holds_it(tp):
+    """Rank 1's saves of a prompt fail, rank 0's land: the host tier holds every page on
+    rank 0 and none on rank 1, so the next lookup promises none of them (vLLM unites the
+    ranks' bad pages). That request computes them again and both ranks save them: the
+    one after is served every page."""
+    B = tp.B
+    e = tp.TPEngine(extra={"host_tokens": 16 * B})
+    prompt = _prompt(random.Random(4), 4 * B + 3)
+    half = e.connector.scheduler_half
+    e.rank_faults[1].save_rate = 1.0
+    e.add("a", prompt, max_tokens=1)
+    e.run()
+    e.quiesce()
+    e.rank_faults[1].save_rate = 0.0
+    assert e.rank_faults[1].failed_saves > 0 and e.rank_faults[0].failed_saves == 0
+    assert half.tree.host_tokens == 4 * B and half._bad  # cached, but bad on rank 1
+    for req_id, hit in (("b", 0), ("c", 4 * B)):
+        assert e.scheduler.reset_prefix_cache()
+        before = half.counters.host_hit_tokens
+        e.add(req_id, prompt, max_tokens=1)
+        e.run()
+        e.quiesce()
+        assert half.counters.host_hit_tokens - before == hit, req_id
+    e.check()
+    assert not e.failed
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_random_multiturn_with_faults_on_one_rank(tp, tmp_path, async_scheduling):
     """Loads fail at random on rank 0 only, third-tier reads on rank 1 only: nothing
