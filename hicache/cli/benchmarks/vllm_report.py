@@ -231,15 +231,17 @@ def compare(configs: dict[str, dict]) -> dict:
         out["storage_keeps_hits"] = _ratio(storage["external_hit_tokens"],
                                            host["external_hit_tokens"])
     for name in ("vllm+host+wb", "vllm+host+sel"):  # write policies vs write_through
-        c = complete.get(name)
-        if host is not None and c is not None:
+        policy = complete.get(name)
+        if host is not None and policy is not None:
             out[f"{name} vs vllm+host"] = {
                 "bytes_written_reduction": _ratio(host["host_bytes_written"] or 0,
-                                                  c["host_bytes_written"] or 0),
-                "host_bytes_written": [host["host_bytes_written"], c["host_bytes_written"]],
-                "ttft_mean_ratio": _ratio(c["ttft_mean_ms"], host["ttft_mean_ms"]),
-                "cached_tokens_delta": (c["vllm_hit_tokens"] + c["external_hit_tokens"]
-                                        - host["vllm_hit_tokens"] - host["external_hit_tokens"]),
+                                                  policy["host_bytes_written"] or 0),
+                "host_bytes_written": [host["host_bytes_written"],
+                                       policy["host_bytes_written"]],
+                "ttft_mean_ratio": _ratio(policy["ttft_mean_ms"], host["ttft_mean_ms"]),
+                "cached_tokens_delta": (
+                    policy["vllm_hit_tokens"] + policy["external_hit_tokens"]
+                    - host["vllm_hit_tokens"] - host["external_hit_tokens"]),
             }
     return out
 

@@ -209,7 +209,8 @@ class Saves:
         path: list[TreeNode] = []
         if repair_from < cached:
             path = tree.probe_path(key, ns)
-            repair = torch.cat([n.host_indices for n in path]).tolist()[repair_from:cached]
+            held = [n.host_indices for n in path if n.host_indices is not None]  # all of them
+            repair = torch.cat(held).tolist()[repair_from:cached]
             for node in path:
                 half._pin(node)
             half._bad.difference_update(repair)
