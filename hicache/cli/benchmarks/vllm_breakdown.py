@@ -4,9 +4,12 @@ A request's TTFT (vLLM's: its first token's step time minus its arrival) splits 
 vLLM's own per-request timestamps (engine core clock)::
 
     arrival        queued                  scheduled                first token
-       |<- front end ->|<---- queued ---->|<------- prefill -------->|
-                        waiting in vLLM's   the steps that computed its
-                        queue               prompt, shared with others'
+       |<--- front --->|<---- queued ---->|<------- prefill -------->|
+        vLLM's engine    waiting in vLLM's   the steps that computed its
+        core takes it    queue               prompt, shared with others'
+        between steps:
+        the rest of the
+        step in progress
 
 each step's interval is fitted as a fixed part plus a part per prompt token it
 computed (what a TTFT cannot shed by computing fewer tokens), and each step splits, on the connector's clocks (worker side; see
@@ -36,7 +39,7 @@ from hicache.integrations.vllm.clocks import per_hook
 
 # Figures of breakdown(), in the order they are printed, with their labels.
 ROWS = (
-    ("TTFT: front end (ms)", "front_ms"),
+    ("TTFT: until queued in vLLM (ms)", "front_ms"),
     ("  queued in vLLM (ms)", "queued_ms"),
     ("  scheduled to first token (ms)", "prefill_ms"),
     ("prompt tokens computed within a TTFT", "computed_in_ttft"),
