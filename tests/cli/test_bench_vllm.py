@@ -67,6 +67,7 @@ def _usage_error(capsys, argv: list[str]) -> str:
      "storage configs: expected a fresh third tier"),
     (["--configs", "vllm+host+storage,vllm+host+storage+secret", "--storage", "file:/tmp/x"],
      "--storage with --repeat 1 or two storage configs: expected a fresh third tier"),
+    (["--store-read-delay-ms", "-1"], "--store-read-delay-ms: expected an int >= 0, got -1"),
     (["--request-rate", "-1"], "--request-rate: expected a number > 0, got -1.0"),
     (["--request-rate", "nan"], "--request-rate: expected a number > 0, got nan"),
     (["--host-gb", "0"], "--host-gb: expected a number > 0, got 0.0"),
@@ -530,6 +531,44 @@ def test_vllm_fits_runs_vllm_alone_with_the_working_set_in_its_cache(
     assert specs["vllm-fits"]["kv_transfer_config"] is None
     assert specs["vllm+host"]["kv_transfer_config"]["kv_connector"] == "HiCacheConnector"
     assert "vllm-fits" in json.loads(capfd.readouterr().out)["comparisons"]
+
+
+def test_storage_configs_read_in_the_step_or_in_the_background_from_a_slow_store(
+        monkeypatch, capfd, everything_installed, tmp_path):
+    """vllm+host+storage reads third-tier hits in vLLM's step, +async in the background;
+    --store-read-delay-ms slows the storage configurations' reads only."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 4,
+        "intermediate_size": 352, "vocab_size": 32000}))
+    specs = {}
+
+    def fake_run_config(name, spec, workdir, progress_fd, tag=None):
+        specs[name] = spec
+        stats = {"computed": 100, "local_cache_hit": 0, "external_kv_transfer": 0,
+                 "total": 100}
+        res = _result([0.2 if name == "vllm+host+storage" else 0.1], [[1]], stats)
+        res["step_times"] = [0.0, 0.01, 0.02, 0.5] if name == "vllm+host+storage" else [
+            0.0, 0.01, 0.02, 0.03]
+        return res
+
+    monkeypatch.setattr(bv, "run_config", fake_run_config)
+    argv = ["bench", "vllm", "--model", str(model), "--num-requests", "1", "--configs",
+            "vllm,vllm+host+storage,vllm+host+storage+async", "--store-read-delay-ms", "5",
+            "--json"]
+    assert cli_main.main(argv) == 0
+    policy = {name: (spec["kv_transfer_config"] or {}).get("kv_connector_extra_config", {})
+              .get("prefetch_policy") for name, spec in specs.items()}
+    assert policy == {"vllm": None, "vllm+host+storage": "sync",
+                      "vllm+host+storage+async": "timeout"}
+    assert "env" not in specs["vllm"]
+    for name in ("vllm+host+storage", "vllm+host+storage+async"):
+        assert specs[name]["env"] == {"HICACHE_FAULTS": "read_delay_ms=5"}
+    summary = json.loads(capfd.readouterr().out)
+    assert summary["configs"]["vllm+host+storage"]["step_max_ms"] == 480.0
+    assert summary["comparisons"]["async_vs_sync_storage"] == {
+        "ttft_mean_speedup": 2.0, "step_p99_ratio": round(10.0 / 475.6, 3)}
 
 
 def test_plot_ttft_cdf_writes_a_png(tmp_path):

@@ -85,6 +85,9 @@ class MiniVllm:
                  native=None, tree="python", executor="thread", device="cpu", **extra):
         # "thread" (not the CPU default, "sync") unless a test asks: most tests here need
         # copies still in flight at the next step, which only a copy thread leaves.
+        # The stand-in never asks a lookup again (vLLM's answer to None): third-tier hits
+        # are read in the step ("sync") unless a test asks for a prefetch policy.
+        extra.setdefault("prefetch_policy", "sync")
         cfg = ConnectorConfig(tree=tree, storage=storage, executor=executor, **extra)
         self.num_blocks = num_blocks
         self.kv = make_kv(layout, num_blocks, device)  # device: test_vllm_connector_device.py

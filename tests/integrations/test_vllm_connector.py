@@ -936,7 +936,7 @@ def test_tensor_parallel_storage_hit_needs_every_ranks_shard(tmp_path):
 
     nbytes = L * 2 * H * D * P * 4
     spec = f"file:{tmp_path}"
-    sched = SchedulerHalf(ConnectorConfig(tree="python", storage=spec), block_size=P,
+    sched = SchedulerHalf(ConnectorConfig(tree="python", storage=spec, prefetch_policy="sync"), block_size=P,
                           num_host_pages=8, storage_backend=make_storage(spec, page_nbytes=nbytes),
                           storage_identity=("test-layout", "tiny"), tp_size=2)
     tokens = seq(12) + [1]

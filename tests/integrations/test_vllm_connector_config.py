@@ -23,7 +23,9 @@ def _number_fields() -> list[str]:
 def test_the_number_fields_are_all_tested():
     assert _number_fields() == ["host_gb", "host_tokens", "host_reserve_gb",
                                 "backup_hit_threshold", "load_threshold_tokens",
-                                "storage_timeout_s"]
+                                "storage_timeout_s", "prefetch_threshold_tokens",
+                                "prefetch_timeout_base_s", "prefetch_timeout_per_ki_token_s",
+                                "prefetch_timeout_max_s"]
 
 
 def _refused(extra_json: str, name: str) -> None:
@@ -68,6 +70,12 @@ def test_number_storage_options_refuse_non_finite_values(name, text):
     ({"backup_hit_threshold": 0}, "backup_hit_threshold: expected >= 1, got 0"),
     ({"backup_hit_threshold": 1.5}, "backup_hit_threshold: expected an int, got 1.5"),
     ({"load_threshold_tokens": 1 << 62}, f"load_threshold_tokens: expected < {1 << 62}"),
+    ({"prefetch_threshold_tokens": -1}, "prefetch_threshold_tokens: expected >= 0, got -1"),
+    ({"prefetch_timeout_base_s": -1}, "prefetch_timeout_base_s: expected >= 0, got -1"),
+    ({"prefetch_timeout_per_ki_token_s": 4000},
+     "prefetch_timeout_per_ki_token_s: expected <= 3600, got 4000"),
+    ({"prefetch_timeout_max_s": 0}, "prefetch_timeout_max_s: expected > 0, got 0"),
+    ({"prefetch_policy": "eager"}, "prefetch_policy: expected one of"),
     ({"copy_cpus": [0, 1 << 16]}, "copy_cpus: expected one or more CPU ids >= 0 and < 65536"),
     ({"storage": "file:/x", "storage_options": {"low_watermark": 1.5}},
      "storage_options.low_watermark: expected <= 1, got 1.5"),
@@ -98,8 +106,12 @@ def test_storage_epoch_on_reset_must_be_a_bool():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("load=0.2,bogus=1", "expected load=, save=, read=, seed= or rank= entries, got 'bogus=1'"),
-    ("load", "expected load=, save=, read=, seed= or rank= entries, got 'load'"),
+    ("load=0.2,bogus=1", "expected load=, save=, read=, read_delay_ms=, seed= or rank= "
+     "entries, got 'bogus=1'"),
+    ("load", "expected load=, save=, read=, read_delay_ms=, seed= or rank= entries, "
+     "got 'load'"),
+    ("read_delay_ms=-1", "read_delay_ms: expected 0 to 60000, got -1"),
+    ("read_delay_ms=0.5", "read_delay_ms: expected a number, got '0.5'"),
     ("save=lots", "save: expected a number, got 'lots'"),
     ("read=1.5", "read: expected a fraction in [0, 1], got 1.5"),
     ("seed=0.5", "seed: expected a number, got '0.5'"),
@@ -123,3 +135,21 @@ def test_fault_hook_is_off_unless_set(monkeypatch):
     monkeypatch.setenv("HICACHE_FAULTS", "load=0.25,rank=1")  # tensor-parallel rank 1 only
     assert FaultRates.from_env(0) is None
     assert FaultRates.from_env(1) == FaultRates(load=0.25, rank=1)
+
+
+def test_prefetch_defaults_are_sglangs_and_the_budget_is_capped():
+    """SGLang HiCache's defaults: threshold 256 tokens, timeout 1 s + 0.25 s per 1024
+    tokens; ours caps the budget (prefetch_timeout_max_s)."""
+    c = ConnectorConfig()
+    assert (c.prefetch_policy, c.prefetch_threshold_tokens) == ("timeout", 256)
+    assert c.prefetch_budget_s(0) == 1.0 and c.prefetch_budget_s(4096) == 2.0
+    assert c.prefetch_budget_s(10**9) == 30.0
+    for policy in ("best_effort", "wait_complete", "timeout", "sync"):
+        assert ConnectorConfig(prefetch_policy=policy).prefetch_policy == policy
+
+
+def test_fault_hook_read_delay(monkeypatch):
+    from hicache.integrations.vllm.faults import FaultRates
+
+    monkeypatch.setenv("HICACHE_FAULTS", "read_delay_ms=7")
+    assert FaultRates.from_env() == FaultRates(read_delay_ms=7)

@@ -10,7 +10,9 @@ tests/integrations/vllm_driver.py), on a tiny random Llama saved to a temporary 
   core off its worker here (on a machine with two or more), so the connector copies
   on a copy thread pinned to it;
 * replay: a second process on the same ``file:`` directory, no core kept off the
-  worker, so the connector copies between forwards;
+  worker, so the connector copies between forwards; its third-tier hit is read by the
+  asynchronous prefetch (default policy ``timeout``, every hit long enough) from a
+  store made slow (``HICACHE_FAULTS=read_delay_ms=20``, per page);
 * faults: two more, with a test-only hook failing a fraction of loads, saves and
   third-tier reads (``HICACHE_FAULTS``), under each ``kv_load_failure_policy``;
 * write_back: the multi-turn workload with ``write_policy`` ``write_back`` (blocks saved
@@ -22,6 +24,7 @@ broken install fails instead.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -48,16 +51,18 @@ def runs(tmp_path_factory):
     connector = run_vllm("run", model, "multiturn,reset,salt,params", "--storage", storage,
                          HICACHE_LOG_LEVEL="INFO", **spare)
     results = {"baseline": vllm_result(baseline), "connector": vllm_result(connector)}
-    replay = run_vllm("run", model, "replay", "--storage", storage, HICACHE_LOG_LEVEL="INFO",
+    prefetch_all = json.dumps({"prefetch_threshold_tokens": 0})
+    replay = run_vllm("run", model, "replay", "--storage", storage, "--extra", prefetch_all,
+                      HICACHE_LOG_LEVEL="DEBUG", HICACHE_FAULTS="read_delay_ms=20",
                       VLLM_CPU_NUM_OF_RESERVED_CPU="0")
     # Faults: a third of the loads, a tenth of the saves and a third of the storage
-    # reads fail, over the fixed workload (same prompts whatever fails). A host tier of
+    # reads (prefetches) fail, over the fixed workload (same prompts whatever fails). A host tier of
     # 32 blocks (the working set is ~90) over a tier of its own, empty at start: every
     # storage hit was written in this run. They run beside the replay (correctness
     # only: nothing here is timed).
     faults = {policy: run_vllm(
         "run", model, "fixed", "--storage", f"file:{root / ('faults-' + policy)}",
-        "--policy", policy, "--host-tokens", "1024",
+        "--policy", policy, "--host-tokens", "1024", "--extra", prefetch_all,
         HICACHE_FAULTS="load=0.34,save=0.1,read=0.34,seed=3", HICACHE_LOG_LEVEL="WARNING",
         VLLM_CPU_NUM_OF_RESERVED_CPU="0") for policy in ("recompute", "fail")}
     write_back = run_vllm("run", model, "multiturn", "--write-policy", "write_back",
@@ -115,9 +120,16 @@ def test_reset_prefix_cache_then_served_from_host_tier(runs):
 
 
 def test_second_process_hits_the_file_tier(runs):
+    """Its host tier empty, a second process is served the first one's blocks from the
+    third tier, read by the asynchronous prefetch off vLLM's step (a slow store), with
+    vLLM's greedy output."""
     r = runs["replay"]["replay"]
-    assert r["cached_tokens"] == (r["prompt_tokens"] - 1) // 32 * 32
+    num_pages = (r["prompt_tokens"] - 1) // 32
+    assert r["cached_tokens"] == num_pages * 32
     assert r["output"] == runs["baseline"]["multiturn"]["outputs"][0]
+    log = runs["replay"]["log"]
+    assert f"ended: {num_pages} of {num_pages} pages read" in log, log[-3000:]
+    assert "hicache worker: storage read of" not in log  # no read timed out in a step
 
 
 def test_cache_salt_keeps_tenants_apart(runs):

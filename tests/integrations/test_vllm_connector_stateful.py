@@ -3,12 +3,14 @@
 Each example builds one engine of ``vllm_sched.py`` (vLLM's real ``Scheduler`` or
 ``AsyncScheduler`` with the connector, a worker connector, a forward that writes
 verifiable KV), draws its configuration (scheduler, load-failure policy, Python or C++
-tree, sync or thread copies, with or without a ``file:`` tier, write policy), then a sequence of
+tree, sync or thread copies, with or without a ``file:`` tier, its hits read in the
+step or prefetched under each policy, write policy), then a sequence of
 what an engine sees: new conversations and follow-up turns sharing prefixes, steps,
 aborts at any point (also between a forward and its ``update_from_output``), vLLM's
 own evictions, ``reset_prefix_cache`` with and without running requests or the
-connector, and failing loads, saves and third-tier reads (or reads that outlast
-storage_timeout_s) at any rate. After every
+connector, failing loads, saves and third-tier reads (or reads that outlast
+storage_timeout_s) at any rate, and a store held for some steps (prefetches still
+reading while requests finish, abort, give up or a reset comes). After every
 step: no forward read wrong KV that vLLM will not recompute, the scheduler half's
 integrity; at the end, the host tier's content and no leak.
 
@@ -61,9 +63,10 @@ class ConnectorMachine(RuleBasedStateMachine):
         seed=st.integers(0, 2**16),
         write_policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
         hit_threshold=st.integers(1, 3),
+        prefetch=st.sampled_from(["sync", "best_effort", "wait_complete", "timeout"]),
     )
     def build(self, async_scheduling, policy, tree, executor, storage, host_pages, num_blocks,
-              seed, write_policy, hit_threshold):
+              seed, write_policy, hit_threshold, prefetch):
         import tempfile
 
         extra = {"host_tokens": host_pages * self.sched.B, "tree": tree, "executor": executor,
@@ -71,6 +74,8 @@ class ConnectorMachine(RuleBasedStateMachine):
                  "backup_hit_threshold": hit_threshold}
         if storage:
             extra["storage"] = f"file:{tempfile.mkdtemp(prefix='hicache-stateful-')}"
+            extra.update(prefetch_policy=prefetch, prefetch_threshold_tokens=self.sched.B,
+                         prefetch_timeout_base_s=0.02, prefetch_timeout_per_ki_token_s=0.0)
         self.e = self.sched.Engine(async_scheduling=async_scheduling, policy=policy,
                                    num_blocks=num_blocks, extra=extra, seed=seed)
         self.rng = random.Random(seed)
@@ -110,6 +115,15 @@ class ConnectorMachine(RuleBasedStateMachine):
         for _ in range(num):
             if self.e.scheduler.has_requests():
                 self.e.step()
+
+    @rule(num=st.integers(1, 8))
+    def store_held(self, num):
+        """The third tier answers no read for ``num`` steps (prefetches keep reading)."""
+        self.e.faults.read_gate.clear()
+        try:
+            self.step(num)
+        finally:
+            self.e.faults.read_gate.set()
 
     @precondition(lambda self: self.e.scheduler.has_requests())
     @rule(which=st.integers(0, 10**6))

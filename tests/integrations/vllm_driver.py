@@ -4,7 +4,7 @@ Used by tests/integrations/test_vllm_connector_e2e.py in a subprocess: vLLM spaw
 so it must run under ``if __name__ == "__main__"``. Usage::
 
     python tests/integrations/vllm_driver.py make-model DIR
-    python tests/integrations/vllm_driver.py run DIR SCENARIO[,SCENARIO...] [--storage file:DIR] [--no-connector] [--policy recompute|fail] [--host-tokens N] [--tp N] [--write-policy P]
+    python tests/integrations/vllm_driver.py run DIR SCENARIO[,SCENARIO...] [--storage file:DIR] [--no-connector] [--policy recompute|fail] [--host-tokens N] [--tp N] [--write-policy P] [--extra JSON]
 
 SCENARIO is a comma-separated list run in order on one engine: ``multiturn``
 (conversations whose working set is several times vLLM's KV cache, one request at a
@@ -15,7 +15,8 @@ prompt, reset_prefix_cache, the same prompt again), ``salt`` (a prompt under one
 first again), ``replay`` (the first prompt of ``multiturn``: meant for a second process
 on the same storage). ``--policy`` sets ``kv_load_failure_policy``; ``HICACHE_FAULTS``
 in the environment makes the connector's worker fail some copies (see
-hicache/integrations/vllm/faults.py).
+hicache/integrations/vllm/faults.py). ``--extra`` adds fields to the connector's
+``kv_connector_extra_config`` (e.g. ``{"prefetch_threshold_tokens": 0}``).
 The last stdout line is a JSON object with one entry per scenario.
 """
 
@@ -67,7 +68,8 @@ def system_prompt() -> list[int]:
 
 
 def make_llm(model: str, connector: bool, storage: str | None, policy: str | None = None,
-             host_tokens: int = 8192, tp: int = 1, write_policy: str | None = None):
+             host_tokens: int = 8192, tp: int = 1, write_policy: str | None = None,
+             extra_fields: dict | None = None):
     from vllm import LLM
 
     kwargs = {}
@@ -77,6 +79,7 @@ def make_llm(model: str, connector: bool, storage: str | None, policy: str | Non
             extra["write_policy"] = write_policy
         if storage:
             extra["storage"] = storage
+        extra.update(extra_fields or {})
         kwargs["kv_transfer_config"] = {
             "kv_connector": "HiCacheConnector",
             "kv_connector_module_path": "hicache.integrations.vllm",
@@ -112,9 +115,10 @@ def _generate(llm, prompt: list[int], cache_salt: str | None = None,
 
 def run(model: str, scenarios: str, connector: bool, storage: str | None,
         policy: str | None = None, host_tokens: int = 8192, tp: int = 1,
-        write_policy: str | None = None) -> dict:
+        write_policy: str | None = None, extra_fields: dict | None = None) -> dict:
     """Run the comma-separated ``scenarios`` in order on one engine."""
-    llm = make_llm(model, connector, storage, policy, host_tokens, tp, write_policy)
+    llm = make_llm(model, connector, storage, policy, host_tokens, tp, write_policy,
+                   extra_fields)
     result: dict = {"connector": connector}
     system = system_prompt()
     for scenario in scenarios.split(","):
@@ -205,13 +209,15 @@ def main() -> None:
     parser.add_argument("--host-tokens", type=int, default=8192)
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     parser.add_argument("--write-policy")
+    parser.add_argument("--extra", type=json.loads, default=None,
+                        help="more kv_connector_extra_config fields (JSON)")
     args = parser.parse_args()
     if args.command == "make-model":
         make_model(args.model)
         return
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     result = run(args.model, args.scenario, not args.no_connector, args.storage, args.policy,
-                 args.host_tokens, args.tp, args.write_policy)
+                 args.host_tokens, args.tp, args.write_policy, args.extra)
     sys.stdout.flush()
     print(json.dumps(result), flush=True)
 

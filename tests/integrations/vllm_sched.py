@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import random
 import tempfile
+import threading
 import time
 import zlib
 from collections.abc import Sequence
@@ -97,6 +98,11 @@ class Faults:
         self.hang_rate = 0.0  # third-tier reads that take hang_s (past storage_timeout_s)
         self.hang_s = 0.0
         self.hung_reads = 0
+        # Reads wait for this gate while it is cleared (a slow store, held by the test).
+        self.read_gate = threading.Event()
+        self.read_gate.set()
+        self.fail_read_calls: set[int] = set()  # get_into calls (0-based) that fail
+        self.num_read_calls = 0
         self.fail_next_loads = 0
         self.inner = None
         self.failed_loads = 0
@@ -131,7 +137,9 @@ class Faults:
                 return getattr(backend, name)
 
             def get_into(self, keys, views):
-                if faults.rng.random() < faults.read_rate:
+                n, faults.num_read_calls = faults.num_read_calls, faults.num_read_calls + 1
+                faults.read_gate.wait(60)
+                if n in faults.fail_read_calls or faults.rng.random() < faults.read_rate:
                     faults.failed_reads += 1
                     raise OSError("injected storage read failure")
                 if faults.hang_rate and faults.rng.random() < faults.hang_rate:
@@ -188,7 +196,10 @@ class Engine:
         from hicache.integrations.vllm.worker import WorkerHalf
 
         init_none_hash(sha256)
-        extra = {"host_tokens": 8 * B, "executor": "sync", **self.extra}
+        # Third-tier hits read in the step ("sync") unless a test names a prefetch policy:
+        # most tests here count what a lookup promises from storage at once.
+        extra = {"host_tokens": 8 * B, "executor": "sync", "prefetch_policy": "sync",
+                 **self.extra}
         tp = (self.parallel or {}).get("tensor_parallel_size", 1)
         mc = ModelConfig(model=model_dir(tp), skip_tokenizer_init=True, dtype="float32", seed=0,
                          max_model_len=4096)
@@ -499,12 +510,14 @@ class Engine:
         self.update_held()
         half = self.worker.worker_half
         half.drain()
+        progress = half.take_prefetch_progress()
         bad = half.take_bad_pages()
-        if bad:
+        if bad or progress:
             from hicache.integrations.vllm.connector import HiCacheWorkerMetadata
 
             self.connector.update_connector_output(KVConnectorOutput(
-                kv_connector_worker_meta=HiCacheWorkerMetadata(bad_host_pages=bad)))
+                kv_connector_worker_meta=HiCacheWorkerMetadata(
+                    bad_host_pages=bad, prefetch={op: {0: v} for op, v in progress.items()})))
 
     def close(self) -> None:
         self.worker.shutdown()
@@ -521,6 +534,8 @@ class Engine:
         if not self.scheduler.has_requests():
             assert half.num_live_requests == 0, f"{half.num_live_requests} requests leaked"
             assert self.worker.worker_half.num_in_flight == 0
+            fetches = half.prefetch.num_fetches if half.prefetch is not None else 0
+            assert fetches == 0, f"{fetches} prefetches left"
             assert not getattr(self.worker.worker_half, "_tables", None), "a block table leaked"
 
 

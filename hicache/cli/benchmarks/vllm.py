@@ -8,7 +8,13 @@ Configurations, each in its own process with its own engine (vLLM's async engine
 * ``vllm+host``: the same vLLM plus ``hicache.integrations.vllm.HiCacheConnector``
   with a host tier that holds the trace's whole working set (or ``--host-gb``);
 * ``vllm+host+storage``: a host tier a quarter of the working set, over a
-  ``file:`` third tier (a fresh temporary directory, or ``--storage SPEC``);
+  ``file:`` third tier (a fresh temporary directory, or ``--storage SPEC``), its hits
+  read inside vLLM's step (``prefetch_policy: sync``);
+* ``vllm+host+storage+async``: the same, its hits read in the background while the
+  request waits (the connector's default ``prefetch_policy``, ``timeout``); not run by
+  default. ``--store-read-delay-ms N`` makes every third-tier read N ms slower per page
+  (``HICACHE_FAULTS=read_delay_ms=N`` in the storage configurations' engines), as a
+  network store or a busy disk would;
 * ``vllm+host+storage+secret``: the same with a storage secret (every third-tier page
   tagged and verified), to measure what the authenticator costs; not run by default;
 * ``vllm+host+wb``, ``vllm+host+sel``: ``vllm+host`` under the ``write_back`` and the
@@ -40,6 +46,7 @@ rounds and each figure is the median of its runs. Ends with one JSON line.
 
     hicache bench vllm [--workload agentic|multiturn|longdoc|noreuse | --trace T.jsonl]
         [--preset medium | --model DIR] [--vllm-blocks N] [--host-gb G] [--storage SPEC]
+        [--store-read-delay-ms N]
         [--concurrency C | --request-rate R] [--repeat N] [--plot ttft.png] [--json]
     (bench/vllm.py runs the same)
 """
@@ -77,7 +84,7 @@ from hicache.cli.benchmarks.vllm_report import report
 from hicache.sim.traces import Request
 
 CONFIG_NAMES = ("vllm", "vllm+host", "vllm+host+storage", "vllm+host+storage+secret",
-                "vllm+host+wb", "vllm+host+sel", "vllm-fits")
+                "vllm+host+wb", "vllm+host+sel", "vllm-fits", "vllm+host+storage+async")
 # The write policy of the configurations that name one (the others: write_through).
 WRITE_POLICIES = {"vllm+host+wb": "write_back", "vllm+host+sel": "write_through_selective"}
 DEFAULT_CONFIGS = CONFIG_NAMES[:3]
@@ -107,6 +114,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="host tier of vllm+host in GB of 10**9 bytes (default: the working set)")
     parser.add_argument("--storage", metavar="SPEC",
                         help="third tier of vllm+host+storage (default: file: a temp dir)")
+    parser.add_argument("--store-read-delay-ms", type=int, default=0, metavar="N",
+                        help="every third-tier read takes N ms more per page (test-only "
+                             "fault knob of the connector; default 0)")
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                         help=f"comma-separated subset of {','.join(CONFIG_NAMES)} "
                              f"(default: {','.join(DEFAULT_CONFIGS)})")
@@ -155,7 +165,8 @@ def _check_args(args: argparse.Namespace) -> list[str]:
                              ("--vllm-blocks", args.vllm_blocks, 1),
                              ("--max-tokens", args.max_tokens, 1),
                              ("--repeat", args.repeat, 1),
-                             ("--block-size", args.block_size, 1)):
+                             ("--block-size", args.block_size, 1),
+                             ("--store-read-delay-ms", args.store_read_delay_ms, 0)):
         if value is not None and value < low:
             raise UsageError(f"{name}: expected an int >= {low}, got {value}")
     for name, value in (("--request-rate", args.request_rate), ("--host-gb", args.host_gb)):
@@ -216,6 +227,8 @@ def _connector_config(name: str, plan: Plan, args: argparse.Namespace,
     else:
         extra["host_tokens"] = plan.small_host_tokens
         extra["storage"] = args.storage or f"file:{storage_dir}"
+        # The synchronous read of earlier versions, unless the configuration says async.
+        extra["prefetch_policy"] = "timeout" if name.endswith("+async") else "sync"
         if name.endswith("+secret"):  # every third-tier page tagged and verified
             extra["storage_secret"] = secrets.token_hex(16)
     return {"kv_connector": "HiCacheConnector", "kv_connector_module_path": CONNECTOR_MODULE,
@@ -233,7 +246,7 @@ def run_config(name: str, spec: dict, workdir: str, progress_fd: int,
     spec_path = os.path.join(workdir, f"{tag}.spec.json")
     out_path = os.path.join(workdir, f"{tag}.result.json")
     log_path = os.path.join(workdir, f"{tag}.log")
-    env = dict(os.environ)
+    env = dict(os.environ, **spec.get("env", {}))
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # vLLM's CPU backend sizes its KV allocation from this (GiB), before the block cap.
     kv_gib = math.ceil(spec["vllm_blocks"] * spec["block_size"] * spec["kv_nbytes_per_token"]
@@ -312,6 +325,8 @@ def run(args: argparse.Namespace) -> int:
                     "request_rate": args.request_rate or 0.0, "vocab_size": V,
                     "kv_nbytes_per_token": shape.kv_nbytes_per_token,
                     "kv_transfer_config": _connector_config(name, plan, args, storage_dir)}
+            if "storage" in name and args.store_read_delay_ms:
+                spec["env"] = {"HICACHE_FAULTS": f"read_delay_ms={args.store_read_delay_ms}"}
             results[name].append(run_config(name, spec, workdir, out.fileno(), tag=label))
         model_info = {"source": args.model or f"random Llama, preset {args.preset or DEFAULT_PRESET}",
                       **shape._asdict(), "dtype": args.dtype}
@@ -361,7 +376,9 @@ def _header(args: argparse.Namespace, shape: ModelShape, plan: Plan,
         f"host tier: {plan.host_tokens} tokens (vllm+host"
         f"{', or --host-gb ' + str(args.host_gb) if args.host_gb else ''}), "
         f"{plan.small_host_tokens} (vllm+host+storage, over "
-        f"{args.storage or 'file: a temporary directory'})",
+        f"{args.storage or 'file: a temporary directory'}"
+        + (f", every read {args.store_read_delay_ms} ms slower per page"
+           if args.store_read_delay_ms else "") + ")",
         f"requests issued through vLLM's async engine (AsyncLLM): {issue}, the turns of a "
         "session in order; greedy, ignore_eos, "
         f"max_tokens min(len(output), {args.max_tokens})"

@@ -51,6 +51,7 @@ def summarize(result: dict) -> dict:
     worker_ms, sched_ms = _per_step_ms(cstats, ""), _per_step_ms(cstats, "scheduler_")
     worker_cpu, sched_cpu = _per_step_ms(cstats, "", "cpu_"), _per_step_ms(cstats, "scheduler_", "cpu_")
     in_ttft = _steps_in_ttft(recs, result.get("step_times"))
+    step_ms = _step_intervals_ms(result.get("step_times"))
     return {
         "requests": len(recs),
         "failed": result["num_failed"],
@@ -81,6 +82,10 @@ def summarize(result: dict) -> dict:
         "steps_in_ttft": None if in_ttft is None else round(in_ttft, 2),
         "connector_ttft_ms": _times(in_ttft, worker_ms, sched_ms),
         "connector_ttft_cpu_ms": _times(in_ttft, worker_cpu, sched_cpu),
+        # time between two steps' outputs: a step that stalls (a synchronous storage
+        # read) stalls every request of its batch
+        "step_p50_ms": _pct(step_ms, 50), "step_p90_ms": _pct(step_ms, 90),
+        "step_p99_ms": _pct(step_ms, 99), "step_max_ms": _pct(step_ms, 100),
         "preemptions": int(sum(r["preemptions"] for r in recs)),
         # bytes copied into the host tier (the write policy's traffic), None without one
         "host_bytes_written": int(cstats["save_bytes"]) if "save_bytes" in cstats else (
@@ -105,6 +110,16 @@ def _steps_in_ttft(recs: list[dict], step_times: list[float] | None) -> float | 
     return float(counts.mean())
 
 
+def _step_intervals_ms(step_times: list[float] | None) -> np.ndarray | None:
+    if not step_times or len(step_times) < 2:
+        return None
+    return np.diff(np.sort(np.asarray(step_times))) * 1e3
+
+
+def _pct(values: np.ndarray | None, q: float) -> float | None:
+    return None if values is None else round(float(np.percentile(values, q)), 2)
+
+
 def _times(steps: float | None, *per_step_ms: float | None) -> float | None:
     known = [ms for ms in per_step_ms if ms is not None]
     if steps is None or len(known) != len(per_step_ms):
@@ -125,7 +140,7 @@ TIMED_KEYS = ("ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "req_per_s", "wall_s
               "decode_step_ms", "connector_ms_per_step", "connector_scheduler_ms_per_step",
               "connector_cpu_ms_per_step", "connector_scheduler_cpu_ms_per_step",
               "steps_in_ttft", "connector_ttft_ms", "connector_ttft_cpu_ms",
-              "engine_start_s")
+              "step_p50_ms", "step_p90_ms", "step_p99_ms", "step_max_ms", "engine_start_s")
 COUNT_KEYS = ("computed_tokens", "vllm_hit_tokens", "external_hit_tokens", "host_hit_tokens",
               "storage_hit_tokens", "unspecified_hit_tokens", "preemptions",
               "host_bytes_written")
@@ -243,6 +258,12 @@ def compare(configs: dict[str, dict]) -> dict:
                     policy["vllm_hit_tokens"] + policy["external_hit_tokens"]
                     - host["vllm_hit_tokens"] - host["external_hit_tokens"]),
             }
+    prefetch = complete.get("vllm+host+storage+async")
+    if storage is not None and prefetch is not None:
+        out["async_vs_sync_storage"] = {
+            "ttft_mean_speedup": _ratio(storage["ttft_mean_ms"], prefetch["ttft_mean_ms"]),
+            "step_p99_ratio": _ratio(prefetch["step_p99_ms"] or 0, storage["step_p99_ms"]),
+        }
     return out
 
 
@@ -278,6 +299,8 @@ def print_table(configs: dict[str, dict], comparisons: dict, identical: tuple[bo
         ("steps within a TTFT (mean)", "steps_in_ttft"),
         ("connector within a TTFT (ms)", "connector_ttft_ms"),
         ("  its CPU time (ms)", "connector_ttft_cpu_ms"),
+        ("step interval p50 (ms)", "step_p50_ms"), ("  p90 (ms)", "step_p90_ms"),
+        ("  p99 (ms)", "step_p99_ms"), ("  max (ms)", "step_max_ms"),
         ("preemptions", "preemptions"),
         ("host tier bytes written", "host_bytes_written"),
         ("failed requests", "failed"), ("engine start (s)", "engine_start_s"),
@@ -308,6 +331,11 @@ def print_table(configs: dict[str, dict], comparisons: dict, identical: tuple[bo
         if name == "storage_keeps_hits":
             print(f"vllm+host+storage / vllm+host hicache-served tokens: {_fmt(c)} "
                   f"(target >= {STORAGE_KEEP_TARGET}, working set >= 4x vLLM's cache)", file=out)
+            continue
+        if name == "async_vs_sync_storage":
+            print(f"vllm+host+storage+async vs vllm+host+storage: mean TTFT "
+                  f"{_fmt(c['ttft_mean_speedup'])}x lower, step interval p99 "
+                  f"x{_fmt(c['step_p99_ratio'])}", file=out)
             continue
         print(f"{name} vs vllm: mean TTFT {_fmt(c['ttft_mean_speedup'])}x lower "
               f"(target >= {TTFT_SPEEDUP_TARGET} when the working set is >= 4x vLLM's cache), "

@@ -43,6 +43,8 @@ from hicache.errors import config_errors
 from hicache.storage.auth import check_secret
 
 _WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+# SGLang HiCache's prefetch policies, plus "sync" (read inside vLLM's step, as before)
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout", "sync")
 _EVICTIONS = ("lru", "lfu")
 _TREES = ("auto", "python", "native")
 _EXECUTORS = ("auto", "sync", "thread", "cuda", "manual")
@@ -124,6 +126,17 @@ class ConnectorConfig:
     # A third-tier read in vLLM's step waits at most this long (a hung store or NFS mount
     # must not hang the engine): what has not arrived is a load error, recomputed.
     storage_timeout_s: float = 5.0
+    # Third-tier hits: read in the background while the request waits (see
+    # hicache/integrations/vllm/prefetch.py) under "best_effort", "wait_complete" or
+    # "timeout"; "sync" reads them inside vLLM's step. Hits of fewer tokens than
+    # prefetch_threshold_tokens beyond the host tier's are not read (async policies).
+    prefetch_policy: str = "timeout"
+    prefetch_threshold_tokens: int = 256  # SGLang's prefetch_threshold
+    # "timeout": a request waits at most base + per_ki_token * tokens / 1024 seconds
+    # (SGLang's prefetch_timeout_base, prefetch_timeout_per_ki_token), capped at max.
+    prefetch_timeout_base_s: float = 1.0
+    prefetch_timeout_per_ki_token_s: float = 0.25
+    prefetch_timeout_max_s: float = 30.0
     # reset_prefix_cache(reset_connector=True) bumps the third tier's epoch (its pages of
     # the old weights miss from then on, for every process sharing the tier)
     storage_epoch_on_reset: bool = True
@@ -209,6 +222,14 @@ class ConnectorConfig:
         _storage_options(self.storage_options)
         _number("storage_timeout_s", self.storage_timeout_s, minimum=0, strict=True,
                 maximum=3600, max_included=True)
+        _choice("prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES)
+        _int("prefetch_threshold_tokens", self.prefetch_threshold_tokens, minimum=0)
+        _number("prefetch_timeout_base_s", self.prefetch_timeout_base_s, minimum=0,
+                strict=False, maximum=3600, max_included=True)
+        _number("prefetch_timeout_per_ki_token_s", self.prefetch_timeout_per_ki_token_s,
+                minimum=0, strict=False, maximum=3600, max_included=True)
+        _number("prefetch_timeout_max_s", self.prefetch_timeout_max_s, minimum=0,
+                strict=True, maximum=3600, max_included=True)
         if not isinstance(self.storage_epoch_on_reset, bool):
             raise TypeError("kv_connector_extra_config.storage_epoch_on_reset: expected a bool, "
                             f"got {self.storage_epoch_on_reset!r}")
@@ -242,6 +263,11 @@ class ConnectorConfig:
             raise ValueError(
                 f"kv_connector_extra_config.model_id: expected a non-empty str, got {self.model_id!r}"
             )
+
+    def prefetch_budget_s(self, num_tokens: int) -> float:
+        """How long a request waits for a prefetch of ``num_tokens`` under "timeout"."""
+        return min(self.prefetch_timeout_max_s, self.prefetch_timeout_base_s
+                   + self.prefetch_timeout_per_ki_token_s * num_tokens / 1024)
 
     def num_host_pages(self, page_size: int, page_nbytes: int) -> int:
         """Host pages per worker for pages of ``page_size`` tokens and ``page_nbytes`` bytes."""

@@ -242,15 +242,17 @@ class HiCacheConnector(KVConnectorBase_V1):
         if self.worker_half is None:
             return None
         half = self.worker_half
+        progress = half.take_prefetch_progress(self._plan())  # before the bad pages
         bad, poisoned = half.take_bad_pages(), half.take_poisoned_blocks()
         written, unwritten = half.write_reports or ((), ())
-        if not (bad or poisoned or written or unwritten):
+        if not (bad or poisoned or written or unwritten or progress):
             return None
         if half.write_reports is not None:
             half.write_reports = ([], [])
         return HiCacheWorkerMetadata(
             bad_host_pages=bad, poisoned_blocks=poisoned,
-            written_keys={key: {self._rank} for key in written}, unwritten_keys=set(unwritten))
+            written_keys={key: {self._rank} for key in written}, unwritten_keys=set(unwritten),
+            prefetch={op_id: {self._rank: state} for op_id, state in progress.items()})
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
@@ -371,10 +373,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         plan = self.scheduler_half.build_plan(scheduled)
         if self._tier_events is not None:
             self._tier_events.planned(plan.early_saves + plan.saves)
-        return HiCacheConnectorMetadata(
-            loads=plan.loads, saves=plan.saves, early_saves=plan.early_saves,
-            new_block_ids=plan.new_block_ids, blocks=plan.blocks, computes=plan.computes,
-        )
+        return HiCacheConnectorMetadata(**vars(plan))
 
     @_timed_scheduler
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -384,6 +383,8 @@ class HiCacheConnector(KVConnectorBase_V1):
             if self._tier_events is not None:
                 self._tier_events.written(meta.written_keys, meta.unwritten_keys)
             self.scheduler_half.saves.forget_blocks(meta.poisoned_blocks)  # never saved
+            if meta.prefetch and self.scheduler_half.prefetch is not None:
+                self.scheduler_half.prefetch.progress(meta.prefetch)  # after: frees pages
             if meta.poisoned_blocks and self._block_pool is not None:
                 # No later request may hit them in vLLM's prefix cache: a request that
                 # still holds one is recomputed by vLLM (a load error) or was computed

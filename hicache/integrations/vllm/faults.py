@@ -5,11 +5,14 @@ makes a random fraction of the worker's copies and third-tier reads fail, the wa
 broken device, a full disk or a flaky store would::
 
     HICACHE_FAULTS="load=0.2,save=0.1,read=0.2,seed=1"
+    HICACHE_FAULTS="read_delay_ms=5"
 
 ``load``/``save``: the fraction of host -> block / block -> host copies that raise
 (CPU executors: the CUDA executor copies on its own streams); ``read``: the fraction
 of third-tier reads that raise; ``rank=N``: only tensor-parallel rank ``N`` fails
-(default: every rank, each with the same seed). Each injected failure is logged at WARNING
+(default: every rank, each with the same seed); ``read_delay_ms``: every third-tier
+read takes this many milliseconds more per page (a slow store, for benchmarks of the
+prefetch). Each injected failure is logged at WARNING
 (``hicache faults: injected ...``). Nothing here is used unless the variable is set.
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import time
 from dataclasses import dataclass
 
 _log = logging.getLogger(__name__)
@@ -32,6 +36,7 @@ class FaultRates:
     read: float = 0.0
     seed: int = 0
     rank: int | None = None  # only this tensor-parallel rank injects (None: every rank)
+    read_delay_ms: int = 0  # added to every third-tier read, per page
 
     @classmethod
     def parse(cls, text: str) -> FaultRates:
@@ -40,14 +45,17 @@ class FaultRates:
         values: dict[str, float | int] = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             name, sep, value = item.partition("=")
-            if not sep or name not in ("load", "save", "read", "seed", "rank"):
-                raise ValueError(f"{ENV}: expected load=, save=, read=, seed= or rank= "
-                                 f"entries, got {item!r}")
+            if not sep or name not in ("load", "save", "read", "seed", "rank", "read_delay_ms"):
+                raise ValueError(f"{ENV}: expected load=, save=, read=, read_delay_ms=, seed= "
+                                 f"or rank= entries, got {item!r}")
+            integer = name in ("seed", "rank", "read_delay_ms")
             try:
-                number = int(value) if name in ("seed", "rank") else float(value)
+                number = int(value) if integer else float(value)
             except ValueError:
                 raise ValueError(f"{ENV}: {name}: expected a number, got {value!r}") from None
-            if name not in ("seed", "rank") and not 0.0 <= number <= 1.0:
+            if name == "read_delay_ms" and not 0 <= number <= 60_000:
+                raise ValueError(f"{ENV}: read_delay_ms: expected 0 to 60000, got {value}")
+            if not integer and not 0.0 <= number <= 1.0:
                 raise ValueError(f"{ENV}: {name}: expected a fraction in [0, 1], got {value}")
             values[name] = number
         return cls(**values)  # type: ignore[arg-type]
@@ -62,19 +70,21 @@ class FaultRates:
 
 class FaultyCopier:
     """A block copier (``load`` / ``backup`` of a layer range) whose copies fail at the
-    given rates; a copy fails as a whole, at its first layer range."""
+    given rates; a copy fails as a whole, at its first layer range. Loads and saves draw
+    from streams of their own: which loads fail does not depend on how many saves came
+    first (nor on when a background read let a request in)."""
 
     def __init__(self, inner, rates: FaultRates) -> None:
         self.inner = inner
         self.rates = rates
-        self._rng = random.Random(rates.seed)
+        self._rngs = {"load": random.Random(rates.seed), "save": random.Random(rates.seed + 2)}
 
     @property
     def num_layers(self) -> int:
         return self.inner.num_layers
 
     def _fail(self, rate: float, what: str, first: int) -> None:
-        if first == 0 and rate and self._rng.random() < rate:
+        if first == 0 and rate and self._rngs[what].random() < rate:
             _log.warning("hicache faults: injected %s failure", what)
             raise RuntimeError(f"injected {what} failure")
 
@@ -88,7 +98,8 @@ class FaultyCopier:
 
 
 class FaultyBackend:
-    """A storage backend whose ``get_into`` fails at ``rates.read``."""
+    """A storage backend whose ``get_into`` fails at ``rates.read`` and takes
+    ``rates.read_delay_ms`` more per page."""
 
     def __init__(self, inner, rates: FaultRates) -> None:
         self.inner = inner
@@ -99,6 +110,8 @@ class FaultyBackend:
         return getattr(self.inner, name)
 
     def get_into(self, keys, views):
+        if self.rates.read_delay_ms:
+            time.sleep(self.rates.read_delay_ms * len(keys) / 1000)
         if self.rates.read and self._rng.random() < self.rates.read:
             _log.warning("hicache faults: injected storage read failure")
             raise OSError("injected storage read failure")

@@ -3,7 +3,8 @@
 Scheduler -> workers: the step plan (:class:`HiCacheConnectorMetadata`, a
 :class:`~hicache.integrations.vllm.plan.StepPlan`). Workers -> scheduler:
 :class:`HiCacheWorkerMetadata`, which vLLM aggregates over the tensor-parallel ranks
-(``KVOutputAggregator``) before the scheduler sees it: sets are united.
+(``KVOutputAggregator``) before the scheduler sees it: sets are united, per-rank
+reports kept per rank.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
     # stored the page, and keys some rank did not store (failed, cancelled or dropped).
     written_keys: dict[str, set[int]] = field(default_factory=dict)
     unwritten_keys: set[str] = field(default_factory=set)
+    # Prefetches (third-tier reads off the step): op id -> rank -> (leading pages read,
+    # the op ended), for the ops whose progress changed this step.
+    prefetch: dict[int, dict[int, tuple[int, bool]]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, HiCacheWorkerMetadata):
@@ -42,4 +46,6 @@ class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
             for key, ranks in other.written_keys.items():
                 self.written_keys.setdefault(key, set()).update(ranks)
             self.unwritten_keys |= other.unwritten_keys
+            for op_id, ranks in other.prefetch.items():
+                self.prefetch.setdefault(op_id, {}).update(ranks)
         return self

@@ -35,6 +35,16 @@ class SaveOp:
 
 
 @dataclass
+class PrefetchOp:
+    """Third-tier pages -> host pages, in the background (not tied to a step): the
+    workers report how far it got (``WorkerHalf.take_prefetch_progress``)."""
+
+    op_id: int
+    storage_keys: list[str]
+    host_pages: list[int]  # one per key, allocated to this op until every rank is done
+
+
+@dataclass
 class StepPlan:
     """One step's transfers, and what the step computes (the workers track which blocks
     hold valid KV from it). ``is_empty`` on most decode steps: no copies to make."""
@@ -52,6 +62,8 @@ class StepPlan:
     blocks: list[tuple[str, list[int], bool]] = field(default_factory=list)
     # What the forward computes: (req_id, first token, end token) of every request.
     computes: list[tuple[str, int, int]] = field(default_factory=list)
+    # Prefetches started this step (read off the step, see prefetch.py).
+    prefetches: list[PrefetchOp] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.saves or self.early_saves)
+        return not (self.loads or self.saves or self.early_saves or self.prefetches)

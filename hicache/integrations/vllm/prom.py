@@ -85,6 +85,11 @@ METRICS: dict[str, Metric] = {
     "vllm:hicache_transfer_gbps": Metric(
         Gauge, "GB/s (1e9 bytes) of each operation in the last report that moved bytes.",
         "operation", {op: (f"{op}_bytes", f"{op}_seconds") for op in _OPS}),
+    "vllm:hicache_prefetch_tokens_total": Metric(
+        Counter, "Tokens of third-tier prefetches: started, arrived (into the host tier), "
+        "dropped (their read failed, or came after a reset).", "state",
+        {"started": "prefetch_tokens", "arrived": "prefetch_arrived_tokens",
+         "dropped": "prefetch_dropped_tokens"}),
     "vllm:hicache_storage_errors_total": Metric(
         Counter, "Third-tier operations that failed.", None, {"": "storage_errors"}),
     "vllm:hicache_storage_timeouts_total": Metric(

@@ -29,7 +29,8 @@ class RequestState:
     """One live request, from its first lookup (or first scheduling) until it finishes."""
 
     __slots__ = ("token_ids", "namespace", "block_ids", "num_checked_pages", "key", "keys",
-                 "lookup", "vllm_hit_pages", "skip_load", "skip_save", "max_save_pages")
+                 "lookup", "vllm_hit_pages", "skip_load", "skip_save", "max_save_pages",
+                 "prefetched")
 
     def __init__(self, token_ids: Sequence[int], namespace: str | None = None) -> None:
         self.token_ids = token_ids
@@ -44,6 +45,8 @@ class RequestState:
         self.skip_load = False
         self.skip_save = False
         self.max_save_pages: int | None = None
+        # (first, end) pages of its prefetch from the third tier (at most one a request)
+        self.prefetched: tuple[int, int] | None = None
 
     def set_tokens(self, token_ids: Sequence[int]) -> None:
         """The request's token ids now. vLLM hands the same sequence every time and only

@@ -34,9 +34,11 @@ from dataclasses import asdict
 import numpy as np
 import torch
 
+from hicache.integrations.vllm.bad_pages import BadPages
 from hicache.integrations.vllm.config import ConnectorConfig
 from hicache.integrations.vllm.params import RequestControl
 from hicache.integrations.vllm.plan import LoadOp, SaveOp, StepPlan
+from hicache.integrations.vllm.prefetch import Prefetcher, num_fetched
 from hicache.integrations.vllm.requests import RequestState, ScheduledRequest
 from hicache.integrations.vllm.saves import WRITE_BACK, Saves
 from hicache.integrations.vllm.scheduler_stats import (  # noqa: F401 (re-exported)
@@ -45,8 +47,8 @@ from hicache.integrations.vllm.scheduler_stats import (  # noqa: F401 (re-export
     SchedulerStats,
 )
 from hicache.integrations.vllm.third_tier import (
+    StorageKeys,
     StorageProbe,
-    extend_storage_keys,
     num_promisable_pages,
     rank_salt,
 )
@@ -81,10 +83,10 @@ class SchedulerHalf:
         self.storage = storage_backend  # exists() (through the probe), epoch, bump_epoch
         self._probe = (StorageProbe(storage_backend, config.storage_timeout_s)
                        if storage_backend is not None else None)
-        self._identity = storage_identity
         self._salts = [rank_salt(r, tp_size) for r in range(tp_size)]
-        self._epoch = storage_backend.epoch() if storage_backend is not None else 0
-        self._roots: dict[str | None, str] = {}  # storage chain seed per cache_salt
+        self._storage_keys = StorageKeys(
+            storage_identity, storage_backend.epoch() if storage_backend is not None else 0,
+            block_size)
         self._reqs: dict[str, RequestState] = {}
         self._pins: dict[TreeNode, int] = {}  # host locks taken this step, released by build_plan
         self._loads: list[LoadOp] = []
@@ -94,9 +96,15 @@ class SchedulerHalf:
         # vLLM's own hit copied into the host tier (after_alloc): sent with this step's
         # saves, which run after the forward.
         self._gap_saves: list[SaveOp] = []
-        self._bad: set[int] = set()  # host pages the workers reported bad, still in the tree
+        self._bad = BadPages()  # host pages the workers reported bad, still in the tree
         self.counters = SchedulerStats()
         self.saves = Saves(self, config.write_policy, config.backup_hit_threshold)
+        # Third-tier hits read in the background (None: "sync", read in vLLM's step)
+        self.prefetch: Prefetcher | None = None
+        if storage_backend is not None and config.prefetch_policy != "sync":
+            self.prefetch = Prefetcher(config, self.tree, self.host_allocator, block_size,
+                                       tp_size, alloc=self._alloc_host, counters=self.counters,
+                                       listener=lambda: self.page_listener)
         # Told of every host page cached and evicted (the connector's KV cache events):
         # ``cached(req_id, first_page, pages)``, ``evicted(pages)``; None: nobody listens.
         self.page_listener: PageListener | None = None
@@ -120,15 +128,19 @@ class SchedulerHalf:
             st.max_save_pages = min(control.save_max_tokens, num_prompt_tokens) // self.page_size
 
     def num_matched_tokens(self, req_id: str, token_ids: Sequence[int], num_computed: int,
-                           namespace: str | None = None) -> int:
-        """Tokens after ``num_computed`` that hicache can load (whole pages); no side effect
-        on the tree. At least one token is always left for vLLM to compute.
+                           namespace: str | None = None) -> int | None:
+        """Tokens after ``num_computed`` that hicache can load (whole pages), or None while
+        the request waits for its prefetch (:mod:`~hicache.integrations.vllm.prefetch`);
+        no side effect on the tree but a prefetch started. At least one token is always
+        left for vLLM to compute.
 
         ``namespace`` (vLLM's ``cache_salt``): pages are shared only between requests of
         the same namespace, in the host tier and in the third tier (no salt is a
         namespace of its own)."""
         st = self._state(req_id, token_ids, namespace)
         st.lookup = None
+        if self.prefetch is not None and self.prefetch.waits(req_id):
+            return None
         P = self.page_size
         st.vllm_hit_pages = num_computed // P
         limit = (len(token_ids) - 1) // P  # pages that may be loaded
@@ -144,7 +156,15 @@ class SchedulerHalf:
         # (pages vLLM holds are copied from its blocks into the host tier, not read).
         start = max(host, num_computed // P)
         stored = 0
-        if self.storage is not None and host == cached and start < limit:
+        if self.prefetch is not None:
+            if host == cached and start < limit and not st.prefetched:
+                n = self.prefetch.try_start(req_id, st.namespace, key, host, start,
+                                            self._keys(st, limit)[host:limit], self._probe,
+                                            self._salts)
+                if n:
+                    st.prefetched = (host, host + n)
+                    return None  # vLLM asks again next step
+        elif self.storage is not None and host == cached and start < limit:
             stored = num_promisable_pages(
                 self._probe, self._keys(st, limit)[start:limit], self.tree,
                 self.host_allocator, key, host, P, extra_pages=start - host,
@@ -224,7 +244,9 @@ class SchedulerHalf:
                 first = max(a, have)
                 op.storage_keys = self._keys(st, b)[first:b]
                 c.storage_hit_tokens += (b - first) * P
-        c.host_hit_tokens += max(0, min(have, b) - a) * P
+        fetched = num_fetched(st.prefetched, a, min(have, b))  # read by its prefetch
+        c.storage_hit_tokens += fetched * P
+        c.host_hit_tokens += (max(0, min(have, b) - a) - fetched) * P
         if self.saves.policy != WRITE_BACK:  # write_back records every block it holds
             st.num_checked_pages = max(st.num_checked_pages, b)
         self._loads.append(op)
@@ -234,7 +256,8 @@ class SchedulerHalf:
         """This step's plan: the loads planned since the last call, and the saves of every
         block this step completes. Releases the step's pins."""
         plan = StepPlan(loads=self._loads, saves=self._gap_saves,
-                        early_saves=self._early_saves)
+                        early_saves=self._early_saves,
+                        prefetches=self.prefetch.take_ops() if self.prefetch else [])
         self._loads, self._early_saves, self._gap_saves = [], [], []
         try:
             plan.early_saves += self.saves.plan_evicted()  # write_back
@@ -261,25 +284,10 @@ class SchedulerHalf:
     def mark_bad(self, host_pages) -> None:
         """The workers found these host pages bad (a save or storage read failed): lookups
         stop before them, and the next request computing them saves them again."""
-        self._bad.update(int(p) for p in host_pages)
-        self._bad.intersection_update(self._cached_pages())
+        self._bad.report(host_pages, self.tree)
 
-    def _cached_pages(self) -> set[int]:
-        return {int(p) for n in self.tree.nodes() if n.host_indices is not None
-                for p in n.host_indices.tolist()}
-
-    def _first_bad(self, st: RequestState, key: bytes, num_cached_tokens_pages: int) -> int:
-        """Index of the first bad page among the first ``num_cached_tokens_pages`` cached
-        pages of ``key`` (that count when none is bad)."""
-        n = num_cached_tokens_pages
-        if not self._bad or n == 0:
-            return n
-        path = self.tree.probe_path(key, st.namespace)
-        ids = torch.cat([node.host_indices for node in path]).tolist()[:n]
-        for i, page in enumerate(ids):
-            if page in self._bad:
-                return i
-        return n
+    def _first_bad(self, st: RequestState, key: bytes, num_pages: int) -> int:
+        return self._bad.first(self.tree, key, st.namespace, num_pages)
 
     def request_finished(
         self, req_id: str, num_computed_tokens: int | None = None,
@@ -294,6 +302,8 @@ class SchedulerHalf:
         writes a block vLLM freed and handed out again. vLLM frees the blocks at once.
         """
         st = self._reqs.pop(req_id, None)
+        if self.prefetch is not None:
+            self.prefetch.request_finished(req_id)
         if st is None or num_computed_tokens is None or block_ids is None:
             return
         st.block_ids = list(block_ids)
@@ -318,6 +328,8 @@ class SchedulerHalf:
         self._early_saves, self._gap_saves = [], []
         self.saves.forget_all()
         self._unpin_all()
+        if self.prefetch is not None:
+            self.prefetch.reset()
         num = self.tree.host_tokens
         result = self.tree.evict_host(num) if num else None
         if result is not None and result.num_evicted_tokens:
@@ -330,14 +342,8 @@ class SchedulerHalf:
             st.num_checked_pages = 0
         ok = self.tree.host_tokens == 0
         if self.storage is not None and self.config.storage_epoch_on_reset:
-            from hicache.storage import StorageError
-
-            try:
-                self._epoch = self.storage.bump_epoch()
-            except StorageError as exc:
-                _log.warning("hicache: the third tier's epoch could not be bumped: %s", exc)
+            if not self._storage_keys.bump_epoch(self.storage):
                 return False
-            self._roots.clear()
             for st in self._reqs.values():
                 st.keys = []  # rebuilt under the new epoch
         return ok
@@ -354,15 +360,7 @@ class SchedulerHalf:
         return st.key[: num_pages * P * 4]
 
     def _keys(self, st: RequestState, num_pages: int) -> list[str]:
-        root = self._roots.get(st.namespace)
-        if root is None:
-            from hicache.storage import root_key
-
-            fingerprint, model_id = self._identity or ("vllm", "unknown")
-            root = self._roots[st.namespace] = root_key(st.namespace, fingerprint, model_id,
-                                                        epoch=self._epoch)
-        return extend_storage_keys(st.keys, st.token_ids, num_pages, page_size=self.page_size,
-                                   root_key=root)
+        return self._storage_keys.of(st, num_pages)
 
     def _insert_extension(self, st: RequestState, cached: int, pages: torch.Tensor,
                           req_id: str) -> bool:
@@ -416,6 +414,8 @@ class SchedulerHalf:
         n = self._pins.get(suffix)
         if n:
             self._pins[prefix] = n  # the tree copied the suffix's host_lock_ref to it
+        if self.prefetch is not None:
+            self.prefetch.on_split(prefix, suffix)
 
     def _unpin_all(self) -> None:
         for node, n in self._pins.items():
@@ -436,7 +436,7 @@ class SchedulerHalf:
     @property
     def epoch(self) -> int:
         """The third tier's epoch that storage keys are salted with (bumped by reset)."""
-        return self._epoch
+        return self._storage_keys.epoch
 
     @property
     def num_live_requests(self) -> int:
@@ -455,13 +455,15 @@ class SchedulerHalf:
         self.host_allocator.check_integrity()
         P = self.page_size
         assert self.tree.device_tokens == 0, "the scheduler's tree must hold host pages only"
-        assert self.host_allocator.num_used_pages == self.tree.host_tokens // P, (
+        fetch = self.prefetch
+        fetching = fetch.num_held_pages if fetch is not None else 0
+        assert self.host_allocator.num_used_pages == self.tree.host_tokens // P + fetching, (
             f"host pages: {self.host_allocator.num_used_pages} allocated, tree holds "
-            f"{self.tree.host_tokens // P}: pages leaked or lost"
+            f"{self.tree.host_tokens // P}, prefetches {fetching}: pages leaked or lost"
         )
         for node in self.tree.nodes():
             assert node.lock_ref == 0, f"node {node.id}: device lock in a host-only tree"
-            assert node.host_lock_ref == self._pins.get(node, 0), (
-                f"node {node.id}: host_lock_ref {node.host_lock_ref}, pins "
-                f"{self._pins.get(node, 0)}: a pin leaked"
+            pins = self._pins.get(node, 0) + (fetch.num_pins(node) if fetch is not None else 0)
+            assert node.host_lock_ref == pins, (
+                f"node {node.id}: host_lock_ref {node.host_lock_ref}, pins {pins}: a pin leaked"
             )

@@ -18,11 +18,14 @@ class SchedulerStats:
     lookups: int = 0  # get_num_new_matched_tokens calls
     lookup_tokens: int = 0  # tokens looked up beyond vLLM's own hit
     host_hit_tokens: int = 0  # tokens planned to load from host memory
-    storage_hit_tokens: int = 0  # tokens planned to read from storage, then load
+    storage_hit_tokens: int = 0  # tokens planned to load that came from storage (read or prefetched)
     load_failed_tokens: int = 0  # promised tokens that could not be planned (reported failed)
     saved_tokens: int = 0  # tokens planned to save to host memory
     save_skipped_tokens: int = 0  # not saved: host tier full of pinned pages
     host_evicted_tokens: int = 0
+    prefetch_tokens: int = 0  # tokens whose background read from the third tier started
+    prefetch_arrived_tokens: int = 0  # of which arrived and went into the host tier
+    prefetch_dropped_tokens: int = 0  # of which did not (read failed, or after a reset)
 
 
 # Stats the connector reports with the counters' deltas that are snapshots (the host

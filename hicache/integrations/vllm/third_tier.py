@@ -16,9 +16,12 @@ Nothing here changes the tree or the page allocator.
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Sequence
 
 import numpy as np
+
+_log = logging.getLogger("hicache.integrations.vllm.scheduler")
 
 
 def extend_storage_keys(
@@ -38,6 +41,46 @@ def extend_storage_keys(
         prev = keys[-1] if keys else root_key
         keys.extend(extend_keys(prev, np.asarray(token_ids[have * P : num_pages * P]), P))
     return keys[:num_pages]
+
+
+class StorageKeys:
+    """The third-tier keys of requests' pages: chained from one root per namespace
+    (``cache_salt``), which folds in the storage identity and the tier's epoch."""
+
+    def __init__(self, identity: tuple[str, str] | None, epoch: int, page_size: int) -> None:
+        """``identity``: ``(KV layout fingerprint, model_id)`` (None: a placeholder)."""
+        self.identity = identity
+        self.epoch = epoch
+        self.page_size = page_size
+        self._roots: dict[str | None, str] = {}  # chain seed per namespace
+
+    def of(self, st, num_pages: int) -> list[str]:
+        """Keys of the first ``num_pages`` pages of ``st`` (a request's
+        :class:`~hicache.integrations.vllm.requests.RequestState`; its ``keys`` cache
+        is extended in place)."""
+        root = self._roots.get(st.namespace)
+        if root is None:
+            from hicache.storage import root_key
+
+            fingerprint, model_id = self.identity or ("vllm", "unknown")
+            root = self._roots[st.namespace] = root_key(st.namespace, fingerprint, model_id,
+                                                        epoch=self.epoch)
+        return extend_storage_keys(st.keys, st.token_ids, num_pages, page_size=self.page_size,
+                                   root_key=root)
+
+    def bump_epoch(self, backend) -> bool:
+        """Bump the tier's epoch (pages stored before miss from now on, see
+        docs/storage.md); keys are rooted anew (callers drop their key caches). False
+        when the tier could not be reached (logged)."""
+        from hicache.storage import StorageError
+
+        try:
+            self.epoch = backend.bump_epoch()
+        except StorageError as exc:
+            _log.warning("hicache: the third tier's epoch could not be bumped: %s", exc)
+            return False
+        self._roots.clear()
+        return True
 
 
 class StorageProbe:

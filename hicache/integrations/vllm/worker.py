@@ -51,31 +51,12 @@ from hicache.integrations.vllm.plan import StepPlan
 from hicache.integrations.vllm.third_tier import salt_keys
 from hicache.integrations.vllm.tp import RankGroup, share_load_errors
 from hicache.integrations.vllm.worker_stats import CLOCK_STATS, WorkerStats
+from hicache.integrations.vllm.worker_storage import PrefetchReader, SaveRecord, free_for_read
+from hicache.integrations.vllm.wrong_kv import PoisonedBlocks
 from hicache.memory import HostPool
 from hicache.transfer import Transfer, TransferEngine
 
 _log = logging.getLogger(__name__)
-
-
-class _Save:
-    """A save in flight (or its storage write-behind) and what it touches."""
-
-    __slots__ = ("handle", "job", "req_ids", "blocks", "pages", "host_pages", "keys")
-
-    def __init__(self, handle, req_ids, block_ids, host_pages, keys) -> None:
-        self.handle: Transfer | None = handle
-        self.job = None  # the StorageJob writing the pages once the save landed
-        self.req_ids = req_ids
-        self.blocks = set(block_ids)
-        self.host_pages = host_pages
-        self.pages = set(host_pages)
-        self.keys = keys
-
-    def wait(self) -> None:
-        if self.handle is not None:
-            self.handle.wait()
-        if self.job is not None and not self.job.cancelled:
-            self.job.done.wait()
 
 
 class WorkerHalf:
@@ -151,9 +132,12 @@ class WorkerHalf:
         # Third-tier writes that ended (stored, not stored), for the KV cache events
         # (tier_events.py); None: not reported (events off).
         self.write_reports: tuple[list[str], list[str]] | None = None
+        # Background third-tier reads (the scheduler's prefetch policies)
+        self.prefetch = (PrefetchReader(self.storage, self._salted)
+                         if self.storage is not None else None)
         self._load: Transfer | None = None
         self._load_blocks: list[int] = []
-        self._saves: list[_Save] = []  # saves and their storage writes in flight
+        self._saves: list[SaveRecord] = []  # saves and their storage writes in flight
         self._bad_pages: set[int] = set()
         self._newly_bad: set[int] = set()  # not yet reported to the scheduler
         self._errors: set[int] = set()
@@ -161,8 +145,7 @@ class WorkerHalf:
         self._store_stalled = False  # a storage wait hit its deadline; no job ended since
         self._reads_in_flight: list = []  # those reads (StorageJob)
         self._tables: dict[str, list[int]] = {}  # vLLM's block table of each live request
-        self._poisoned: set[int] = set()  # blocks whose content is not their tokens' KV
-        self._newly_poisoned: set[int] = set()  # not yet reported to the scheduler
+        self._poisoned = PoisonedBlocks()  # blocks whose content is not their tokens' KV
         self.counters = WorkerStats()
 
     # ------------------------------------------------------------------ steps
@@ -171,6 +154,8 @@ class WorkerHalf:
         blocks computed in earlier steps start, and saves reading a block reallocated
         now land."""
         self._poll()
+        if plan.prefetches:
+            self._start_prefetches(plan)
         tables = self._tables
         for req_id, ids, replace in plan.blocks:
             if replace:
@@ -186,6 +171,23 @@ class WorkerHalf:
                     rec.handle.wait()
             self._poll()
 
+    def _start_prefetches(self, plan: StepPlan | None) -> None:
+        if plan is not None and plan.prefetches and self.prefetch is None:
+            raise ValueError("prefetch ops for a worker without a third tier")
+        if self.prefetch is not None:
+            self.prefetch.take(plan.prefetches if plan is not None else (), lambda pages:
+                               free_for_read(pages, self._saves, self._quarantine, self.storage))
+
+    def take_prefetch_progress(self, plan: StepPlan | None = None) -> dict:
+        """Prefetch ops whose progress changed since the last call: op id -> (leading
+        pages read here, ended here); starts the reads that can start (``plan``: this
+        step's, in case ``begin_step`` did not see it)."""
+        if self.prefetch is None:
+            return {}
+        self._poll()
+        self._start_prefetches(plan)
+        return self.prefetch.progress()
+
     def start_loads(self, plan: StepPlan) -> None:
         """Read third-tier pages, then start the host -> block copy of every load."""
         if not plan.loads:
@@ -193,6 +195,8 @@ class WorkerHalf:
         host_ids: list[int] = []
         block_ids: list[int] = []
         c = self.counters
+        # The scheduler never loads a page a prefetch still writes; should it, it fails.
+        reading = self.prefetch.busy_pages() if self.prefetch is not None else set()
         for op in plan.loads:
             if op.failed_block_ids:
                 self._fail_blocks(op.failed_block_ids)
@@ -212,7 +216,7 @@ class WorkerHalf:
                 c.load_storage_blocks += num_stored
             c.load_host_blocks += len(op.host_pages) - len(op.storage_keys)
             for block, page in zip(op.block_ids, op.host_pages, strict=True):
-                if page in self._bad_pages:
+                if page in self._bad_pages or page in reading:
                     self._fail_blocks([block])
                 else:
                     host_ids.append(page)
@@ -286,43 +290,14 @@ class WorkerHalf:
             return
         self._wait_pages(host_ids)
         handle = self.transfers.backup(_ids(block_ids), _ids(host_ids))
-        self._saves.append(_Save(handle, req_ids, block_ids, host_ids, keys))
+        self._saves.append(SaveRecord(handle, req_ids, block_ids, host_ids, keys))
         self._poll()
 
     def _poison(self, block_ids) -> None:
-        new = set(block_ids) - self._poisoned
-        self._poisoned |= new
-        self._newly_poisoned |= new
+        self._poisoned.add_new(block_ids)
 
     def _follow_computes(self, computes) -> None:
-        """Blocks this step wrote hold wrong KV when the request's earlier tokens did
-        (attention read them), and the right KV again when they did not.
-
-        A request may read a block another request rewrites in the same forward (vLLM
-        recomputes a shared block once): repeated until nothing changes. A request's
-        partly filled first block is judged by what it held before this step (only
-        that request writes it: vLLM shares whole blocks only).
-        """
-        P = self.layout.block_size
-        before = set(self._poisoned)
-        for _ in range(len(computes) + 1):
-            changed = False
-            for req_id, start, end in computes:
-                table = self._tables.get(req_id)
-                if not table or end <= start:
-                    continue
-                first, last = start // P, min((end - 1) // P, len(table) - 1)
-                wrong_prefix = not self._poisoned.isdisjoint(table[:first]) or (
-                    start % P != 0 and table[first] in before)
-                written = set(table[first:last + 1])
-                if wrong_prefix and not written <= self._poisoned:
-                    self._poison(written)
-                    changed = True
-                elif not wrong_prefix and not written.isdisjoint(self._poisoned):
-                    self._poisoned -= written
-                    changed = True
-            if not changed:
-                return
+        self._poisoned.follow(computes, self._tables, self.layout.block_size)
 
     def finished(self, finished_req_ids: set[str]) -> None:
         """Forget the block tables of requests vLLM finished."""
@@ -332,8 +307,7 @@ class WorkerHalf:
     def take_poisoned_blocks(self) -> set[int]:
         """Blocks found to hold wrong KV since the last call: the scheduler takes them out
         of vLLM's prefix cache, so that no later request is served them."""
-        new, self._newly_poisoned = self._newly_poisoned & self._poisoned, set()
-        return new
+        return self._poisoned.take_new()
 
     def load_errors(self) -> set[int]:
         """Block ids whose load failed since the last call (vLLM recomputes them)."""
@@ -502,6 +476,14 @@ class WorkerHalf:
             for job in self.storage.poll():
                 if not job.cancelled:
                     self._store_stalled = False  # the store answers again
+                if self.prefetch is not None and self.prefetch.owns(job):
+                    read, missed = self.prefetch.job_done(job)
+                    self._mark_good(read)
+                    self._mark_bad(missed)
+                    c.storage_read_bytes += len(read) * self.host_pool.page_nbytes
+                    c.storage_read_seconds += job.seconds
+                    c.storage_errors += job.error is not None
+                    continue
                 if job.kind != "write":
                     if job in self._reads_in_flight:  # a timed-out read ended at last
                         self._reads_in_flight.remove(job)
@@ -520,7 +502,8 @@ class WorkerHalf:
     @property
     def num_in_flight(self) -> int:
         """Saves (and their storage writes) not yet landed; loads never outlive a step."""
-        return len(self._saves) + (self._load is not None) + len(self._reads_in_flight)
+        return (len(self._saves) + (self._load is not None) + len(self._reads_in_flight)
+                + (self.prefetch.num_reading if self.prefetch is not None else 0))
 
     def drain(self, timeout_s: float = 60.0) -> None:
         """Wait until every copy in flight has landed and been applied."""
@@ -532,7 +515,10 @@ class WorkerHalf:
                 self._load.wait()
             for job in self._reads_in_flight:
                 job.done.wait(max(0.0, deadline - time.monotonic()))
+            if self.prefetch is not None:
+                self.prefetch.wait(max(0.0, deadline - time.monotonic()))
             self._poll()
+            self._start_prefetches(None)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.num_in_flight} copies still in flight")
 
