@@ -249,6 +249,7 @@ class Engine:
             if self.kv_events:  # as register_kv_caches does: the third tier's events
                 self.worker.worker_half.write_reports = ([], [])
         self.step_no = 0
+        self.last_num_scheduled = 0  # tokens the last step scheduled
         self.prompts: dict[str, list[int]] = {}  # req id -> prompt
         self.tables: dict[str, list[int]] = {}  # the model runner's block tables
         self.num_sampled: dict[str, int] = {}
@@ -298,6 +299,7 @@ class Engine:
         if not self.async_scheduling:
             self.update_held()
         out = self.scheduler.schedule()
+        self.last_num_scheduled = out.total_num_scheduled_tokens
         result = self._execute(out)
         if not self.async_scheduling and not hold:
             self._update(out, result)
@@ -327,15 +329,22 @@ class Engine:
                 if o.kv_transfer_params is not None:
                     self.transfer_params[o.request_id] = o.kv_transfer_params
 
-    def run(self, max_steps: int = 400) -> None:
-        """Step until nothing is left (the scheduler and the connector idle)."""
-        for _ in range(max_steps):
+    def run(self, max_steps: int = 400, max_idle_s: float = 60.0) -> None:
+        """Step until nothing is left (the scheduler and the connector idle). Steps that
+        schedule nothing (every request waits for a third-tier read) are not counted
+        against ``max_steps`` for up to ``max_idle_s`` seconds: they wait for a thread."""
+        steps, idle_deadline = 0, time.monotonic() + max_idle_s
+        while steps < max_steps:
             if not self.scheduler.has_requests() and self._pending is None:
                 return
             if not self.scheduler.has_requests():
                 self.update_held()
                 continue
             self.step()
+            if self.last_num_scheduled or time.monotonic() > idle_deadline:
+                steps += 1
+            else:
+                time.sleep(0.001)
         raise AssertionError(f"not done after {max_steps} steps: a request hangs")
 
     def _execute(self, out):
