@@ -323,7 +323,9 @@ def print_table(configs: dict[str, dict], comparisons: dict, identical: tuple[bo
                   f"tokens than {names[0]}", file=out)
     for name, c in comparisons.items():
         if name.endswith(" vs vllm+host"):
-            print(f"{name}: host-tier bytes written {_fmt(c['bytes_written_reduction'])}x fewer "
+            fewer = ("none written" if c["host_bytes_written"][1] == 0
+                     else f"{_fmt(c['bytes_written_reduction'])}x fewer")
+            print(f"{name}: host-tier bytes written {fewer} "
                   f"({_fmt(c['host_bytes_written'][1])} vs {_fmt(c['host_bytes_written'][0])}); "
                   f"mean TTFT x{_fmt(c['ttft_mean_ratio'])}; cached prompt tokens "
                   f"{c['cached_tokens_delta']:+,}", file=out)
