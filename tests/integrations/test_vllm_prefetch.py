@@ -297,3 +297,32 @@ def test_worker_reports_of_two_ranks_aggregate_per_rank():
     a.aggregate(b)
     assert a.prefetch == {7: {0: (2, False), 1: (4, True)}, 8: {1: (0, True)}}
     assert a.bad_host_pages == {1}
+
+
+def test_two_ranks_use_the_pages_both_read(sched, tmp_path):
+    """Two tensor-parallel ranks (vLLM's aggregator over two worker connectors): rank 1's
+    second chunk fails, so the request is served the 8 pages both ranks read and
+    computes the other 4; each rank's stored shard stays right."""
+    import vllm_sched_tp
+
+    B = sched.B
+    prompt = _prompt(11, NUM_PAGES * B + 1)
+    spec = f"file:{tmp_path}"
+    w = vllm_sched_tp.TPEngine(num_blocks=24, extra={"host_tokens": 16 * B, "storage": spec})
+    w.add("writer", prompt, max_tokens=1)
+    w.run()
+    w.check()
+    w.close()
+    e = vllm_sched_tp.TPEngine(num_blocks=24, policy="fail", extra={
+        "host_tokens": 16 * B, "storage": spec, "prefetch_policy": "wait_complete",
+        "prefetch_threshold_tokens": 2 * B})
+    e.rank_faults[1].fail_read_calls = {1}
+    e.add("a", prompt, max_tokens=2)
+    e.run()
+    e.check()
+    c = e.connector.scheduler_half.counters
+    assert not e.failed and c.load_failed_tokens == 0
+    assert e.rank_faults[1].failed_reads == 1 and e.rank_faults[0].failed_reads == 0
+    assert c.prefetch_arrived_tokens == c.storage_hit_tokens == 8 * B
+    assert c.prefetch_dropped_tokens == 4 * B
+    assert e.storage_errors() == []

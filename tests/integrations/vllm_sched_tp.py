@@ -296,12 +296,16 @@ class TPEngine(Engine):
 
         self.update_held()
         bad: set[int] = set()
-        for w in self.workers:
+        prefetch: dict[int, dict[int, tuple[int, bool]]] = {}
+        for r, w in enumerate(self.workers):
             w.worker_half.drain()
+            for op_id, state in w.worker_half.take_prefetch_progress().items():
+                prefetch.setdefault(op_id, {})[r] = state
             bad |= w.worker_half.take_bad_pages()
-        if bad:
+        if bad or prefetch:
             self.connector.update_connector_output(KVConnectorOutput(
-                kv_connector_worker_meta=HiCacheWorkerMetadata(bad_host_pages=bad)))
+                kv_connector_worker_meta=HiCacheWorkerMetadata(bad_host_pages=bad,
+                                                               prefetch=prefetch)))
 
     def close(self) -> None:
         for w in self.workers:
