@@ -23,6 +23,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 NUM_PAGES = 12  # of the stored prompt: two chunks of the reader (8 + 4 pages)
+_ENGINES: list = []  # closed after each test (their copy and storage threads end)
+
+
+@pytest.fixture(autouse=True)
+def _close_engines():
+    yield
+    while _ENGINES:
+        _ENGINES.pop().close()
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -44,10 +52,11 @@ def _stored(sched, tmp_path, prompt) -> str:
 
 def _engine(sched, spec, policy, async_scheduling=False, **extra):
     B = sched.B
-    return sched.Engine(async_scheduling=async_scheduling, policy="fail", num_blocks=24,
-                        extra={"host_tokens": 16 * B, "storage": spec,
-                               "prefetch_policy": policy, "prefetch_threshold_tokens": 2 * B,
-                               **extra})
+    e = sched.Engine(async_scheduling=async_scheduling, policy="fail", num_blocks=24,
+                     extra={"host_tokens": 16 * B, "storage": spec, "prefetch_policy": policy,
+                            "prefetch_threshold_tokens": 2 * B, **extra})
+    _ENGINES.append(e)
+    return e
 
 
 def _waiting(e, req_id) -> bool:
@@ -316,6 +325,7 @@ def test_two_ranks_use_the_pages_both_read(sched, tmp_path):
     e = vllm_sched_tp.TPEngine(num_blocks=24, policy="fail", extra={
         "host_tokens": 16 * B, "storage": spec, "prefetch_policy": "wait_complete",
         "prefetch_threshold_tokens": 2 * B})
+    _ENGINES.append(e)
     e.rank_faults[1].fail_read_calls = {1}
     e.add("a", prompt, max_tokens=2)
     e.run()
