@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from hicache.integrations.vllm.plan import PrefetchOp
+from hicache.integrations.vllm.scheduler_stats import PageListener
 from hicache.integrations.vllm.third_tier import num_promisable_pages
 from hicache.tree import TreeNode
 
@@ -70,7 +71,7 @@ class Prefetcher:
 
     def __init__(self, config, tree, allocator, page_size: int, tp_size: int, *,
                  alloc: Callable[[int], torch.Tensor | None], counters,
-                 listener: Callable[[], object] = lambda: None,
+                 listener: Callable[[], PageListener | None] = lambda: None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``alloc(n)``: ``n`` host pages (evicting if needed) or None; ``counters``: the
         half's :class:`~hicache.integrations.vllm.scheduler_stats.SchedulerStats`;

@@ -244,9 +244,9 @@ class SchedulerHalf:
                 first = max(a, have)
                 op.storage_keys = self._keys(st, b)[first:b]
                 c.storage_hit_tokens += (b - first) * P
-        fetched = num_fetched(st.prefetched, a, min(have, b))  # read by its prefetch
-        c.storage_hit_tokens += fetched * P
-        c.host_hit_tokens += (max(0, min(have, b) - a) - fetched) * P
+        prefetched = num_fetched(st.prefetched, a, min(have, b))  # read by its prefetch
+        c.storage_hit_tokens += prefetched * P
+        c.host_hit_tokens += (max(0, min(have, b) - a) - prefetched) * P
         if self.saves.policy != WRITE_BACK:  # write_back records every block it holds
             st.num_checked_pages = max(st.num_checked_pages, b)
         self._loads.append(op)

@@ -25,10 +25,14 @@ What it knows: keys, host page ids, jobs. Not the tree, not requests, not blocks
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from hicache.integrations.vllm.plan import PrefetchOp
+
+if TYPE_CHECKING:
+    from hicache.storage.worker import StorageJob
 
 CHUNK_PAGES = 8
 
@@ -95,7 +99,7 @@ class PrefetchReader:
         self.salt = salt
         self.chunk_pages = chunk_pages
         self._reads: dict[int, _Read] = {}  # op id -> read, until reported finished
-        self._jobs: dict[object, tuple[_Read, int]] = {}  # job -> (read, chunk index)
+        self._jobs: dict[StorageJob, tuple[_Read, int]] = {}  # job -> (read, chunk index)
 
     # ------------------------------------------------------------------ ops
     def submit(self, op: PrefetchOp) -> None:
