@@ -11,6 +11,7 @@ Skipped without vLLM or the Mooncake extra, unless ``HICACHE_REQUIRE_VLLM=1`` an
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -33,6 +34,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+PREFETCH_ALL = json.dumps({"prefetch_threshold_tokens": 0})
+
+
 def test_second_instance_is_served_through_mooncake(tmp_path):
     from hicache.testing.mooncake_master import start_mooncake_master
 
@@ -42,8 +46,10 @@ def test_second_instance_is_served_through_mooncake(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     with start_mooncake_master(segment_nbytes=64 << 20, log_dir=tmp_path / "mooncake") as m:
         spec = f"{m.spec}&segment_nbytes=0"  # the vLLM instances lend no memory
-        first = vllm_result(run_vllm("run", model, "replay", "--storage", spec))["replay"]
-        second = vllm_result(run_vllm("run", model, "replay", "--storage", spec))["replay"]
+        # The replay's prompt (160 tokens) is under the default prefetch threshold (256).
+        args = ("run", model, "replay", "--storage", spec, "--extra", PREFETCH_ALL)
+        first = vllm_result(run_vllm(*args))["replay"]
+        second = vllm_result(run_vllm(*args))["replay"]
     assert first["cached_tokens"] == 0  # a fresh store: nothing to serve
     assert second["cached_tokens"] == (second["prompt_tokens"] - 1) // 32 * 32
     assert second["output"] == first["output"]

@@ -21,6 +21,7 @@ About 3 to 4 minutes on 2 idle cores. Skipped without vLLM (unless
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -42,6 +43,9 @@ TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 FAULTS = "load=0.34,read=0.34,seed=5,rank=0"
 
 
+PREFETCH_ALL = json.dumps({"prefetch_threshold_tokens": 0})
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-tp")
@@ -54,8 +58,9 @@ def runs(tmp_path_factory):
     connector = run_vllm("run", model, "multiturn,reset", "--storage", storage, "--tp", "2",
                          HICACHE_LOG_LEVEL="INFO", **TP_ENV)
     results = {"baseline": vllm_result(baseline), "connector": vllm_result(connector)}
+    # The replay's prompt (160 tokens) is under the default prefetch threshold (256).
     second = run_vllm("run", model, "replay,fixed", "--storage", storage, "--tp", "2",
-                      "--policy", "recompute", HICACHE_LOG_LEVEL="INFO", HICACHE_FAULTS=FAULTS,
+                      "--policy", "recompute", "--extra", PREFETCH_ALL, HICACHE_LOG_LEVEL="INFO", HICACHE_FAULTS=FAULTS,
                       **TP_ENV)
     results["second"] = vllm_result(second)
     return results
