@@ -472,13 +472,22 @@ def test_rounds_alternate_their_order():
     assert bv._schedule(["vllm"], 1) == [("vllm", 1)]
 
 
-def test_repeat_runs_every_config_n_times_with_a_fresh_third_tier(
-        monkeypatch, capfd, everything_installed, tmp_path):
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({
+ALL_COMPUTED = {"computed": 100, "local_cache_hit": 0, "external_kv_transfer": 0, "total": 100}
+
+
+@pytest.fixture
+def model(tmp_path):
+    """A model directory holding only the config.json the bench reads its shapes from."""
+    path = tmp_path / "model"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({
         "num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 4,
         "intermediate_size": 352, "vocab_size": 32000}))
+    return path
+
+
+def test_repeat_runs_every_config_n_times_with_a_fresh_third_tier(
+        monkeypatch, capfd, everything_installed, tmp_path, model):
     keep = tmp_path / "keep"
     ran = []
 
@@ -486,9 +495,7 @@ def test_repeat_runs_every_config_n_times_with_a_fresh_third_tier(
         storage = os.path.join(workdir, "storage")
         ran.append((name, tag, spec["config"], os.path.exists(storage)))
         os.makedirs(storage, exist_ok=True)  # what the run left behind
-        stats = {"computed": 100, "local_cache_hit": 0, "external_kv_transfer": 0,
-                 "total": 100}
-        res = _result([0.1], [[1]], stats)
+        res = _result([0.1], [[1]], ALL_COMPUTED)
         res["requests"][0]["prompt_tokens"] = 100
         return res
 
@@ -506,19 +513,12 @@ def test_repeat_runs_every_config_n_times_with_a_fresh_third_tier(
 
 
 def test_vllm_fits_runs_vllm_alone_with_the_working_set_in_its_cache(
-        monkeypatch, capfd, everything_installed, tmp_path):
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 4,
-        "intermediate_size": 352, "vocab_size": 32000}))
+        monkeypatch, capfd, everything_installed, tmp_path, model):
     specs = {}
 
     def fake_run_config(name, spec, workdir, progress_fd, tag=None):
         specs[name] = spec
-        stats = {"computed": 100, "local_cache_hit": 0, "external_kv_transfer": 0,
-                 "total": 100}
-        return _result([0.1], [[1]], stats)
+        return _result([0.1], [[1]], ALL_COMPUTED)
 
     monkeypatch.setattr(bv, "run_config", fake_run_config)
     argv = ["bench", "vllm", "--model", str(model), "--configs", "vllm,vllm+host,vllm-fits",
@@ -534,21 +534,14 @@ def test_vllm_fits_runs_vllm_alone_with_the_working_set_in_its_cache(
 
 
 def test_storage_configs_read_in_the_step_or_in_the_background_from_a_slow_store(
-        monkeypatch, capfd, everything_installed, tmp_path):
+        monkeypatch, capfd, everything_installed, tmp_path, model):
     """vllm+host+storage reads third-tier hits in vLLM's step, +async in the background;
     --store-read-delay-ms slows the storage configurations' reads only."""
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 4,
-        "intermediate_size": 352, "vocab_size": 32000}))
     specs = {}
 
     def fake_run_config(name, spec, workdir, progress_fd, tag=None):
         specs[name] = spec
-        stats = {"computed": 100, "local_cache_hit": 0, "external_kv_transfer": 0,
-                 "total": 100}
-        res = _result([0.2 if name == "vllm+host+storage" else 0.1], [[1]], stats)
+        res = _result([0.2 if name == "vllm+host+storage" else 0.1], [[1]], ALL_COMPUTED)
         res["step_times"] = [0.0, 0.01, 0.02, 0.5] if name == "vllm+host+storage" else [
             0.0, 0.01, 0.02, 0.03]
         return res
