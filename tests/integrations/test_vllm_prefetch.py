@@ -38,11 +38,12 @@ def _prompt(seed: int, n: int) -> list[int]:
     return [rng.randrange(1, 500) for _ in range(n)]
 
 
-def _stored(sched, tmp_path, prompt) -> str:
-    """A third tier holding ``prompt``'s whole pages, written by an engine now closed."""
+def _stored(sched, tmp_path, prompt, make=None) -> str:
+    """A third tier holding ``prompt``'s whole pages, written by an engine now closed
+    (``make``: the engine class, ``sched.Engine`` by default)."""
     B = sched.B
     spec = f"file:{tmp_path}"
-    e = sched.Engine(num_blocks=24, extra={"host_tokens": 16 * B, "storage": spec})
+    e = (make or sched.Engine)(num_blocks=24, extra={"host_tokens": 16 * B, "storage": spec})
     e.add("writer", prompt, max_tokens=1)
     e.run()
     e.check()
@@ -316,12 +317,7 @@ def test_two_ranks_use_the_pages_both_read(sched, tmp_path):
 
     B = sched.B
     prompt = _prompt(11, NUM_PAGES * B + 1)
-    spec = f"file:{tmp_path}"
-    w = vllm_sched_tp.TPEngine(num_blocks=24, extra={"host_tokens": 16 * B, "storage": spec})
-    w.add("writer", prompt, max_tokens=1)
-    w.run()
-    w.check()
-    w.close()
+    spec = _stored(sched, tmp_path, prompt, make=vllm_sched_tp.TPEngine)
     e = vllm_sched_tp.TPEngine(num_blocks=24, policy="fail", extra={
         "host_tokens": 16 * B, "storage": spec, "prefetch_policy": "wait_complete",
         "prefetch_threshold_tokens": 2 * B})
