@@ -227,17 +227,9 @@ def test_no_module_imports_another_modules_private_name():
 # ------------------------------------------------------------------ module size
 MAX_MODULE_LINES = 450  # one concept per module; split a module that grows past this
 
-# Temporary: the vLLM connector's three halves are being changed by parallel work and
-# are split by concept right after it lands (issue 28). Remove each name once its
-# module is under the limit.
-OVERSIZED_FOR_NOW = {
-    "hicache/integrations/vllm/scheduler.py",
-    "hicache/integrations/vllm/worker.py",
-}
-
 
 def test_no_module_is_over_the_size_limit():
     sizes = {str(p.relative_to(ROOT)): len(p.read_text(encoding="utf-8").splitlines())
              for p in PACKAGE.rglob("*.py")}
     over = {name for name, num_lines in sizes.items() if num_lines > MAX_MODULE_LINES}
-    assert sorted(over - OVERSIZED_FOR_NOW) == []
+    assert sorted(over) == []

@@ -184,7 +184,7 @@ class MiniVllm:
     def check(self) -> None:
         self.sched.check_integrity()
         if not self.sched._early_saves:
-            assert self.sched._pins == {}, "pins must not outlive a step"
+            assert not self.sched.pins, "pins must not outlive a step"
 
     def quiesce(self) -> None:
         self.worker.drain()

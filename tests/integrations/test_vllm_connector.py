@@ -269,7 +269,7 @@ def test_a_requests_tree_key_is_built_once_per_page(make_vllm, monkeypatch):
     """vLLM hands a request's same token sequence every step and appends to it: the
     key of its leading pages is converted once, then only the new pages'. Another
     sequence object under the same request id may hold other tokens: built again."""
-    import hicache.integrations.vllm.scheduler as sched_module
+    import hicache.integrations.vllm.requests as requests_module
 
     converted = []
 
@@ -277,7 +277,7 @@ def test_a_requests_tree_key_is_built_once_per_page(make_vllm, monkeypatch):
         converted.append(len(tokens))
         return token_key(tokens, page_size)
 
-    monkeypatch.setattr(sched_module, "token_key", counting)
+    monkeypatch.setattr(requests_module, "token_key", counting)
     m = make_vllm(num_host_pages=8)
     a = seq(2 * P) + [1]
     m.add("a", a)  # the lookup converts the 2 whole pages; the step's save reuses them

@@ -237,7 +237,7 @@ class Engine:
                                        self.kv_cache_config)
         self.faults = Faults(self.seed)
         cfg = self.worker.hc_config
-        backend = self.worker._open_storage() if cfg.storage else None
+        backend = self.worker._open_storage()
         self.worker.worker_half = WorkerHalf(
             cfg, self.kv, num_blocks=self.num_blocks, block_size=B,
             num_host_pages=self.worker.num_host_pages, storage_backend=backend,

@@ -134,7 +134,7 @@ class TPEngine(Engine):
             w.worker_half = WorkerHalf(
                 cfg, kv, num_blocks=self.num_blocks, block_size=B,
                 num_host_pages=w.num_host_pages,
-                storage_backend=w._open_storage() if cfg.storage else None,
+                storage_backend=w._open_storage(),
                 key_salt=rank_salt(r, self.tp),
                 rank_group=self.ranks.member(r) if self.share_load_errors else None,
                 copier_hook=faults,

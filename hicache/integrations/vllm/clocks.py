@@ -34,21 +34,27 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_Hook = Callable[Concatenate[Any, _P], _R]
+_Add = Callable[[Any, str, float, float, float], None]
 
 
-def _clocked(add):
+def _clocked(add: _Add) -> Callable[[_Hook[_P, _R]], _Hook[_P, _R]]:
     """A hook decorator: each call goes to ``add(connector, hook, start, end, cpu)``,
     ``hook`` the method's name without leading underscores, ``start``/``end``
     ``time.perf_counter`` and ``cpu`` this thread's CPU seconds. Wall time includes
     waits for a core, and for copies of other threads; CPU time is what the hook itself
     took from its core."""
 
-    def decorate(hook):
+    def decorate(hook: _Hook[_P, _R]) -> _Hook[_P, _R]:
         name = hook.__name__.lstrip("_")
 
         @functools.wraps(hook)
-        def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def timed(self: Any, *args: _P.args, **kwargs: _P.kwargs) -> _R:
             start, start_cpu = time.perf_counter(), time.thread_time()
             try:
                 return hook(self, *args, **kwargs)

@@ -65,8 +65,8 @@ def _number(name: str, value: object, *, minimum: float, strict: bool,
     ``maximum`` (included when ``max_included``). NaN and infinities, valid in the
     JSON vLLM parses, are refused here, not in a worker."""
     full = f"kv_connector_extra_config.{name}"
-    check_finite(full, check_number(full, value, show_value=True))
-    return check_bounds(full, value, minimum=minimum, strict=strict, maximum=maximum,
+    number = check_finite(full, check_number(full, value, show_value=True))
+    return check_bounds(full, number, minimum=minimum, strict=strict, maximum=maximum,
                         max_included=max_included)
 
 

@@ -75,10 +75,9 @@ if TYPE_CHECKING:
 
     from hicache.integrations.vllm.kv_events import HostTierEvents
     from hicache.integrations.vllm.tier_events import StorageTierEvents
+    from hicache.storage import StorageBackend
 
 _log = logging.getLogger(__name__)
-
-
 
 
 class HiCacheConnector(KVConnectorBase_V1):
@@ -118,7 +117,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         self.scheduler_half: SchedulerHalf | None = None
         self.worker_half: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
-            backend = self._open_storage() if self.hc_config.storage else None
+            backend = self._open_storage()
             self.scheduler_half = SchedulerHalf(
                 self.hc_config, block_size=self.block_size, num_host_pages=self.num_host_pages,
                 storage_backend=backend, storage_identity=self._identity,
@@ -147,9 +146,12 @@ class HiCacheConnector(KVConnectorBase_V1):
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a dropped save is a later miss, not lost KV
 
-    def _open_storage(self):
+    def _open_storage(self) -> StorageBackend | None:
+        """The configured third tier, opened (None: none configured)."""
         from hicache.storage import make_storage
 
+        if not self.hc_config.storage:
+            return None
         return make_storage(
             self.hc_config.storage, page_nbytes=self.page_nbytes,
             secret=self.hc_config.storage_secret, **self.hc_config.storage_options,
@@ -157,7 +159,7 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     # ============================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        backend = self._open_storage() if self.hc_config.storage else None
+        backend = self._open_storage()
         tp = self._vllm_config.parallel_config.tensor_parallel_size
         ranks = vllm_rank_group() if tp > 1 else None
         self.worker_half = WorkerHalf(
@@ -198,7 +200,8 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     @_timed
     def _wait_for_layer_load(self, layer_name: str) -> None:
-        self.worker_half.wait_layer(layer_name)
+        if self.worker_half is not None:
+            self.worker_half.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:

@@ -121,6 +121,8 @@ class BlockPool:
         self.kv = kv
         self.num_pages = layout.num_blocks
         self.device = layout.device
+        self.k_buffers: list[torch.Tensor] | None
+        self.v_buffers: list[torch.Tensor] | None
         if layout.planes_per_layer == 2:
             self.k_buffers = [p[0] for p in layout.planes]
             self.v_buffers = [p[1] for p in layout.planes]

@@ -46,6 +46,6 @@ class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
             for key, ranks in other.written_keys.items():
                 self.written_keys.setdefault(key, set()).update(ranks)
             self.unwritten_keys |= other.unwritten_keys
-            for op_id, ranks in other.prefetch.items():
-                self.prefetch.setdefault(op_id, {}).update(ranks)
+            for op_id, progress in other.prefetch.items():
+                self.prefetch.setdefault(op_id, {}).update(progress)
         return self

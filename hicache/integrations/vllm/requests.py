@@ -11,6 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
+from hicache.tree import token_key
+
 
 @dataclass
 class ScheduledRequest:
@@ -37,7 +41,7 @@ class RequestState:
         self.namespace = namespace  # vLLM's cache_salt (tree namespace, storage tenant)
         self.block_ids: list[int] = []
         self.num_checked_pages = 0  # leading pages already saved or found in the tree
-        self.key = b""  # tree key of the leading whole pages (built lazily, see _key)
+        self.key = b""  # tree key of the leading whole pages (built lazily: tree_key)
         self.keys: list[str] = []  # storage keys of the leading pages (computed lazily)
         self.lookup: tuple[int, int, int] | None = None  # (num_computed, host, storage pages)
         self.vllm_hit_pages = 0  # whole pages vLLM's own prefix cache served (last lookup)
@@ -47,6 +51,16 @@ class RequestState:
         self.max_save_pages: int | None = None
         # (first, end) pages of its prefetch from the third tier (at most one a request)
         self.prefetched: tuple[int, int] | None = None
+
+    def tree_key(self, num_pages: int, page_size: int) -> bytes:
+        """The tree key of the first ``num_pages`` pages. Built once per page: a request's
+        token ids only grow (vLLM appends the sampled ones to the same sequence), so the
+        key of its leading pages never changes."""
+        P = page_size
+        have = len(self.key) // (4 * P)  # token_key: 4 bytes (int32) a token
+        if num_pages > have:
+            self.key += token_key(np.asarray(self.token_ids[have * P: num_pages * P]), P)
+        return self.key[: num_pages * P * 4]
 
     def set_tokens(self, token_ids: Sequence[int]) -> None:
         """The request's token ids now. vLLM hands the same sequence every time and only

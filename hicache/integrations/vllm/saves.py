@@ -212,7 +212,7 @@ class Saves:
             held = [n.host_indices for n in path if n.host_indices is not None]  # all of them
             repair = torch.cat(held).tolist()[repair_from:cached]
             for node in path:
-                half._pin(node)
+                half.pins.pin(node)
             half._bad.difference_update(repair)
         if cached >= full and not repair:
             return None
@@ -223,7 +223,7 @@ class Saves:
                 # could evict it (nothing else pins it when vLLM's own cache served the
                 # request) and the insert would then adopt placeholder pages for it.
                 # Pinning the deepest node protects its ancestors (eviction takes leaves).
-                half._pin(tree.probe_path(key, ns)[-1])
+                half.pins.pin(tree.probe_path(key, ns)[-1])
             pages = half._alloc_host(full - cached)
             if pages is not None and not half._insert_extension(st, cached, pages, req_id):
                 pages = None

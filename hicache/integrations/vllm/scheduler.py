@@ -37,6 +37,7 @@ import torch
 from hicache.integrations.vllm.bad_pages import BadPages
 from hicache.integrations.vllm.config import ConnectorConfig
 from hicache.integrations.vllm.params import RequestControl
+from hicache.integrations.vllm.pins import StepPins
 from hicache.integrations.vllm.plan import LoadOp, SaveOp, StepPlan
 from hicache.integrations.vllm.prefetch import Prefetcher, num_fetched
 from hicache.integrations.vllm.requests import RequestState, ScheduledRequest
@@ -53,7 +54,7 @@ from hicache.integrations.vllm.third_tier import (
     rank_salt,
 )
 from hicache.memory import PageAllocator
-from hicache.tree import TreeNode, make_tree, token_key
+from hicache.tree import TreeNode, make_tree
 
 _log = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class SchedulerHalf:
             storage_identity, storage_backend.epoch() if storage_backend is not None else 0,
             block_size)
         self._reqs: dict[str, RequestState] = {}
-        self._pins: dict[TreeNode, int] = {}  # host locks taken this step, released by build_plan
+        self.pins = StepPins(self.tree)  # host locks taken this step, released by build_plan
         self._loads: list[LoadOp] = []
         # Saves of blocks computed before the next plan (request_finished's, and vLLM's own
         # hit copied in by after_alloc): the workers copy them before that plan's loads.
@@ -215,7 +216,7 @@ class SchedulerHalf:
         result = self.tree.match_key(self._key(st, b), st.namespace)
         nodes = self.tree.host_only_path(result)
         for node in nodes:
-            self._pin(node)
+            self.pins.pin(node)
         have = result.host_len // P
         host_pages = torch.cat([n.host_indices for n in nodes]).tolist() if nodes else []
         op = LoadOp(req_id, st.block_ids[a:b], host_pages[a:have] if have > a else [])
@@ -278,7 +279,7 @@ class SchedulerHalf:
                 if save is not None:
                     plan.saves.append(save)
         finally:
-            self._unpin_all()
+            self.pins.unpin_all()
         return plan
 
     def mark_bad(self, host_pages) -> None:
@@ -327,17 +328,12 @@ class SchedulerHalf:
             self._bad.update(op.host_pages)  # never filled: gone with the eviction below
         self._early_saves, self._gap_saves = [], []
         self.saves.forget_all()
-        self._unpin_all()
+        self.pins.unpin_all()
         if self.prefetch is not None:
             self.prefetch.reset()
         num = self.tree.host_tokens
-        result = self.tree.evict_host(num) if num else None
-        if result is not None and result.num_evicted_tokens:
-            self._bad.difference_update(result.page_ids.tolist())
-            self.host_allocator.free(result.page_ids)
-            if self.page_listener is not None:
-                self.page_listener.evicted(result.page_ids.tolist())
-            self.counters.host_evicted_tokens += result.num_evicted_tokens
+        if num:
+            self._evict_host(num)
         for st in self._reqs.values():
             st.num_checked_pages = 0
         ok = self.tree.host_tokens == 0
@@ -350,14 +346,7 @@ class SchedulerHalf:
 
     # ------------------------------------------------------------- internals
     def _key(self, st: RequestState, num_pages: int) -> bytes:
-        """The tree key of the request's first ``num_pages`` pages. Built once per page:
-        a request's token ids only grow (vLLM appends the sampled ones to the same
-        sequence), so the key of its leading pages never changes."""
-        P = self.page_size
-        have = len(st.key) // (4 * P)  # token_key: 4 bytes (int32) a token
-        if num_pages > have:
-            st.key += token_key(np.asarray(st.token_ids[have * P: num_pages * P]), P)
-        return st.key[: num_pages * P * 4]
+        return st.tree_key(num_pages, self.page_size)
 
     def _keys(self, st: RequestState, num_pages: int) -> list[str]:
         return self._storage_keys.of(st, num_pages)
@@ -383,7 +372,7 @@ class SchedulerHalf:
         indices = torch.cat((torch.zeros(cached, dtype=torch.int64), pages))
         inserted = self.tree.insert_host(np.frombuffer(key, dtype=np.int32), indices,
                                          st.namespace)
-        self._pin(inserted.last_node)
+        self.pins.pin(inserted.last_node)
         if self.page_listener is not None:
             self.page_listener.cached(req_id, cached, pages.tolist())
         return True
@@ -396,32 +385,24 @@ class SchedulerHalf:
         if short > self.tree.host_takeable_tokens // self.page_size:
             return None  # evicting could not make room: evict nothing, keep what is cached
         if short > 0:
-            result = self.tree.evict_host(short * self.page_size)
-            if result.num_evicted_tokens:
-                if self._bad:
-                    self._bad.difference_update(result.page_ids.tolist())
-                alloc.free(result.page_ids)
-                self.counters.host_evicted_tokens += result.num_evicted_tokens
-                if self.page_listener is not None:
-                    self.page_listener.evicted(result.page_ids.tolist())
+            self._evict_host(short * self.page_size)
         return alloc.alloc(num_pages)
 
-    def _pin(self, node: TreeNode) -> None:
-        self.tree.host_lock(node)
-        self._pins[node] = self._pins.get(node, 0) + 1
+    def _evict_host(self, num_tokens: int) -> None:
+        """Evict at least ``num_tokens`` of host pages (LRU/LFU leaves) and free them."""
+        result = self.tree.evict_host(num_tokens)
+        if result.num_evicted_tokens:
+            if self._bad:
+                self._bad.difference_update(result.page_ids.tolist())
+            self.host_allocator.free(result.page_ids)
+            self.counters.host_evicted_tokens += result.num_evicted_tokens
+            if self.page_listener is not None:
+                self.page_listener.evicted(result.page_ids.tolist())
 
     def _on_split(self, prefix: TreeNode, suffix: TreeNode) -> None:
-        n = self._pins.get(suffix)
-        if n:
-            self._pins[prefix] = n  # the tree copied the suffix's host_lock_ref to it
+        self.pins.on_split(prefix, suffix)
         if self.prefetch is not None:
             self.prefetch.on_split(prefix, suffix)
-
-    def _unpin_all(self) -> None:
-        for node, n in self._pins.items():
-            for _ in range(n):
-                self.tree.host_unlock(node)
-        self._pins.clear()
 
     def close(self) -> None:
         """Stop the storage probe's thread and close the backend (idempotent)."""
@@ -463,7 +444,7 @@ class SchedulerHalf:
         )
         for node in self.tree.nodes():
             assert node.lock_ref == 0, f"node {node.id}: device lock in a host-only tree"
-            pins = self._pins.get(node, 0) + (fetch.num_pins(node) if fetch is not None else 0)
+            pins = self.pins.count(node) + (fetch.num_pins(node) if fetch is not None else 0)
             assert node.host_lock_ref == pins, (
                 f"node {node.id}: host_lock_ref {node.host_lock_ref}, pins {pins}: a pin leaked"
             )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 import numpy as np
 
@@ -26,7 +27,7 @@ _log = logging.getLogger("hicache.integrations.vllm.scheduler")
 
 def extend_storage_keys(
     keys: list[str], token_ids: Sequence[int], num_pages: int, *, page_size: int,
-    root_key: str | None,
+    root_key: str,
 ) -> list[str]:
     """The storage keys of the first ``num_pages`` pages of ``token_ids``.
 
@@ -98,7 +99,7 @@ class StorageProbe:
         self.timeout_s = timeout_s
         self.num_timeouts = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-exists")
-        self._hung = None  # the Future of a probe that timed out and has not ended
+        self._hung: Future[int] | None = None  # the Future of a probe that timed out and has not ended
 
     def exists(self, keys: Sequence[str]) -> int:
         from concurrent.futures import TimeoutError as FutureTimeout

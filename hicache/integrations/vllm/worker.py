@@ -6,6 +6,9 @@ It runs in each vLLM worker process and carries out the scheduler's
 engine (CUDA executor on GPU; on CPU copy threads on the cores vLLM keeps free of
 compute, or copies between forwards) and, with a third tier, a storage backend. It
 knows host page ids and block ids, not tokens or the tree.
+Its parts: the transfer engine is built by :mod:`.worker_setup`; the third tier on
+the step (synchronous reads, write-behind, what a copy into a host page waits for) is
+:mod:`.worker_tier`; the background prefetch reads are :mod:`.worker_storage`.
 
 One step, as vLLM calls it::
 
@@ -43,23 +46,21 @@ import time
 import torch
 
 from hicache.integrations.vllm.config import ConnectorConfig
-from hicache.integrations.vllm.executor_choice import choose_executor
-from hicache.integrations.vllm.faults import ENV as FAULTS_ENV
-from hicache.integrations.vllm.faults import FaultRates, FaultyBackend, FaultyCopier
-from hicache.integrations.vllm.layout import BlockCopier, BlockLayout, BlockPool
+from hicache.integrations.vllm.layout import BlockLayout
 from hicache.integrations.vllm.plan import StepPlan
-from hicache.integrations.vllm.third_tier import salt_keys
 from hicache.integrations.vllm.tp import RankGroup, share_load_errors
+from hicache.integrations.vllm.worker_setup import build_transfers
 from hicache.integrations.vllm.worker_stats import CLOCK_STATS, WorkerStats
 from hicache.integrations.vllm.worker_storage import PrefetchReader, SaveRecord, free_for_read
+from hicache.integrations.vllm.worker_tier import WorkerThirdTier, id_tensor
 from hicache.integrations.vllm.wrong_kv import PoisonedBlocks
 from hicache.memory import HostPool
-from hicache.transfer import Transfer, TransferEngine
+from hicache.transfer import Transfer
 
 _log = logging.getLogger(__name__)
 
 
-class WorkerHalf:
+class WorkerHalf(WorkerThirdTier):
     """Host pool, transfer engine and third tier of one vLLM worker."""
 
     def __init__(
@@ -87,40 +88,9 @@ class WorkerHalf:
         # the worker's compute core (on CUDA, pinning maps the pages in anyway).
         self.host_pool = HostPool(kv, num_host_pages, reserve_nbytes=config.host_reserve_nbytes,
                                   prefault=True)
-        pool = BlockPool(self.layout, kv)
-        executor, copy_cpus, detected = choose_executor(config, self.layout.device.type,
-                                                        rank_group)
-        copier = None
-        if executor == "cuda":
-            if pool.k_buffers is None:
-                raise ValueError(
-                    "kv caches: the CUDA executor copies the split K/V layout (2, num_blocks, "
-                    f"...); got {self.layout.planes_per_layer} plane(s) per block"
-                )
-        else:
-            copier = BlockCopier(self.layout, self.host_pool, native=native, max_threads=1)
-            if copier_hook is not None:
-                copier = copier_hook(copier)
-        faults = FaultRates.from_env(rank_group.rank if rank_group is not None else 0)
-        if faults is not None:
-            _log.warning("hicache worker: %s set, injecting faults %s", FAULTS_ENV, faults)
-            if copier is not None:
-                copier = FaultyCopier(copier, faults)
-            if storage_backend is not None:
-                storage_backend = FaultyBackend(storage_backend, faults)
-        try:
-            self.transfers = TransferEngine(pool, self.host_pool, executor, copier=copier,
-                                            copy_cpus=copy_cpus)
-        except ValueError:
-            if not detected:
-                raise
-            # The spare cores are outside this process's cpuset (taskset, containers).
-            self.transfers = TransferEngine(pool, self.host_pool, "sync", copier=copier)
-        cpus = getattr(self.transfers.executor, "cpus", None)
-        _log.info("hicache worker: %s executor%s, %d host pages of %d bytes",
-                  self.transfers.executor_name,
-                  f" on CPUs {sorted(cpus)}" if cpus else "", num_host_pages,
-                  self.host_pool.page_nbytes)
+        self.transfers, storage_backend = build_transfers(
+            config, self.layout, self.host_pool, rank_group,
+            storage_backend=storage_backend, native=native, copier_hook=copier_hook)
         self._layer_index = {name: i for i, name in enumerate(self.layout.layer_names)}
         self.storage = None
         if storage_backend is not None:
@@ -222,7 +192,7 @@ class WorkerHalf:
                     host_ids.append(page)
                     block_ids.append(block)
         if block_ids:
-            self._load = self.transfers.load(_ids(host_ids), _ids(block_ids))
+            self._load = self.transfers.load(id_tensor(host_ids), id_tensor(block_ids))
             self._load_blocks = block_ids
 
     @property
@@ -289,7 +259,7 @@ class WorkerHalf:
         if not host_ids:
             return
         self._wait_pages(host_ids)
-        handle = self.transfers.backup(_ids(block_ids), _ids(host_ids))
+        handle = self.transfers.backup(id_tensor(block_ids), id_tensor(host_ids))
         self._saves.append(SaveRecord(handle, req_ids, block_ids, host_ids, keys))
         self._poll()
 
@@ -342,102 +312,6 @@ class WorkerHalf:
         self._errors.update(block_ids)
         self.counters.load_failed_blocks += len(block_ids)
 
-    def _wait_pages(self, host_pages: list[int], *, readers: bool = True) -> None:
-        """Let every copy in flight that touches one of ``host_pages`` land first.
-
-        ``readers=False``: only copies writing into them (a copy out of a page may run
-        beside a storage write reading it).
-        """
-        pages = set(host_pages)
-        while True:
-            # A landed save becomes a storage write only when polled: look again after.
-            busy = [rec for rec in self._saves if not rec.pages.isdisjoint(pages) and (
-                rec.handle is not None or (readers and not rec.job.cancelled))]
-            if not busy:
-                return
-            for rec in busy:
-                if readers:
-                    rec.wait()
-                else:
-                    rec.handle.wait()
-            self._poll()
-
-    def _settle_pages(self, host_pages: list[int], deadline: float) -> set[int]:
-        """Before writing into ``host_pages``: let the copies writing them land, cancel the
-        storage writes of their old content not started yet, and wait until ``deadline``
-        (``time.monotonic``) for those running. Returns the pages still in use then (a
-        hung store): the caller must not write them."""
-        pages = set(host_pages)
-        cancel = True
-        while True:
-            if cancel:
-                for rec in self._saves:
-                    if rec.job is not None and not rec.pages.isdisjoint(pages):
-                        self.storage.cancel(rec.job)
-            busy = [rec for rec in self._saves if not rec.pages.isdisjoint(pages)
-                    and (rec.handle is not None or not rec.job.cancelled)]
-            if not busy:
-                return pages & self._quarantine
-            for rec in busy:
-                if rec.handle is not None:
-                    rec.handle.wait()  # a block -> host copy: bounded, no I/O
-                elif not rec.job.done.wait(max(0.0, deadline - time.monotonic())):
-                    self._store_stalled = True
-                    self._poll()
-                    for r in self._saves:  # what has not started never will now
-                        if r.job is not None and not r.pages.isdisjoint(pages):
-                            self.storage.cancel(r.job)
-                    running = {p for r in self._saves if r.job is not None
-                               and not r.job.cancelled for p in r.pages}
-                    return pages & (running | self._quarantine)
-            self._poll()
-            # A save that landed meanwhile has just queued its storage write: a store that
-            # keeps up writes it (one page's write, milliseconds); one that stalled lately
-            # would hold this step up to the deadline again, so it is cancelled.
-            cancel = self._store_stalled
-
-    def _read_storage(self, keys: list[str], host_pages: list[int]) -> None:
-        """Storage -> host pages, waiting at most ``storage_timeout_s`` in all. Pages not
-        read by then are bad (their blocks are load errors); a read still running keeps
-        its pages out of use until it ends."""
-        from hicache.storage.worker import StorageJob
-
-        c = self.counters
-        deadline = time.monotonic() + self.config.storage_timeout_s
-        if self.storage is None or self._settle_pages(host_pages, deadline):
-            self._mark_bad(host_pages)  # nothing can fill them now
-            c.storage_errors += 1
-            return
-        job = StorageJob("read", self._salted(keys), _ids(host_pages))
-        self.storage.submit(job)
-        if not job.done.wait(max(0.0, deadline - time.monotonic())):
-            # The backend hangs: the job may still write into these pages later.
-            self._store_stalled = True
-            self._quarantine.update(host_pages)
-            self._reads_in_flight.append(job)
-            self._mark_bad(host_pages)
-            c.storage_errors += 1
-            c.storage_timeouts += 1
-            _log.warning("hicache worker: storage read of %d pages timed out after %.1f s",
-                         len(keys), self.config.storage_timeout_s)
-            return
-        self._poll()
-        num_done = 0 if job.error is not None else job.num_done
-        if job.error is not None or num_done < len(keys):
-            c.storage_errors += 1
-        c.storage_read_bytes += num_done * self.host_pool.page_nbytes
-        c.storage_read_seconds += job.seconds
-        self._mark_good(host_pages[:num_done])
-        self._mark_bad(host_pages[num_done:])
-
-    def _report_write(self, keys: list[str], num_written: int) -> None:
-        if self.write_reports is not None:
-            self.write_reports[0].extend(keys[:num_written])
-            self.write_reports[1].extend(keys[num_written:])
-
-    def _salted(self, keys: list[str]) -> list[str]:
-        return salt_keys(keys, self._key_salt)
-
     def _poll(self) -> None:
         """Apply finished transfers and storage writes."""
         c = self.counters
@@ -468,35 +342,11 @@ class WorkerHalf:
                 from hicache.storage.worker import StorageJob
 
                 rec.job = self.storage.submit(
-                    StorageJob("write", self._salted(rec.keys), _ids(rec.host_pages))
+                    StorageJob("write", self._salted(rec.keys), id_tensor(rec.host_pages))
                 )
             else:
                 self._saves.remove(rec)
-        if self.storage is not None:
-            for job in self.storage.poll():
-                if not job.cancelled:
-                    self._store_stalled = False  # the store answers again
-                if self.prefetch is not None and self.prefetch.owns(job):
-                    read, missed = self.prefetch.job_done(job)
-                    self._mark_good(read)
-                    self._mark_bad(missed)
-                    c.storage_read_bytes += len(read) * self.host_pool.page_nbytes
-                    c.storage_read_seconds += job.seconds
-                    c.storage_errors += job.error is not None
-                    continue
-                if job.kind != "write":
-                    if job in self._reads_in_flight:  # a timed-out read ended at last
-                        self._reads_in_flight.remove(job)
-                        self._quarantine.difference_update(job.host_pages.tolist())
-                    continue  # the others are waited for where they are submitted
-                rec = next(r for r in self._saves if r.job is job)
-                self._saves.remove(rec)
-                c.storage_write_seconds += job.seconds
-                self._report_write(rec.keys, job.num_done if job.error is None else 0)
-                if job.error is not None:
-                    c.storage_errors += 1
-                else:
-                    c.storage_write_bytes += job.num_done * self.host_pool.page_nbytes
+        self._apply_storage_jobs()
 
     # ------------------------------------------------------------ inspection
     @property
@@ -530,6 +380,3 @@ class WorkerHalf:
         if self.storage is not None:
             self.storage.close()
 
-
-def _ids(ids: list[int]) -> torch.Tensor:
-    return torch.tensor(ids, dtype=torch.int64)

@@ -33,6 +33,7 @@ from hicache.integrations.vllm.plan import PrefetchOp
 
 if TYPE_CHECKING:
     from hicache.storage.worker import StorageJob
+    from hicache.transfer import Transfer
 
 CHUNK_PAGES = 8
 
@@ -42,14 +43,19 @@ class SaveRecord:
 
     __slots__ = ("handle", "job", "req_ids", "blocks", "pages", "host_pages", "keys")
 
-    def __init__(self, handle, req_ids, block_ids, host_pages, keys) -> None:
+    def __init__(self, handle: Transfer | None, req_ids, block_ids, host_pages, keys) -> None:
         self.handle = handle  # the Transfer of the copy, None once it landed
-        self.job = None  # the StorageJob writing the pages once the save landed
+        self.job: StorageJob | None = None  # the StorageJob writing the pages once the save landed
         self.req_ids = req_ids
         self.blocks = set(block_ids)
         self.host_pages = host_pages
         self.pages = set(host_pages)
         self.keys = keys
+
+    @property
+    def writing(self) -> bool:
+        """Its storage write is queued or running."""
+        return self.job is not None and not self.job.cancelled
 
     def wait(self) -> None:
         if self.handle is not None:
