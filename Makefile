@@ -52,9 +52,12 @@ sanitize: install
 		tests/tree/test_tree_differential.py tests/tree/test_tree_contracts.py \
 		tests/tree/test_tree_errors.py tests/tree/test_tree_fuzz.py
 
+# ruff over the code and tests; mypy over hicache/ (configured in pyproject.toml: strict
+# on the modules that define the public API).
 lint: install
 	$(VENV)/bin/ruff check hicache tests bench
+	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) build .pytest_cache hicache/native/_native*.so hicache/native/_native_build.json \
+	rm -rf $(VENV) build .pytest_cache .mypy_cache hicache/native/_native*.so hicache/native/_native_build.json \
 		hicache/memory/_copier*.so

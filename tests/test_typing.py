@@ -1,0 +1,64 @@
+"""The type checker's configuration: strict where the public API is defined, and run by
+`make lint`, which CI runs (the check itself is mypy's, over hicache/)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+# The packages whose __all__ is the public API.
+PUBLIC = ["hicache", "hicache.cache", "hicache.memory", "hicache.storage", "hicache.transfer",
+          "hicache.tree", "hicache.integrations.vllm", "hicache.cli"]
+
+
+def _strict_patterns() -> list[str]:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    strict = [o for o in config["tool"]["mypy"]["overrides"] if o.get("disallow_untyped_defs")]
+    assert len(strict) == 1, "expected one strict override section in [tool.mypy]"
+    assert strict[0]["disallow_incomplete_defs"] and strict[0]["warn_return_any"]
+    return strict[0]["module"]
+
+
+def _is_strict(module: str, patterns: list[str]) -> bool:
+    """As mypy matches overrides: ``a.*`` is ``a`` and every module under it."""
+    return any(module == p.removesuffix(".*") or (p.endswith(".*") and module.startswith(p[:-1]))
+               for p in patterns)
+
+
+def test_every_module_defining_a_public_name_is_checked_strictly():
+    patterns = _strict_patterns()
+    loose = []
+    for package in PUBLIC:
+        mod = importlib.import_module(package)
+        assert _is_strict(package, patterns), f"{package}: its __init__ is not strict"
+        for name in mod.__all__:
+            obj = getattr(mod, name)
+            where = getattr(obj, "__module__", None)
+            if (inspect.isclass(obj) or inspect.isfunction(obj)) and where and (
+                where.startswith("hicache") and not _is_strict(where, patterns)
+            ):
+                loose.append(f"{package}.{name} (defined in {where})")
+    assert loose == []
+
+
+def test_the_strict_list_names_only_modules_that_exist():
+    for pattern in _strict_patterns():
+        path = ROOT / pattern.removesuffix(".*").replace(".", "/")
+        assert path.with_suffix(".py").is_file() or (path / "__init__.py").is_file(), pattern
+
+
+def test_make_lint_runs_ruff_and_mypy_and_ci_runs_it():
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    lint = re.search(r"^lint:.*\n((?:\t.*\n)+)", makefile, re.M)
+    assert lint is not None, "no lint target"
+    assert "ruff check hicache tests bench" in lint.group(1)
+    assert "-m mypy" in lint.group(1)
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert re.search(r"^make lint$", ci, re.M), ".ci/run does not run `make lint`"
