@@ -271,7 +271,7 @@ std::uint32_t ns_of(RadixTree& tree, py::handle ns) {
     throw hicache::TypeError("namespace: expected str or None, got " + type_name(ns));
   }
   std::optional<std::string> name = utf8(ns);
-  if (!name) {  // the words of hicache/tree/python.py RadixTree.root
+  if (!name) {  // the words of hicache/tree/python/state.py, the root of a namespace
     throw hicache::ValueError("namespace: expected a str encodable as UTF-8, got " +
                               std::string(py::repr(ns)));
   }

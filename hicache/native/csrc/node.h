@@ -140,7 +140,7 @@ struct TreeNode {
   TreeNode* parent;       // nullptr for roots and for removed nodes
   std::uint32_t ns;       // index of the namespace (tree.h)
   // Children with a host copy: a host copy is a host-eviction candidate only
-  // without them (hicache/tree/python.py TreeNode._host_children). The two host
+  // without them (hicache/tree/python/node.py TreeNode._host_children). The two host
   // counters sit in padding: the node is no larger for them.
   std::uint32_t num_host_children = 0;
   TokenRun tokens;        // a whole number of pages

@@ -1,5 +1,5 @@
 // The native radix tree (tree.h): each operation mirrors its Python
-// counterpart in hicache/tree/python.py step for step, including where heap entries
+// counterpart in hicache/tree/python/ step for step, including where heap entries
 // are pushed, so that eviction order and returned page order are identical.
 #include "tree.h"
 

@@ -1,4 +1,4 @@
-// The native radix tree: the same contract as hicache/tree/python.py (read its module
+// The native radix tree: the same contract as hicache/tree/python/ (read its package
 // docstring), operation for operation, so that matches, evictions and their
 // page order come out identical. Heap entries are pushed at exactly the points
 // where the Python tree calls _refresh, and ties are broken by the same seqs.
@@ -175,8 +175,8 @@ class RadixTree {
   void remove(TreeNode* node);
   void retire(std::unique_ptr<TreeNode> node);
   void rehome_tokens(TreeNode* node);  // copy a node's tokens into storage of their own size
-  // Absorb node's only child when both are idle and host-only (hicache/tree/python.py
-  // _merge_host_chain): a reload of an evicted conversation chain is one node.
+  // Absorb node's only child when both are idle and host-only
+  // (hicache/tree/python/eviction.py _merge_host_chain): a reload of an evicted conversation chain is one node.
   void merge_host_chain(TreeNode* node);
   std::int64_t common_pages(token_span child, token_span rest) const;
 
