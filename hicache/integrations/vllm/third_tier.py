@@ -99,7 +99,8 @@ class StorageProbe:
         self.timeout_s = timeout_s
         self.num_timeouts = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-exists")
-        self._hung: Future[int] | None = None  # the Future of a probe that timed out and has not ended
+        # The Future of a probe that timed out and has not ended
+        self._hung: Future[int] | None = None
 
     def exists(self, keys: Sequence[str]) -> int:
         from concurrent.futures import TimeoutError as FutureTimeout

@@ -45,7 +45,7 @@ class SaveRecord:
 
     def __init__(self, handle: Transfer | None, req_ids, block_ids, host_pages, keys) -> None:
         self.handle = handle  # the Transfer of the copy, None once it landed
-        self.job: StorageJob | None = None  # the StorageJob writing the pages once the save landed
+        self.job: StorageJob | None = None  # writes the pages to storage once the save landed
         self.req_ids = req_ids
         self.blocks = set(block_ids)
         self.host_pages = host_pages

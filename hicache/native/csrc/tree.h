@@ -176,7 +176,8 @@ class RadixTree {
   void retire(std::unique_ptr<TreeNode> node);
   void rehome_tokens(TreeNode* node);  // copy a node's tokens into storage of their own size
   // Absorb node's only child when both are idle and host-only
-  // (hicache/tree/python/eviction.py _merge_host_chain): a reload of an evicted conversation chain is one node.
+  // (hicache/tree/python/eviction.py _merge_host_chain): a reload of an evicted
+  // conversation chain is one node.
   void merge_host_chain(TreeNode* node);
   std::int64_t common_pages(token_span child, token_span rest) const;
 
