@@ -10,9 +10,14 @@ aborts at any point (also between a forward and its ``update_from_output``), vLL
 own evictions, ``reset_prefix_cache`` with and without running requests or the
 connector, failing loads, saves and third-tier reads (or reads that outlast
 storage_timeout_s) at any rate, and a store held for some steps (prefetches still
-reading while requests finish, abort, give up or a reset comes). After every
-step: no forward read wrong KV that vLLM will not recompute, the scheduler half's
-integrity; at the end, the host tier's content and no leak.
+reading while requests finish, abort, give up or a reset comes). Requests carry a
+``cache_salt`` and per-request control (``kv_transfer_params``: skip load, skip save,
+save at most N prompt tokens, a namespace, or a mistake) drawn independently of the
+history they follow. After every step: no forward read wrong KV that vLLM will not
+recompute, the scheduler half's integrity; at every lookup, no hit for a request that
+may not load and none longer than what requests of its namespace (salt and
+namespace) may have saved; at the end, the host tier's content in every namespace, a
+mistake's error in its request's output, and no leak.
 
 The default run is bounded (``HICACHE_STATEFUL_EXAMPLES``, default 12 examples);
 ``-m slow`` runs many more.
@@ -22,9 +27,13 @@ from __future__ import annotations
 
 import os
 import random
+from typing import Any, NamedTuple
 
+import numpy as np
 import pytest
 from optional_vllm import VLLM_REQUIRED, vllm_available
+
+from hicache.tree import token_key
 
 pytestmark = pytest.mark.skipif(
     not VLLM_REQUIRED and not vllm_available(),
@@ -42,6 +51,34 @@ from hypothesis.stateful import (  # noqa: E402
     rule,
 )
 
+# kv_transfer_params["hicache"] of a request: none, valid ones, or a mistake.
+MISTAKES = [{"skip_lod": True}, {"save_max_tokens": -1}, {"namespace": ""}, "all"]
+VALID = st.fixed_dictionaries({"namespace": st.sampled_from([None, "a", "b"])}, optional={
+    "skip_load": st.booleans(), "skip_save": st.booleans(),
+    "save_max_tokens": st.sampled_from([None, 0, 16, 35, 80]),
+})
+CONTROLS = st.one_of(st.none(), VALID, VALID, st.sampled_from(MISTAKES))
+SALTS = st.sampled_from([None, None, "s"])
+
+
+class Req(NamedTuple):
+    """What the model knows of one request: its namespace in hicache's tiers, whether
+    it may load, the tokens it may save (prefix of its sequence) and its mistake."""
+
+    namespace: tuple[str | None, str | None]  # (cache_salt, namespace)
+    may_load: bool
+    saveable: list[int]
+    mistake: bool
+
+
+def _common_pages(a: list[int], b: list[int], page: int) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n // page
+
 
 class ConnectorMachine(RuleBasedStateMachine):
     """One engine; rules are what vLLM's engine loop and its users do."""
@@ -55,6 +92,9 @@ class ConnectorMachine(RuleBasedStateMachine):
         self.histories: list[list[int]] = []
         self.num_requests = 0
         self.rng = random.Random(0)
+        self.model: dict[str, Req] = {}
+        self.aborted: set[str] = set()
+        self.lookup_errors: list[str] = []
 
     @initialize(
         async_scheduling=st.booleans(), policy=st.sampled_from(["recompute", "fail"]),
@@ -80,27 +120,89 @@ class ConnectorMachine(RuleBasedStateMachine):
                                    num_blocks=num_blocks, extra=extra, seed=seed)
         self.rng = random.Random(seed)
         self.system = [self.rng.randrange(1, 500) for _ in range(2 * self.sched.B)]
+        connector = self.e.connector
+        lookup = connector.get_num_new_matched_tokens
+
+        def watched(request, num_computed_tokens):
+            num, load_async = lookup(request, num_computed_tokens)
+            self._check_lookup(request, num_computed_tokens, num or 0)
+            return num, load_async
+
+        connector.get_num_new_matched_tokens = watched
+
+    def _check_lookup(self, request: Any, num_computed: int, num: int) -> None:
+        """A hit of ``num`` tokens after vLLM's ``num_computed``: allowed only for a
+        request that may load, and only as far as a request of the same namespace may
+        have saved (the request itself once it computed, i.e. was preempted)."""
+        if not num:
+            return
+        rid = request.request_id
+        me = self.model[rid]
+        if not me.may_load:
+            self.lookup_errors.append(f"{rid} may not load but hit {num} tokens")
+            return
+        tokens = list(request.all_token_ids[:num_computed + num])
+        B = self.sched.B
+        reach = max((_common_pages(tokens, o.saveable, B) * B
+                     for other, o in self.model.items()
+                     if o.namespace == me.namespace
+                     and (other != rid or request.num_preemptions)), default=0)
+        if num_computed + num > reach:
+            self.lookup_errors.append(
+                f"{rid} (namespace {me.namespace}) hit {num_computed}+{num} tokens, but "
+                f"requests of its namespace saved at most {reach}")
 
     def _tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(1, 500) for _ in range(n)]
 
-    def _add(self, prompt: list[int], max_tokens: int) -> None:
+    def _add(self, prompt: list[int], max_tokens: int, salt: str | None = None,
+             control: dict | str | None = None) -> None:
         # vLLM cannot schedule a request larger than its whole cache: keep prompts in it.
         limit = (self.e.num_blocks - 2) * self.sched.B
         prompt = prompt[:limit - max_tokens]
         self.num_requests += 1
-        self.e.add(f"r{self.num_requests}", prompt, max_tokens=max_tokens)
-        self.histories.append(self.sched.extend(prompt, max_tokens))
+        rid = f"r{self.num_requests}"
+        sequence = self.sched.extend(prompt, max_tokens)
+        mistake = control == "all" or control in MISTAKES
+        c = control if isinstance(control, dict) and not mistake else {}
+        saveable = [] if mistake or c.get("skip_save") else sequence
+        if c.get("save_max_tokens") is not None:
+            cap = min(c["save_max_tokens"], len(prompt)) // self.sched.B * self.sched.B
+            saveable = saveable[:cap]
+        self.model[rid] = Req((salt, c.get("namespace")),
+                              not mistake and not c.get("skip_load"), saveable, mistake)
+        params = None if control is None else {"hicache": control}
+        self.e.add(rid, prompt, max_tokens=max_tokens, cache_salt=salt,
+                   kv_transfer_params=params)
+        self.histories.append(sequence)
 
-    @rule(user=st.integers(1, 40), max_tokens=st.integers(1, 20))
-    def new_conversation(self, user, max_tokens):
-        self._add(self.system + self._tokens(user), max_tokens)
+    @rule(user=st.integers(1, 40), max_tokens=st.integers(1, 20), salt=SALTS,
+          control=CONTROLS)
+    def new_conversation(self, user, max_tokens, salt, control):
+        self._add(self.system + self._tokens(user), max_tokens, salt, control)
 
     @precondition(lambda self: self.histories)
-    @rule(which=st.integers(0, 10**6), user=st.integers(1, 40), max_tokens=st.integers(1, 20))
-    def follow_up(self, which, user, max_tokens):
+    @rule(which=st.integers(0, 10**6), user=st.integers(1, 40), max_tokens=st.integers(1, 20),
+          salt=SALTS, control=CONTROLS)
+    def follow_up(self, which, user, max_tokens, salt, control):
+        """The next turn of any earlier conversation, in any namespace (another tenant
+        sending the same tokens must not hit what the first one saved)."""
         history = self.histories[which % len(self.histories)]
-        self._add(history + self._tokens(user), max_tokens)
+        self._add(history + self._tokens(user), max_tokens, salt, control)
+
+    @precondition(lambda self: self.histories)
+    @rule(which=st.integers(0, 10**6), user=st.integers(1, 40), salt=SALTS, control=CONTROLS)
+    def follow_up_from_hicache(self, which, user, salt, control):
+        """Everything runs to the end and vLLM drops every block it may (as under
+        memory pressure), then an earlier conversation goes on in any namespace: what
+        it hits comes from hicache's tiers, where another tenant's pages must not be."""
+        self.e.run(max_steps=500)
+        self.e.update_held()
+        pool = self.e.scheduler.kv_cache_manager.block_pool
+        pool.evict_blocks({b.block_id for b in pool.blocks
+                           if b.block_hash is not None and b.ref_cnt == 0})
+        self.follow_up(which, user, 4, salt, control)
+        self.e.run(max_steps=500)
 
     @rule(num=st.integers(1, 3), user=st.integers(16, 80))
     def churn(self, num, user):
@@ -132,6 +234,7 @@ class ConnectorMachine(RuleBasedStateMachine):
         self.e.step(hold=True)
         live = sorted(self.e.scheduler.requests)
         if live:
+            self.aborted.add(live[which % len(live)])
             self.e.abort(live[which % len(live)])
         self.e.update_held()
 
@@ -139,6 +242,7 @@ class ConnectorMachine(RuleBasedStateMachine):
     @rule(which=st.integers(0, 10**6))
     def abort(self, which):
         live = sorted(self.e.scheduler.requests)
+        self.aborted.add(live[which % len(live)])
         self.e.abort(live[which % len(live)])
 
     @rule(which=st.integers(0, 10**6))
@@ -172,7 +276,23 @@ class ConnectorMachine(RuleBasedStateMachine):
     def nothing_wrong_read(self):
         if self.e is not None:
             assert not self.e.violations, "\n".join(map(str, self.e.violations[:5]))
+            assert not self.lookup_errors, "\n".join(self.lookup_errors[:5])
             self.e.connector.scheduler_half.check_integrity()
+
+    def _check_namespaces(self) -> None:
+        """Every page the host tier holds in a namespace is a prefix that a request of
+        that namespace may have saved (no other tenant's, none skip_save forbade)."""
+        B = self.sched.B
+        tree = self.e.connector.scheduler_half.tree
+        reqs = list(self.model.values())
+        spaces = {r.namespace: t for r, t in zip(reqs, self.e.namespaces, strict=True)}
+        for space, tree_space in spaces.items():
+            mine = [r.saveable for r in reqs if r.namespace == space]
+            for seq in self.e.sequences:
+                held = tree.probe_key(token_key(np.asarray(seq), B), tree_space) // B * B
+                reach = max(_common_pages(seq, s, B) * B for s in mine)
+                assert held <= reach, (f"namespace {space} holds {held} tokens of a "
+                                       f"sequence its requests saved at most {reach} of")
 
     def teardown(self):
         if self.e is None:
@@ -189,6 +309,12 @@ class ConnectorMachine(RuleBasedStateMachine):
                             f"{self.e.faults.failed_reads} {len(self.e.failed)} "
                             f"{self.e.faults.hung_reads}\n")
             self.e.check()
+            assert not self.lookup_errors, "\n".join(self.lookup_errors[:5])
+            self._check_namespaces()
+            for rid, req in self.model.items():
+                if rid in self.e.finished_ids and rid not in self.e.failed | self.aborted:
+                    error = self.e.transfer_params.get(rid, {}).get("hicache_error")
+                    assert (error is not None) == req.mistake, (rid, req, error)
             if self.e.policy == "recompute":
                 assert not self.e.failed, f"requests failed under recompute: {self.e.failed}"
         finally:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from hicache.integrations.vllm.params import parse_request_control, tree_namespace
 from hicache.tree import token_key
 
 B = 16  # tokens per block
@@ -254,6 +255,7 @@ class Engine:
         self.tables: dict[str, list[int]] = {}  # the model runner's block tables
         self.num_sampled: dict[str, int] = {}
         self.sequences: list[list[int]] = []  # every token sequence seen (for the final check)
+        self.namespaces: list[str | None] = []  # the tree namespace of each of them
         self.outputs: dict[str, list[int]] = {}  # finished requests' output tokens
         self.failed: set[str] = set()  # finished with FINISHED_ERROR
         self.finished_ids: set[str] = set()  # finished, as the engine reported them
@@ -282,6 +284,8 @@ class Engine:
                       cache_salt=cache_salt)
         self.prompts[req_id] = list(prompt)
         self.sequences.append(extend(prompt, max_tokens))
+        control = parse_request_control(kv_transfer_params)
+        self.namespaces.append(tree_namespace(cache_salt, control))
         self.scheduler.add_request(req)
 
     def abort(self, req_id: str) -> None:
@@ -493,12 +497,12 @@ class Engine:
         pool = self.worker.worker_half.host_pool
         errors = []
         seen: set[int] = set()
-        for tokens in self.sequences:
+        for tokens, namespace in zip(self.sequences, self.namespaces, strict=True):
             key = token_key(np.asarray(tokens), B)
-            num_pages = half.tree.probe_key(key) // B
+            num_pages = half.tree.probe_key(key, namespace) // B
             if not num_pages:
                 continue
-            path = half.tree.probe_path(key)
+            path = half.tree.probe_path(key, namespace)
             pages = torch.cat([nd.host_indices for nd in path]).tolist()[:num_pages]
             values = prefix_values(tokens)
             for i, page in enumerate(pages):
