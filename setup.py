@@ -85,6 +85,23 @@ class Build(_build_base()):
     """Compiles the extensions, announces how long the native one took, records its
     build info; then prunes stale run-time builds from the user's cache."""
 
+    def build_extensions(self):
+        try:
+            super().build_extensions()
+        except (OSError, subprocess.SubprocessError) as exc:
+            # torch checks the C++ compiler (runs it for its version) before building
+            # any extension: without a usable one, install the rest, as a failed
+            # optional extension does, and still try the C copier (it needs only cc).
+            sys.stderr.write(f"hicache: no usable C++ compiler ({type(exc).__name__}: {exc}); "
+                             "the native tree will be built on first use if one appears, "
+                             "the Python tree serves meanwhile\n")
+            for ext in self.extensions:
+                if isinstance(ext, CopierLibrary):
+                    try:
+                        self._build_copier(ext)
+                    except CompileError as copier_exc:
+                        sys.stderr.write(f"hicache: {copier_exc}\n")
+
     def build_extension(self, ext):
         if isinstance(ext, CopierLibrary):
             self._build_copier(ext)

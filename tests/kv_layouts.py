@@ -8,11 +8,11 @@ on ``sys.path`` for ``tests/conftest.py``.
 from __future__ import annotations
 
 import torch
+from optional import available
 
 from hicache.config import KVConfig
-from hicache.tree.native import native_available
 
-TREE_KINDS = ["python"] + (["native"] if native_available() else [])
+TREE_KINDS = ["python"] + (["native"] if available("native") else [])
 # (tree, lifecycle) pairs: the Python reference, the native tree under the Python
 # lifecycle, and the C++ lifecycle.
 LIFECYCLES = [("python", "python")] + (

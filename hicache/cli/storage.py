@@ -51,8 +51,11 @@ def _open(spec: str):
 
     if spec.startswith("file:") and spec[len("file:"):] and not os.path.isdir(spec[5:]):
         raise UsageError(f"{spec}: no such directory (a tier is never created here)")
-    with user_input():  # the spec's form, named by the library
-        return make_storage(spec, page_nbytes=1)  # no page is moved: any page size opens it
+    try:
+        with user_input():  # the spec's form, named by the library
+            return make_storage(spec, page_nbytes=1)  # no page is moved: any page size opens it
+    except ImportError as exc:  # an optional backend that is not installed: say which
+        raise UsageError(str(exc)) from None
 
 
 def _report(args: argparse.Namespace, fields: dict, text: str) -> None:

@@ -16,6 +16,7 @@ import torch
 from kv_layouts import LIFECYCLES, P, kv_one_float, seq
 from leak_checks import assert_no_leaks
 from manual_executor import KV_F16, host_only, make_cache, serve_manual
+from optional import skip_unless
 from serving import bookkeeping
 
 from hicache.cache import HiCache
@@ -221,7 +222,7 @@ def test_cache_config_rejects_bad_values(kwargs, exc):
         CacheConfig(KV_F16, **kwargs)
 
 
-@pytest.mark.parametrize("lifecycle", ["python", "native"])
+@pytest.mark.parametrize("lifecycle", ["python", pytest.param("native", marks=skip_unless("native"))])
 def test_alloc_takes_a_numpy_integer_like_every_count(lifecycle):
     """Counts are checked by hicache.checks.check_int everywhere: numpy integers are ints."""
     if lifecycle == "native":

@@ -19,16 +19,13 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from kv_layouts import seq
+from optional import skip_unless
 from tree_observation import FORMS, as_form, host_takeable_by_definition, snapshot
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig, EvictionPolicy, KVConfig
-from hicache.tree import native
 
-pytestmark = pytest.mark.skipif(
-    not native.native_available(),
-    reason=f"native extension unavailable: {native.native_unavailable_reason()}",
-)
+pytestmark = skip_unless("native")
 
 P = 2
 KV = KVConfig(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float16", page_size=P)

@@ -17,6 +17,7 @@ import sys
 
 import numpy as np
 import pytest
+from optional import skip_unless
 
 import hicache.cli.benchmarks.vllm as bv
 from hicache.cli import app as cli_main
@@ -564,8 +565,8 @@ def test_storage_configs_read_in_the_step_or_in_the_background_from_a_slow_store
         "ttft_mean_speedup": 2.0, "step_p99_ratio": round(10.0 / 475.6, 3)}
 
 
+@skip_unless("plot")
 def test_plot_ttft_cdf_writes_a_png(tmp_path):
-    pytest.importorskip("matplotlib")
     a = _result([0.1, 0.2, 0.4], [[1], [2], [3]], {})
     b = _result([0.05], [[1]], {})
     b["num_failed"] = 2

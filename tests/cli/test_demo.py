@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from optional import skip_unless
 
 from hicache.cli import app as cli
 from hicache.cli.benchmarks import multiturn
@@ -43,8 +44,7 @@ def test_demo_requests_option_shrinks_the_run(capsys):
     assert "4/4" in out
 
 
-@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
-                    reason="matplotlib not installed")
+@skip_unless("plot")
 def test_demo_plot(tmp_path, capsys):
     path = tmp_path / "ttft.png"
     assert cli.main(["demo", *TINY_WORKLOAD, "--requests", "4", "--plot", str(path)]) == 0

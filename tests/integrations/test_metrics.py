@@ -5,19 +5,16 @@ from __future__ import annotations
 
 import ast
 import logging
-import os
 import urllib.request
 from pathlib import Path
 
 import pytest
 from leak_checks import assert_no_leaks
+from optional import need
 
 from hicache import CacheConfig, HiCache, KVConfig
 
-if os.environ.get("HICACHE_REQUIRE_METRICS"):  # CI: a missing extra is a failure, not a skip
-    import prometheus_client  # noqa: F401
-else:
-    pytest.importorskip("prometheus_client")
+need("metrics")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from hicache.metrics import CacheMetrics  # noqa: E402

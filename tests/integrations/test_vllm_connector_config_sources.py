@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from optional import need
 
 from hicache.integrations.vllm.config import ConnectorConfig
 
@@ -14,6 +15,8 @@ SECRET = "s3cr3t-do-not-show"
 
 
 def _file(tmp_path, text: str, name: str = "hicache.yaml") -> str:
+    if name.endswith((".yaml", ".yml")):
+        need("yaml")
     path = tmp_path / name
     path.write_text(text)
     return str(path)

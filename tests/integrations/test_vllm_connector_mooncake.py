@@ -12,21 +12,13 @@ Skipped without vLLM or the Mooncake extra, unless ``HICACHE_REQUIRE_VLLM=1`` an
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
+from optional import need
 from optional_vllm import VLLM_REQUIRED, vllm_available
 from vllm_processes import run_vllm, vllm_result
 
-MOONCAKE_REQUIRED = os.environ.get("HICACHE_REQUIRE_MOONCAKE") == "1"
-
-try:
-    import mooncake.store  # noqa: F401
-except ImportError:
-    if MOONCAKE_REQUIRED:
-        raise
-    pytest.skip("mooncake extra not importable; run .ci/install_mooncake.sh",
-                allow_module_level=True)
+need("mooncake")
 
 pytestmark = pytest.mark.skipif(
     not VLLM_REQUIRED and not vllm_available(),

@@ -4,18 +4,18 @@ nothing left behind by a compiler that fails or hangs, stale builds pruned."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from optional import skip_unless
 
 from hicache import buildcache
 from hicache.memory import copier as copier_module
 
-needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+needs_cc = skip_unless("cc")
 DAY_S = 86400.0
 
 

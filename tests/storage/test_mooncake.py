@@ -6,7 +6,6 @@ Skipped when the optional extra is not installed, unless HICACHE_REQUIRE_MOONCAK
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -17,18 +16,13 @@ import time
 import numpy as np
 import pytest
 import torch
+from optional import need
 
 from hicache.storage import VALUE_HEADER_NBYTES, StorageError, make_storage, page_keys
 
-try:
-    from mooncake.store import MooncakeDistributedStore
-except ImportError as e:  # the extra, or a system library it links (libibverbs ...), is missing
-    if os.environ.get("HICACHE_REQUIRE_MOONCAKE") == "1":
-        raise
-    pytest.skip(
-        f"mooncake extra not importable ({e}); run .ci/install_mooncake.sh",
-        allow_module_level=True,
-    )
+need("mooncake")
+
+from mooncake.store import MooncakeDistributedStore  # noqa: E402
 
 from hicache.storage.mooncake import MooncakeStorage  # noqa: E402
 from hicache.testing.mooncake_master import start_mooncake_master  # noqa: E402

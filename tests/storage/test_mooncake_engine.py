@@ -10,7 +10,6 @@ Skipped when the optional extra is not installed, unless HICACHE_REQUIRE_MOONCAK
 
 from __future__ import annotations
 
-import os
 import random
 import time
 
@@ -23,19 +22,12 @@ from engine_processes import (
     run_engine_process,
     shared_prompts,
 )
+from optional import need
 
 from hicache.sim.engine import Engine
 from hicache.sim.model import Model, preset
 
-try:
-    import mooncake.store  # noqa: F401
-except ImportError as e:  # the extra, or a system library it links (libibverbs ...), is missing
-    if os.environ.get("HICACHE_REQUIRE_MOONCAKE") == "1":
-        raise
-    pytest.skip(
-        f"mooncake extra not importable ({e}); run .ci/install_mooncake.sh",
-        allow_module_level=True,
-    )
+need("mooncake")
 
 from hicache.testing.mooncake_master import start_mooncake_master  # noqa: E402
 

@@ -6,20 +6,13 @@ Skipped when the optional extra is not installed, unless HICACHE_REQUIRE_MOONCAK
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
+from optional import need
 
 from hicache.storage import StorageError, make_storage, page_keys
 
-try:
-    import mooncake.store  # noqa: F401
-except ImportError as e:  # the extra, or a system library it links, is missing
-    if os.environ.get("HICACHE_REQUIRE_MOONCAKE") == "1":
-        raise
-    pytest.skip(f"mooncake extra not importable ({e}); run .ci/install_mooncake.sh",
-                allow_module_level=True)
+need("mooncake")
 
 from hicache.storage.mooncake import EPOCH_KEY  # noqa: E402
 from hicache.testing.mooncake_master import start_mooncake_master  # noqa: E402

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kv_layouts import TREE_KINDS
 from leak_checks import assert_no_leaks
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig, EvictionPolicy, KVConfig
 from hicache.tree import RadixTree, factory, native
 
-KINDS = ["python"] + (["native"] if native.native_available() else [])
+KINDS = TREE_KINDS
 
 EXPECTED_ORDER = {
     "lru": [3, 0, 2, 1],  # D(4) A(7) C(9) B(10)
@@ -129,7 +130,7 @@ def test_unknown_policy_names_the_choices():
         CacheConfig(KVConfig(1, 1, 1, page_size=1), device_tokens=4, eviction="random")
     with pytest.raises(ValueError):
         RadixTree(1, "random")
-    if native.native_available():
+    if "native" in TREE_KINDS:
         with pytest.raises(ValueError, match="fifo"):
             native.load_native().Tree(1, "random")
 

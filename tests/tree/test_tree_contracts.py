@@ -26,15 +26,13 @@ from pathlib import Path
 import pytest
 import torch
 from kv_layouts import TREE_KINDS
+from optional import skip_unless
 from tree_observation import snapshot
 
 from hicache.tree import IOStatus, RadixTree, native, token_key
 
 ROOT = Path(__file__).resolve().parents[2]
-needs_native = pytest.mark.skipif(
-    not native.native_available(),
-    reason=f"native tree unavailable: {native.native_unavailable_reason()}",
-)
+needs_native = skip_unless("native")
 SPLIT_ONLY_READS = "called from inside the on_split hook, which may only read the tree"
 BACKUP_MAY = (
     "called from inside the backup hook, which may only read the tree and call "

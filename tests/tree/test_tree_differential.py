@@ -21,16 +21,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from optional import skip_unless
 from tree_observation import FORMS, as_form, host_takeable_by_definition, snapshot
 
 from hicache.native import build as jit
 from hicache.tree import IOStatus, RadixTree, factory, native, token_key
 from hicache.tree.protocol import RadixTreeLike
 
-pytestmark = pytest.mark.skipif(
-    not native.native_available(),
-    reason=f"native tree unavailable: {native.native_unavailable_reason()}",
-)
+pytestmark = skip_unless("native")
 
 P = 2
 NAMESPACES = [None, "a"]

@@ -13,13 +13,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from optional import skip_unless
 
 from hicache.tree import IOStatus, RadixTree, native, token_key
 
-pytestmark = pytest.mark.skipif(
-    not native.native_available(),
-    reason=f"native tree unavailable: {native.native_unavailable_reason()}",
-)
+pytestmark = skip_unless("native")
 
 SURROGATE = "tenant-\ud800"
 

@@ -20,16 +20,13 @@ import os
 import random
 import time
 
-import pytest
 import torch
+from optional import skip_unless
 from tree_observation import snapshot
 
 from hicache.tree import IOStatus, RadixTree, native, token_key
 
-pytestmark = pytest.mark.skipif(
-    not native.native_available(),
-    reason=f"native tree unavailable: {native.native_unavailable_reason()}",
-)
+pytestmark = skip_unless("native")
 
 P = 2
 NAMESPACES = [None, "b"]
