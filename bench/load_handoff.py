@@ -1,6 +1,6 @@
 """What handing a load to the copy thread costs vLLM's model runner (CPU backend).
 
-The vLLM connector's worker half (``hicache.integrations.vllm.worker.WorkerHalf``) alone,
+The vLLM connector's worker half (``hicache.integrations.vllm.worker.half.WorkerHalf``) alone,
 with ``medium``-preset KV shapes (8 layers, 12 KV heads of 64, blocks of 32 tokens,
 float32, vLLM's CPU layout): each of ``--loads`` steps calls ``start_loads`` for
 ``--blocks`` blocks, as ``start_load_kv`` does, then keeps the calling thread busy for
@@ -28,9 +28,9 @@ import time
 
 import torch
 
-from hicache.integrations.vllm.config import ConnectorConfig
-from hicache.integrations.vllm.plan import LoadOp, StepPlan
-from hicache.integrations.vllm.worker import WorkerHalf
+from hicache.integrations.vllm.common.config import ConnectorConfig
+from hicache.integrations.vllm.common.plan import LoadOp, StepPlan
+from hicache.integrations.vllm.worker.half import WorkerHalf
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK, HEADS, HEAD_DIM = 8, 148, 32, 12, 64  # medium, CPU layout
 NUM_HOST_PAGES = 700

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 from hicache.config import CacheConfig, KVConfig
-from hicache.integrations.vllm.config import ConnectorConfig
+from hicache.integrations.vllm.common.config import ConnectorConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
@@ -50,7 +50,7 @@ def test_every_hicache_environment_variable_is_documented():
 
 def test_host_gb_is_one_unit_in_the_connector_and_on_the_page():
     """host_gb counts 10^9 bytes in CacheConfig and in the connector alike."""
-    from hicache.integrations.vllm.config import ConnectorConfig
+    from hicache.integrations.vllm.common.config import ConnectorConfig
 
     assert ConnectorConfig(host_gb=1).num_host_pages(1, 1000) == 10**6
     assert "## `host_gb`: one unit" in PAGE and "GB = 10^9 bytes" in PAGE

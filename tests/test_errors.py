@@ -11,7 +11,7 @@ import pytest
 import hicache
 from hicache import CacheConfig, KVConfig
 from hicache.errors import ConfigError, ConfigTypeError, HiCacheError, config_errors
-from hicache.integrations.vllm.config import ConnectorConfig
+from hicache.integrations.vllm.common.config import ConnectorConfig
 
 KV = KVConfig(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4)
 

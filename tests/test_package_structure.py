@@ -146,6 +146,29 @@ def test_the_library_imports_neither_the_harness_nor_the_cli():
     assert offenders == {("hicache", "hicache.sim.engine"), ("hicache", "hicache.sim.model")}
 
 
+def test_the_connectors_halves_import_only_what_they_share():
+    """vLLM runs the scheduler half and the worker half in different processes: neither
+    imports the other's folder, and what both import (common/) imports neither."""
+    vllm = "hicache.integrations.vllm"
+    graph = import_graph()
+    sides = {"scheduler": f"{vllm}.scheduler", "worker": f"{vllm}.worker",
+             "common": f"{vllm}.common"}
+    allowed = {"scheduler": {"scheduler", "common"}, "worker": {"worker", "common"},
+               "common": {"common"}}
+    crossings = set()
+    for module, deps in graph.items():
+        side = next((s for s, prefix in sides.items() if module.startswith(prefix)), None)
+        if side is None:
+            continue
+        for dep in deps:
+            dep_side = next((s for s, prefix in sides.items() if dep.startswith(prefix)), None)
+            if dep.startswith(vllm) and dep_side not in allowed[side]:
+                crossings.add((module, dep))
+    assert crossings == set()
+    assert {m for m in graph if m.startswith(f"{vllm}.scheduler.")} and \
+        {m for m in graph if m.startswith(f"{vllm}.worker.")}
+
+
 def test_the_mooncake_launcher_is_a_testing_module():
     assert not (PACKAGE / "storage" / "mooncake_master.py").exists()
     graph = import_graph()

@@ -15,11 +15,11 @@ import zlib
 import numpy as np
 import torch
 
-from hicache.integrations.vllm.config import ConnectorConfig
-from hicache.integrations.vllm.layout import block_planes
-from hicache.integrations.vllm.plan import StepPlan
-from hicache.integrations.vllm.scheduler import ScheduledRequest, SchedulerHalf
-from hicache.integrations.vllm.worker import WorkerHalf
+from hicache.integrations.vllm.common.config import ConnectorConfig
+from hicache.integrations.vllm.common.plan import StepPlan
+from hicache.integrations.vllm.scheduler.half import ScheduledRequest, SchedulerHalf
+from hicache.integrations.vllm.worker.half import WorkerHalf
+from hicache.integrations.vllm.worker.layout import block_planes
 
 P = 4  # tokens per block (= hicache page)
 L = 2  # layers

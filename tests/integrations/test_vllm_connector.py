@@ -18,9 +18,9 @@ import pytest
 import torch
 from minivllm import D, H, L, MiniVllm, P, block_of, make_kv, seq
 
-from hicache.integrations.vllm.config import ConnectorConfig
-from hicache.integrations.vllm.layout import BlockCopier, BlockLayout, block_planes
-from hicache.integrations.vllm.scheduler import ScheduledRequest, SchedulerHalf
+from hicache.integrations.vllm.common.config import ConnectorConfig
+from hicache.integrations.vllm.scheduler.half import ScheduledRequest, SchedulerHalf
+from hicache.integrations.vllm.worker.layout import BlockCopier, BlockLayout, block_planes
 from hicache.memory import HostPool
 from hicache.memory import copier as copier_module
 from hicache.tree import token_key
@@ -151,7 +151,7 @@ def test_auto_executor_on_cpu_copies_beside_or_between_forwards(make_vllm, monke
     With no core free, a save is copied in wait_for_save itself (the model runner's
     thread, while vLLM's compute threads are idle): nothing is in flight after a step.
     Either way a block reused at the next step holds its page."""
-    import hicache.integrations.vllm.executor_choice as choice_module
+    import hicache.integrations.vllm.worker.executor_choice as choice_module
 
     cpu = min(os.sched_getaffinity(0))
     monkeypatch.setattr(choice_module, "spare_cpus",
@@ -181,7 +181,7 @@ def test_auto_executor_on_cpu_copies_beside_or_between_forwards(make_vllm, monke
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs Linux affinity")
 def test_copy_cpus_pin_the_copy_threads_and_a_refused_set_is_an_error(make_vllm, monkeypatch):
-    import hicache.integrations.vllm.executor_choice as choice_module
+    import hicache.integrations.vllm.worker.executor_choice as choice_module
 
     cpu = max(os.sched_getaffinity(0))
     m = make_vllm(executor="thread", copy_cpus=[cpu])
@@ -199,7 +199,7 @@ def test_copy_cpus_pin_the_copy_threads_and_a_refused_set_is_an_error(make_vllm,
 
 def test_worker_host_pool_is_mapped_in_at_start(make_vllm, monkeypatch):
     """Prefaulted at construction: the first save into a page pays no page fault then."""
-    import hicache.integrations.vllm.worker as worker_module
+    import hicache.integrations.vllm.worker.half as worker_module
 
     made = []
 
@@ -269,7 +269,7 @@ def test_a_requests_tree_key_is_built_once_per_page(make_vllm, monkeypatch):
     """vLLM hands a request's same token sequence every step and appends to it: the
     key of its leading pages is converted once, then only the new pages'. Another
     sequence object under the same request id may hold other tokens: built again."""
-    import hicache.integrations.vllm.requests as requests_module
+    import hicache.integrations.vllm.scheduler.requests as requests_module
 
     converted = []
 
@@ -931,7 +931,7 @@ def test_save_waits_for_the_storage_write_reading_its_host_page(make_vllm, tmp_p
 def test_tensor_parallel_storage_hit_needs_every_ranks_shard(tmp_path):
     """With tensor parallelism each rank stores its shard of a page under its own keys: a
     lookup promises a page from storage only when every rank's shard is there."""
-    from hicache.integrations.vllm.third_tier import rank_salt, salt_keys
+    from hicache.integrations.vllm.common.keys import rank_salt, salt_keys
     from hicache.storage import make_storage
 
     nbytes = L * 2 * H * D * P * 4

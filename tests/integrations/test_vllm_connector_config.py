@@ -9,7 +9,7 @@ import typing
 
 import pytest
 
-from hicache.integrations.vllm.config import ConnectorConfig
+from hicache.integrations.vllm.common.config import ConnectorConfig
 
 NON_FINITE = ["NaN", "Infinity", "-Infinity"]  # as vLLM's JSON parser reads them
 
@@ -118,7 +118,7 @@ def test_storage_epoch_on_reset_must_be_a_bool():
     ("rank=first", "rank: expected a number, got 'first'"),
 ])
 def test_fault_hook_refuses_bad_entries_by_name(text, message):
-    from hicache.integrations.vllm.faults import FaultRates
+    from hicache.integrations.vllm.worker.faults import FaultRates
 
     with pytest.raises(ValueError) as exc:
         FaultRates.parse(text)
@@ -126,7 +126,7 @@ def test_fault_hook_refuses_bad_entries_by_name(text, message):
 
 
 def test_fault_hook_is_off_unless_set(monkeypatch):
-    from hicache.integrations.vllm.faults import FaultRates
+    from hicache.integrations.vllm.worker.faults import FaultRates
 
     monkeypatch.delenv("HICACHE_FAULTS", raising=False)
     assert FaultRates.from_env() is None
@@ -149,7 +149,7 @@ def test_prefetch_defaults_are_sglangs_and_the_budget_is_capped():
 
 
 def test_fault_hook_read_delay(monkeypatch):
-    from hicache.integrations.vllm.faults import FaultRates
+    from hicache.integrations.vllm.worker.faults import FaultRates
 
     monkeypatch.setenv("HICACHE_FAULTS", "read_delay_ms=7")
     assert FaultRates.from_env() == FaultRates(read_delay_ms=7)

@@ -9,7 +9,7 @@ import json
 import pytest
 from optional import need
 
-from hicache.integrations.vllm.config import ConnectorConfig
+from hicache.integrations.vllm.common.config import ConnectorConfig
 
 SECRET = "s3cr3t-do-not-show"
 

@@ -261,8 +261,8 @@ def test_pages_being_read_are_never_evicted_for_others(sched, tmp_path):
 def test_tensor_parallel_pages_count_once_every_rank_read_them(tmp_path):
     """With two ranks, a page goes into the tree only when both reported it read; an op
     ends when both ended, and what one rank missed is freed."""
-    from hicache.integrations.vllm.config import ConnectorConfig
-    from hicache.integrations.vllm.scheduler import SchedulerHalf
+    from hicache.integrations.vllm.common.config import ConnectorConfig
+    from hicache.integrations.vllm.scheduler.half import SchedulerHalf
     from hicache.storage import make_storage
 
     P, nbytes = 4, 64
@@ -274,7 +274,7 @@ def test_tensor_parallel_pages_count_once_every_rank_read_them(tmp_path):
     tokens = list(range(1, 4 * P + 2))
     keys = half._keys(half._state("probe", tokens, None), 4)
     half.request_finished("probe")
-    from hicache.integrations.vllm.third_tier import rank_salt, salt_keys
+    from hicache.integrations.vllm.common.keys import rank_salt, salt_keys
 
     writer = make_storage(spec, page_nbytes=nbytes)
     import torch

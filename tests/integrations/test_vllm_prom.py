@@ -25,8 +25,8 @@ def _scrape() -> str:
 
 def test_every_counter_the_halves_report_has_a_metric():
     from hicache.integrations.vllm.prom import METRICS, metric_keys
-    from hicache.integrations.vllm.scheduler import SchedulerStats
-    from hicache.integrations.vllm.worker import WorkerStats
+    from hicache.integrations.vllm.scheduler.half import SchedulerStats
+    from hicache.integrations.vllm.worker.half import WorkerStats
 
     reported = {f.name for cls in (WorkerStats, SchedulerStats) for f in dataclasses.fields(cls)}
     reported |= {"scheduler_steps", "scheduler_hook_seconds", "scheduler_hook_cpu_seconds",

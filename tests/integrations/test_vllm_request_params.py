@@ -13,7 +13,7 @@ import random
 import pytest
 from optional_vllm import VLLM_REQUIRED, vllm_available
 
-from hicache.integrations.vllm.params import (
+from hicache.integrations.vllm.common.params import (
     DEFAULT,
     ERROR_KEY,
     RequestControl,

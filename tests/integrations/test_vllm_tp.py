@@ -2,7 +2,7 @@
 
 Two worker halves (ranks) with their own KV shards, host pools and rank-salted
 third-tier keys, vLLM's real Scheduler and AsyncScheduler, and vLLM's real
-KVOutputAggregator between them; plus the TP plumbing alone (hicache/integrations/vllm/tp.py).
+KVOutputAggregator between them; plus the TP plumbing alone (hicache/integrations/vllm/common/tp.py).
 Real vLLM engines with TP = 2 are in test_vllm_tp_e2e.py. Skipped without vLLM unless
 ``HICACHE_REQUIRE_VLLM=1``.
 """
@@ -16,7 +16,7 @@ import pytest
 from optional_vllm import VLLM_REQUIRED, vllm_available
 
 from hicache.errors import ConfigError
-from hicache.integrations.vllm.tp import assign_copy_cpus, rank_copy_cpus, share_load_errors
+from hicache.integrations.vllm.common.tp import assign_copy_cpus, rank_copy_cpus, share_load_errors
 
 pytestmark = pytest.mark.skipif(
     not VLLM_REQUIRED and not vllm_available(),
@@ -266,7 +266,7 @@ def test_third_tier_announced_once_every_rank_stored_it(tp, tmp_path):
     from test_vllm_kv_events import Subscriber
     from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE
 
-    from hicache.integrations.vllm.third_tier import rank_salt, salt_keys
+    from hicache.integrations.vllm.common.keys import rank_salt, salt_keys
     from hicache.storage import make_storage
 
     B = tp.B
@@ -301,7 +301,7 @@ def test_third_tier_announced_once_every_rank_stored_it(tp, tmp_path):
     events = e.connector._tier_events
     assert events.num_pending == 0
     # Truth: the blocks whose pages the tier holds for both ranks.
-    from hicache.integrations.vllm.requests import RequestState
+    from hicache.integrations.vllm.scheduler.requests import RequestState
 
     backend = make_storage(f"file:{store}", page_nbytes=e.connector.page_nbytes)
     half = e.connector.scheduler_half

@@ -177,7 +177,7 @@ def test_write_through_selective_saves_at_the_hit_threshold(sched, async_schedul
 def test_selective_hit_counts_are_bounded(sched):
     """The hit counts are an LRU map of at most max_hit_counts pages: a page pushed out
     starts counting again."""
-    from hicache.integrations.vllm.saves import Saves
+    from hicache.integrations.vllm.scheduler.saves import Saves
 
     B = sched.B
     e = sched.Engine(num_blocks=24, extra={"host_tokens": 16 * B,

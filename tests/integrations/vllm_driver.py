@@ -15,7 +15,7 @@ prompt, reset_prefix_cache, the same prompt again), ``salt`` (a prompt under one
 first again), ``replay`` (the first prompt of ``multiturn``: meant for a second process
 on the same storage). ``--policy`` sets ``kv_load_failure_policy``; ``HICACHE_FAULTS``
 in the environment makes the connector's worker fail some copies (see
-hicache/integrations/vllm/faults.py). ``--extra`` adds fields to the connector's
+hicache/integrations/vllm/worker/faults.py). ``--extra`` adds fields to the connector's
 ``kv_connector_extra_config`` (e.g. ``{"prefetch_threshold_tokens": 0}``).
 The last stdout line is a JSON object with one entry per scenario.
 """

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hicache.integrations.vllm.params import parse_request_control, tree_namespace
+from hicache.integrations.vllm.common.params import parse_request_control, tree_namespace
 from hicache.tree import token_key
 
 B = 16  # tokens per block
@@ -194,7 +194,7 @@ class Engine:
         from vllm.v1.structured_output import StructuredOutputManager
 
         from hicache.integrations.vllm import HiCacheConnector
-        from hicache.integrations.vllm.worker import WorkerHalf
+        from hicache.integrations.vllm.worker.half import WorkerHalf
 
         init_none_hash(sha256)
         # Third-tier hits read in the step ("sync") unless a test names a prefetch policy:

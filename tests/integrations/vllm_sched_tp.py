@@ -34,7 +34,7 @@ RANK_OFFSET = 10_000_000.0
 
 class ThreadRanks:
     """An in-process rank group: rank ``r``'s member (:meth:`member`) is a
-    ``hicache.integrations.vllm.tp.RankGroup`` for a thread playing rank ``r``."""
+    ``hicache.integrations.vllm.common.tp.RankGroup`` for a thread playing rank ``r``."""
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
@@ -93,7 +93,7 @@ def gloo_rank(rank: int, path: str, out: str) -> None:
 
     import torch.distributed as dist
 
-    from hicache.integrations.vllm.tp import TorchRankGroup, share_load_errors
+    from hicache.integrations.vllm.common.tp import TorchRankGroup, share_load_errors
 
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
     try:
@@ -117,8 +117,8 @@ class TPEngine(Engine):
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
         from hicache.integrations.vllm import HiCacheConnector
-        from hicache.integrations.vllm.third_tier import rank_salt
-        from hicache.integrations.vllm.worker import WorkerHalf
+        from hicache.integrations.vllm.common.keys import rank_salt
+        from hicache.integrations.vllm.worker.half import WorkerHalf
 
         self.parallel = {**(self.parallel or {}), "tensor_parallel_size": self.tp}
         super().__post_init__()
@@ -262,8 +262,8 @@ class TPEngine(Engine):
     def storage_errors(self) -> list[str]:
         """Pages the third tier holds under a rank's keys that are not that rank's shard
         of their prefix's KV (every sequence this engine saw, every rank)."""
-        from hicache.integrations.vllm.requests import RequestState
-        from hicache.integrations.vllm.third_tier import rank_salt, salt_keys
+        from hicache.integrations.vllm.common.keys import rank_salt, salt_keys
+        from hicache.integrations.vllm.scheduler.requests import RequestState
 
         half = self.connector.scheduler_half
         backend = self.worker._open_storage()  # not a rank's, which may inject faults

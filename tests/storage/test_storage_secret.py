@@ -18,7 +18,7 @@ from serving import compute, expected_kv, read_prefix, serve_kv
 
 from hicache.cache import HiCache
 from hicache.config import CacheConfig
-from hicache.integrations.vllm.config import ConnectorConfig
+from hicache.integrations.vllm.common.config import ConnectorConfig
 from hicache.storage import (
     SECRET_ENV,
     VALUE_HEADER_NBYTES,

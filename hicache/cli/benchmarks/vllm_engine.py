@@ -83,7 +83,7 @@ class StatsSink:
                 for source, n in c.hits_by_source.items():
                     self.connector_hits_by_source[getattr(source, "value", str(source))] += n
             if scheduler_stats.kv_connector_stats:
-                from hicache.integrations.vllm.scheduler import SNAPSHOT_STATS
+                from hicache.integrations.vllm.scheduler.half import SNAPSHOT_STATS
 
                 step = scheduler_stats.kv_connector_stats
                 _add_numbers(self.connector_stats, step)

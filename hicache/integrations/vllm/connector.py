@@ -2,8 +2,8 @@
 
 vLLM builds one connector in the scheduler process (role SCHEDULER) and one in
 every worker (role WORKER). This class only translates vLLM's objects into the
-halves' plain arguments: :class:`~hicache.integrations.vllm.scheduler.SchedulerHalf`
-decides, :class:`~hicache.integrations.vllm.worker.WorkerHalf` copies. Enable
+halves' plain arguments: :class:`~hicache.integrations.vllm.scheduler.half.SchedulerHalf`
+decides, :class:`~hicache.integrations.vllm.worker.half.WorkerHalf` copies. Enable
 it with::
 
     --kv-transfer-config '{"kv_connector": "HiCacheConnector",
@@ -35,24 +35,24 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from hicache.integrations.vllm.clocks import HookClock
 from hicache.integrations.vllm.clocks import timed_scheduler_hook as _timed_scheduler
 from hicache.integrations.vllm.clocks import timed_worker_hook as _timed
-from hicache.integrations.vllm.config import ConnectorConfig
-from hicache.integrations.vllm.identity import page_nbytes, storage_identity
-from hicache.integrations.vllm.metadata import HiCacheConnectorMetadata, HiCacheWorkerMetadata
-from hicache.integrations.vllm.params import (
+from hicache.integrations.vllm.common.config import ConnectorConfig
+from hicache.integrations.vllm.common.identity import page_nbytes, storage_identity
+from hicache.integrations.vllm.common.keys import rank_salt
+from hicache.integrations.vllm.common.params import (
     ERROR_KEY,
     RequestControl,
     check_cache_salt,
     parse_request_control,
     tree_namespace,
 )
-from hicache.integrations.vllm.plan import StepPlan
-from hicache.integrations.vllm.pool_hooks import EvictionHook
-from hicache.integrations.vllm.requests import ScheduledRequest
-from hicache.integrations.vllm.scheduler import SchedulerHalf
+from hicache.integrations.vllm.common.plan import StepPlan
+from hicache.integrations.vllm.common.tp import check_parallelism, vllm_rank_group
+from hicache.integrations.vllm.metadata import HiCacheConnectorMetadata, HiCacheWorkerMetadata
+from hicache.integrations.vllm.scheduler.half import SchedulerHalf
+from hicache.integrations.vllm.scheduler.pool_hooks import EvictionHook
+from hicache.integrations.vllm.scheduler.requests import ScheduledRequest
 from hicache.integrations.vllm.stats import HiCacheConnectorStats, SchedulerReport
-from hicache.integrations.vllm.third_tier import rank_salt
-from hicache.integrations.vllm.tp import check_parallelism, vllm_rank_group
-from hicache.integrations.vllm.worker import WorkerHalf
+from hicache.integrations.vllm.worker.half import WorkerHalf
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -73,8 +73,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from hicache.integrations.vllm.kv_events import HostTierEvents
-    from hicache.integrations.vllm.tier_events import StorageTierEvents
+    from hicache.integrations.vllm.scheduler.kv_events import HostTierEvents
+    from hicache.integrations.vllm.scheduler.tier_events import StorageTierEvents
     from hicache.storage import StorageBackend
 
 _log = logging.getLogger(__name__)
@@ -125,8 +125,8 @@ class HiCacheConnector(KVConnectorBase_V1):
             )
             self._scheduler_report.start(self.scheduler_half)
             if self._events_on:
-                from hicache.integrations.vllm.kv_events import HostTierEvents
-                from hicache.integrations.vllm.tier_events import StorageTierEvents
+                from hicache.integrations.vllm.scheduler.kv_events import HostTierEvents
+                from hicache.integrations.vllm.scheduler.tier_events import StorageTierEvents
 
                 self._events = HostTierEvents(
                     self.block_size, self._requests.get,
@@ -416,7 +416,7 @@ class HiCacheConnector(KVConnectorBase_V1):
     def take_events(self) -> Iterable[KVCacheEvent]:
         """The host tier's and the third tier's ``BlockStored`` / ``BlockRemoved`` events
         since the last call (vLLM publishes them with its own; see
-        :mod:`~hicache.integrations.vllm.kv_events`, :mod:`~hicache.integrations.vllm.tier_events`)."""
+        :mod:`~hicache.integrations.vllm.scheduler.kv_events`, :mod:`~hicache.integrations.vllm.scheduler.tier_events`)."""
         if self._events is None:
             return ()
         return self._events.take() + (self._tier_events.take() if self._tier_events else [])

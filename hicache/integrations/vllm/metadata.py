@@ -1,7 +1,7 @@
 """What the connector's halves send each other through vLLM, once a step.
 
 Scheduler -> workers: the step plan (:class:`HiCacheConnectorMetadata`, a
-:class:`~hicache.integrations.vllm.plan.StepPlan`). Workers -> scheduler:
+:class:`~hicache.integrations.vllm.common.plan.StepPlan`). Workers -> scheduler:
 :class:`HiCacheWorkerMetadata`, which vLLM aggregates over the tensor-parallel ranks
 (``KVOutputAggregator``) before the scheduler sees it: sets are united, per-rank
 reports kept per rank.
@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from hicache.integrations.vllm.plan import StepPlan
+from hicache.integrations.vllm.common.plan import StepPlan
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Each report holds deltas since the previous one (the workers' counters, summed over
 ranks, and the scheduler half's), plus the host tier's occupancy (snapshots, see
-:data:`~hicache.integrations.vllm.scheduler.SNAPSHOT_STATS`). vLLM ships ``data`` from
+:data:`~hicache.integrations.vllm.scheduler.half.SNAPSHOT_STATS`). vLLM ships ``data`` from
 the engine core to the front end, where :mod:`~hicache.integrations.vllm.prom` records
 it on ``/metrics`` and ``reduce`` gives the log line.
 """
@@ -15,7 +15,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from hicache.integrations.vllm.clocks import HookClock
-from hicache.integrations.vllm.scheduler import SNAPSHOT_STATS, SchedulerHalf
+from hicache.integrations.vllm.scheduler.half import SNAPSHOT_STATS, SchedulerHalf
 
 # The scheduler side reports its clock alone every this many steps (not with every step).
 REPORT_EVERY_STEPS = 32
@@ -24,8 +24,8 @@ REPORT_EVERY_STEPS = 32
 @dataclass
 class HiCacheConnectorStats(KVConnectorStats):
     """Counters of one interval: the workers' (see
-    :class:`~hicache.integrations.vllm.worker_stats.WorkerStats`), the scheduler half's (see
-    :class:`~hicache.integrations.vllm.scheduler.SchedulerStats`, and its
+    :class:`~hicache.integrations.vllm.worker.stats.WorkerStats`), the scheduler half's (see
+    :class:`~hicache.integrations.vllm.scheduler.half.SchedulerStats`, and its
     ``scheduler_steps``, ``scheduler_hook_seconds``, ``scheduler_hook_cpu_seconds``),
     both sides' time per hook and the worker's forward (see
     :class:`~hicache.integrations.vllm.clocks.HookClock`), and the host tier's

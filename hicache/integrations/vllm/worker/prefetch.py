@@ -1,6 +1,6 @@
 """The worker half's background third-tier reads: prefetches, off vLLM's step.
 
-The scheduler half sends a :class:`~hicache.integrations.vllm.plan.PrefetchOp` (storage
+The scheduler half sends a :class:`~hicache.integrations.vllm.common.plan.PrefetchOp` (storage
 keys and the host pages to read them into) with a step's plan and lets the request
 wait; this module reads the pages on the storage tier's read thread while vLLM keeps
 stepping, and says how far each op got. A read is split into chunks of
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hicache.integrations.vllm.plan import PrefetchOp
+from hicache.integrations.vllm.common.plan import PrefetchOp
 
 if TYPE_CHECKING:
     from hicache.storage.worker import StorageJob
@@ -100,7 +100,7 @@ class PrefetchReader:
     def __init__(self, tier, salt: Callable[[list[str]], list[str]], *,
                  chunk_pages: int = CHUNK_PAGES) -> None:
         """``tier``: the worker's :class:`~hicache.storage.worker.StorageTier`; ``salt``:
-        the rank's key salting (:func:`~hicache.integrations.vllm.third_tier.salt_keys`)."""
+        the rank's key salting (:func:`~hicache.integrations.vllm.common.keys.salt_keys`)."""
         self.tier = tier
         self.salt = salt
         self.chunk_pages = chunk_pages

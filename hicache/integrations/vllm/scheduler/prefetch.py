@@ -3,7 +3,7 @@
 A lookup (``get_num_new_matched_tokens``) that finds at least
 ``prefetch_threshold_tokens`` in storage beyond the hit vLLM and the host tier already
 have starts a *fetch*: host pages are allocated for the stored pages, a
-:class:`~hicache.integrations.vllm.plan.PrefetchOp` goes to the workers with the
+:class:`~hicache.integrations.vllm.common.plan.PrefetchOp` goes to the workers with the
 step's plan, and the lookup answers None ("not determined yet": vLLM keeps the request
 waiting and asks again next step) while the workers read the pages off vLLM's step.
 Each step the workers report how far each op got (per rank); the leading run every
@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hicache.integrations.vllm.plan import PrefetchOp
-from hicache.integrations.vllm.scheduler_stats import PageListener
-from hicache.integrations.vllm.third_tier import num_promisable_pages
+from hicache.integrations.vllm.common.plan import PrefetchOp
+from hicache.integrations.vllm.scheduler.stats import PageListener
+from hicache.integrations.vllm.scheduler.third_tier import num_promisable_pages
 from hicache.tree import TreeNode
 
 _log = logging.getLogger("hicache.integrations.vllm.scheduler")
@@ -74,7 +74,7 @@ class Prefetcher:
                  listener: Callable[[], PageListener | None] = lambda: None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``alloc(n)``: ``n`` host pages (evicting if needed) or None; ``counters``: the
-        half's :class:`~hicache.integrations.vllm.scheduler_stats.SchedulerStats`;
+        half's :class:`~hicache.integrations.vllm.scheduler.stats.SchedulerStats`;
         ``listener()``: the half's page listener (KV cache events) or None; ``clock``:
         seconds, for the ``timeout`` policy (tests pass their own)."""
         self.config = config

@@ -2,7 +2,7 @@
 
 :class:`SchedulerStats` goes out through vLLM's scheduler-side stats (deltas, see
 :mod:`~hicache.integrations.vllm.stats`); :class:`PageListener` is told of every host
-page cached and evicted (the KV cache events of :mod:`~hicache.integrations.vllm.kv_events`).
+page cached and evicted (the KV cache events of :mod:`~hicache.integrations.vllm.scheduler.kv_events`).
 """
 
 from __future__ import annotations

@@ -15,12 +15,13 @@ Nothing here changes the tree or the page allocator.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Future
 
 import numpy as np
+
+from hicache.integrations.vllm.common.keys import salt_keys
 
 _log = logging.getLogger("hicache.integrations.vllm.scheduler")
 
@@ -57,7 +58,7 @@ class StorageKeys:
 
     def of(self, st, num_pages: int) -> list[str]:
         """Keys of the first ``num_pages`` pages of ``st`` (a request's
-        :class:`~hicache.integrations.vllm.requests.RequestState`; its ``keys`` cache
+        :class:`~hicache.integrations.vllm.scheduler.requests.RequestState`; its ``keys`` cache
         is extended in place)."""
         root = self._roots.get(st.namespace)
         if root is None:
@@ -119,19 +120,6 @@ class StorageProbe:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
-
-
-def rank_salt(rank: int, world_size: int) -> str | None:
-    """The salt of one tensor-parallel rank's storage keys (None with one rank)."""
-    return None if world_size <= 1 else f"tp{rank}/{world_size}"
-
-
-def salt_keys(keys: Sequence[str], salt: str | None) -> list[str]:
-    """Per-rank keys: with tensor parallelism each rank stores its own shard of a page."""
-    if salt is None:
-        return list(keys)
-    s = salt.encode()
-    return [hashlib.blake2b(s + k.encode(), digest_size=16).hexdigest() for k in keys]
 
 
 def num_promisable_pages(

@@ -1,7 +1,7 @@
 """How a worker half builds its transfer engine: executor, block copier, injected faults.
 
-The executor comes from :func:`~hicache.integrations.vllm.executor_choice.choose_executor`;
-on CPU the copies go through a :class:`~hicache.integrations.vllm.layout.BlockCopier`
+The executor comes from :func:`~hicache.integrations.vllm.worker.executor_choice.choose_executor`;
+on CPU the copies go through a :class:`~hicache.integrations.vllm.worker.layout.BlockCopier`
 (wrapped by a test's ``copier_hook``), on CUDA through the executor's copy streams.
 With ``HICACHE_FAULTS`` set, the copier and the storage backend fail at the
 configured rates (fault-injection runs only).
@@ -12,12 +12,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from hicache.integrations.vllm.config import ConnectorConfig
-from hicache.integrations.vllm.executor_choice import choose_executor
-from hicache.integrations.vllm.faults import ENV as FAULTS_ENV
-from hicache.integrations.vllm.faults import FaultRates, FaultyBackend, FaultyCopier
-from hicache.integrations.vllm.layout import BlockCopier, BlockLayout, BlockPool
-from hicache.integrations.vllm.tp import RankGroup
+from hicache.integrations.vllm.common.config import ConnectorConfig
+from hicache.integrations.vllm.common.tp import RankGroup
+from hicache.integrations.vllm.worker.executor_choice import choose_executor
+from hicache.integrations.vllm.worker.faults import ENV as FAULTS_ENV
+from hicache.integrations.vllm.worker.faults import FaultRates, FaultyBackend, FaultyCopier
+from hicache.integrations.vllm.worker.layout import BlockCopier, BlockLayout, BlockPool
 from hicache.memory import HostPool
 from hicache.transfer import TransferEngine
 from hicache.transfer.base import LayerCopier

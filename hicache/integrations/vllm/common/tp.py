@@ -7,7 +7,7 @@ vLLM unions what the workers report (load errors, bad host pages, poisoned block
 before the scheduler sees it. What the ranks must agree on, and where it is done:
 
 - **Storage keys.** Each rank stores its shard of a page under keys salted with its
-  rank (:func:`~hicache.integrations.vllm.third_tier.rank_salt`); a lookup promises a
+  rank (:func:`~hicache.integrations.vllm.common.keys.rank_salt`); a lookup promises a
   stored page only when every rank's shard is there (the scheduler asks for each salt).
 - **Load errors** (:func:`share_load_errors`). A load that fails on one rank leaves
   wrong KV in that rank's blocks, and the step's forward then computes wrong KV on

@@ -2,9 +2,9 @@
 
 A block is announced stored in the third tier once *every* tensor-parallel rank's
 write of its page landed (each rank stores its own shard; a page missing one shard
-is no hit, see :mod:`~hicache.integrations.vllm.third_tier`), with the same hash,
+is no hit, see :mod:`~hicache.integrations.vllm.scheduler.third_tier`), with the same hash,
 parent, tokens and keys as the host tier's announcement of that block
-(:class:`~hicache.integrations.vllm.kv_events.HostTierEvents`), medium
+(:class:`~hicache.integrations.vllm.scheduler.kv_events.HostTierEvents`), medium
 ``"STORAGE"`` (vLLM's name for it). Each storage key is announced at most once, however
 often it is written again (a repair, another request computing the same page).
 When the tier is invalidated (``reset_prefix_cache(reset_connector=True)`` bumps its
@@ -30,8 +30,8 @@ import msgspec
 from vllm.distributed.kv_events import MEDIUM_STORAGE, BlockRemoved, BlockStored, KVCacheEvent
 
 if TYPE_CHECKING:
-    from hicache.integrations.vllm.kv_events import HostTierEvents
-    from hicache.integrations.vllm.plan import SaveOp
+    from hicache.integrations.vllm.common.plan import SaveOp
+    from hicache.integrations.vllm.scheduler.kv_events import HostTierEvents
 
 
 class StorageTierEvents:

@@ -1,7 +1,7 @@
 """The connector's worker half: copies between vLLM's KV tensors and a host pool.
 
 It runs in each vLLM worker process and carries out the scheduler's
-:class:`~hicache.integrations.vllm.plan.StepPlan`: it owns the host pool
+:class:`~hicache.integrations.vllm.common.plan.StepPlan`: it owns the host pool
 (hicache's :class:`~hicache.memory.HostPool`, pinned on CUDA), hicache's transfer
 engine (CUDA executor on GPU; on CPU copy threads on the cores vLLM keeps free of
 compute, or copies between forwards) and, with a third tier, a storage backend. It
@@ -45,15 +45,15 @@ import time
 
 import torch
 
-from hicache.integrations.vllm.config import ConnectorConfig
-from hicache.integrations.vllm.layout import BlockLayout
-from hicache.integrations.vllm.plan import StepPlan
-from hicache.integrations.vllm.tp import RankGroup, share_load_errors
-from hicache.integrations.vllm.worker_setup import build_transfers
-from hicache.integrations.vllm.worker_stats import CLOCK_STATS, WorkerStats
-from hicache.integrations.vllm.worker_storage import PrefetchReader, SaveRecord, free_for_read
-from hicache.integrations.vllm.worker_tier import WorkerThirdTier, id_tensor
-from hicache.integrations.vllm.wrong_kv import PoisonedBlocks
+from hicache.integrations.vllm.common.config import ConnectorConfig
+from hicache.integrations.vllm.common.plan import StepPlan
+from hicache.integrations.vllm.common.tp import RankGroup, share_load_errors
+from hicache.integrations.vllm.worker.layout import BlockLayout
+from hicache.integrations.vllm.worker.prefetch import PrefetchReader, SaveRecord, free_for_read
+from hicache.integrations.vllm.worker.stats import CLOCK_STATS, WorkerStats
+from hicache.integrations.vllm.worker.third_tier import WorkerThirdTier, id_tensor
+from hicache.integrations.vllm.worker.transfers import build_transfers
+from hicache.integrations.vllm.worker.wrong_kv import PoisonedBlocks
 from hicache.memory import HostPool
 from hicache.transfer import Transfer
 

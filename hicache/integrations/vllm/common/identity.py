@@ -11,7 +11,7 @@ import hashlib
 import os
 from typing import TYPE_CHECKING
 
-from hicache.integrations.vllm.config import ConnectorConfig
+from hicache.integrations.vllm.common.config import ConnectorConfig
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

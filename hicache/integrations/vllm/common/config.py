@@ -127,7 +127,7 @@ class ConnectorConfig:
     # must not hang the engine): what has not arrived is a load error, recomputed.
     storage_timeout_s: float = 5.0
     # Third-tier hits: read in the background while the request waits (see
-    # hicache/integrations/vllm/prefetch.py) under "best_effort", "wait_complete" or
+    # hicache/integrations/vllm/scheduler/prefetch.py) under "best_effort", "wait_complete" or
     # "timeout"; "sync" reads them inside vLLM's step. Hits of fewer tokens than
     # prefetch_threshold_tokens beyond the host tier's are not read (async policies).
     prefetch_policy: str = "timeout"

@@ -8,7 +8,7 @@ on 2 cores: decode steps ~10% slower while saving). So copy threads go to the co
 vLLM keeps off its workers (for the scheduler and KV connectors) and copy while the
 forward runs; with none, ``sync`` copies between two forwards, in the model runner's
 thread. With tensor parallelism those cores are shared out, one per rank
-(:func:`~hicache.integrations.vllm.tp.rank_copy_cpus`).
+(:func:`~hicache.integrations.vllm.common.tp.rank_copy_cpus`).
 
 This module only decides; the worker half builds the executor.
 """
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from hicache.integrations.vllm.config import ConnectorConfig
-from hicache.integrations.vllm.tp import RankGroup, rank_copy_cpus
+from hicache.integrations.vllm.common.config import ConnectorConfig
+from hicache.integrations.vllm.common.tp import RankGroup, rank_copy_cpus
 from hicache.transfer.affinity import spare_cpus
 
 

@@ -20,7 +20,7 @@ nor in vLLM's blocks any more is dropped (no lookup could reach it).
 What vLLM's blocks hold is recorded as the scheduler half plans each step (for
 ``write_back``): ``block id -> (request state, page index, block table)``. This
 module knows the scheduler half's tree and pins, not vLLM: the connector tells it
-of evictions (:mod:`~hicache.integrations.vllm.pool_hooks`).
+of evictions (:mod:`~hicache.integrations.vllm.scheduler.pool_hooks`).
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from hicache.integrations.vllm.plan import SaveOp
+from hicache.integrations.vllm.common.plan import SaveOp
 
 if TYPE_CHECKING:
-    from hicache.integrations.vllm.requests import RequestState
+    from hicache.integrations.vllm.scheduler.requests import RequestState
     from hicache.tree import TreeNode
 
 WRITE_THROUGH = "write_through"
@@ -56,7 +56,7 @@ class Saves:
 
     def __init__(self, half: Any, policy: str, hit_threshold: int,
                  max_hit_counts: int = MAX_HIT_COUNTS) -> None:
-        """``half``: the :class:`~hicache.integrations.vllm.scheduler.SchedulerHalf` whose
+        """``half``: the :class:`~hicache.integrations.vllm.scheduler.half.SchedulerHalf` whose
         tree, host pages and pins the saves use (not imported: it imports this module)."""
         if policy not in (WRITE_THROUGH, WRITE_THROUGH_SELECTIVE, WRITE_BACK):
             raise ValueError(f"write_policy: expected one of {WRITE_THROUGH!r}, "

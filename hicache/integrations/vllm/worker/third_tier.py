@@ -2,14 +2,14 @@
 a copy into a host page waits for.
 
 A save copies blocks to host pages, then (with a third tier) writes those pages to
-storage behind the step; a :class:`~hicache.integrations.vllm.worker_storage.SaveRecord`
+storage behind the step; a :class:`~hicache.integrations.vllm.worker.prefetch.SaveRecord`
 follows both. Before anything writes into a host page, the copies and storage writes
 still reading it must end (``_settle_pages``); a storage write that hangs past
 ``storage_timeout_s`` leaves its pages in use, and the caller must not write them. A
 read that times out keeps its pages *quarantined* until it ends (it may still write
 into them).
 
-:class:`WorkerThirdTier` is a part of :class:`~hicache.integrations.vllm.worker.WorkerHalf`
+:class:`WorkerThirdTier` is a part of :class:`~hicache.integrations.vllm.worker.half.WorkerHalf`
 (a mixin over its state, declared below), kept here so that the worker module reads as
 the step.
 """
@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hicache.integrations.vllm.third_tier import salt_keys
+from hicache.integrations.vllm.common.keys import salt_keys
 
 if TYPE_CHECKING:
-    from hicache.integrations.vllm.config import ConnectorConfig
-    from hicache.integrations.vllm.worker_stats import WorkerStats
-    from hicache.integrations.vllm.worker_storage import PrefetchReader, SaveRecord
+    from hicache.integrations.vllm.common.config import ConnectorConfig
+    from hicache.integrations.vllm.worker.prefetch import PrefetchReader, SaveRecord
+    from hicache.integrations.vllm.worker.stats import WorkerStats
     from hicache.memory import HostPool
     from hicache.storage.worker import StorageJob, StorageTier
 

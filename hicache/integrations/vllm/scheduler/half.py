@@ -3,7 +3,7 @@
 It runs inside vLLM's scheduler process and holds no KV: hicache's radix tree
 (host-resident pages only) and host page allocator, keyed by request token ids.
 Lookups are answered in-process, without a round trip to the workers. Each
-step it turns what vLLM scheduled into a :class:`~hicache.integrations.vllm.plan.StepPlan`
+step it turns what vLLM scheduled into a :class:`~hicache.integrations.vllm.common.plan.StepPlan`
 of block <-> host page copies that the workers carry out.
 
 One hicache page is one vLLM block. For one request, in tokens::
@@ -14,15 +14,15 @@ One hicache page is one vLLM block. For one request, in tokens::
 
 The tree holds *host* pages only: vLLM owns its blocks and evicts them itself,
 so a device tier here would only shadow vLLM's prefix cache. When a block is
-saved is the write policy's (:mod:`~hicache.integrations.vllm.saves`); what a
-request asked for, :mod:`~hicache.integrations.vllm.params`'. Nodes the current
+saved is the write policy's (:mod:`~hicache.integrations.vllm.scheduler.saves`); what a
+request asked for, :mod:`~hicache.integrations.vllm.common.params`'. Nodes the current
 step loads from or saves to are host-pinned until
 the plan is built, so making room for one request never reuses a page another
 request's copy of this step touches; ordering across steps is the workers' job
 (they finish copies into or out of a host page before the next one that touches
 it). Not thread-safe: vLLM's scheduler loop drives it. What a lookup may promise
-from storage is :mod:`~hicache.integrations.vllm.third_tier`'s; the per-request
-state is :mod:`~hicache.integrations.vllm.requests`'.
+from storage is :mod:`~hicache.integrations.vllm.scheduler.third_tier`'s; the per-request
+state is :mod:`~hicache.integrations.vllm.scheduler.requests`'.
 """
 
 from __future__ import annotations
@@ -34,24 +34,24 @@ from dataclasses import asdict
 import numpy as np
 import torch
 
-from hicache.integrations.vllm.bad_pages import BadPages
-from hicache.integrations.vllm.config import ConnectorConfig
-from hicache.integrations.vllm.params import RequestControl
-from hicache.integrations.vllm.pins import StepPins
-from hicache.integrations.vllm.plan import LoadOp, SaveOp, StepPlan
-from hicache.integrations.vllm.prefetch import Prefetcher, num_fetched
-from hicache.integrations.vllm.requests import RequestState, ScheduledRequest
-from hicache.integrations.vllm.saves import WRITE_BACK, Saves
-from hicache.integrations.vllm.scheduler_stats import (  # noqa: F401 (re-exported)
+from hicache.integrations.vllm.common.config import ConnectorConfig
+from hicache.integrations.vllm.common.keys import rank_salt
+from hicache.integrations.vllm.common.params import RequestControl
+from hicache.integrations.vllm.common.plan import LoadOp, SaveOp, StepPlan
+from hicache.integrations.vllm.scheduler.bad_pages import BadPages
+from hicache.integrations.vllm.scheduler.pins import StepPins
+from hicache.integrations.vllm.scheduler.prefetch import Prefetcher, num_fetched
+from hicache.integrations.vllm.scheduler.requests import RequestState, ScheduledRequest
+from hicache.integrations.vllm.scheduler.saves import WRITE_BACK, Saves
+from hicache.integrations.vllm.scheduler.stats import (  # noqa: F401 (re-exported)
     SNAPSHOT_STATS,
     PageListener,
     SchedulerStats,
 )
-from hicache.integrations.vllm.third_tier import (
+from hicache.integrations.vllm.scheduler.third_tier import (
     StorageKeys,
     StorageProbe,
     num_promisable_pages,
-    rank_salt,
 )
 from hicache.memory import PageAllocator
 from hicache.tree import TreeNode, make_tree
@@ -121,7 +121,7 @@ class SchedulerHalf:
 
     def set_control(self, req_id: str, token_ids: Sequence[int], namespace: str | None,
                     control: RequestControl, num_prompt_tokens: int) -> None:
-        """The request's per-request control (:mod:`~hicache.integrations.vllm.params`),
+        """The request's per-request control (:mod:`~hicache.integrations.vllm.common.params`),
         before its first lookup: ``save_max_tokens`` counts prompt tokens (whole pages)."""
         st = self._state(req_id, token_ids, namespace)
         st.skip_load, st.skip_save = control.skip_load, control.skip_save
@@ -131,7 +131,7 @@ class SchedulerHalf:
     def num_matched_tokens(self, req_id: str, token_ids: Sequence[int], num_computed: int,
                            namespace: str | None = None) -> int | None:
         """Tokens after ``num_computed`` that hicache can load (whole pages), or None while
-        the request waits for its prefetch (:mod:`~hicache.integrations.vllm.prefetch`);
+        the request waits for its prefetch (:mod:`~hicache.integrations.vllm.scheduler.prefetch`);
         no side effect on the tree but a prefetch started. At least one token is always
         left for vLLM to compute.
 
