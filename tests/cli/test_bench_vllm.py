@@ -534,6 +534,26 @@ def test_vllm_fits_runs_vllm_alone_with_the_working_set_in_its_cache(
     assert "vllm-fits" in json.loads(capfd.readouterr().out)["comparisons"]
 
 
+def test_the_secret_config_passes_its_secret_in_the_environment(
+        monkeypatch, capfd, everything_installed, tmp_path, model):
+    """vllm+host+storage+secret gives the engine a storage secret through
+    HICACHE_STORAGE_SECRET, never in vLLM's config (which vLLM logs)."""
+    specs = {}
+
+    def fake_run_config(name, spec, workdir, progress_fd, tag=None):
+        specs[name] = spec
+        return _result([0.1], [[1]], ALL_COMPUTED)
+
+    monkeypatch.setattr(bv, "run_config", fake_run_config)
+    argv = ["bench", "vllm", "--model", str(model), "--num-requests", "1", "--configs",
+            "vllm,vllm+host+storage+secret", "--json"]
+    assert cli_main.main(argv) == 0
+    spec = specs["vllm+host+storage+secret"]
+    secret = spec["env"]["HICACHE_STORAGE_SECRET"]
+    assert len(secret) == 32 and secret not in json.dumps(spec["kv_transfer_config"])
+    assert "storage_secret" not in spec["kv_transfer_config"]["kv_connector_extra_config"]
+
+
 def test_storage_configs_read_in_the_step_or_in_the_background_from_a_slow_store(
         monkeypatch, capfd, everything_installed, tmp_path, model):
     """vllm+host+storage reads third-tier hits in vLLM's step, +async in the background;

@@ -165,10 +165,24 @@ def test_the_storage_secret_never_shows(tmp_path):
             ConnectorConfig.from_sources(None, {"HICACHE_CONFIG_FILE": path})
         assert str(exc.value).startswith(f"{path}: storage_secret: expected")
         assert "12345" not in str(exc.value) and SECRET not in str(exc.value)
-    # an error about another field, with the secret set anywhere, does not show it
+    # an error about another field, with the secret set, does not show it
     with pytest.raises(ValueError) as exc:
-        ConnectorConfig.from_sources({"host_gb": -1, "storage_secret": SECRET}, env)
+        ConnectorConfig.from_sources({"host_gb": -1}, env)
     assert SECRET not in str(exc.value)
+
+
+def test_a_secret_in_vllms_config_is_refused():
+    """vLLM logs kv_connector_extra_config at start-up (and `vllm serve` has it on its
+    command line): a storage secret there is refused, naming where it belongs."""
+    for parse in (lambda extra: ConnectorConfig.from_sources(extra, {}),
+                  ConnectorConfig.from_extra):
+        for value in (SECRET, 12345, None):
+            with pytest.raises(ValueError) as exc:
+                parse({"host_gb": 1, "storage_secret": value})
+            message = str(exc.value)
+            assert message.startswith("kv_connector_extra_config.storage_secret: refused")
+            assert "HICACHE_STORAGE_SECRET" in message and "HICACHE_CONFIG_FILE" in message
+            assert SECRET not in message and "12345" not in message and "\n" not in message
 
 
 def test_vllms_scheduler_builds_the_connector_from_every_source(tmp_path, monkeypatch):

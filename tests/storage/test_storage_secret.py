@@ -144,7 +144,8 @@ def test_the_tag_covers_key_length_and_bytes():
 def test_the_secret_is_never_shown(tmp_path, caplog):
     cfg = CacheConfig(KV, device_tokens=8, host_tokens=16, storage=f"file:{tmp_path}",
                       executor="thread", model_id=MID, storage_secret=SECRET)
-    conn = ConnectorConfig.from_extra({"storage": f"file:{tmp_path}", "storage_secret": SECRET})
+    conn = ConnectorConfig.from_sources({"storage": f"file:{tmp_path}"},
+                                        {"HICACHE_STORAGE_SECRET": SECRET})
     with caplog.at_level(logging.DEBUG):
         cache = HiCache(cfg)
         serve_kv(cache, A)
@@ -158,8 +159,8 @@ def test_the_secret_is_never_shown(tmp_path, caplog):
         with pytest.raises(kind, match="storage_secret: expected a non-empty str or bytes") as e:
             CacheConfig(KV, device_tokens=8, storage_secret=bad)
         assert "12345" not in str(e.value)
-    with pytest.raises(TypeError, match=r"kv_connector_extra_config.storage_secret: expected"):
-        ConnectorConfig.from_extra({"storage_secret": ["x"]})
+    with pytest.raises(TypeError, match=r"storage_secret: expected"):
+        ConnectorConfig(storage_secret=["x"])  # type: ignore[arg-type]
 
 
 # ---- through the cache --------------------------------------------------------------
@@ -287,7 +288,8 @@ def test_the_vllm_connector_opens_its_store_with_the_configured_secret(tmp_path)
     keys = keys_of(A)
     FileStorage(tmp_path, page_nbytes=PAGE, secret=SECRET).set(keys, forged_pages(4))
     for secret, hits in ((SECRET, 4), (OTHER, 0)):
-        cfg = ConnectorConfig.from_extra({"storage": f"file:{tmp_path}", "storage_secret": secret})
+        cfg = ConnectorConfig.from_sources({"storage": f"file:{tmp_path}"},
+                                           {"HICACHE_STORAGE_SECRET": secret})
         store = HiCacheConnector._open_storage(SimpleNamespace(hc_config=cfg, page_nbytes=PAGE))
         assert store.authenticated and len(store.get(keys)) == hits
         store.close()

@@ -229,8 +229,6 @@ def _connector_config(name: str, plan: Plan, args: argparse.Namespace,
         extra["storage"] = args.storage or f"file:{storage_dir}"
         # The synchronous read of earlier versions, unless the configuration says async.
         extra["prefetch_policy"] = "timeout" if name.endswith("+async") else "sync"
-        if name.endswith("+secret"):  # every third-tier page tagged and verified
-            extra["storage_secret"] = secrets.token_hex(16)
     return {"kv_connector": "HiCacheConnector", "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_both", "kv_connector_extra_config": extra,
             # vLLM's default policy fails a request whose load failed; hicache's contract
@@ -264,7 +262,7 @@ def run_config(name: str, spec: dict, workdir: str, progress_fd: int,
     bar_fd = os.dup(progress_fd)
     try:
         with open(spec_path, "w") as f:
-            json.dump({**spec, "progress_fd": bar_fd}, f)
+            json.dump({**{k: v for k, v in spec.items() if k != "env"}, "progress_fd": bar_fd}, f)
         with open(log_path, "w") as log:
             # cwd=workdir: a bench/vllm.py in the caller's directory must not shadow vLLM.
             proc = subprocess.run([sys.executable, "-m", "hicache.cli.benchmarks.vllm_engine",
@@ -325,8 +323,13 @@ def run(args: argparse.Namespace) -> int:
                     "request_rate": args.request_rate or 0.0, "vocab_size": V,
                     "kv_nbytes_per_token": shape.kv_nbytes_per_token,
                     "kv_transfer_config": _connector_config(name, plan, args, storage_dir)}
+            env = {}
             if "storage" in name and args.store_read_delay_ms:
-                spec["env"] = {"HICACHE_FAULTS": f"read_delay_ms={args.store_read_delay_ms}"}
+                env["HICACHE_FAULTS"] = f"read_delay_ms={args.store_read_delay_ms}"
+            if name.endswith("+secret"):  # every third-tier page tagged and verified
+                env["HICACHE_STORAGE_SECRET"] = secrets.token_hex(16)  # never in vLLM's config
+            if env:
+                spec["env"] = env
             results[name].append(run_config(name, spec, workdir, out.fileno(), tag=label))
         model_info = {"source": args.model or f"random Llama, preset {args.preset or DEFAULT_PRESET}",
                       **shape._asdict(), "dtype": args.dtype}

@@ -140,7 +140,8 @@ class ConnectorConfig:
     # reset_prefix_cache(reset_connector=True) bumps the third tier's epoch (its pages of
     # the old weights miss from then on, for every process sharing the tier)
     storage_epoch_on_reset: bool = True
-    # Storage secret: pages are tagged and verified (None: $HICACHE_STORAGE_SECRET). Never shown.
+    # Storage secret: pages are tagged and verified (None: $HICACHE_STORAGE_SECRET). Never
+    # shown; from the file or the environment only (kv_connector_extra_config refuses it).
     storage_secret: str | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -156,7 +157,7 @@ class ConnectorConfig:
         if path:
             layers.append((path, _read_file(path)))
         layers += _env_layers(environ)
-        layers.append((EXTRA, dict(extra or {})))
+        layers.append((EXTRA, _refuse_secret(dict(extra or {}))))
         merged: dict[str, Any] = {}
         origin: dict[str, str] = {}
         allowed = sorted(cls.__dataclass_fields__)
@@ -180,7 +181,7 @@ class ConnectorConfig:
     @config_errors
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
         """Parse ``kv_connector_extra_config``; unknown keys are an error, not ignored."""
-        extra = dict(extra or {})
+        extra = _refuse_secret(dict(extra or {}))
         allowed = sorted(cls.__dataclass_fields__)
         unknown = sorted(set(extra) - set(allowed))
         if unknown:
@@ -293,6 +294,19 @@ EXTRA = "kv_connector_extra_config"
 ENV_PREFIX = "HICACHE_"
 CONFIG_FILE_ENV = "HICACHE_CONFIG_FILE"
 _SIZES = frozenset({"host_gb", "host_tokens"})
+# vLLM prints its configuration at start-up (the "non-default args" line, kv_transfer_config
+# included) and `vllm serve` carries it on its command line: no place for a secret.
+SECRET_IN_EXTRA = (
+    f"{EXTRA}.storage_secret: refused (vLLM logs its configuration and `vllm serve` shows "
+    f"it on the command line); set HICACHE_STORAGE_SECRET in the environment of every "
+    f"vLLM process, or storage_secret in the file ${CONFIG_FILE_ENV} names"
+)
+
+
+def _refuse_secret(extra: dict[str, Any]) -> dict[str, Any]:
+    if "storage_secret" in extra:
+        raise ValueError(SECRET_IN_EXTRA)  # never the value
+    return extra
 
 
 def _read_file(path: str) -> dict[str, Any]:
