@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(
 B, NB = 32, 8  # block size, vLLM blocks
 
 
-def _configs(extra: dict):
+def _configs(extra: dict, device: str = "cpu"):
     from vllm.config import KVTransferConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
@@ -40,22 +40,33 @@ def _configs(extra: dict):
         kv_transfer_config=transfer, cache_config=SimpleNamespace(block_size=B),
         model_config=SimpleNamespace(model="tiny", revision=None, dtype=torch.float32),
         parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        device_config=SimpleNamespace(device_type=device),
     )
     return vllm_config, kv_cache_config
 
 
-def _connectors(extra: dict):
+def _connectors(extra: dict, device: str = "cpu", split: bool = False):
+    """A scheduler and a worker connector; the worker's KV in vLLM's CPU backend layout
+    (fused K/V), or with ``split`` (in host memory) as the CUDA backend lays it out."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from hicache.integrations.vllm import HiCacheConnector
 
-    vllm_config, kv_cache_config = _configs(extra)
+    vllm_config, kv_cache_config = _configs(extra, device)
     sched = HiCacheConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
     worker = HiCacheConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-    # vLLM's CPU backend layout: (num_blocks, H, block_size, 2 * D)
-    kv = {name: torch.randn(NB, 2, B, 64) for name in ("l0", "l1")}
+    # CPU backend: (num_blocks, H, block_size, 2 * D); split: (2, num_blocks, block_size, H, D)
+    kv = {name: torch.randn(2, NB, B, 2, 32) if split else torch.randn(NB, 2, B, 64)
+          for name in ("l0", "l1")}
     worker.register_kv_caches(kv)
     return sched, worker, kv
+
+
+def _request(req_id: str, tokens: list[int]) -> SimpleNamespace:
+    """What the connector reads of a vLLM ``Request`` (plain text, no LoRA, no salt)."""
+    return SimpleNamespace(request_id=req_id, all_token_ids=tokens, num_computed_tokens=0,
+                           num_prompt_tokens=len(tokens), lora_request=None, mm_features=[],
+                           prompt_embeds=None, cache_salt=None)
 
 
 def _output(new=(), cached=(), num_tokens=None):
@@ -91,7 +102,7 @@ def test_save_then_load_through_the_connector_api():
 
     sched, worker, kv = _connectors({"host_tokens": 256})
     tokens = list(range(1, 70))  # two whole blocks and 5 tokens
-    a = SimpleNamespace(request_id="a", all_token_ids=tokens, num_computed_tokens=0)
+    a = _request("a", tokens)
     sched.on_new_request(a)
     assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
     sched.update_state_after_alloc(a, SimpleNamespace(get_block_ids=lambda: ([0, 1, 2],)), 0)
@@ -106,7 +117,7 @@ def test_save_then_load_through_the_connector_api():
     assert meta.early_saves == [] and not meta.saves  # both blocks were saved already
     assert _run_step(worker, meta)[0] == (None, None)
 
-    b = SimpleNamespace(request_id="b", all_token_ids=tokens, num_computed_tokens=0)
+    b = _request("b", tokens)
     sched.on_new_request(b)
     assert sched.get_num_new_matched_tokens(b, 0) == (64, False)
     sched.update_state_after_alloc(b, SimpleNamespace(get_block_ids=lambda: ([5, 6, 7],)), 64)
@@ -155,7 +166,7 @@ def test_hook_clocks_split_the_connectors_time_per_hook_and_time_the_forward():
 
     sched, worker, kv = _connectors({"host_tokens": 256})
     tokens = list(range(1, 70))
-    a = SimpleNamespace(request_id="a", all_token_ids=tokens, num_computed_tokens=0)
+    a = _request("a", tokens)
     sched.on_new_request(a)
     sched.get_num_new_matched_tokens(a, 0)
     sched.update_state_after_alloc(a, SimpleNamespace(get_block_ids=lambda: ([0, 1, 2],)), 0)
@@ -164,7 +175,7 @@ def test_hook_clocks_split_the_connectors_time_per_hook_and_time_the_forward():
     a.num_computed_tokens = 69
     sched.request_finished(a, [0, 1, 2])
     _run_step(worker, sched.build_connector_meta(_output()))
-    b = SimpleNamespace(request_id="b", all_token_ids=tokens, num_computed_tokens=0)
+    b = _request("b", tokens)
     sched.on_new_request(b)
     assert sched.get_num_new_matched_tokens(b, 0) == (64, False)
     sched.update_state_after_alloc(b, SimpleNamespace(get_block_ids=lambda: ([5, 6, 7],)), 64)
@@ -211,3 +222,54 @@ def test_bad_extra_config_fails_at_start_up_naming_the_field(extra, match):
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
         with pytest.raises((ValueError, TypeError), match=match):
             HiCacheConnector(vllm_config, role, kv_cache_config)
+
+
+def _serve(sched, worker, req_id: str, tokens: list[int]) -> int:
+    """One request through both connectors: looked up, computed (its blocks saved, the
+    third tier written) and finished; returns the tokens the lookup promised."""
+    r = _request(req_id, tokens)
+    sched.on_new_request(r)
+    hit = sched.get_num_new_matched_tokens(r, 0)[0]
+    blocks = [0, 1, 2]
+    sched.update_state_after_alloc(r, SimpleNamespace(get_block_ids=lambda: (blocks,)), hit)
+    meta = sched.build_connector_meta(_output(new=[(r, blocks, hit)],
+                                              num_tokens={req_id: len(tokens) - hit}))
+    assert _run_step(worker, meta)[1] == set()
+    r.num_computed_tokens = len(tokens)
+    sched.request_finished(r, blocks)
+    _run_step(worker, sched.build_connector_meta(_output()))
+    worker.worker_half.drain()
+    return hit
+
+
+def test_pages_of_one_tensor_layout_are_never_served_to_another(tmp_path):
+    """The device kind and tensor layout are part of the storage identity: on one shared
+    third tier a CPU instance (fused K/V) and a CUDA-layout one (split K/V, here in host
+    memory) never read each other's pages, either way; each reads its own kind's."""
+    tokens = list(range(1, 70))
+    kinds = {"cpu": {}, "cuda": {"split": True}}
+    for first, second in (("cpu", "cuda"), ("cuda", "cpu")):
+        extra = {"host_tokens": 256, "storage": f"file:{tmp_path / first}",
+                 "prefetch_policy": "sync"}
+        writer = _connectors(extra, first, **kinds[first])
+        assert _serve(*writer[:2], "a", tokens) == 0  # computed, saved, stored
+        reader = _connectors(extra, second, **kinds[second])  # an empty host tier
+        assert _serve(*reader[:2], "b", tokens) == 0  # another layout: nothing stored
+        again = _connectors(extra, first, **kinds[first])
+        assert _serve(*again[:2], "c", tokens) == 64  # its own layout: both whole blocks
+        ids = {kind: conn[0]._identity for kind, conn in ((first, writer), (second, reader))}
+        assert ids["cpu"][0] != ids["cuda"][0] and ids["cpu"][1] == ids["cuda"][1]
+        assert "-cpu-planes1-" in ids["cpu"][0] and "-cuda-planes2-" in ids["cuda"][0]
+        for sched, worker, _ in (writer, reader, again):
+            worker.shutdown()
+            sched.shutdown()
+
+
+def test_a_layout_unlike_the_identitys_is_refused_with_a_third_tier(tmp_path):
+    """A worker whose KV is not laid out as its device's identity says stops at start-up
+    when pages go to a shared third tier; without one the layout is its own business."""
+    with pytest.raises(ValueError, match="expected 1 plane\\(s\\) per layer and block"):
+        _connectors({"host_tokens": 256, "storage": f"file:{tmp_path}"}, "cpu", split=True)
+    sched, worker, _ = _connectors({"host_tokens": 256}, "cpu", split=True)
+    worker.shutdown()
+    sched.shutdown()

@@ -27,13 +27,11 @@ from __future__ import annotations
 
 import os
 import random
+import zlib
 from typing import Any, NamedTuple
 
-import numpy as np
 import pytest
 from optional_vllm import VLLM_REQUIRED, vllm_available
-
-from hicache.tree import token_key
 
 pytestmark = pytest.mark.skipif(
     not VLLM_REQUIRED and not vllm_available(),
@@ -59,19 +57,54 @@ VALID = st.fixed_dictionaries({"namespace": st.sampled_from([None, "a", "b"])}, 
 })
 CONTROLS = st.one_of(st.none(), VALID, VALID, st.sampled_from(MISTAKES))
 SALTS = st.sampled_from([None, None, "s"])
+# LoRA adapters: "A" and "A2" are two adapters registered under one name (other weights),
+# "B" another one, "gone" one whose files cannot be read (refused: served without hicache).
+LORAS = st.sampled_from([None, None, "A", "A2", "B", "gone"])
+IMAGES = st.sampled_from([None, None, "img1", "img2"])  # a multimodal item in the prompt
+IMAGE_SIZE = 20  # positions of an image (an identifier is its content: one size each)
+PLACEHOLDER = 7  # the token id of every image position, whatever the image
 
 
 class Req(NamedTuple):
     """What the model knows of one request: its namespace in hicache's tiers, whether
-    it may load, the tokens it may save (prefix of its sequence) and its mistake."""
+    it may load, the positions it may save (prefix of its sequence), its mistake, and
+    its whole sequence. A position is (token id, what else its KV depends on there)."""
 
-    namespace: tuple[str | None, str | None]  # (cache_salt, namespace)
+    namespace: tuple  # (cache_salt, namespace, LoRA adapter (name, weights) or None)
     may_load: bool
-    saveable: list[int]
+    saveable: list[tuple[int, str]]
     mistake: bool
+    keyed: list[tuple[int, str]]
 
 
-def _common_pages(a: list[int], b: list[int], page: int) -> int:
+class Conv(NamedTuple):
+    """A conversation's history: its tokens (outputs included), its multimodal items
+    ``(identifier, offset, length)``, and with a prompt of embeddings the label of each
+    embedding row (the positions past them are tokens)."""
+
+    tokens: list[int]
+    items: tuple[tuple[str, int, int], ...] = ()
+    rows: tuple[str, ...] | None = None
+
+
+def _embedding(label: str) -> list[float]:
+    """The embedding row of a label (4 floats from its hash)."""
+    h = zlib.crc32(label.encode())
+    return [float((h >> (8 * i)) & 0xFF) for i in range(4)]
+
+
+def _keyed(tokens: list[int], items, rows) -> list[tuple[int, str]]:
+    """Positions as the model keys them: each token with what else its KV depends on."""
+    out = [(t, "") for t in tokens]
+    for ident, o, n in items:
+        for j in range(o, o + n):
+            out[j] = (tokens[j], f"{ident}:{j - o}")
+    for j, label in enumerate(rows or ()):
+        out[j] = (tokens[j], f"row:{label}")
+    return out
+
+
+def _common_pages(a: list, b: list, page: int) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -95,6 +128,8 @@ class ConnectorMachine(RuleBasedStateMachine):
         self.model: dict[str, Req] = {}
         self.aborted: set[str] = set()
         self.lookup_errors: list[str] = []
+        self.keyed: list[list[tuple[int, str]]] = []  # of each sequence the engine saw
+        self.adapters: dict[str, Any] = {}  # name -> (vLLM's LoRARequest, its weights)
 
     @initialize(
         async_scheduling=st.booleans(), policy=st.sampled_from(["recompute", "fail"]),
@@ -120,6 +155,7 @@ class ConnectorMachine(RuleBasedStateMachine):
                                    num_blocks=num_blocks, extra=extra, seed=seed)
         self.rng = random.Random(seed)
         self.system = [self.rng.randrange(1, 500) for _ in range(2 * self.sched.B)]
+        self._write_adapters()
         connector = self.e.connector
         lookup = connector.get_num_new_matched_tokens
 
@@ -129,6 +165,22 @@ class ConnectorMachine(RuleBasedStateMachine):
             return num, load_async
 
         connector.get_num_new_matched_tokens = watched
+
+    def _write_adapters(self) -> None:
+        import tempfile
+
+        from vllm.lora.request import LoRARequest
+
+        root = tempfile.mkdtemp(prefix="hicache-stateful-lora-")
+        for i, (key, name, weights) in enumerate(
+                [("A", "A", b"a-1"), ("A2", "A", b"a-2"), ("B", "B", b"b-1")]):
+            path = os.path.join(root, key)
+            os.makedirs(path)
+            with open(os.path.join(path, "adapter_model.safetensors"), "wb") as f:
+                f.write(weights)
+            self.adapters[key] = (LoRARequest(name, i + 1, path), (name, weights))
+        gone = LoRARequest("gone", 9, os.path.join(root, "missing"))
+        self.adapters["gone"] = (gone, ("gone", None))
 
     def _check_lookup(self, request: Any, num_computed: int, num: int) -> None:
         """A hit of ``num`` tokens after vLLM's ``num_computed``: allowed only for a
@@ -141,7 +193,7 @@ class ConnectorMachine(RuleBasedStateMachine):
         if not me.may_load:
             self.lookup_errors.append(f"{rid} may not load but hit {num} tokens")
             return
-        tokens = list(request.all_token_ids[:num_computed + num])
+        tokens = me.keyed[:num_computed + num]
         B = self.sched.B
         reach = max((_common_pages(tokens, o.saveable, B) * B
                      for other, o in self.model.items()
@@ -155,40 +207,82 @@ class ConnectorMachine(RuleBasedStateMachine):
     def _tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(1, 500) for _ in range(n)]
 
-    def _add(self, prompt: list[int], max_tokens: int, salt: str | None = None,
-             control: dict | str | None = None) -> None:
+    def _add(self, conv: Conv, max_tokens: int, salt: str | None = None,
+             control: dict | str | None = None, lora: str | None = None) -> None:
+        import torch
+
         # vLLM cannot schedule a request larger than its whole cache: keep prompts in it.
         limit = (self.e.num_blocks - 2) * self.sched.B
-        prompt = prompt[:limit - max_tokens]
+        n = limit - max_tokens
+        prompt, rows = conv.tokens[:n], conv.rows[:n] if conv.rows is not None else None
+        items = tuple(i for i in conv.items if i[1] + i[2] <= n)
         self.num_requests += 1
         rid = f"r{self.num_requests}"
+        if rows is not None:
+            prompt = [0] * len(rows)  # vLLM's token ids of a prompt of embeddings
         sequence = self.sched.extend(prompt, max_tokens)
+        keyed = _keyed(sequence, items, rows)
+        request, adapter = self.adapters[lora] if lora is not None else (None, None)
+        refused = adapter is not None and adapter[1] is None  # its files cannot be read
         mistake = control == "all" or control in MISTAKES
         c = control if isinstance(control, dict) and not mistake else {}
-        saveable = [] if mistake or c.get("skip_save") else sequence
+        saveable = [] if mistake or refused or c.get("skip_save") else keyed
         if c.get("save_max_tokens") is not None:
             cap = min(c["save_max_tokens"], len(prompt)) // self.sched.B * self.sched.B
             saveable = saveable[:cap]
-        self.model[rid] = Req((salt, c.get("namespace")),
-                              not mistake and not c.get("skip_load"), saveable, mistake)
+        self.model[rid] = Req((salt, c.get("namespace"), adapter),
+                              not (mistake or refused or c.get("skip_load")), saveable, mistake,
+                              keyed)
         params = None if control is None else {"hicache": control}
+        embeds = (torch.tensor([_embedding(r) for r in rows], dtype=torch.float32)
+                  if rows is not None else None)
         self.e.add(rid, prompt, max_tokens=max_tokens, cache_salt=salt,
-                   kv_transfer_params=params)
-        self.histories.append(sequence)
+                   kv_transfer_params=params, lora=request, mm=items, embeds=embeds)
+        self.keyed.append(keyed)
+        # The next turn sends this one's tokens again; a prompt of embeddings sends the
+        # generated tokens as embedding rows too.
+        self.histories.append(Conv(sequence, items, None if rows is None else tuple(
+            rows) + tuple(f"tok:{t}" for t in sequence[len(rows):])))
 
     @rule(user=st.integers(1, 40), max_tokens=st.integers(1, 20), salt=SALTS,
-          control=CONTROLS)
-    def new_conversation(self, user, max_tokens, salt, control):
-        self._add(self.system + self._tokens(user), max_tokens, salt, control)
+          control=CONTROLS, lora=LORAS, image=IMAGES, at=st.integers(0, 20))
+    def new_conversation(self, user, max_tokens, salt, control, lora, image, at):
+        """A new conversation after the shared system prompt; with an image, whose
+        positions hold the same placeholder token whatever the image."""
+        tokens = self.system + self._tokens(user)
+        items: tuple = ()
+        if image is not None:
+            at = min(len(self.system) + at, len(tokens))
+            tokens[at:at] = [PLACEHOLDER] * IMAGE_SIZE
+            items = ((image, at, IMAGE_SIZE),)
+        self._add(Conv(tokens, items), max_tokens, salt, control, lora)
+
+    @rule(size=st.integers(1, 60), max_tokens=st.integers(1, 20), salt=SALTS,
+          control=CONTROLS, lora=LORAS, seed=st.sampled_from(["e1", "e2"]),
+          shared=st.integers(0, 60))
+    def new_embeddings_conversation(self, size, max_tokens, salt, control, lora, seed, shared):
+        """A prompt of embeddings (its token ids all 0): the first ``shared`` rows are
+        common to every such prompt, the rest are ``seed``'s."""
+        rows = tuple(f"common:{j}" if j < shared else f"{seed}:{j}" for j in range(size))
+        self._add(Conv([0] * size, (), rows), max_tokens, salt, control, lora)
 
     @precondition(lambda self: self.histories)
     @rule(which=st.integers(0, 10**6), user=st.integers(1, 40), max_tokens=st.integers(1, 20),
-          salt=SALTS, control=CONTROLS)
-    def follow_up(self, which, user, max_tokens, salt, control):
-        """The next turn of any earlier conversation, in any namespace (another tenant
-        sending the same tokens must not hit what the first one saved)."""
-        history = self.histories[which % len(self.histories)]
-        self._add(history + self._tokens(user), max_tokens, salt, control)
+          salt=SALTS, control=CONTROLS, lora=LORAS, swap=st.booleans())
+    def follow_up(self, which, user, max_tokens, salt, control, lora, swap):
+        """The next turn of any earlier conversation, in any namespace and under any
+        adapter (another tenant or adapter sending the same tokens must not hit what the
+        first one saved); ``swap``: the same tokens with the other image (or other
+        embeddings), which must not hit either."""
+        h = self.histories[which % len(self.histories)]
+        items = tuple((("img2" if i == "img1" else "img1") if swap else i, o, n)
+                      for i, o, n in h.items)
+        rows = h.rows
+        if rows is not None:
+            rows = tuple(r.replace("e1", "e2") if swap else r for r in rows) + tuple(
+                f"tok:{t}" for t in self._tokens(user))
+        self._add(Conv(h.tokens + self._tokens(user), items, rows), max_tokens, salt,
+                  control, lora)
 
     @precondition(lambda self: self.histories)
     @rule(which=st.integers(0, 10**6), user=st.integers(1, 40), salt=SALTS, control=CONTROLS)
@@ -201,7 +295,7 @@ class ConnectorMachine(RuleBasedStateMachine):
         pool = self.e.scheduler.kv_cache_manager.block_pool
         pool.evict_blocks({b.block_id for b in pool.blocks
                            if b.block_hash is not None and b.ref_cnt == 0})
-        self.follow_up(which, user, 4, salt, control)
+        self.follow_up(which, user, 4, salt, control, None, False)
         self.e.run(max_steps=500)
 
     @rule(num=st.integers(1, 3), user=st.integers(16, 80))
@@ -209,7 +303,7 @@ class ConnectorMachine(RuleBasedStateMachine):
         """Unrelated requests run to the end: vLLM's cache and the host tier turn over,
         so that later follow-ups hit the host tier or storage."""
         for _ in range(num):
-            self._add(self._tokens(user), 2)
+            self._add(Conv(self._tokens(user)), 2)
         self.e.run(max_steps=500)
 
     @rule(num=st.integers(1, 8))
@@ -285,11 +379,14 @@ class ConnectorMachine(RuleBasedStateMachine):
         B = self.sched.B
         tree = self.e.connector.scheduler_half.tree
         reqs = list(self.model.values())
-        spaces = {r.namespace: t for r, t in zip(reqs, self.e.namespaces, strict=True)}
+        # (a request whose adapter cannot be read holds nothing: its tree namespace is
+        # the base model's, with nothing saved)
+        spaces = {r.namespace: t for r, t in zip(reqs, self.e.namespaces, strict=True)
+                  if r.namespace[2] is None or r.namespace[2][1] is not None}
         for space, tree_space in spaces.items():
             mine = [r.saveable for r in reqs if r.namespace == space]
-            for seq in self.e.sequences:
-                held = tree.probe_key(token_key(np.asarray(seq), B), tree_space) // B * B
+            for seq, key in zip(self.keyed, self.e.tree_keys, strict=True):
+                held = tree.probe_key(key, tree_space) // B * B
                 reach = max(_common_pages(seq, s, B) * B for s in mine)
                 assert held <= reach, (f"namespace {space} holds {held} tokens of a "
                                        f"sequence its requests saved at most {reach} of")

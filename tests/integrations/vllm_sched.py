@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from hicache.integrations.vllm.common.params import parse_request_control, tree_namespace
+from hicache.integrations.vllm.scheduler.inputs import AdapterDigests, identity_ids, read_inputs
 from hicache.tree import token_key
 
 B = 16  # tokens per block
@@ -63,12 +64,17 @@ def model_dir(num_heads: int = 1) -> str:
     return _MODEL_DIRS[num_heads]
 
 
-def prefix_values(tokens: Sequence[int]) -> np.ndarray:
-    """KV value of every position: a CRC of the tokens up to and including it."""
+def prefix_values(tokens: Sequence[int], labels: Sequence[bytes] | None = None,
+                  seed: bytes = b"") -> np.ndarray:
+    """KV value of every position: a CRC of the tokens up to and including it, and of
+    whatever else the KV depends on: each position's label (what a multimodal item or a
+    prompt embedding puts there; positions past ``labels`` have none) and the LoRA
+    adapter's weights (``seed``)."""
     out = np.empty(len(tokens), dtype=np.float64)
-    crc = 0
+    crc = zlib.crc32(seed) if seed else 0
     for i, t in enumerate(tokens):
-        crc = zlib.crc32(int(t).to_bytes(4, "little"), crc)
+        label = labels[i] if labels is not None and i < len(labels) else b""
+        crc = zlib.crc32(int(t).to_bytes(4, "little") + label, crc)
         out[i] = crc % 1_000_003 + 1
     return out
 
@@ -76,6 +82,14 @@ def prefix_values(tokens: Sequence[int]) -> np.ndarray:
 def next_token(tokens: Sequence[int]) -> int:
     """What the model "samples" after ``tokens``: a function of the prefix."""
     return zlib.crc32(np.asarray(tokens, dtype=np.int32).tobytes()) % VOCAB + 1
+
+
+def adapter_weights(path: str) -> bytes:
+    """A test adapter's "weights": the contents of its files (none: a missing directory)."""
+    if not os.path.isdir(path):
+        return b"missing"
+    return b"".join(open(os.path.join(path, name), "rb").read()
+                    for name in sorted(os.listdir(path)))
 
 
 def extend(tokens: list[int], n: int) -> list[int]:
@@ -232,6 +246,12 @@ class Engine:
             structured_output_manager=StructuredOutputManager(self.vllm_config), block_size=B,
         )
         self.connector = self.scheduler.connector
+        # The encoder budget a multimodal model would get (the model config is a text
+        # model's): requests with multimodal items are scheduled, their "encoder" is free.
+        from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
+
+        self.scheduler.max_num_encoder_input_tokens = 1 << 20
+        self.scheduler.encoder_cache_manager = EncoderCacheManager(cache_size=1 << 20)
         # vLLM's CPU layout: (num_blocks, H, block_size, 2 * D) per layer.
         self.kv = {name: torch.zeros(self.num_blocks, H, B, 2 * D) for name in LAYERS}
         self.worker = HiCacheConnector(self.vllm_config, KVConnectorRole.WORKER,
@@ -256,6 +276,11 @@ class Engine:
         self.num_sampled: dict[str, int] = {}
         self.sequences: list[list[int]] = []  # every token sequence seen (for the final check)
         self.namespaces: list[str | None] = []  # the tree namespace of each of them
+        self.tree_keys: list[bytes] = []  # and its tree key (identity ids of its pages)
+        self.values: list[np.ndarray] = []  # and its KV values
+        # Per request: what its KV depends on besides its tokens (position labels, adapter)
+        self.inputs: dict[str, tuple[list[bytes] | None, bytes]] = {}
+        self.adapters = AdapterDigests()
         self.outputs: dict[str, list[int]] = {}  # finished requests' output tokens
         self.failed: set[str] = set()  # finished with FINISHED_ERROR
         self.finished_ids: set[str] = set()  # finished, as the engine reported them
@@ -269,8 +294,14 @@ class Engine:
 
     # ------------------------------------------------------------ requests
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 4,
-            cache_salt: str | None = None, kv_transfer_params: dict | None = None) -> None:
+            cache_salt: str | None = None, kv_transfer_params: dict | None = None, *,
+            lora=None, mm: Sequence[tuple[str, int, int]] = (),
+            embeds: torch.Tensor | None = None) -> None:
+        """A request: ``prompt`` (ignored with ``embeds``: a prompt of embeddings, one
+        row a position), under a LoRA adapter (vLLM's ``LoRARequest``; its files are
+        its weights), with multimodal items ``(identifier, offset, length)``."""
         from vllm import SamplingParams
+        from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher
         from vllm.v1.request import Request
@@ -279,13 +310,33 @@ class Engine:
             max_tokens=max_tokens, ignore_eos=True, temperature=0.0,
             extra_args=None if kv_transfer_params is None
             else {"kv_transfer_params": kv_transfer_params})
-        req = Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=params,
+        features = [MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
+                                          mm_position=PlaceholderRange(offset=o, length=n))
+                    for ident, o, n in mm]
+        req = Request(request_id=req_id, prompt_token_ids=None if embeds is not None
+                      else list(prompt), prompt_embeds=embeds, sampling_params=params,
                       pooling_params=None, block_hasher=get_request_block_hasher(B, sha256),
-                      cache_salt=cache_salt)
-        self.prompts[req_id] = list(prompt)
-        self.sequences.append(extend(prompt, max_tokens))
+                      cache_salt=cache_salt, mm_features=features, lora_request=lora)
+        prompt = self.prompts[req_id] = list(req.all_token_ids)
+        labels: list[bytes] | None = None
+        if embeds is not None:
+            labels = [row.numpy().tobytes() for row in embeds]
+        elif mm:
+            labels = [b""] * len(prompt)
+            for ident, o, n in mm:
+                for j in range(o, o + n):
+                    labels[j] = f"{ident}:{j - o}".encode()
+        seed = adapter_weights(lora.lora_path) if lora is not None else b""
+        self.inputs[req_id] = (labels, seed)
+        sequence = extend(prompt, max_tokens)
+        self.sequences.append(sequence)
+        self.values.append(prefix_values(sequence, labels, seed))
+        # Where the connector keeps this sequence's pages (its own reading of the request)
+        inputs = read_inputs(req, B, self.adapters)
         control = parse_request_control(kv_transfer_params)
-        self.namespaces.append(tree_namespace(cache_salt, control))
+        self.namespaces.append(tree_namespace(cache_salt, control, inputs.adapter))
+        self.tree_keys.append(token_key(
+            identity_ids(sequence, inputs.pages, 0, len(sequence) // B, B), B))
         self.scheduler.add_request(req)
 
     def abort(self, req_id: str) -> None:
@@ -456,7 +507,8 @@ class Engine:
         return [(rid, self._wrong_blocks(rid, done), done) for rid, done, _ in scheduled]
 
     def _expected(self, rid: str, start: int, end: int) -> np.ndarray:
-        return prefix_values(self._tokens(rid, end))[start:end]
+        labels, seed = self.inputs.get(rid, (None, b""))
+        return prefix_values(self._tokens(rid, end), labels, seed)[start:end]
 
     def _slots(self, rid: str, start: int, end: int) -> tuple[list[int], list[int]]:
         table = self.tables[rid]
@@ -497,14 +549,13 @@ class Engine:
         pool = self.worker.worker_half.host_pool
         errors = []
         seen: set[int] = set()
-        for tokens, namespace in zip(self.sequences, self.namespaces, strict=True):
-            key = token_key(np.asarray(tokens), B)
+        for tokens, namespace, key, values in zip(self.sequences, self.namespaces,
+                                                  self.tree_keys, self.values, strict=True):
             num_pages = half.tree.probe_key(key, namespace) // B
             if not num_pages:
                 continue
             path = half.tree.probe_path(key, namespace)
             pages = torch.cat([nd.host_indices for nd in path]).tolist()[:num_pages]
-            values = prefix_values(tokens)
             for i, page in enumerate(pages):
                 if page in seen or page in half._bad:
                     continue

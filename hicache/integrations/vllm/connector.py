@@ -36,7 +36,7 @@ from hicache.integrations.vllm.clocks import HookClock
 from hicache.integrations.vllm.clocks import timed_scheduler_hook as _timed_scheduler
 from hicache.integrations.vllm.clocks import timed_worker_hook as _timed
 from hicache.integrations.vllm.common.config import ConnectorConfig
-from hicache.integrations.vllm.common.identity import page_nbytes, storage_identity
+from hicache.integrations.vllm.common.identity import layout_planes, page_nbytes, storage_identity
 from hicache.integrations.vllm.common.keys import rank_salt
 from hicache.integrations.vllm.common.params import (
     ERROR_KEY,
@@ -49,6 +49,7 @@ from hicache.integrations.vllm.common.plan import StepPlan
 from hicache.integrations.vllm.common.tp import check_parallelism, vllm_rank_group
 from hicache.integrations.vllm.metadata import HiCacheConnectorMetadata, HiCacheWorkerMetadata
 from hicache.integrations.vllm.scheduler.half import SchedulerHalf
+from hicache.integrations.vllm.scheduler.inputs import InputReader
 from hicache.integrations.vllm.scheduler.pool_hooks import EvictionHook
 from hicache.integrations.vllm.scheduler.requests import ScheduledRequest
 from hicache.integrations.vllm.stats import HiCacheConnectorStats, SchedulerReport
@@ -109,6 +110,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         self._eviction_hook: EvictionHook | None = None  # vLLM's evictions -> write_back
         # Per request: (its control, its namespace in hicache's tiers); see params.py
         self._controls: dict[str, tuple[RequestControl, str | None]] = {}
+        self._inputs = InputReader()  # what the KV depends on besides the tokens
         self._events: HostTierEvents | None = None  # the host tier's KV cache events, when on
         self._tier_events: StorageTierEvents | None = None  # the third tier's, when on
         events = getattr(vllm_config, "kv_events_config", None)
@@ -176,6 +178,10 @@ class HiCacheConnector(KVConnectorBase_V1):
                 f"HiCacheConnector: registered KV holds {self.worker_half.layout.page_nbytes} "
                 f"bytes per block, the KV cache spec says {self.page_nbytes}"
             )
+        planes = layout_planes(self._vllm_config)  # a shared third tier must not mix layouts
+        if backend is not None and self.worker_half.layout.planes_per_layer != planes:
+            raise ValueError(f"HiCacheConnector: expected {planes} plane(s) per layer and block "
+                             f"(the storage identity), got {self.worker_half.layout.fingerprint()}")
 
     def _plan(self) -> StepPlan | None:
         meta = self._connector_metadata
@@ -305,14 +311,20 @@ class HiCacheConnector(KVConnectorBase_V1):
         salt_error = check_cache_salt(salt)
         if control.error is None and salt_error is not None:
             control = control._replace(skip_load=True, skip_save=True, error=salt_error)
-        namespace = tree_namespace(salt, control)
+        inputs = self._inputs.read(request, self.block_size)  # LoRA, multimodal, embeddings
+        if inputs.refused is not None:  # fail closed (logged once per kind): never a guess
+            control = control._replace(skip_load=True, skip_save=True)
+            if self.scheduler_half is not None:
+                self.scheduler_half.counters.unkeyed_requests += 1
+        namespace = tree_namespace(salt, control, inputs.adapter)
         if control.error is not None:
             _log.warning("hicache: request %s served without hicache: %s",
                          request.request_id, control.error)
         self._controls[request.request_id] = (control, namespace)
-        if not control.is_default and self.scheduler_half is not None:
+        if (not control.is_default or inputs.pages) and self.scheduler_half is not None:
             self.scheduler_half.set_control(request.request_id, request.all_token_ids,
-                                            namespace, control, request.num_prompt_tokens)
+                                            namespace, control, request.num_prompt_tokens,
+                                            inputs.pages)
         return namespace
 
     @_timed_scheduler

@@ -90,6 +90,9 @@ METRICS: dict[str, Metric] = {
         "dropped (their read failed, or came after a reset).", "state",
         {"started": "prefetch_tokens", "arrived": "prefetch_arrived_tokens",
          "dropped": "prefetch_dropped_tokens"}),
+    "vllm:hicache_unkeyed_requests_total": Metric(
+        Counter, "Requests served without hicache (nothing loaded or saved): an input their "
+        "KV depends on that hicache cannot key.", None, {"": "unkeyed_requests"}),
     "vllm:hicache_storage_errors_total": Metric(
         Counter, "Third-tier operations that failed.", None, {"": "storage_errors"}),
     "vllm:hicache_storage_timeouts_total": Metric(

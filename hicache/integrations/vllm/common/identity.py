@@ -18,12 +18,31 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
+def device_type(vllm_config: VllmConfig) -> str:
+    """vLLM's device kind (``cpu``, ``cuda``, ...)."""
+    return str(vllm_config.device_config.device_type)
+
+
+def layout_planes(vllm_config: VllmConfig) -> int:
+    """:func:`block_planes` of vLLM's device."""
+    return block_planes(device_type(vllm_config))
+
+
+def block_planes(device: str) -> int:
+    """Planes per layer of a block in the KV layout the connector copies on ``device``:
+    one on vLLM's CPU backend (K and V fused, ``(num_blocks, H, block_size, 2 * D)``),
+    two elsewhere (split K/V, ``(2, num_blocks, block_size, H, D)``)."""
+    return 1 if device == "cpu" else 2
+
+
 def storage_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                      config: ConnectorConfig) -> tuple[str, str]:
     """What third-tier keys are salted with: ``(KV layout fingerprint, model_id)``.
 
-    Two vLLM instances share stored pages only when both are equal: same KV dtype and
-    shape, block size, and same model — ``model_id`` from the extra config when given
+    Two vLLM instances share stored pages only when both are equal: same device kind,
+    KV dtype, shape and tensor layout (vLLM's resolved ``kv_cache_layout`` and the
+    planes of :func:`block_planes`, which the workers check at start-up), block size,
+    and same model — ``model_id`` from the extra config when given
     (the deliberate way to share), else one derived from vLLM's model config: the model
     (path or name) with its revision, or for a local directory without a revision a
     digest of its files' names, sizes and modification times (weights changed in place
@@ -35,6 +54,8 @@ def storage_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
         f"vllm-{type(spec).__name__}-L{layers}-H{getattr(spec, 'num_kv_heads', '?')}"
         f"-D{getattr(spec, 'head_size', '?')}-{str(getattr(spec, 'dtype', '?')).removeprefix('torch.')}"
         f"-B{spec.block_size}-bytes{spec.page_size_bytes}"
+        f"-{device_type(vllm_config)}-planes{block_planes(device_type(vllm_config))}"
+        f"-{getattr(kv_cache_config, 'kv_cache_layout', None) or 'default'}"
     )
     if config.model_id is not None:
         return layout, config.model_id

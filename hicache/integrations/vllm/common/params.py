@@ -102,10 +102,14 @@ def _refused(message: str) -> RequestControl:
 _COMBINED = "\x00"
 
 
-def tree_namespace(cache_salt: str | None, control: RequestControl) -> str | None:
+def tree_namespace(cache_salt: str | None, control: RequestControl,
+                   adapter: str | None = None) -> str | None:
     """The namespace of the request's pages in hicache's tiers: vLLM's ``cache_salt``
-    alone (unchanged), or with a hicache ``namespace`` both, encoded so that no other
-    pair and no salt alone gives the same string."""
+    alone (unchanged), or with a hicache ``namespace`` and/or a LoRA ``adapter`` (its
+    identity, ``name@digest``) all of them, encoded so that no other combination and no
+    salt alone gives the same string (the base model is a namespace of its own)."""
+    if adapter is not None:
+        return _COMBINED + json.dumps([cache_salt, control.namespace, adapter])
     if control.namespace is None:
         return cache_salt
     return _COMBINED + json.dumps([cache_salt, control.namespace])

@@ -16,19 +16,18 @@ The tree holds *host* pages only: vLLM owns its blocks and evicts them itself,
 so a device tier here would only shadow vLLM's prefix cache. When a block is
 saved is the write policy's (:mod:`~hicache.integrations.vllm.scheduler.saves`); what a
 request asked for, :mod:`~hicache.integrations.vllm.common.params`'. Nodes the current
-step loads from or saves to are host-pinned until
-the plan is built, so making room for one request never reuses a page another
-request's copy of this step touches; ordering across steps is the workers' job
-(they finish copies into or out of a host page before the next one that touches
-it). Not thread-safe: vLLM's scheduler loop drives it. What a lookup may promise
-from storage is :mod:`~hicache.integrations.vllm.scheduler.third_tier`'s; the per-request
-state is :mod:`~hicache.integrations.vllm.scheduler.requests`'.
+step loads from or saves to are host-pinned until the plan is built, so making room
+for one request never reuses a page another request's copy of this step touches;
+ordering across steps is the workers' job (they finish copies into or out of a host
+page before the next one that touches it). Not thread-safe: vLLM's scheduler loop
+drives it. What a lookup may promise from storage is :mod:`.third_tier`'s; the
+per-request state (and what its pages are keyed by) :mod:`.requests`'.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 
 import numpy as np
@@ -120,10 +119,13 @@ class SchedulerHalf:
         return st
 
     def set_control(self, req_id: str, token_ids: Sequence[int], namespace: str | None,
-                    control: RequestControl, num_prompt_tokens: int) -> None:
-        """The request's per-request control (:mod:`~hicache.integrations.vllm.common.params`),
+                    control: RequestControl, num_prompt_tokens: int,
+                    inputs: Mapping[int, bytes] | None = None) -> None:
+        """The request's per-request control (:mod:`~hicache.integrations.vllm.common.params`)
+        and its pages' inputs besides tokens (:mod:`~hicache.integrations.vllm.scheduler.inputs`),
         before its first lookup: ``save_max_tokens`` counts prompt tokens (whole pages)."""
         st = self._state(req_id, token_ids, namespace)
+        st.inputs, st.key, st.keys = inputs or {}, b"", []
         st.skip_load, st.skip_save = control.skip_load, control.skip_save
         if control.save_max_tokens is not None:
             st.max_save_pages = min(control.save_max_tokens, num_prompt_tokens) // self.page_size
@@ -331,9 +333,8 @@ class SchedulerHalf:
         self.pins.unpin_all()
         if self.prefetch is not None:
             self.prefetch.reset()
-        num = self.tree.host_tokens
-        if num:
-            self._evict_host(num)
+        if self.tree.host_tokens:
+            self._evict_host(self.tree.host_tokens)
         for st in self._reqs.values():
             st.num_checked_pages = 0
         ok = self.tree.host_tokens == 0
@@ -424,11 +425,9 @@ class SchedulerHalf:
         return len(self._reqs)
 
     def stats(self) -> dict:
-        s = asdict(self.counters)
-        s["host_pages_used"] = self.host_allocator.num_used_pages
-        s["host_pages_free"] = self.host_allocator.num_free_pages
-        s["host_cached_tokens"] = self.tree.host_tokens
-        return s
+        return {**asdict(self.counters), "host_pages_used": self.host_allocator.num_used_pages,
+                "host_pages_free": self.host_allocator.num_free_pages,
+                "host_cached_tokens": self.tree.host_tokens}
 
     def check_integrity(self) -> None:
         """Tree invariants; every host page in use is held by the tree; locks = pins."""

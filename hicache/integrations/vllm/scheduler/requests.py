@@ -8,11 +8,12 @@ the tree, the page allocator or storage.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from hicache.integrations.vllm.scheduler.inputs import identity_ids
 from hicache.tree import token_key
 
 
@@ -34,7 +35,7 @@ class RequestState:
 
     __slots__ = ("token_ids", "namespace", "block_ids", "num_checked_pages", "key", "keys",
                  "lookup", "vllm_hit_pages", "skip_load", "skip_save", "max_save_pages",
-                 "prefetched")
+                 "prefetched", "inputs")
 
     def __init__(self, token_ids: Sequence[int], namespace: str | None = None) -> None:
         self.token_ids = token_ids
@@ -51,6 +52,16 @@ class RequestState:
         self.max_save_pages: int | None = None
         # (first, end) pages of its prefetch from the third tier (at most one a request)
         self.prefetched: tuple[int, int] | None = None
+        # Pages whose KV depends on more than their tokens (multimodal items, prompt
+        # embeddings): page index -> digest of those inputs (inputs.py)
+        self.inputs: Mapping[int, bytes] = {}
+
+    def identity_ids(self, first: int, end: int, page_size: int) -> np.ndarray:
+        """What pages ``first .. end-1`` are keyed by: their token ids, or for a page
+        with other inputs, ids derived from both (:func:`~.inputs.identity_ids`)."""
+        if not self.inputs:
+            return np.asarray(self.token_ids[first * page_size:end * page_size])
+        return identity_ids(self.token_ids, self.inputs, first, end, page_size)
 
     def tree_key(self, num_pages: int, page_size: int) -> bytes:
         """The tree key of the first ``num_pages`` pages. Built once per page: a request's
@@ -59,7 +70,7 @@ class RequestState:
         P = page_size
         have = len(self.key) // (4 * P)  # token_key: 4 bytes (int32) a token
         if num_pages > have:
-            self.key += token_key(np.asarray(self.token_ids[have * P: num_pages * P]), P)
+            self.key += token_key(self.identity_ids(have, num_pages, P), P)
         return self.key[: num_pages * P * 4]
 
     def set_tokens(self, token_ids: Sequence[int]) -> None:

@@ -26,6 +26,8 @@ class SchedulerStats:
     prefetch_tokens: int = 0  # tokens whose background read from the third tier started
     prefetch_arrived_tokens: int = 0  # of which arrived and went into the host tier
     prefetch_dropped_tokens: int = 0  # of which did not (read failed, or after a reset)
+    # served without hicache: an input its KV depends on that hicache cannot key (inputs.py)
+    unkeyed_requests: int = 0
 
 
 # Stats the connector reports with the counters' deltas that are snapshots (the host

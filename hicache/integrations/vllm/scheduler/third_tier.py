@@ -19,30 +19,9 @@ import logging
 from collections.abc import Sequence
 from concurrent.futures import Future
 
-import numpy as np
-
 from hicache.integrations.vllm.common.keys import salt_keys
 
 _log = logging.getLogger("hicache.integrations.vllm.scheduler")
-
-
-def extend_storage_keys(
-    keys: list[str], token_ids: Sequence[int], num_pages: int, *, page_size: int,
-    root_key: str,
-) -> list[str]:
-    """The storage keys of the first ``num_pages`` pages of ``token_ids``.
-
-    ``keys`` holds the keys computed so far for these tokens (a leading run); it is
-    extended in place and a copy of its first ``num_pages`` entries returned.
-    """
-    from hicache.storage import extend_keys
-
-    have = len(keys)
-    if have < num_pages:
-        P = page_size
-        prev = keys[-1] if keys else root_key
-        keys.extend(extend_keys(prev, np.asarray(token_ids[have * P : num_pages * P]), P))
-    return keys[:num_pages]
 
 
 class StorageKeys:
@@ -60,15 +39,24 @@ class StorageKeys:
         """Keys of the first ``num_pages`` pages of ``st`` (a request's
         :class:`~hicache.integrations.vllm.scheduler.requests.RequestState`; its ``keys`` cache
         is extended in place)."""
-        root = self._roots.get(st.namespace)
-        if root is None:
-            from hicache.storage import root_key
+        from hicache.storage import extend_keys, root_key
 
-            fingerprint, model_id = self.identity or ("vllm", "unknown")
-            root = self._roots[st.namespace] = root_key(st.namespace, fingerprint, model_id,
-                                                        epoch=self.epoch)
-        return extend_storage_keys(st.keys, st.token_ids, num_pages, page_size=self.page_size,
-                                   root_key=root)
+        keys: list[str] = st.keys
+        have = len(keys)
+        if have < num_pages:
+            if have:
+                prev = keys[-1]
+            else:
+                prev = self._roots.get(st.namespace)
+                if prev is None:
+                    fingerprint, model_id = self.identity or ("vllm", "unknown")
+                    prev = self._roots[st.namespace] = root_key(
+                        st.namespace, fingerprint, model_id, epoch=self.epoch)
+            # Chained over the pages' identity ids (their tokens, or what their other
+            # inputs derive), as the tree keys are.
+            keys.extend(extend_keys(prev, st.identity_ids(have, num_pages, self.page_size),
+                                    self.page_size))
+        return keys[:num_pages]
 
     def bump_epoch(self, backend) -> bool:
         """Bump the tier's epoch (pages stored before miss from now on, see
