@@ -1028,6 +1028,38 @@ def test_blocks_computed_over_wrong_kv_are_followed_through_a_step(make_vllm):
     assert w.take_poisoned_blocks() == {5, 6}
 
 
+def test_a_request_that_computed_over_wrong_kv_saves_nothing_more(make_vllm):
+    """Issue 36: a request that computed over a failed load is tainted from the first
+    block it wrote then: vLLM 0.32 under async scheduling recomputes it from inputs that
+    may not be its tokens, so what it writes is never taken for right KV (never saved),
+    until it finishes or is resumed; earlier blocks, and other requests, are judged by
+    what they read (P = 4 tokens a block)."""
+    w = make_vllm().worker
+    w._tables = {"a": [1, 2, 3, 4], "b": [9]}
+    w._poison({2})  # a's load of block 2 failed; a computed tokens 8..9 over it
+    w._follow_computes([("a", 8, 10)])
+    assert w._poisoned == {2, 3} and w._poisoned.tainted == {"a": 2}  # from block 3 on
+    # vLLM rolled a back to token 4: its recompute rewrites block 2 (tokens 4..7, which
+    # it had before the failure) over right KV, and blocks 3 and 4, from where it read
+    # wrong KV on, are never taken for right KV (nor is what others compute over them).
+    w._follow_computes([("a", 4, 14), ("b", 0, 3)])
+    assert w._poisoned == {3, 4} and w.take_poisoned_blocks() == {3, 4}
+    w.finished({"a"})  # gone: its blocks are handed out again, rewritten by others
+    assert w._poisoned.tainted == {}
+    w._tables["c"] = [3, 4]
+    w._follow_computes([("c", 0, 8)])
+    assert w._poisoned == set()
+    # resumed from preemption (its table replaced): computed again from its tokens
+    w._poison({9})
+    w._follow_computes([("b", 3, 4)])
+    assert w._poisoned.tainted == {"b": 0}
+    from hicache.integrations.vllm.common.plan import StepPlan
+
+    w.begin_step(StepPlan(blocks=[("b", [7], True)]))
+    w._follow_computes([("b", 0, 4)])
+    assert w._poisoned.tainted == {} and 7 not in w._poisoned
+
+
 @pytest.mark.parametrize("tree", ["python", "auto"])
 def test_vllms_own_hits_keep_the_host_copy_recent(make_vllm, tree):
     """A prefix vLLM keeps hot is hit in vLLM's cache, never in the host tier: the host

@@ -39,7 +39,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import (  # noqa: E402
     RuleBasedStateMachine,
@@ -113,6 +113,20 @@ def _common_pages(a: list, b: list, page: int) -> int:
     return n // page
 
 
+# An engine's configuration, drawn once per example (and the scheduler, see build).
+ENGINES = dict(
+    policy=st.sampled_from(["recompute", "fail"]),
+    tree=st.sampled_from(["python", "native"]), executor=st.sampled_from(["sync", "thread"]),
+    storage=st.booleans(), host_pages=st.integers(2, 24), num_blocks=st.integers(12, 20),
+    seed=st.integers(0, 2**16),
+    write_policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
+    hit_threshold=st.integers(1, 3),
+    prefetch=st.sampled_from(["sync", "best_effort", "wait_complete", "timeout"]),
+)
+FAULTS = dict(save=st.sampled_from([0.0, 0.2]), read=st.sampled_from([0.0, 0.3]),
+              hang=st.sampled_from([0.0, 0.5, 1.0]))
+
+
 class ConnectorMachine(RuleBasedStateMachine):
     """One engine; rules are what vLLM's engine loop and its users do."""
 
@@ -122,7 +136,7 @@ class ConnectorMachine(RuleBasedStateMachine):
 
         self.sched = vllm_sched
         self.e = None
-        self.histories: list[list[int]] = []
+        self.histories: list[Conv] = []
         self.num_requests = 0
         self.rng = random.Random(0)
         self.model: dict[str, Req] = {}
@@ -131,15 +145,7 @@ class ConnectorMachine(RuleBasedStateMachine):
         self.keyed: list[list[tuple[int, str]]] = []  # of each sequence the engine saw
         self.adapters: dict[str, Any] = {}  # name -> (vLLM's LoRARequest, its weights)
 
-    @initialize(
-        async_scheduling=st.booleans(), policy=st.sampled_from(["recompute", "fail"]),
-        tree=st.sampled_from(["python", "native"]), executor=st.sampled_from(["sync", "thread"]),
-        storage=st.booleans(), host_pages=st.integers(2, 24), num_blocks=st.integers(12, 20),
-        seed=st.integers(0, 2**16),
-        write_policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
-        hit_threshold=st.integers(1, 3),
-        prefetch=st.sampled_from(["sync", "best_effort", "wait_complete", "timeout"]),
-    )
+    @initialize(async_scheduling=st.booleans(), **ENGINES)
     def build(self, async_scheduling, policy, tree, executor, storage, host_pages, num_blocks,
               seed, write_policy, hit_threshold, prefetch):
         import tempfile
@@ -357,8 +363,7 @@ class ConnectorMachine(RuleBasedStateMachine):
         else:
             self.e.scheduler.reset_prefix_cache(reset_connector=True)
 
-    @rule(load=st.sampled_from([0.0, 0.2, 1.0]), save=st.sampled_from([0.0, 0.2]),
-          read=st.sampled_from([0.0, 0.3]), hang=st.sampled_from([0.0, 0.5, 1.0]))
+    @rule(load=st.sampled_from([0.0, 0.2, 1.0]), **FAULTS)
     def faults(self, load, save, read, hang):
         self.e.faults.load_rate = load
         self.e.faults.save_rate = save
@@ -386,6 +391,8 @@ class ConnectorMachine(RuleBasedStateMachine):
         for space, tree_space in spaces.items():
             mine = [r.saveable for r in reqs if r.namespace == space]
             for seq, key in zip(self.keyed, self.e.tree_keys, strict=True):
+                if key is None:  # refused: nothing of it is kept
+                    continue
                 held = tree.probe_key(key, tree_space) // B * B
                 reach = max(_common_pages(seq, s, B) * B for s in mine)
                 assert held <= reach, (f"namespace {space} holds {held} tokens of a "
@@ -418,12 +425,32 @@ class ConnectorMachine(RuleBasedStateMachine):
             self.e.close()
 
 
-def _run(max_examples: int, steps: int) -> None:
-    ConnectorMachine.TestCase.settings = settings(
+def failing_loads(async_scheduling: bool) -> type[ConnectorMachine]:
+    """The machine under one scheduler, loads failing from the first step on at a rate
+    of at most 0.2 (a block computed over a failed load must never be saved nor
+    served, whatever vLLM's rollback keeps)."""
+    rates = st.sampled_from([0.05, 0.1, 0.2])
+
+    class FailingLoads(ConnectorMachine):
+        @initialize(load=rates, **ENGINES)
+        def build(self, load, **engine):
+            ConnectorMachine.build(self, async_scheduling, **engine)
+            self.e.faults.load_rate = load
+
+        @rule(load=rates, **FAULTS)
+        def faults(self, load, save, read, hang):
+            ConnectorMachine.faults(self, load, save, read, hang)
+
+    return FailingLoads
+
+
+def _run(max_examples: int, steps: int, machine: type[ConnectorMachine] = ConnectorMachine,
+         **options: Any) -> None:
+    machine.TestCase.settings = settings(
         max_examples=max_examples, stateful_step_count=steps, deadline=None,
-        suppress_health_check=list(HealthCheck), derandomize=True,
+        suppress_health_check=list(HealthCheck), derandomize=True, **options,
     )
-    ConnectorMachine.TestCase().runTest()
+    machine.TestCase().runTest()
 
 
 def test_connector_state_machine():
@@ -433,3 +460,27 @@ def test_connector_state_machine():
 @pytest.mark.slow
 def test_connector_state_machine_long():
     _run(300, 60)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_no_wrong_kv_with_loads_failing(async_scheduling):
+    _run(200, 40, failing_loads(async_scheduling))
+
+
+def test_the_machine_catches_a_block_computed_after_a_failed_load_saved(monkeypatch):
+    """A planted regression: the worker follows wrong KV only in the step whose load
+    failed, so a block computed over it in a later step (under the AsyncScheduler, the
+    step vLLM scheduled before it saw the failure) is saved. The machine must find it."""
+    from hicache.integrations.vllm.worker.half import WorkerHalf
+
+    follow = WorkerHalf._follow_computes
+
+    def only_in_the_failing_step(self, computes):
+        if self._errors:
+            follow(self, computes)
+
+    monkeypatch.setattr(WorkerHalf, "_follow_computes", only_in_the_failing_step)
+    with pytest.raises(AssertionError, match="wrong KV"):
+        _run(30, 40, failing_loads(True), phases=[Phase.generate],
+             report_multiple_bugs=False)

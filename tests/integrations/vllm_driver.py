@@ -4,7 +4,8 @@ Used by tests/integrations/test_vllm_connector_e2e.py in a subprocess: vLLM spaw
 so it must run under ``if __name__ == "__main__"``. Usage::
 
     python tests/integrations/vllm_driver.py make-model DIR
-    python tests/integrations/vllm_driver.py run DIR SCENARIO[,SCENARIO...] [--storage file:DIR] [--no-connector] [--policy recompute|fail] [--host-tokens N] [--tp N] [--write-policy P] [--extra JSON]
+    python tests/integrations/vllm_driver.py make-adapter DIR
+    python tests/integrations/vllm_driver.py run DIR SCENARIO[,SCENARIO...] [--storage file:DIR] [--no-connector] [--policy recompute|fail] [--host-tokens N] [--tp N] [--write-policy P] [--extra JSON] [--lora DIR]
 
 SCENARIO is a comma-separated list run in order on one engine: ``multiturn``
 (conversations whose working set is several times vLLM's KV cache, one request at a
@@ -13,7 +14,10 @@ the model's output: every run sends the same prompts, whatever fails), ``reset``
 prompt, reset_prefix_cache, the same prompt again), ``salt`` (a prompt under one
 ``cache_salt``, reset_prefix_cache, the same tokens under another salt, then under the
 first again), ``replay`` (the first prompt of ``multiturn``: meant for a second process
-on the same storage). ``--policy`` sets ``kv_load_failure_policy``; ``HICACHE_FAULTS``
+on the same storage), ``lora`` (two prompts, each under the ``--lora`` adapter and
+without it, vLLM's cache emptied before each: the engine has LoRA and prompt embeddings
+on), ``embeds`` (a prompt of embeddings, another one, the first again, emptied before
+each). ``--policy`` sets ``kv_load_failure_policy``; ``HICACHE_FAULTS``
 in the environment makes the connector's worker fail some copies (see
 hicache/integrations/vllm/worker/faults.py). ``--extra`` adds fields to the connector's
 ``kv_connector_extra_config`` (e.g. ``{"prefetch_threshold_tokens": 0}``).
@@ -51,6 +55,31 @@ def make_model(path: str) -> None:
     LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path)
 
 
+def make_adapter(path: str) -> None:
+    """A rank-8 LoRA adapter on q/k/v/o of :func:`make_model`'s model, in PEFT's files
+    (``adapter_config.json``, ``adapter_model.safetensors``), large enough to change the
+    greedy outputs."""
+    import torch
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    g = torch.Generator().manual_seed(5)
+    rank, hidden, q, kv = 8, 128, 4 * 32, 2 * 32  # (out, in) of each projection below
+    shapes = {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden),
+              "o_proj": (hidden, q)}
+    weights = {}
+    for layer in range(2):
+        for name, (out, inp) in shapes.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            weights[f"{prefix}.lora_A.weight"] = torch.randn(rank, inp, generator=g) * 0.5
+            weights[f"{prefix}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.5
+    save_file(weights, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 16,
+                   "lora_dropout": 0.0, "bias": "none", "target_modules": list(shapes),
+                   "fan_in_fan_out": False}, f)
+
+
 def conversations() -> list[list[list[int]]]:
     """Per conversation, per turn: the user tokens (deterministic)."""
     import random
@@ -69,10 +98,12 @@ def system_prompt() -> list[int]:
 
 def make_llm(model: str, connector: bool, storage: str | None, policy: str | None = None,
              host_tokens: int = 8192, tp: int = 1, write_policy: str | None = None,
-             extra_fields: dict | None = None):
+             extra_fields: dict | None = None, inputs: bool = False):
     from vllm import LLM
 
-    kwargs = {}
+    kwargs: dict = {}
+    if inputs:  # LoRA adapters and prompts of embeddings
+        kwargs.update(enable_lora=True, max_lora_rank=8, max_loras=1, enable_prompt_embeds=True)
     if connector:
         extra: dict = {"host_tokens": host_tokens}
         if write_policy:
@@ -113,12 +144,26 @@ def _generate(llm, prompt: list[int], cache_salt: str | None = None,
     return llm.generate([inputs], params, use_tqdm=False)[0]
 
 
+def _after_reset(llm, prompt, lora=None) -> tuple[list[int], int]:
+    """Greedy output and cached tokens of ``prompt`` (token ids, or a tensor of
+    embeddings) after emptying vLLM's own prefix cache (hicache keeps its tiers)."""
+    from vllm import SamplingParams
+
+    assert llm.reset_prefix_cache()
+    inputs = ({"prompt_token_ids": prompt} if isinstance(prompt, list)
+              else {"prompt_embeds": prompt})
+    params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+    out = llm.generate([inputs], params, lora_request=lora, use_tqdm=False)[0]
+    return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)
+
+
 def run(model: str, scenarios: str, connector: bool, storage: str | None,
         policy: str | None = None, host_tokens: int = 8192, tp: int = 1,
-        write_policy: str | None = None, extra_fields: dict | None = None) -> dict:
+        write_policy: str | None = None, extra_fields: dict | None = None,
+        lora: str | None = None) -> dict:
     """Run the comma-separated ``scenarios`` in order on one engine."""
     llm = make_llm(model, connector, storage, policy, host_tokens, tp, write_policy,
-                   extra_fields)
+                   extra_fields, inputs=lora is not None)
     result: dict = {"connector": connector}
     system = system_prompt()
     for scenario in scenarios.split(","):
@@ -189,6 +234,22 @@ def run(model: str, scenarios: str, connector: bool, storage: str | None,
                 "bad_params": bad.kv_transfer_params, "prompt_tokens": len(prompt),
                 "namespace_outputs": [o for o, _ in runs], "namespace_cached": [c for _, c in runs],
             }
+        elif scenario == "lora":
+            from vllm.lora.request import LoRARequest
+
+            adapter = LoRARequest("A", 1, lora)
+            p, q = system + conversations()[4][0], system + conversations()[5][0]
+            runs = [(p, adapter), (p, None), (q, None), (q, adapter), (p, adapter), (p, None)]
+            outs = [_after_reset(llm, prompt, a) for prompt, a in runs]
+            result["lora"] = {"outputs": [o for o, _ in outs], "cached": [c for _, c in outs],
+                              "prompt_tokens": [len(p) for p, _ in runs]}
+        elif scenario == "embeds":
+            import torch
+
+            g = torch.Generator().manual_seed(1)
+            e1, e2 = (torch.randn(300, 128, generator=g) for _ in range(2))
+            outs = [_after_reset(llm, e) for e in (e1, e2, e1)]
+            result["embeds"] = {"outputs": [o for o, _ in outs], "cached": [c for _, c in outs]}
         elif scenario == "replay":
             prompt = system + conversations()[0][0]
             out, hit = generate(llm, prompt)
@@ -200,7 +261,7 @@ def run(model: str, scenarios: str, connector: bool, storage: str | None,
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("command", choices=["make-model", "run"])
+    parser.add_argument("command", choices=["make-model", "make-adapter", "run"])
     parser.add_argument("model")
     parser.add_argument("scenario", nargs="?")
     parser.add_argument("--storage")
@@ -211,13 +272,17 @@ def main() -> None:
     parser.add_argument("--write-policy")
     parser.add_argument("--extra", type=json.loads, default=None,
                         help="more kv_connector_extra_config fields (JSON)")
+    parser.add_argument("--lora", help="a LoRA adapter's directory (make-adapter)")
     args = parser.parse_args()
     if args.command == "make-model":
         make_model(args.model)
         return
+    if args.command == "make-adapter":
+        make_adapter(args.model)
+        return
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     result = run(args.model, args.scenario, not args.no_connector, args.storage, args.policy,
-                 args.host_tokens, args.tp, args.write_policy, args.extra)
+                 args.host_tokens, args.tp, args.write_policy, args.extra, args.lora)
     sys.stdout.flush()
     print(json.dumps(result), flush=True)
 

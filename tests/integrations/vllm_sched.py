@@ -3,8 +3,9 @@
 The scheduler is vLLM 0.32's, with the connector it builds itself (role SCHEDULER);
 the worker half is a second connector (role WORKER) over CPU KV tensors in vLLM's CPU
 layout. The "model" is a forward that writes each token's KV as a function of the
-token prefix it ends (a CRC of those tokens, one value per layer), and reads the
-request's earlier blocks first: a token computed over a block that does not hold the
+token prefix it ends (a CRC of those tokens, one value per layer; and of what else the
+KV depends on: the LoRA adapter's files, the multimodal item or prompt embedding at each
+position), and reads the request's earlier blocks first: a token computed over a block that does not hold the
 KV of its prefix writes a poison value instead, so wrong KV propagates exactly as it
 would through attention. Sampled tokens are a function of the prefix too, so a
 follow-up turn built from a previous turn's output extends it.
@@ -276,7 +277,8 @@ class Engine:
         self.num_sampled: dict[str, int] = {}
         self.sequences: list[list[int]] = []  # every token sequence seen (for the final check)
         self.namespaces: list[str | None] = []  # the tree namespace of each of them
-        self.tree_keys: list[bytes] = []  # and its tree key (identity ids of its pages)
+        # and its tree key (identity ids of its pages; None: refused, nothing of it kept)
+        self.tree_keys: list[bytes | None] = []
         self.values: list[np.ndarray] = []  # and its KV values
         # Per request: what its KV depends on besides its tokens (position labels, adapter)
         self.inputs: dict[str, tuple[list[bytes] | None, bytes]] = {}
@@ -335,7 +337,7 @@ class Engine:
         inputs = read_inputs(req, B, self.adapters)
         control = parse_request_control(kv_transfer_params)
         self.namespaces.append(tree_namespace(cache_salt, control, inputs.adapter))
-        self.tree_keys.append(token_key(
+        self.tree_keys.append(None if inputs.refused else token_key(
             identity_ids(sequence, inputs.pages, 0, len(sequence) // B, B), B))
         self.scheduler.add_request(req)
 
@@ -551,6 +553,8 @@ class Engine:
         seen: set[int] = set()
         for tokens, namespace, key, values in zip(self.sequences, self.namespaces,
                                                   self.tree_keys, self.values, strict=True):
+            if key is None:
+                continue
             num_pages = half.tree.probe_key(key, namespace) // B
             if not num_pages:
                 continue

@@ -130,6 +130,7 @@ class WorkerHalf(WorkerThirdTier):
         for req_id, ids, replace in plan.blocks:
             if replace:
                 tables[req_id] = list(ids)
+                self._poisoned.forget(req_id)  # computed again from its tokens
             else:
                 tables.setdefault(req_id, []).extend(ids)
         if plan.early_saves:
@@ -216,7 +217,8 @@ class WorkerHalf(WorkerThirdTier):
             self._poll()
         if plan.loads and self._ranks is not None:  # every rank: the plan is the same
             self._errors = share_load_errors(self._ranks, self._errors)
-        if not (plan.loads or plan.saves or self._errors or self._poisoned):
+        if not (plan.loads or plan.saves or self._errors or self._poisoned
+                or self._poisoned.tainted):
             return  # most decode steps: nothing moves, nothing to follow
         loaded = [b for op in plan.loads for b in op.block_ids]
         if loaded or self._errors:
@@ -227,7 +229,7 @@ class WorkerHalf(WorkerThirdTier):
             if failed:
                 _log.warning("hicache worker: load failed for request(s) %s; vLLM recomputes "
                              "or fails them (kv_load_failure_policy)", failed)
-        if self._poisoned:
+        if self._poisoned or self._poisoned.tainted:
             self._follow_computes(plan.computes)
         if plan.saves:
             self._submit_saves(plan.saves)
@@ -273,6 +275,7 @@ class WorkerHalf(WorkerThirdTier):
         """Forget the block tables of requests vLLM finished."""
         for req_id in finished_req_ids:
             self._tables.pop(req_id, None)
+            self._poisoned.forget(req_id)
 
     def take_poisoned_blocks(self) -> set[int]:
         """Blocks found to hold wrong KV since the last call: the scheduler takes them out

@@ -6,6 +6,13 @@ right KV is right again. The worker half follows vLLM's block tables and what ea
 step computes (the plan carries both), never saves such a block, and reports the
 new ones to the scheduler (which takes them out of vLLM's prefix cache). Knows block
 ids and token ranges, nothing of host pages or copies.
+
+A request that computed over wrong KV is *tainted* from the first block it wrote then,
+until it finishes or is resumed: vLLM rolls it back (or fails it), but under async
+scheduling vLLM 0.32 drops the outputs of the steps in flight while keeping their
+placeholders, so the request's recompute may read inputs that are not its tokens
+(and keeps a token sampled over the wrong KV). What it writes from there is never
+taken for right KV, whatever it read.
 """
 
 from __future__ import annotations
@@ -14,11 +21,18 @@ from collections.abc import Mapping, Sequence
 
 
 class PoisonedBlocks(set):
-    """The set of blocks holding wrong KV, and the ones not reported yet."""
+    """The set of blocks holding wrong KV, the ones not reported yet, and the tainted
+    requests (see the module docstring)."""
 
     def __init__(self) -> None:
         super().__init__()
         self._new: set[int] = set()  # not yet reported to the scheduler
+        # request -> index (in its block table) of the first block it wrote over wrong KV
+        self.tainted: dict[str, int] = {}
+
+    def forget(self, req_id: str) -> None:
+        """The request finished, or starts again from new blocks (resumed): untainted."""
+        self.tainted.pop(req_id, None)
 
     def add_new(self, block_ids) -> None:
         new = set(block_ids) - self
@@ -42,6 +56,12 @@ class PoisonedBlocks(set):
         """
         P = block_size
         before = set(self)
+
+        def wrong_prefix(table: list[int], start: int) -> bool:
+            first = start // P
+            return not self.isdisjoint(table[:first]) or (
+                start % P != 0 and table[first] in before)
+
         for _ in range(len(computes) + 1):
             changed = False
             for req_id, start, end in computes:
@@ -49,14 +69,22 @@ class PoisonedBlocks(set):
                 if not table or end <= start:
                     continue
                 first, last = start // P, min((end - 1) // P, len(table) - 1)
-                wrong_prefix = not self.isdisjoint(table[:first]) or (
-                    start % P != 0 and table[first] in before)
-                written = set(table[first:last + 1])
-                if wrong_prefix and not written <= self:
-                    self.add_new(written)
+                written = table[first:last + 1]
+                taint = self.tainted.get(req_id)  # from an earlier step
+                bad = set(written) if wrong_prefix(table, start) else (
+                    set(written[max(0, taint - first):]) if taint is not None else set())
+                good = set(written) - bad
+                if not bad <= self:
+                    self.add_new(bad)
                     changed = True
-                elif not wrong_prefix and not written.isdisjoint(self):
-                    self.difference_update(written)
+                if not good.isdisjoint(self):
+                    self.difference_update(good)
                     changed = True
             if not changed:
-                return
+                break
+        # Once settled: who computed over wrong KV in this forward is tainted from there.
+        for req_id, start, end in computes:
+            table = tables.get(req_id)
+            if table and end > start and wrong_prefix(table, start):
+                first = start // P
+                self.tainted[req_id] = min(first, self.tainted.get(req_id, first))
