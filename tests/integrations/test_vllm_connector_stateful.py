@@ -11,16 +11,19 @@ own evictions, ``reset_prefix_cache`` with and without running requests or the
 connector, failing loads, saves and third-tier reads (or reads that outlast
 storage_timeout_s) at any rate, and a store held for some steps (prefetches still
 reading while requests finish, abort, give up or a reset comes). Requests carry a
-``cache_salt`` and per-request control (``kv_transfer_params``: skip load, skip save,
-save at most N prompt tokens, a namespace, or a mistake) drawn independently of the
-history they follow. After every step: no forward read wrong KV that vLLM will not
-recompute, the scheduler half's integrity; at every lookup, no hit for a request that
-may not load and none longer than what requests of its namespace (salt and
-namespace) may have saved; at the end, the host tier's content in every namespace, a
-mistake's error in its request's output, and no leak.
+``cache_salt``, per-request control (``kv_transfer_params``: skip load, skip save,
+save at most N prompt tokens, a namespace, or a mistake), a LoRA adapter (two under
+one name, one whose files cannot be read), and an image or a prompt of embeddings, all
+drawn independently of the history they follow (a follow-up may swap the image or the
+embeddings under the same tokens). After every step: no forward read wrong KV that
+vLLM will not recompute, the scheduler half's integrity; at every lookup, no hit for a
+request that may not load and none longer than what requests of its namespace (salt,
+namespace and adapter) with the same inputs at the same positions may have saved; at
+the end, the host tier's content in every namespace, a mistake's error in its
+request's output, and no leak.
 
 The default run is bounded (``HICACHE_STATEFUL_EXAMPLES``, default 12 examples);
-``-m slow`` runs many more.
+``-m slow`` runs many more, and :func:`failing_loads` under each scheduler.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ class Conv(NamedTuple):
     tokens: list[int]
     items: tuple[tuple[str, int, int], ...] = ()
     rows: tuple[str, ...] | None = None
+    owner: tuple = (None, None, None)  # its last turn's salt, namespace and adapter
 
 
 def _embedding(label: str) -> list[float]:
@@ -248,7 +252,8 @@ class ConnectorMachine(RuleBasedStateMachine):
         # The next turn sends this one's tokens again; a prompt of embeddings sends the
         # generated tokens as embedding rows too.
         self.histories.append(Conv(sequence, items, None if rows is None else tuple(
-            rows) + tuple(f"tok:{t}" for t in sequence[len(rows):])))
+            rows) + tuple(f"tok:{t}" for t in sequence[len(rows):]),
+            (salt, c.get("namespace"), lora)))
 
     @rule(user=st.integers(1, 40), max_tokens=st.integers(1, 20), salt=SALTS,
           control=CONTROLS, lora=LORAS, image=IMAGES, at=st.integers(0, 20))
@@ -296,13 +301,33 @@ class ConnectorMachine(RuleBasedStateMachine):
         """Everything runs to the end and vLLM drops every block it may (as under
         memory pressure), then an earlier conversation goes on in any namespace: what
         it hits comes from hicache's tiers, where another tenant's pages must not be."""
+        self._vllm_forgets()
+        self.follow_up(which, user, 4, salt, control, None, False)
+        self.e.run(max_steps=500)
+
+    @precondition(lambda self: self.histories)
+    @rule(which=st.integers(0, 10**6), user=st.integers(1, 40), max_tokens=st.integers(1, 8))
+    def next_turn_from_hicache(self, which, user, max_tokens, num=1, steps=None):
+        """The same, by the conversation's own tenant and adapter: a hit of what its
+        last turn saved, loaded from hicache's tiers (while loads may fail); ``num``
+        conversations at once (their loads may share blocks in one step), run to the
+        end or for ``steps`` steps (other rules go on from there)."""
+        self._vllm_forgets()
+        for i in range(num):
+            salt, namespace, lora = self.histories[(which + i) % len(self.histories)].owner
+            control = None if namespace is None else {"namespace": namespace}
+            self.follow_up(which + i, user + i, max_tokens, salt, control, lora, False)
+        if steps is None:
+            self.e.run(max_steps=500)
+        else:
+            self.step(steps)
+
+    def _vllm_forgets(self) -> None:
         self.e.run(max_steps=500)
         self.e.update_held()
         pool = self.e.scheduler.kv_cache_manager.block_pool
         pool.evict_blocks({b.block_id for b in pool.blocks
                            if b.block_hash is not None and b.ref_cnt == 0})
-        self.follow_up(which, user, 4, salt, control, None, False)
-        self.e.run(max_steps=500)
 
     @rule(num=st.integers(1, 3), user=st.integers(16, 80))
     def churn(self, num, user):
@@ -327,10 +352,14 @@ class ConnectorMachine(RuleBasedStateMachine):
         finally:
             self.e.faults.read_gate.set()
 
-    @precondition(lambda self: self.e.scheduler.has_requests())
+    # No precondition on the engine's state below: with copy threads, background reads
+    # and timeouts it varies from run to run, and hypothesis must draw the same rules
+    # when it replays an example.
     @rule(which=st.integers(0, 10**6))
     def abort_after_forward(self, which):
         """The engine aborts a request while a step's output is not processed yet."""
+        if not self.e.scheduler.has_requests():
+            return
         self.e.step(hold=True)
         live = sorted(self.e.scheduler.requests)
         if live:
@@ -338,12 +367,12 @@ class ConnectorMachine(RuleBasedStateMachine):
             self.e.abort(live[which % len(live)])
         self.e.update_held()
 
-    @precondition(lambda self: self.e.scheduler.requests)
     @rule(which=st.integers(0, 10**6))
     def abort(self, which):
         live = sorted(self.e.scheduler.requests)
-        self.aborted.add(live[which % len(live)])
-        self.e.abort(live[which % len(live)])
+        if live:
+            self.aborted.add(live[which % len(live)])
+            self.e.abort(live[which % len(live)])
 
     @rule(which=st.integers(0, 10**6))
     def vllm_evicts(self, which):
@@ -432,14 +461,35 @@ def failing_loads(async_scheduling: bool) -> type[ConnectorMachine]:
     rates = st.sampled_from([0.05, 0.1, 0.2])
 
     class FailingLoads(ConnectorMachine):
-        @initialize(load=rates, **ENGINES)
+        @initialize(load=rates, **{**ENGINES, "host_pages": st.integers(8, 24)})
         def build(self, load, **engine):
             ConnectorMachine.build(self, async_scheduling, **engine)
+            for user in (8, 24, 40):  # conversations to come back to, from the start
+                self._add(Conv(self.system + self._tokens(user)), 4)
+            self.e.run(max_steps=500)
             self.e.faults.load_rate = load
 
         @rule(load=rates, **FAULTS)
         def faults(self, load, save, read, hang):
             ConnectorMachine.faults(self, load, save, read, hang)
+
+        # Rounds of turns that load, drawn twice as often as any other rule; the last
+        # round left running for a few steps (aborts, evictions ... may come next)
+        @precondition(lambda self: self.histories)
+        @rule(which=st.integers(0, 10**6), user=st.integers(1, 40), num=st.integers(1, 4),
+              rounds=st.integers(1, 4), max_tokens=st.sampled_from([2, 12]),
+              steps=st.integers(0, 6))
+        def turns_loaded(self, which, user, num, rounds, max_tokens, steps):
+            for r in range(rounds):
+                self.next_turn_from_hicache(which + r * num, user, max_tokens, num,
+                                            steps if r == rounds - 1 else None)
+
+        @precondition(lambda self: self.histories)
+        @rule(which=st.integers(0, 10**6), user=st.integers(1, 40), num=st.integers(1, 4),
+              rounds=st.integers(1, 4), max_tokens=st.sampled_from([2, 12]),
+              steps=st.integers(0, 6))
+        def more_turns_loaded(self, which, user, num, rounds, max_tokens, steps):
+            self.turns_loaded(which, user, num, rounds, max_tokens, steps)
 
     return FailingLoads
 

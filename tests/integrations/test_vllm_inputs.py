@@ -187,6 +187,30 @@ def test_hits_never_cross_images_embeddings_or_adapters(sched, tmp_path):
     e.close()
 
 
+def test_host_pages_of_each_image_are_announced_with_vllms_hashes(sched):
+    """KV events: the host tier keeps each image's pages apart, so each is announced
+    (medium CPU) with the hash vLLM gives its own block; the page before the image is
+    one page, announced once."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    e = sched.Engine(num_blocks=24, extra={"host_tokens": 32 * B},
+                     kv_events={"enable_kv_cache_events": True, "publisher": "null"})
+    image = [7 if IMAGE[0] <= i < sum(IMAGE) else t for i, t in enumerate(PROMPT)]
+    hashes = {}
+    for ident in ("img1", "img2"):
+        e.scheduler.reset_prefix_cache()
+        e.add(ident, image, max_tokens=2, mm=[(ident,) + IMAGE])
+        hashes[ident] = [maybe_convert_block_hash(h)
+                         for h in e.scheduler.requests[ident].block_hashes[:4]]
+        e.run()
+    assert hashes["img1"][0] == hashes["img2"][0] and hashes["img1"][1] != hashes["img2"][1]
+    announced = set(e.connector._events.announced_pages().values())
+    assert announced == set(hashes["img1"]) | set(hashes["img2"][1:])
+    assert len(e.connector._events.announced_pages()) == 7
+    e.check()
+    e.close()
+
+
 def test_the_third_tier_keeps_images_apart_too(sched, tmp_path):
     """Another engine on the same ``file:`` directory, its host tier empty: the pages
     before the image come from storage, the image's only for the same image."""
@@ -225,6 +249,9 @@ def test_a_request_with_an_input_not_known_is_served_without_hicache(sched, monk
         assert _run(e, "new3") == 0  # what plain saved is not served either
     half = e.connector.scheduler_half
     assert half.counters.unkeyed_requests == 3
+    # and so to vLLM's stats (vllm:hicache_unkeyed_requests_total on /metrics)
+    assert sum((st.kv_connector_stats or {}).get("unkeyed_requests", 0)
+               for st in e.scheduler_stats) == 3
     assert half.counters.saved_tokens == 4 * B  # plain's blocks only
     logged = [r for r in caplog.records if "cannot key (new_kind)" in r.getMessage()]
     assert len(logged) == 1

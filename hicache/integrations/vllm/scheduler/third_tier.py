@@ -44,14 +44,12 @@ class StorageKeys:
         keys: list[str] = st.keys
         have = len(keys)
         if have < num_pages:
-            if have:
-                prev = keys[-1]
-            else:
-                prev = self._roots.get(st.namespace)
-                if prev is None:
-                    fingerprint, model_id = self.identity or ("vllm", "unknown")
-                    prev = self._roots[st.namespace] = root_key(
-                        st.namespace, fingerprint, model_id, epoch=self.epoch)
+            root = self._roots.get(st.namespace)
+            if root is None:
+                fingerprint, model_id = self.identity or ("vllm", "unknown")
+                root = self._roots[st.namespace] = root_key(
+                    st.namespace, fingerprint, model_id, epoch=self.epoch)
+            prev = keys[-1] if have else root
             # Chained over the pages' identity ids (their tokens, or what their other
             # inputs derive), as the tree keys are.
             keys.extend(extend_keys(prev, st.identity_ids(have, num_pages, self.page_size),
