@@ -27,6 +27,9 @@ class ScheduledRequest:
     num_computed_tokens: int  # computed before this step
     num_scheduled_tokens: int  # computed by this step
     namespace: str | None = None  # vLLM's cache_salt: pages are shared within one only
+    # Hybrid models: every KV cache group's blocks added (new_block_ids is the full-
+    # attention group's); None otherwise, or when none were added
+    group_block_ids: list[list[int]] | None = None
 
 
 class RequestState:
@@ -34,7 +37,7 @@ class RequestState:
 
     __slots__ = ("token_ids", "namespace", "block_ids", "num_checked_pages", "key", "keys",
                  "lookup", "vllm_hit_pages", "skip_load", "skip_save", "max_save_pages",
-                 "prefetched")
+                 "prefetched", "tables", "states")
 
     def __init__(self, token_ids: Sequence[int], namespace: str | None = None) -> None:
         self.token_ids = token_ids
@@ -51,6 +54,11 @@ class RequestState:
         self.max_save_pages: int | None = None
         # (first, end) pages of its prefetch from the third tier (at most one a request)
         self.prefetched: tuple[int, int] | None = None
+        # Hybrid models: every KV cache group's block table (block_ids is the full-
+        # attention group's), and the recurrent states vLLM handed over that this
+        # step's forward computes: boundary token -> {group id: block id}
+        self.tables: list[list[int]] | None = None
+        self.states: dict[int, dict[int, int]] = {}
 
     def tree_key(self, num_pages: int, page_size: int) -> bytes:
         """The tree key of the first ``num_pages`` pages. Built once per page: a request's
@@ -61,6 +69,15 @@ class RequestState:
         if num_pages > have:
             self.key += token_key(np.asarray(self.token_ids[have * P: num_pages * P]), P)
         return self.key[: num_pages * P * 4]
+
+    def follow_tables(self, new: Sequence[Sequence[int]], replace: bool) -> None:
+        """vLLM added ``new`` blocks to every group's table (``replace``: they are the
+        whole tables now: a new or resumed request)."""
+        if replace or self.tables is None:
+            self.tables = [list(ids) for ids in new]
+        else:
+            for table, ids in zip(self.tables, new, strict=True):
+                table.extend(ids)
 
     def set_tokens(self, token_ids: Sequence[int]) -> None:
         """The request's token ids now. vLLM hands the same sequence every time and only
