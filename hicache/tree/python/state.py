@@ -19,11 +19,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from hicache.checks import check_namespace
+from hicache.components import ComponentSpec
 from hicache.config import EvictionPolicy
-from hicache.tree.guards import check_page_size, reentry_message
+from hicache.tree.guards import check_component, check_page_size, check_tier, reentry_message
 from hicache.tree.policies import CandidateHeap, priority_fn
 from hicache.tree.python.node import EMPTY_PAGES, TreeNode
-from hicache.tree.types import TreeEvent
+from hicache.tree.types import Tier, TreeEvent
 
 
 class TreeState:
@@ -57,6 +58,10 @@ class TreeState:
         # (stored, tier, namespace, parent hash, page hashes, num_tokens).
         self._events: list[TreeEvent] | None = None
         self._hook: str | None = None  # the hook running now: "on_split", "backup" or None
+        # Hybrid models (docs/design.md, "Hybrid models: components"): none in this tree.
+        self.components: tuple[ComponentSpec, ...] = ()
+        self.device_component_evictable_pages = 0  # component ids on unlocked device nodes
+        self.host_component_takeable_pages = 0  # component ids evict_host can take now
 
     def root(self, namespace: str | None = None) -> TreeNode:
         """The root of a namespace (created on first use). Roots hold no tokens."""
@@ -80,6 +85,12 @@ class TreeState:
             root.lock_ref = 1  # roots are never evicted
             self._roots[namespace] = root
         return root
+
+    def num_component_pages(self, c: int, tier: Tier) -> int:
+        """Page ids component ``c`` holds in ``tier``."""
+        check_tier(tier, "num_component_pages")
+        check_component(c, len(self.components), "num_component_pages")
+        return 0
 
     @property
     def device_tokens(self) -> int:
