@@ -51,9 +51,9 @@ from hicache.integrations.vllm.common.params import (
 from hicache.integrations.vllm.common.plan import StepPlan
 from hicache.integrations.vllm.common.tp import check_parallelism, vllm_rank_group
 from hicache.integrations.vllm.metadata import HiCacheConnectorMetadata, HiCacheWorkerMetadata
+from hicache.integrations.vllm.scheduled import scheduled_requests
 from hicache.integrations.vllm.scheduler.half import SchedulerHalf
 from hicache.integrations.vllm.scheduler.pool_hooks import EvictionHook
-from hicache.integrations.vllm.scheduled import scheduled_requests
 from hicache.integrations.vllm.stats import HiCacheConnectorStats, SchedulerReport
 from hicache.integrations.vllm.worker.half import WorkerHalf
 
@@ -102,16 +102,14 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.hc_config = ConnectorConfig.from_sources(extra)  # extra > HICACHE_* > file
         check_parallelism(vllm_config.parallel_config)
-        self.groups = KVGroups.from_config(kv_cache_config)
-        if self.groups.hybrid and self.hc_config.write_policy != "write_through":
-            raise ValueError(
-                "kv_connector_extra_config.write_policy: expected 'write_through' for a "
-                f"hybrid model ({self.groups.fingerprint()}), got "
-                f"{self.hc_config.write_policy!r}")
+        self.groups = KVGroups.from_config(kv_cache_config, self.hc_config.write_policy)
         self.block_size = self.groups.block_size
         self.page_nbytes = self.groups.page_nbytes
         self.num_host_pages = self.hc_config.num_host_pages(self.block_size, self.page_nbytes)
-        self._identity = storage_identity(vllm_config, kv_cache_config, self.hc_config)
+        layout, model_id = storage_identity(vllm_config, kv_cache_config, self.hc_config)
+        # Hybrid: a page is one group's block, not the same model's without vLLM's hybrid manager
+        self._identity = (f"{layout}-{self.groups.fingerprint()}" if self.groups.hybrid
+                          else layout, model_id)
         self._requests: dict[str, Request] = {}
         self._hit_sources: dict[str, tuple[int, int]] = {}
         self._scheduler_report = SchedulerReport()  # the scheduler side's stats and clock
@@ -141,7 +139,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
                 self._events = HostTierEvents(
                     self.block_size, self._requests.get,
-                    getattr(kv_cache_config, "hash_block_size", None))
+                    getattr(kv_cache_config, "hash_block_size", None), group_idx=self.groups.full,
+                    group_specs=self.groups.event_specs())
                 self.scheduler_half.page_listener = self._events
                 if backend is not None:
                     self._tier_events = StorageTierEvents(
@@ -409,9 +408,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 with hook.paused() if hook is not None else contextlib.nullcontext():
                     self._block_pool.evict_blocks(meta.poisoned_blocks)
 
-    def request_finished(self, request: Request,
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self.request_finished_all_groups(request, (block_ids,))
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Any]:
+        return self.request_finished_all_groups(request, (block_ids,))  # one group
 
     @_timed_scheduler
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]

@@ -35,6 +35,7 @@ def scheduled_requests(scheduler_output: SchedulerOutput, request: Callable[[str
             new.req_id, tokens, list(new.block_ids[full]), True, new.num_computed_tokens,
             num_tokens.get(new.req_id, 0), namespace(req) if req else None,
             [list(ids) for ids in new.block_ids] if hybrid else None,
+            req.num_prompt_tokens if req is not None else None,
         ))
     cached = scheduler_output.scheduled_cached_reqs
     for i, req_id in enumerate(cached.req_ids):
@@ -47,5 +48,6 @@ def scheduled_requests(scheduler_output: SchedulerOutput, request: Callable[[str
             req_id in cached.resumed_req_ids, cached.num_computed_tokens[i],
             num_tokens.get(req_id, 0), namespace(req),
             [list(ids) for ids in new_ids] if hybrid and new_ids is not None else None,
+            req.num_prompt_tokens,
         ))
     return scheduled

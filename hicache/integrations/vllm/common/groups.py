@@ -87,6 +87,12 @@ class KVGroups:
         """The groups besides full attention (sliding window, state)."""
         return tuple(g for g in self.groups if g.group_id != self.full)
 
+    def event_specs(self) -> dict[int, tuple[str, int | None]]:
+        """Group id -> (vLLM's ``kv_cache_spec_kind``, sliding window) of the groups
+        besides full attention, as KV cache events name them."""
+        return {g.group_id: ("sliding_window", g.window_tokens) if g.kind == WINDOW
+                else ("mamba", None) for g in self.others()}
+
     def fingerprint(self) -> str:
         """The groups' kinds in order, e.g. ``window:128+full`` (part of the storage
         identity: a hybrid model's pages are not those of the same model without vLLM's
@@ -94,13 +100,15 @@ class KVGroups:
         return "+".join(g.describe() for g in self.groups)
 
     @classmethod
-    def from_config(cls, kv_cache_config: KVCacheConfig) -> KVGroups:
+    def from_config(cls, kv_cache_config: KVCacheConfig,
+                    write_policy: str = "write_through") -> KVGroups:
         """The groups of ``kv_cache_config``.
 
         One group is taken as it is (full attention, whatever its spec: vLLM's hybrid
         manager is off). With several: exactly one full-attention group, and sliding
         window (``SlidingWindowSpec``) or Mamba "align" mode (``MambaSpec``) groups, all
-        of one block size; anything else raises ``ValueError`` naming the group.
+        of one block size, and the connector's ``write_policy`` ``write_through``;
+        anything else raises ``ValueError`` naming the group (or the option).
         """
         from vllm.v1.kv_cache_interface import (
             FullAttentionSpec,
@@ -152,4 +160,8 @@ class KVGroups:
             raise ValueError(
                 f"HiCacheConnector: expected one block size for every KV cache group, got "
                 f"{sorted(sizes)}")
+        if len(groups) > 1 and write_policy != "write_through":
+            raise ValueError(
+                "kv_connector_extra_config.write_policy: expected 'write_through' for a hybrid "
+                f"model ({'+'.join(g.describe() for g in groups)}), got {write_policy!r}")
         return cls(tuple(groups), full[0])

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from hicache.integrations.vllm.common.groups import NULL_BLOCK, STATE, WINDOW, KVGroup
+from hicache.integrations.vllm.common.keys import component_key, salt_keys
 
 if TYPE_CHECKING:
     from hicache.integrations.vllm.common.groups import KVGroups
@@ -75,36 +76,88 @@ class ComponentPages:
             key = key[: limit * P * 4]
         return self._half.tree.probe_hit_key(key, namespace) // P
 
-    def load(self, st: RequestState, node: Any, first: int, end: int, op: LoadOp) -> bool:
-        """Add the component pages a hit of pages ``[first, end)`` ending at ``node``
-        reads to ``op`` (blocks from the request's tables); False when the tree lacks one
-        (the request's load then fails as a whole)."""
+    def needed(self, first: int, end: int) -> list[tuple[int, int, KVGroup, int]]:
+        """What a hit of pages ``[first, end)`` reads of the components: ``(component,
+        slot, group, position)``, a state's position being the page it ends."""
+        return [(c, slot, group, i) for c, members in enumerate(self.members)
+                for slot, group in enumerate(members) for i in group.needed_positions(first, end)]
+
+    def storage_key(self, st: RequestState, c: int, slot: int, position: int) -> str:
+        """The third-tier key of component ``c``'s page (slot ``slot``) at ``position``."""
+        page_key = self._half._keys(st, position + 1)[position]
+        return component_key(page_key, f"{self.specs[c].describe()}#{slot}")
+
+    def promise_storage(self, st: RequestState, first: int, end: int, room: int) -> bool:
+        """A third-tier hit of the request's pages up to ``end`` (from vLLM's own hit at
+        ``first``) can be served: every component page it reads is stored for every
+        rank, and host memory has ``room`` for them."""
+        keys = [self.storage_key(st, c, slot, i) for c, slot, _, i in self.needed(first, end)]
+        if len(keys) > room:
+            return False
+        half = self._half
+        return all(half._probe.exists(salt_keys(keys, salt)) >= len(keys) for salt in half._salts)
+
+    def load(self, st: RequestState, first: int, end: int, op: LoadOp, storage: bool) -> bool:
+        """Add the component pages a hit of pages ``[first, end)`` reads to ``op`` (blocks
+        from the request's tables), from the host tier, or with ``storage`` read from the
+        third tier into host pages allocated now (those the host tier lacks); False when
+        one cannot be had (the request's load then fails as a whole)."""
+        half, tree, ns = self._half, self._half.tree, st.namespace
+        key = half._key(st, end)
         tables = st.tables or []
-        for c, members in enumerate(self.members):
-            ids = self._half.tree.component_table(node, c, HOST).tolist()
-            width = len(members)
-            for slot, group in enumerate(members):
-                table = tables[group.group_id] if group.group_id < len(tables) else []
-                for i in group.needed_positions(first, end):
-                    block = table[i] if i < len(table) else NULL_BLOCK
-                    if block == NULL_BLOCK:
-                        continue  # vLLM keeps no block there: nothing to fill
-                    page = ids[i * width + slot] if i * width + slot < len(ids) else -1
-                    if page < 0:
-                        return False
-                    op.block_ids.append(block)
-                    op.host_pages.append(page)
+        reads = []
+        for c, slot, group, i in self.needed(first, end):
+            table = tables[group.group_id] if group.group_id < len(tables) else []
+            block = table[i] if i < len(table) else NULL_BLOCK
+            if block != NULL_BLOCK:  # else vLLM keeps no block there: nothing to fill
+                reads.append((c, slot, i, block))
+        mine: dict[int, int] = {}  # host page allocated now -> its index in reads
+        if storage and reads:
+            pages = half._alloc_host(len(reads))
+            if pages is None:
+                return False
+            given = [torch.full((end * len(m),), -1, dtype=torch.int64) for m in self.members]
+            for (c, slot, i, _), page in zip(reads, pages.tolist(), strict=True):
+                given[c][i * len(self.members[c]) + slot] = page
+                mine[page] = len(mine)
+            unused = self._insert(key, end, ns, given)
+            for page in unused:
+                del mine[page]
+        node = tree.probe_path(key, ns)[-1]
+        tables_c = [tree.component_table(node, c, HOST).tolist() for c in range(len(self.specs))]
+        num_stored = len(op.storage_keys)
+        for c, slot, i, block in reads:
+            ids = tables_c[c]
+            index = i * len(self.members[c]) + slot
+            page = ids[index] if index < len(ids) else -1
+            if page < 0:
+                return False
+            self._count(c, "loaded")
+            if page in mine:  # read from the third tier first: last in the op
+                self._announce(op.req_id, c, slot, i, page)
+                op.block_ids.append(block)
+                op.host_pages.append(page)
+                op.storage_keys.append(self.storage_key(st, c, slot, i))
+            else:  # in host memory: before the pages read from the third tier
+                at = len(op.host_pages) - num_stored
+                op.block_ids.insert(at, block)
+                op.host_pages.insert(at, page)
         return True
 
     # ------------------------------------------------------------------ saves
     def save(self, req_id: str, st: RequestState, end: int, op: SaveOp | None) -> SaveOp | None:
-        """Save the component pages the tree lacks at the request's ends up to page
-        ``end`` (whose full-attention pages it holds): into ``op`` (or a new op, which
-        is returned). Nothing when the host tier has no room."""
-        half = self._half
-        P = half.page_size
-        ends = sorted({k // P for k in st.states if k % P == 0 and 0 < k // P < end} | {end})
-        for e in ends:
+        """Save the component pages the tree lacks at page ``end`` (0: none) and at every
+        boundary vLLM handed a state over for this step, into ``op`` (or a new op,
+        returned). Nothing when the host tier has no room.
+
+        The caller names the ends a later request is likely to hit: where a prompt
+        chunk ends and where the request ends. A window's tail at every page a decode
+        step completes would cost ``cdiv(W - 1, block_size)`` pages per group for ends
+        no prompt comes back to (a chat's next turn continues from the request's end);
+        a state checkpoint costs one page per group, and vLLM offers it only once."""
+        P = self._half.page_size
+        ends = {k // P for k in st.states if k % P == 0 and 0 < k // P <= st.num_checked_pages}
+        for e in sorted(ends | ({end} if end > 0 else set())):
             op = self._save_end(req_id, st, e, op)
         return op
 
@@ -113,21 +166,15 @@ class ComponentPages:
         half, tree, ns = self._half, self._half.tree, st.namespace
         P = half.page_size
         key = half._key(st, end)
-        if tree.probe_key(key, ns) // P < end:
+        if end <= 0 or tree.probe_key(key, ns) // P < end:
             return op  # its full-attention pages are not all cached: nothing to attach to
-        given: list[torch.Tensor] = []
-        copies: list[tuple[int, int, int]] = []  # (component, index in its ids, block)
+        copies: list[tuple[int, int, int]] = []  # (component, position, slot)
         for c, members in enumerate(self.members):
-            gaps = tree.component_gaps(key, c, HOST, ns)
-            width = len(members)
-            ids = torch.full((end * width,), -1, dtype=torch.int64)
-            for i in torch.nonzero(gaps.reshape(-1)).flatten().tolist()[: end]:
+            gaps = tree.component_gaps(key, c, HOST, ns).reshape(-1)
+            for i in torch.nonzero(gaps).flatten().tolist():
                 blocks = self._blocks(st, members, i, P)
-                if blocks is None:
-                    continue  # vLLM no longer holds it: the tree serves no hit needing it
-                for slot, block in enumerate(blocks):
-                    copies.append((c, i * width + slot, block))
-            given.append(ids)
+                if blocks is not None:  # else vLLM no longer holds it: no hit needs it
+                    copies += [(c, i, slot) for slot in range(len(blocks))]
         if not copies:
             return op
         half.pins.pin(tree.probe_path(key, ns)[-1])  # making room must not evict the path
@@ -135,23 +182,34 @@ class ComponentPages:
         if pages is None:
             half.counters.save_skipped_tokens += P * len(copies)
             return op
-        for (c, index, _), page in zip(copies, pages.tolist(), strict=True):
-            given[c][index] = page
-        result = tree.insert_host(np.frombuffer(key, dtype=np.int32),
-                                  torch.zeros(end, dtype=torch.int64), ns, components=given)
-        unused = set(result.unused_pages.tolist())
-        if unused:
-            half.host_allocator.free(torch.tensor(sorted(unused), dtype=torch.int64))
+        given = [torch.full((end * len(m),), -1, dtype=torch.int64) for m in self.members]
+        for (c, i, slot), page in zip(copies, pages.tolist(), strict=True):
+            given[c][i * len(self.members[c]) + slot] = page
+        unused = self._insert(key, end, ns, given)
         from hicache.integrations.vllm.common.plan import SaveOp
 
-        if op is None:
-            op = SaveOp(req_id, [], [])
-        for (c, index, block), page in zip(copies, pages.tolist(), strict=True):
-            if page not in unused:
-                op.block_ids.append(block)
-                op.host_pages.append(page)
-        half.counters.saved_component_pages += len(copies) - len(unused)
+        op = op if op is not None else SaveOp(req_id, [], [])
+        for (c, i, slot), page in zip(copies, pages.tolist(), strict=True):
+            if page in unused:
+                continue
+            op.block_ids.append(self._blocks(st, self.members[c], i, P)[slot])  # type: ignore[index]
+            self._announce(req_id, c, slot, i, page)
+            op.host_pages.append(page)
+            if half.storage is not None:
+                op.storage_keys.append(self.storage_key(st, c, slot, i))
+            self._count(c, "saved")
         return op
+
+    def _announce(self, req_id: str, c: int, slot: int, position: int, page: int) -> None:
+        listener = self._half.page_listener
+        if listener is not None:
+            listener.cached_component(req_id, self.members[c][slot].group_id, position, page)
+
+    def _count(self, c: int, what: str) -> None:
+        kind = "window" if self.specs[c].is_window else "state"
+        name = f"{kind}_pages_{what}"
+        counters = self._half.counters
+        setattr(counters, name, getattr(counters, name) + 1)
 
     def _blocks(self, st: RequestState, members: list[KVGroup], page: int,
                 P: int) -> list[int] | None:
@@ -169,6 +227,19 @@ class ComponentPages:
                 return None
             out.append(block)
         return out
+
+    def _insert(self, key: bytes, end: int, namespace: str | None,
+                given: list[torch.Tensor]) -> set[int]:
+        """Give the tree component pages along ``key`` (whose full-attention pages it
+        holds); the pages it did not take are freed and returned."""
+        half = self._half
+        result = half.tree.insert_host(np.frombuffer(key, dtype=np.int32),
+                                       torch.zeros(end, dtype=torch.int64), namespace,
+                                       components=given)
+        unused = result.unused_pages
+        if unused.numel():
+            half.host_allocator.free(unused)
+        return set(unused.tolist())
 
     # ------------------------------------------------------------ requests
     def boundary_states(self, offloads: dict[str, list[tuple[int, int, int]]]) -> None:
@@ -215,3 +286,12 @@ class ComponentPages:
     def num_host_pages(self) -> int:
         """Host pages the tree's components hold."""
         return sum(self._half.tree.num_component_pages(c, HOST) for c in range(len(self.specs)))
+
+    def occupancy(self) -> dict[str, int]:
+        """Host pages holding window tails and state checkpoints (``host_window_pages``,
+        ``host_state_pages``)."""
+        out = {"host_window_pages": 0, "host_state_pages": 0}
+        for c, spec in enumerate(self.specs):
+            kind = "window" if spec.is_window else "state"
+            out[f"host_{kind}_pages"] += self._half.tree.num_component_pages(c, HOST)
+        return out

@@ -53,6 +53,7 @@ from hicache.integrations.vllm.scheduler.stats import (  # noqa: F401 (re-export
 from hicache.integrations.vllm.scheduler.third_tier import (
     StorageKeys,
     StorageProbe,
+    host_room_for_fetch,
     num_promisable_pages,
 )
 from hicache.memory import PageAllocator
@@ -110,7 +111,8 @@ class SchedulerHalf(HalfInspection):
         self.saves = Saves(self, config.write_policy, config.backup_hit_threshold)
         # Third-tier hits read in the background (None: "sync", read in vLLM's step)
         self.prefetch: Prefetcher | None = None
-        if storage_backend is not None and config.prefetch_policy != "sync":
+        if storage_backend is not None and config.prefetch_policy != "sync" and not self.components:
+            # (hybrid models: third-tier hits are read in the step, see docs/vllm.md)
             self.prefetch = Prefetcher(config, self.tree, self.host_allocator, block_size,
                                        tp_size, alloc=self._alloc_host, counters=self.counters,
                                        listener=lambda: self.page_listener)
@@ -183,6 +185,11 @@ class SchedulerHalf(HalfInspection):
                 self.host_allocator, key, host, P, extra_pages=start - host,
                 namespace=st.namespace, salts=self._salts,
             )
+            if comps is not None and stored and not comps.promise_storage(
+                    st, num_computed // P, start + stored, host_room_for_fetch(
+                        self.tree, self.host_allocator, key, host, P, st.namespace)
+                    - (start + stored - host)):
+                stored = 0  # a component page the hit reads is not stored
         num_tokens = ((start + stored) if stored else host) * P - num_computed
         if num_tokens <= 0 or num_tokens < self.config.load_threshold_tokens:
             return 0
@@ -236,11 +243,6 @@ class SchedulerHalf(HalfInspection):
         host_pages = torch.cat([n.host_indices for n in nodes]).tolist() if nodes else []
         op = LoadOp(req_id, st.block_ids[a:b], host_pages[a:have] if have > a else [])
         c = self.counters
-        if self.components is not None and (have < b or not self.components.load(
-                st, result.last_node, a, b, op)):  # hybrid: the whole load fails
-            op.failed_block_ids, op.block_ids, op.host_pages = op.block_ids, [], []
-            c.load_failed_tokens += (b - a) * P
-            return self._loads.append(op)
         if have < b:
             # The rest comes from storage; pages between the host hit and vLLM's own
             # (have < a) are copied from vLLM's blocks, so that the tree has no gap.
@@ -265,6 +267,9 @@ class SchedulerHalf(HalfInspection):
                 first = max(a, have)
                 op.storage_keys = self._keys(st, b)[first:b]
                 c.storage_hit_tokens += (b - first) * P
+        if self.components is not None and (op.failed_block_ids or not self.components.load(
+                st, a, b, op, storage=have < b)):  # hybrid: a load fails as a whole
+            op.failed_block_ids = st.block_ids[a:b]
         prefetched = num_fetched(st.prefetched, a, min(have, b))  # read by its prefetch
         c.storage_hit_tokens += prefetched * P
         c.host_hit_tokens += (max(0, min(have, b) - a) - prefetched) * P
@@ -300,8 +305,10 @@ class SchedulerHalf(HalfInspection):
                 plan.computes.append((s.req_id, s.num_computed_tokens, end))
                 saved = st.num_checked_pages
                 save = self.saves.computed(s.req_id, st, end)
-                if self.components is not None and (st.num_checked_pages > saved or st.states):
-                    save = self.components.save(s.req_id, st, st.num_checked_pages, save)
+                if self.components is not None:  # window tails where a prompt chunk ends
+                    prompt = s.num_prompt_tokens is None or end <= s.num_prompt_tokens
+                    save = self.components.save(s.req_id, st, st.num_checked_pages if prompt
+                                                and st.num_checked_pages > saved else 0, save)
                 if save is not None:
                     plan.saves.append(save)
         finally:
@@ -341,9 +348,8 @@ class SchedulerHalf(HalfInspection):
         st.block_ids = list(block_ids)
         if group_block_ids is not None:
             st.follow_tables(group_block_ids, True)
-        saved = st.num_checked_pages
         save = self.saves.computed(req_id, st, num_computed_tokens)
-        if self.components is not None and st.num_checked_pages > saved:
+        if self.components is not None:  # and where it ends
             save = self.components.save(req_id, st, st.num_checked_pages, save)
         if save is not None:
             self._early_saves.append(save)  # pinned until that plan is built

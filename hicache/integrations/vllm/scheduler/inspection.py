@@ -62,6 +62,8 @@ class HalfInspection:
         s["host_pages_used"] = self.host_allocator.num_used_pages
         s["host_pages_free"] = self.host_allocator.num_free_pages
         s["host_cached_tokens"] = self.tree.host_tokens
+        if self.components is not None:
+            s.update(self.components.occupancy())
         return s
 
     def check_integrity(self) -> None:

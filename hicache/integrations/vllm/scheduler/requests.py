@@ -30,6 +30,7 @@ class ScheduledRequest:
     # Hybrid models: every KV cache group's blocks added (new_block_ids is the full-
     # attention group's); None otherwise, or when none were added
     group_block_ids: list[list[int]] | None = None
+    num_prompt_tokens: int | None = None  # None: unknown (taken as a prompt chunk)
 
 
 class RequestState:
