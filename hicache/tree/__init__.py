@@ -6,7 +6,7 @@ streams or storage. ``make_tree`` picks the C++ tree when it is built.
 
 from hicache.components import ComponentKind, ComponentSpec
 from hicache.tree.factory import make_tree
-from hicache.tree.python import RadixTree, TreeNode
+from hicache.tree.python import HybridRadixTree, RadixTree, TreeNode
 from hicache.tree.types import (
     EvictResult,
     InsertResult,
@@ -21,6 +21,7 @@ __all__ = [
     "ComponentKind",
     "ComponentSpec",
     "EvictResult",
+    "HybridRadixTree",
     "InsertResult",
     "IOStatus",
     "MatchResult",

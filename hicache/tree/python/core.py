@@ -193,6 +193,8 @@ class PrefixIndex(TierMembership):
         if node.host_indices is not None:
             prefix._host_children = 1
             prefix._busy_children = int(self._host_busy(node))
+        if self._has_components:
+            self._split_components(prefix, node, num_pages)
         on_split = self.on_split
         if on_split is not None:
             outer, self._hook = self._hook, "on_split"

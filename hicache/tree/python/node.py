@@ -52,7 +52,7 @@ class ComponentRecord:
     """
 
     __slots__ = ("node", "device", "host", "last_access", "hit_count", "created",
-                 "_dev_seq", "_host_seq")
+                 "_dev_seq", "_host_seq", "_dev_children", "_host_children")
 
     def __init__(self, node: TreeNode) -> None:
         self.node = node
@@ -63,6 +63,10 @@ class ComponentRecord:
         self.created = 0  # tree clock tick it was attached at (in either tier)
         self._dev_seq = 0  # seq of its newest device-heap entry
         self._host_seq = 0  # seq of its newest host-heap entry
+        # Children holding this component in each tier (kept for window components: a
+        # child's hits read this node's window pages).
+        self._dev_children = 0
+        self._host_children = 0
 
     @property
     def priority(self) -> int:

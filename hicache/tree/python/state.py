@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import torch
+
 from hicache.checks import check_namespace
 from hicache.components import ComponentSpec
 from hicache.config import EvictionPolicy
@@ -29,6 +31,10 @@ from hicache.tree.types import Tier, TreeEvent
 
 class TreeState:
     """The fields of :class:`hicache.tree.RadixTree` and the checks on its arguments."""
+
+    # A tree with components (HybridRadixTree) sets it: the few places where every tree
+    # divides or drops a node's data call its component hooks only then.
+    _has_components = False
 
     def __init__(
         self,
@@ -107,6 +113,13 @@ class TreeState:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
+
+    def _split_components(self, prefix: TreeNode, suffix: TreeNode, num_pages: int) -> None:
+        """Divide the component data of a node split after ``num_pages`` (hybrid trees)."""
+
+    def _drop_components(self, node: TreeNode, tier: str) -> torch.Tensor | None:
+        """Give up ``node``'s component data in ``tier`` with its full copy (hybrid trees)."""
+        return None
 
     def _refuse_reentry(self, op: str, backup_may: bool = False) -> None:
         """Raise RuntimeError if a hook runs that may not call ``op`` (hicache.tree.python)."""
