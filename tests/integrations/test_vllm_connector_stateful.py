@@ -116,8 +116,9 @@ class ConnectorMachine(RuleBasedStateMachine):
             extra["storage"] = f"file:{tempfile.mkdtemp(prefix='hicache-stateful-')}"
             extra.update(prefetch_policy=prefetch, prefetch_threshold_tokens=self.sched.B,
                          prefetch_timeout_base_s=0.02, prefetch_timeout_per_ki_token_s=0.0)
-        self.e = self.sched.Engine(async_scheduling=async_scheduling, policy=policy,
-                                   num_blocks=num_blocks, extra=extra, seed=seed)
+        self.prompt_blocks = num_blocks  # prompts fit in as many blocks (a few spare)
+        self.e = self._engine(async_scheduling=async_scheduling, policy=policy,
+                              num_blocks=num_blocks, extra=extra, seed=seed)
         self.rng = random.Random(seed)
         self.system = [self.rng.randrange(1, 500) for _ in range(2 * self.sched.B)]
         connector = self.e.connector
@@ -129,6 +130,9 @@ class ConnectorMachine(RuleBasedStateMachine):
             return num, load_async
 
         connector.get_num_new_matched_tokens = watched
+
+    def _engine(self, **kwargs):
+        return self.sched.Engine(**kwargs)
 
     def _check_lookup(self, request: Any, num_computed: int, num: int) -> None:
         """A hit of ``num`` tokens after vLLM's ``num_computed``: allowed only for a
@@ -158,7 +162,7 @@ class ConnectorMachine(RuleBasedStateMachine):
     def _add(self, prompt: list[int], max_tokens: int, salt: str | None = None,
              control: dict | str | None = None) -> None:
         # vLLM cannot schedule a request larger than its whole cache: keep prompts in it.
-        limit = (self.e.num_blocks - 2) * self.sched.B
+        limit = (self.prompt_blocks - 2) * self.sched.B
         prompt = prompt[:limit - max_tokens]
         self.num_requests += 1
         rid = f"r{self.num_requests}"
@@ -321,18 +325,49 @@ class ConnectorMachine(RuleBasedStateMachine):
             self.e.close()
 
 
-def _run(max_examples: int, steps: int) -> None:
-    ConnectorMachine.TestCase.settings = settings(
+class HybridMachine(ConnectorMachine):
+    """The same on a hybrid model (vllm_sched_hybrid.py): a full-attention group beside
+    one or two sliding-window groups or a Mamba "align" mode group, drawn from the
+    example's seed; write_through (what hybrid models take), third-tier hits read in
+    the step. Every wrong read is a violation (hybrid loads fail per request)."""
+
+    def _engine(self, **kwargs):
+        from vllm_sched_hybrid import hybrid_engine
+
+        rng = random.Random(kwargs["seed"])
+        kind = rng.choice(["window", "state"])
+        others = rng.choice([1, 2]) if kind == "window" else 1
+        # (tree "auto": the C++ tree takes no components yet, the Python one then serves)
+        kwargs["extra"].update(write_policy="write_through", prefetch_policy="sync",
+                               tree="auto")
+        # vLLM's other groups need blocks of their own beside the prompt's (a window's
+        # and a prefill chunk's, a state's two): one request must always fit
+        kwargs["num_blocks"] += 10 * others
+        return hybrid_engine(kind=kind, window=rng.choice([17, 40, 64]), num_others=others,
+                             **kwargs)
+
+
+def _run(max_examples: int, steps: int, machine: type = ConnectorMachine) -> None:
+    machine.TestCase.settings = settings(
         max_examples=max_examples, stateful_step_count=steps, deadline=None,
         suppress_health_check=list(HealthCheck), derandomize=True,
     )
-    ConnectorMachine.TestCase().runTest()
+    machine.TestCase().runTest()
 
 
 def test_connector_state_machine():
     _run(int(os.environ.get("HICACHE_STATEFUL_EXAMPLES", "12")), 40)
 
 
+def test_connector_state_machine_hybrid():
+    _run(int(os.environ.get("HICACHE_STATEFUL_EXAMPLES", "12")), 40, HybridMachine)
+
+
 @pytest.mark.slow
 def test_connector_state_machine_long():
     _run(300, 60)
+
+
+@pytest.mark.slow
+def test_connector_state_machine_hybrid_long():
+    _run(200, 60, HybridMachine)

@@ -152,15 +152,16 @@ def test_window_tail_is_saved_and_loaded_not_every_window_page(async_scheduling)
     e.quiesce()
     assert half.tree.host_tokens == 96
     occupancy = half.components.occupancy()
-    # two window groups, a tail of 3 pages each at the one end the prefill saved
-    assert occupancy == {"host_window_pages": 6, "host_state_pages": 0}
+    # vLLM prefills 64 tokens a step: tails end where its two chunks end (pages 4 and 6),
+    # pages {1, 2, 3} and {3, 4, 5}, in each of the two window groups; page 0 has none
+    assert occupancy == {"host_window_pages": 2 * 5, "host_state_pages": 0}
     assert e.scheduler.reset_prefix_cache()
     follow = prompt + _prompt(2, 20)
     e.add("b", follow, max_tokens=3)
     e.run()
     e.check()
     c = half.counters
-    assert c.host_hit_tokens == 96 and c.window_pages_loaded == 6
+    assert c.host_hit_tokens == 96 and c.window_pages_loaded == 2 * 3  # the tail at page 6
     assert e.outputs["b"] == _outputs(follow, 3)
     e.close()
 
@@ -208,30 +209,72 @@ def test_a_failed_load_fails_its_request_never_a_block(kind, policy):
 @pytest.mark.parametrize("kind", ["window", "state"])
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_random_multi_turn_workload_with_failures(kind, async_scheduling):
-    """Conversations sharing a system prompt, follow-ups after vLLM's cache turned
-    over, loads and saves failing at random: no wrong read, every host page right."""
-    e = _engine(kind, async_scheduling=async_scheduling, host_pages=24, num_blocks=20,
+    """Conversations sharing a system prompt, some turns after vLLM dropped its cached
+    blocks (hits from the host tier), loads and saves failing at random: no wrong read,
+    every host page right, every request served (recompute policy)."""
+    e = _engine(kind, async_scheduling=async_scheduling, host_pages=48, num_blocks=20,
                 seed=7)
     rng = random.Random(8)
     system = _prompt(9, 40)
-    histories = []
+    histories: list[list[int]] = []
     e.faults.load_rate, e.faults.save_rate = 0.2, 0.1
-    for i in range(14):
-        if histories and rng.random() < 0.6:
-            base = histories[rng.randrange(len(histories))]
-        else:
-            base = system
-        prompt = base + [rng.randrange(1, 500) for _ in range(rng.randrange(5, 40))]
-        prompt = prompt[: (e.num_blocks - 4) * 16 - 4]
+    for i in range(16):
+        base = histories[rng.randrange(len(histories))] if histories and rng.random() < 0.7 \
+            else system
+        prompt = (base + _prompt(100 + i, rng.randrange(5, 40)))[: (e.num_blocks - 4) * 16 - 4]
         e.add(f"r{i}", prompt, max_tokens=4)
         histories.append(prompt + _outputs(prompt, 4))
         for _ in range(rng.randrange(1, 6)):
             if e.scheduler.has_requests():
                 e.step()
+        if i % 4 == 3:  # vLLM drops every block it may (as under memory pressure)
+            e.run(max_steps=500)
+            e.update_held()
+            pool = e.scheduler.kv_cache_manager.block_pool
+            pool.evict_blocks({b.block_id for b in pool.blocks
+                               if b.block_hash is not None and b.ref_cnt == 0})
     e.faults.load_rate = e.faults.save_rate = 0.0
     e.run(max_steps=2000)
     e.check()
     assert not e.failed
+    c = e.connector.scheduler_half.counters
+    assert c.host_hit_tokens > 0 and e.faults.failed_loads > 0
+    assert (c.window_pages_loaded if kind == "window" else c.state_pages_loaded) > 0
+    e.close()
+
+
+def test_kv_events_and_metrics_name_each_pages_group():
+    """A host page of a sliding-window group is announced under its group, with the
+    group's kind and window; a reset removes every page under its own group; the
+    scheduler's stats count component pages per kind."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    e = _engine("window", kv_events={"enable_kv_cache_events": True, "publisher": "null"})
+    seen: list = []
+    take = e.connector.take_events
+    e.connector.take_events = lambda: seen.extend(events := list(take())) or events
+    e.add("a", _prompt(11, 100), max_tokens=1)
+    e.run()
+    e.quiesce()
+    half = e.connector.scheduler_half
+    stored = [ev for ev in seen if isinstance(ev, BlockStored) and ev.medium == "CPU"]
+    full = [ev for ev in stored if ev.group_idx == e.FULL]
+    window = [ev for ev in stored if ev.group_idx == 0]
+    assert sum(len(ev.block_hashes) for ev in full) == half.tree.host_tokens // 16
+    assert len(window) == half.components.occupancy()["host_window_pages"] > 0
+    assert {(ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window) for ev in window} == {
+        ("sliding_window", 40)}
+    stats = half.stats()
+    assert stats["window_pages_saved"] == stats["host_window_pages"]
+    seen.clear()
+    e.scheduler.reset_prefix_cache(reset_connector=True)
+    e.step()
+    removed: dict[int, int] = {}
+    for ev in seen:
+        if isinstance(ev, BlockRemoved) and ev.medium == "CPU":
+            removed[ev.group_idx] = removed.get(ev.group_idx, 0) + len(ev.block_hashes)
+    assert removed == {e.FULL: sum(len(ev.block_hashes) for ev in full), 0: len(window)}
+    e.check()
     e.close()
 
 

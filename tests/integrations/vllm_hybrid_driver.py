@@ -38,9 +38,9 @@ OUTPUT_TOKENS = 16
 # (conversations, turns, system prompt and user tokens per turn).
 SHAPES = {
     "gemma3": {"block_size": 32, "num_blocks": 36, "dtype": "float32",
-               "conversations": 6, "turns": 4, "system": 128, "user": 48},
+               "conversations": 6, "turns": 6, "system": 128, "user": 32},
     "qwen3next": {"block_size": None, "num_blocks": 12, "dtype": "bfloat16",
-                  "conversations": 4, "turns": 3, "system": 192, "user": 96},
+                  "conversations": 4, "turns": 3, "system": 96, "user": 96},
 }
 
 

@@ -145,10 +145,24 @@ class HybridEngine(Engine):
                     for p, w in zip(range(first, done), want, strict=True)]
         return out
 
+    def _forward(self, scheduled):
+        # A forward reads each request's state once, before it writes the next state
+        # into the same block (within a block, align mode updates it in place): the
+        # reads are taken from the blocks as they were before the forward.
+        self._states_before = {block: self.shared[block, 0, 0, 0].item()
+                               for rid, done, _ in scheduled
+                               for _, block, slot, _ in self._reads(rid, done) if slot is None}
+        try:
+            return super()._forward(scheduled)
+        finally:
+            self._states_before = {}
+
     def _wrong_blocks(self, rid: str, done: int) -> set[int]:
         wrong = set()
+        before = getattr(self, "_states_before", {})
         for _g, block, slot, want in self._reads(rid, done):
-            got = self.shared[block, 0, 0 if slot is None else slot, 0].item()
+            got = (before[block] if slot is None and block in before
+                   else self.shared[block, 0, 0 if slot is None else slot, 0].item())
             if block == 0 or got != want:
                 wrong.add(block)
         return wrong

@@ -391,8 +391,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         comps = self.scheduler_half.components if self.scheduler_half is not None else None
-        if connector_output.failed_recving and comps is not None:
-            comps.loads_failed(connector_output.failed_recving)
+        if comps is not None and (connector_output.finished_recving or connector_output.failed_recving):
+            comps.loads_ended(connector_output.finished_recving, connector_output.failed_recving)
         if isinstance(meta, HiCacheWorkerMetadata) and self.scheduler_half is not None:
             self.scheduler_half.mark_bad(meta.bad_host_pages)
             if self._tier_events is not None:

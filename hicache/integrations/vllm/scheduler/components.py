@@ -103,6 +103,9 @@ class ComponentPages:
         third tier into host pages allocated now (those the host tier lacks); False when
         one cannot be had (the request's load then fails as a whole)."""
         half, tree, ns = self._half, self._half.tree, st.namespace
+        st.loading = (first, end)  # until vLLM reports the load done (loads_ended)
+        if op.failed_block_ids:
+            return False  # its full-attention pages could not be had
         key = half._key(st, end)
         tables = st.tables or []
         reads = []
@@ -216,6 +219,8 @@ class ComponentPages:
         """The block of each of ``members`` that holds position ``page`` (a window) or
         the state after ``page + 1`` pages (a state), or None if one is missing."""
         tables = st.tables or []
+        if st.loading is not None and st.loading[0] <= page < st.loading[1]:
+            return None  # a load not known to have landed writes it (or failed to)
         out = []
         for group in members:
             if group.kind == STATE:
@@ -252,13 +257,26 @@ class ComponentPages:
             for group, block, boundary in entries if st is not None else ():
                 st.states.setdefault(boundary, {})[group] = block
 
-    def loads_failed(self, req_ids) -> None:
-        """vLLM was told these requests' loads failed: they are recomputed, and not
-        loaded again (a load that keeps failing would loop)."""
-        for req_id in req_ids:
+    def planned(self) -> None:
+        """The step's plan is built and its pins released: vLLM's state hand-over held
+        for that step's forward only, and bad pages on nodes pinned until now go."""
+        for st in self._half._reqs.values():
+            st.states.clear()
+        if self._bad:
+            self.mark_bad(())
+
+    def loads_ended(self, done, failed) -> None:
+        """vLLM's workers finished these requests' loads (``done``), of which ``failed``
+        failed: those are recomputed (or failed by vLLM), and not loaded again (a load
+        that keeps failing would loop); the others' loaded blocks may be saved from."""
+        for req_id in set(done or ()) | set(failed or ()):
             st = self._half._reqs.get(req_id)
-            if st is not None:
+            if st is None:
+                continue
+            if req_id in (failed or ()):
                 st.skip_load = True
+            else:
+                st.loading = None
 
     # ------------------------------------------------------------- bad pages
     def mark_bad(self, host_pages) -> None:
@@ -267,21 +285,21 @@ class ComponentPages:
         self._bad.update(int(p) for p in host_pages)
         if not self._bad:
             return
-        tree = self._half.tree
+        tree, held = self._half.tree, set[int]()
         for node in list(tree.nodes()):
             for c in range(len(self.specs)):
                 pages = node.component_pages(c, HOST)
-                if pages is None or self._bad.isdisjoint(pages.tolist()):
+                ids = pages.tolist() if pages is not None else []
+                if self._bad.isdisjoint(ids):
                     continue
-                if node.host_lock_ref:
-                    continue  # pinned by a step being planned, or a prefetch: later
+                if node.host_lock_ref:  # pinned by a step being planned, or a prefetch
+                    held.update(ids)
+                    continue
                 freed = tree.detach_component(node, c, HOST)
-                self._bad.difference_update(freed.tolist())
                 self._half.host_allocator.free(freed)
-        # Pages no node holds any more (evicted meanwhile, or full pages): nothing to do.
-        held = {p for node in tree.nodes() for c in range(len(self.specs))
-                for p in (node.component_pages(c, HOST) or torch.empty(0)).tolist()}
-        self._bad &= held
+                if self._half.page_listener is not None:  # they left the host tier
+                    self._half.page_listener.evicted(freed.tolist())
+        self._bad &= held  # pages no node holds (evicted meanwhile, full ones): forgotten
 
     def num_host_pages(self) -> int:
         """Host pages the tree's components hold."""

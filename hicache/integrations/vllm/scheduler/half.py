@@ -87,7 +87,7 @@ class SchedulerHalf(HalfInspection):
         self.components = (ComponentPages(self, groups)
                            if groups is not None and groups.hybrid else None)
         self.tree = make_tree(config.tree, block_size, config.eviction,
-                              **({"components": self.components.specs} if self.components else {}))
+                              components=self.components.specs if self.components else ())
         self.tree.on_split = self._on_split
         self.host_allocator = PageAllocator(num_host_pages, "host pages")
         self.storage = storage_backend  # exists() (through the probe), epoch, bump_epoch
@@ -204,7 +204,7 @@ class SchedulerHalf(HalfInspection):
         group's in ``group_block_ids``); plan the load of the ``num_external`` tokens
         promised by :meth:`num_matched_tokens`."""
         st = self._state(req_id, token_ids, namespace)
-        st.block_ids = list(block_ids)
+        st.block_ids, st.loading = list(block_ids), None  # loading: set again by a load
         if group_block_ids is not None:
             st.follow_tables(group_block_ids, True)
         if st.vllm_hit_pages:
@@ -267,9 +267,8 @@ class SchedulerHalf(HalfInspection):
                 first = max(a, have)
                 op.storage_keys = self._keys(st, b)[first:b]
                 c.storage_hit_tokens += (b - first) * P
-        if self.components is not None and (op.failed_block_ids or not self.components.load(
-                st, a, b, op, storage=have < b)):  # hybrid: a load fails as a whole
-            op.failed_block_ids = st.block_ids[a:b]
+        if self.components is not None and not self.components.load(st, a, b, op, have < b):
+            op.failed_block_ids = st.block_ids[a:b]  # hybrid: a load fails as a whole
         prefetched = num_fetched(st.prefetched, a, min(have, b))  # read by its prefetch
         c.storage_hit_tokens += prefetched * P
         c.host_hit_tokens += (max(0, min(have, b) - a) - prefetched) * P
@@ -313,8 +312,8 @@ class SchedulerHalf(HalfInspection):
                     plan.saves.append(save)
         finally:
             self.pins.unpin_all()
-            for st in self._reqs.values() if self.components is not None else ():
-                st.states.clear()  # vLLM's hand-over holds for this step's forward only
+            if self.components is not None:
+                self.components.planned()
         return plan
 
     def mark_bad(self, host_pages) -> None:
@@ -374,8 +373,9 @@ class SchedulerHalf(HalfInspection):
         if self.prefetch is not None:
             self.prefetch.reset()
         num = self.tree.host_tokens
-        if num:
-            self._evict_host(num)
+        if num:  # evict_host counts page ids: component pages too (held only beside full ones)
+            self._evict_host(num + (self.page_size * self.components.num_host_pages()
+                                    if self.components is not None else 0))
         for st in self._reqs.values():
             st.num_checked_pages = 0
         ok = self.tree.host_tokens == 0
@@ -424,9 +424,8 @@ class SchedulerHalf(HalfInspection):
         short = num_pages - alloc.num_free_pages
         # host_takeable_tokens: exactly what evict_host can take (not the host copies
         # above a pinned node, which host eviction cannot reach while it is pinned).
-        takeable = self.tree.host_takeable_tokens // self.page_size
-        if self.components is not None:
-            takeable += self.tree.host_component_takeable_pages
+        takeable = self.tree.host_takeable_tokens // self.page_size + (
+            self.tree.host_component_takeable_pages if self.components is not None else 0)
         if short > takeable:
             return None  # evicting could not make room: evict nothing, keep what is cached
         if short > 0:

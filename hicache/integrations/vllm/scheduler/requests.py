@@ -38,7 +38,7 @@ class RequestState:
 
     __slots__ = ("token_ids", "namespace", "block_ids", "num_checked_pages", "key", "keys",
                  "lookup", "vllm_hit_pages", "skip_load", "skip_save", "max_save_pages",
-                 "prefetched", "tables", "states")
+                 "prefetched", "tables", "states", "loading")
 
     def __init__(self, token_ids: Sequence[int], namespace: str | None = None) -> None:
         self.token_ids = token_ids
@@ -60,6 +60,9 @@ class RequestState:
         # step's forward computes: boundary token -> {group id: block id}
         self.tables: list[list[int]] | None = None
         self.states: dict[int, dict[int, int]] = {}
+        # (first, end) pages of its asynchronous load until vLLM reported it done: its
+        # blocks there hold nothing to save yet (a failed one's never will)
+        self.loading: tuple[int, int] | None = None
 
     def tree_key(self, num_pages: int, page_size: int) -> bytes:
         """The tree key of the first ``num_pages`` pages. Built once per page: a request's
