@@ -17,6 +17,8 @@ and a step that cannot get ``min_s`` seconds is skipped and says so::
     native       the C++ extension (radix tree, lifecycle) and the C row copier
     cuda_tests   pytest -m cuda tests  (CUDA executor, CUDA races, connector on CUDA)
     vllm_e2e     the connector inside real vLLM on the GPU (only where vLLM imports)
+    vllm_hybrid  the connector on a linear-attention hybrid (Qwen3-Next, Mamba "align"
+                 mode state groups) inside real vLLM on the GPU (only where vLLM imports)
     transfer     hicache bench transfer: pinned pages vs a contiguous cudaMemcpyAsync
     recompute    hicache bench recompute: two layers of Llama-3-8B, prefill vs reload
     multiturn    hicache bench multiturn on the GPU
@@ -280,6 +282,13 @@ def main(argv: list[str] | None = None) -> int:
                                     "tests/integrations/test_vllm_connector_e2e.py"], 240, min_s=120))
     else:
         suite.skip("vllm_e2e", "no GPU" if not gpu else "vLLM does not import here")
+    if vllm:
+        suite.run(Step("vllm_hybrid", ["PY", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                       "-m", "slow", "-k", "linear_attention",
+                                       "tests/integrations/test_vllm_hybrid_e2e.py"],
+                       240, min_s=120))
+    else:
+        suite.skip("vllm_hybrid", "no GPU" if not gpu else "vLLM does not import here")
 
     if gpu:
         suite.run(Step("transfer", _module("transfer", "--device", "cuda", "--total-mib", "256",

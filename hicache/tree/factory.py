@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from hicache.components import ComponentSpec, check_components
 from hicache.config import EvictionPolicy
 from hicache.tree.protocol import RadixTreeLike
-from hicache.tree.python import RadixTree
+from hicache.tree.python import HybridRadixTree, RadixTree
 
 
 @functools.cache
@@ -30,14 +31,21 @@ def make_tree(
     page_size: int,
     eviction: EvictionPolicy | str = EvictionPolicy.LRU,
     on_split: Callable[[Any, Any], None] | None = None,
+    components: Sequence[ComponentSpec] = (),
 ) -> RadixTreeLike:
     """A radix tree of ``kind``: ``"python"``, ``"native"`` or ``"auto"``.
 
     ``"auto"`` is native when it builds here, else the Python tree with one
     ``RuntimeWarning`` per process naming the reason. ``"native"`` raises
-    :class:`NativeBuildError` instead of falling back.
+    :class:`NativeBuildError` instead of falling back. ``components`` (hybrid
+    models, docs/design.md): one :class:`~hicache.components.ComponentSpec` per
+    sliding-window or recurrent-state class; the Python tree is then a
+    :class:`~hicache.tree.python.hybrid.HybridRadixTree`.
     """
+    components = check_components(components)
     if kind == "python":
+        if components:
+            return HybridRadixTree(page_size, eviction, on_split=on_split, components=components)
         return RadixTree(page_size, eviction, on_split=on_split)
     if kind not in ("native", "auto"):
         raise ValueError(f"kind: expected 'python', 'native' or 'auto', got {kind!r}")
@@ -45,6 +53,11 @@ def make_tree(
     from hicache.native import build as jit
     from hicache.tree.native import NativeRadixTree
 
+    if components:
+        # The C++ tree takes components in a later step of this change.
+        if kind == "native":
+            raise ValueError("components: the native tree does not take components yet")
+        return HybridRadixTree(page_size, eviction, on_split=on_split, components=components)
     if kind == "auto":
         result = jit._load()
         if result.module is None:

@@ -41,3 +41,21 @@ def reentry_message(op: str, hook: str) -> str:
     if hook == "on_split":
         return f"{op}: called from inside the on_split hook, which may only read the tree"
     return f"{op}: called from inside the backup hook, which may only read the tree and call {_BACKUP_MAY}"
+
+
+def check_component(c: object, num_components: int, op: str) -> int:
+    """``c`` as the index of one of the tree's ``num_components`` components."""
+    if isinstance(c, bool) or not isinstance(c, int):
+        raise TypeError(f"{op}: expected a component index (int), got {type(c).__name__}")
+    if not 0 <= c < num_components:
+        if not num_components:
+            raise ValueError(f"{op}: component {c} asked of a tree without components")
+        raise ValueError(f"{op}: expected a component index in [0, {num_components}), got {c}")
+    return c
+
+
+def check_tier(tier: object, op: str) -> str:
+    """``tier`` as ``"device"`` or ``"host"``."""
+    if tier not in ("device", "host"):
+        raise ValueError(f"{op}: expected tier 'device' or 'host', got {tier!r}")
+    return str(tier)

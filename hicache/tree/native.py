@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -36,6 +36,7 @@ from hicache.native.build import (  # noqa: F401  (re-exported: the tree's build
     native_unavailable_reason,
 )
 from hicache.tree.guards import check_key, check_page_size
+from hicache.tree.native_components import NativeComponents
 from hicache.tree.native_node import NativeNode
 from hicache.tree.types import (
     EvictResult,
@@ -74,7 +75,7 @@ def _probe_key_bytes(key: bytes, namespace: object, page_size: int) -> bytes:
     return key
 
 
-class NativeRadixTree:
+class NativeRadixTree(NativeComponents):
     """The radix tree of :mod:`hicache.tree`, implemented in C++ (see the module docstring).
 
     Same constructor, methods, results and errors as :class:`hicache.tree.RadixTree`.
@@ -228,6 +229,7 @@ class NativeRadixTree:
             host_len,
             proxies.get(last_device) or self._node(last_device),
             proxies.get(last) or self._node(last),
+            device_len + host_len,
         )
 
     def match_key(self, key: bytes, namespace: str | None = None) -> MatchResult:
@@ -236,39 +238,53 @@ class NativeRadixTree:
             key = check_key(key, 4 * self.page_size)
         device_len, host_len, last_device, last = self._impl.match(key, namespace)
         node = self._node
-        return MatchResult(device_len, host_len, node(last_device), node(last))
+        return MatchResult(device_len, host_len, node(last_device), node(last),
+                           device_len + host_len)
 
     def insert(
-        self, tokens: TokenLike, device_indices: torch.Tensor, namespace: str | None = None
+        self, tokens: TokenLike, device_indices: torch.Tensor, namespace: str | None = None,
+        *, components: Sequence[torch.Tensor | None] = (),
     ) -> InsertResult:
         """Cache ``tokens`` whose KV sits in ``device_indices``; see :meth:`RadixTree.insert`.
 
         The tree keeps a copy of ``device_indices`` (it owns what it stores), as the
         Python tree does.
         """
+        if components:
+            self._check_component_pages(components)
         arg = tokens if readable_in_place(tokens) else token_key(tokens, self.page_size)
         num_cached, last = self._impl.insert(arg, device_indices, namespace)
         return InsertResult(num_cached, self._proxies.get(last) or self._node(last))
 
     def insert_key(
-        self, key: bytes, device_indices: torch.Tensor, namespace: str | None = None
+        self, key: bytes, device_indices: torch.Tensor, namespace: str | None = None,
+        *, components: Sequence[torch.Tensor | None] = (),
     ) -> InsertResult:
         """:meth:`insert` for a key already made by :func:`hicache.tree.token_key`."""
+        if components:
+            self._check_component_pages(components)
         if type(key) is not bytes:
             key = check_key(key, 4 * self.page_size)
         num_cached, last = self._impl.insert(key, device_indices, namespace)
         return InsertResult(num_cached, self._node(last))
 
     def insert_host(
-        self, tokens: TokenLike, host_indices: torch.Tensor, namespace: str | None = None
+        self, tokens: TokenLike, host_indices: torch.Tensor, namespace: str | None = None,
+        *, components: Sequence[torch.Tensor | None] = (),
     ) -> InsertResult:
         """Cache ``tokens`` whose KV sits only in host pages; see :meth:`RadixTree.insert_host`."""
+        if components:
+            self._check_component_pages(components)
         num_cached, last = self._impl.insert_host(self._tokens(tokens), host_indices, namespace)
         return InsertResult(num_cached, self._node(last))
 
     def probe_key(self, key: bytes, namespace: str | None = None) -> int:
         """Tokens of ``key`` cached in any tier; read-only (no split, no hit, no access)."""
         return self._impl.probe(_probe_key_bytes(key, namespace, self.page_size), namespace)
+
+    def probe_hit_key(self, key: bytes, namespace: str | None = None) -> int:
+        """Tokens of ``key`` a match would serve; see :meth:`RadixTree.probe_hit_key`."""
+        return self.probe_key(key, namespace)
 
     def probe_path(self, key: bytes, namespace: str | None = None) -> list[NativeNode]:
         """The nodes holding the cached prefix of ``key``; see :meth:`RadixTree.probe_path`."""

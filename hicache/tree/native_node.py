@@ -15,7 +15,8 @@ import numpy.typing as npt
 import torch
 
 from hicache.native.binding import TreeBinding
-from hicache.tree.types import IOStatus
+from hicache.tree.guards import check_component, check_tier
+from hicache.tree.types import IOStatus, Tier
 
 
 class NodeOwner(Protocol):
@@ -121,6 +122,12 @@ class NativeNode:
 
     def tokens(self) -> npt.NDArray[np.int32]:
         return np.frombuffer(self.key, dtype=np.int32)
+
+    def component_pages(self, c: int, tier: Tier) -> torch.Tensor | None:
+        """Component ``c``'s page ids in ``tier``; see :meth:`hicache.tree.TreeNode.component_pages`."""
+        check_tier(tier, "component_pages")
+        check_component(c, 0, "component_pages")
+        return None
 
     def __repr__(self) -> str:
         try:

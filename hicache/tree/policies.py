@@ -100,6 +100,22 @@ class CandidateHeap:
             return node
         return None
 
+    def peek(self, is_candidate: Callable[[Any], int | None]) -> tuple[EvictionKey, Any] | None:
+        """The best live candidate and its priority, left in the heap; ``None`` if none.
+
+        Drops the stale entries above it, as :meth:`pop` would; a ``pop`` with the
+        same predicate right after returns the same node.
+        """
+        heap = self._heap
+        while heap:
+            prio, seq, node = heap[0]
+            if seq == getattr(node, self._seq_attr):
+                rank = is_candidate(node)
+                if rank is not None and prio == (rank, *self._priority(node)):
+                    return prio, node
+            heapq.heappop(heap)
+        return None
+
     def live_priorities(self) -> dict[int, EvictionKey]:
         """Map each entry's seq to its priority; for integrity checks (O(n))."""
         return {seq: prio for prio, seq, _ in self._heap}

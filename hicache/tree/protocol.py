@@ -4,6 +4,16 @@ the reference) and :class:`hicache.tree.native.NativeRadixTree` (C++).
 Callers (the cache, replay, benchmarks) type against :class:`RadixTreeLike` and
 get a tree from :func:`hicache.tree.make_tree`. The contracts are those of
 :mod:`hicache.tree`; this module only names them. It knows no implementation.
+
+Components (hybrid models, :mod:`hicache.components`; contracts in docs/design.md,
+"Hybrid models: components"): a tree made with ``components=(spec, ...)`` keeps,
+beside each node's full-attention pages, per component ``c`` (its index in
+``tree.components``) and per tier the node's window pages or its state checkpoint.
+Component page ids are given per token page of a key: a 1-D int64 tensor of
+``num_pages * spec.width`` ids, the ids of page ``i`` at ``[i * width, (i + 1) * width)``,
+``-1`` where none is given (for a state component, the entry of page ``i`` is the
+checkpoint after ``(i + 1) * page_size`` tokens). A tree without components has
+``components == ()`` and refuses every component index.
 """
 
 from __future__ import annotations
@@ -12,15 +22,19 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import numpy as np
     import numpy.typing as npt
     import torch
 
+    from hicache.components import ComponentSpec
     from hicache.tree.types import (
         EvictResult,
         InsertResult,
         IOStatus,
         MatchResult,
+        Tier,
         TokenLike,
         TreeEvent,
     )
@@ -66,6 +80,9 @@ class NodeLike(Protocol):
     def on_host(self) -> bool: ...
     def num_pages(self, page_size: int) -> int: ...
     def tokens(self) -> npt.NDArray[np.int32]: ...
+    # Component c's page ids in a tier (window: one group of ids per page of the node,
+    # state: the checkpoint at its end), or None when the node holds none there.
+    def component_pages(self, c: int, tier: Tier) -> torch.Tensor | None: ...
 
 
 @runtime_checkable
@@ -88,6 +105,15 @@ class RadixTreeLike(Protocol):
     def host_protected_tokens(self) -> int: ...
     @property
     def host_takeable_tokens(self) -> int: ...  # host tokens evict_host can take (no lock, no IO)
+    @property
+    def components(self) -> tuple[ComponentSpec, ...]: ...  # () for a single-kind tree
+    # Component page ids on unlocked device nodes (with IO in flight or not), all components.
+    @property
+    def device_component_evictable_pages(self) -> int: ...
+    # Component page ids evict_host can take now (host-unlocked nodes, no IO), all components.
+    @property
+    def host_component_takeable_pages(self) -> int: ...
+    def num_component_pages(self, c: int, tier: Tier) -> int: ...  # page ids c holds in a tier
 
     @property
     def device_tokens(self) -> int: ...
@@ -97,16 +123,23 @@ class RadixTreeLike(Protocol):
     def nodes(self) -> Iterator[Any]: ...
     def match_prefix(self, tokens: TokenLike, namespace: str | None = None) -> MatchResult: ...
     def match_key(self, key: bytes, namespace: str | None = None) -> MatchResult: ...
+    # ``components``: per component, its page ids along the key (module docstring), or
+    # None; the ids the tree does not take come back in ``InsertResult.unused_pages``.
     def insert(
-        self, tokens: TokenLike, device_indices: torch.Tensor, namespace: str | None = None
+        self, tokens: TokenLike, device_indices: torch.Tensor, namespace: str | None = None,
+        *, components: Sequence[torch.Tensor | None] = (),
     ) -> InsertResult: ...
     def insert_key(
-        self, key: bytes, device_indices: torch.Tensor, namespace: str | None = None
+        self, key: bytes, device_indices: torch.Tensor, namespace: str | None = None,
+        *, components: Sequence[torch.Tensor | None] = (),
     ) -> InsertResult: ...
     def insert_host(
-        self, tokens: TokenLike, host_indices: torch.Tensor, namespace: str | None = None
+        self, tokens: TokenLike, host_indices: torch.Tensor, namespace: str | None = None,
+        *, components: Sequence[torch.Tensor | None] = (),
     ) -> InsertResult: ...
     def probe_key(self, key: bytes, namespace: str | None = None) -> int: ...
+    # Tokens a match of ``key`` would serve (device_len + host_len), read-only like probe_key.
+    def probe_hit_key(self, key: bytes, namespace: str | None = None) -> int: ...
     def lock(self, node: Any) -> None: ...
     def unlock(self, node: Any) -> None: ...
     def host_lock(self, node: Any) -> None: ...
@@ -122,6 +155,15 @@ class RadixTreeLike(Protocol):
     ) -> EvictResult: ...
     def evict_host(self, num_tokens: int, drop_device_resident: bool = True) -> EvictResult: ...
     def device_indices_of(self, node: Any, extra: torch.Tensor | None = None) -> torch.Tensor: ...
+    # Component c's pages in a tier along the path root..node, per token page (-1: none).
+    def component_table(self, node: Any, c: int, tier: Tier) -> torch.Tensor: ...
+    # Per page of ``key``: would the tree keep component c's page there (in ``tier``) on an
+    # insert of ``key``, and does it lack it now? What a caller needs to copy, read-only.
+    def component_gaps(
+        self, key: bytes, c: int, tier: Tier, namespace: str | None = None
+    ) -> torch.Tensor: ...
+    def attach_component(self, node: Any, c: int, tier: Tier, pages: torch.Tensor) -> None: ...
+    def detach_component(self, node: Any, c: int, tier: Tier) -> torch.Tensor: ...
     def path_missing_host(self, node: Any, min_hit_count: int = 0) -> list[Any]: ...
     def probe_path(self, key: bytes, namespace: str | None = None) -> list[Any]: ...
     def host_only_path(self, result: MatchResult) -> list[Any]: ...

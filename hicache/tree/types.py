@@ -11,13 +11,20 @@ from __future__ import annotations
 
 import array
 from enum import Enum
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
 
 TokenLike = list[int] | tuple[int, ...] | np.ndarray | torch.Tensor
 _MAX_TOKEN = 2**31 - 1
+
+# A tier, as component calls and KV events name it.
+Tier = Literal["device", "host"]
+TIERS: tuple[Tier, ...] = ("device", "host")
+
+# The page ids of "no pages" in a result (never mutated).
+NO_PAGES = torch.empty(0, dtype=torch.int64)
 
 
 # One KV event a tree logs (``take_events``): (stored, tier, namespace, parent_hash,
@@ -37,11 +44,18 @@ class MatchResult(NamedTuple):
     host_len: int  # tokens after those whose KV is only in host memory
     last_device_node: Any  # deepest matched node on the device (a root if none)
     last_node: Any  # deepest matched node (ends exactly at device_len + host_len)
+    # Tokens cached as full-attention pages (either tier): device_len + host_len, or more
+    # where a component cannot serve a hit that long (docs/design.md, "Hybrid models").
+    # A request that computes from device_len + host_len and hands the tree a state
+    # checkpoint here on insert makes this prefix a hit for the next request.
+    full_len: int = 0
 
 
 class InsertResult(NamedTuple):
     num_cached_tokens: int  # leading tokens already on the device: their given pages were not taken
     last_node: Any  # node ending at the inserted length
+    # Component page ids given to the insert that the tree did not take (the caller frees them).
+    unused_pages: torch.Tensor = NO_PAGES
 
 
 class EvictResult(NamedTuple):

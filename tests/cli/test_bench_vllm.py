@@ -156,6 +156,37 @@ def test_default_agentic_working_set_is_4x_vllm_cache():
     assert plan.small_host_tokens < plan.working_set_tokens
 
 
+def test_hybrid_preset_sizes_vllms_blocks_for_every_group():
+    """The Gemma-3-style preset: 5 sliding-window layers to 1 full-attention one make 5
+    window groups beside the full one; vLLM's blocks hold one group's block, so one
+    longest sequence needs a block of every group per token, and the host tier a page of
+    every group per token (room for every window page, whatever the connector keeps)."""
+    shape = bv.PRESETS["hybrid"]
+    assert shape.hybrid and shape.num_window_groups == 5
+    assert shape.layer_types() == ["sliding_attention"] * 5 + ["full_attention"]
+    reqs = generate("agentic", seed=0, **bv.WORKLOADS["agentic"])
+    plan, plain = bv.make_plan(_args(), reqs, shape), bv.make_plan(_args(), reqs)
+    assert plan.vllm_blocks >= 6 * (plan.max_model_len // 32 + 1)
+    assert plan.fits_blocks > 5 * plain.fits_blocks  # a Llama's plan is as before
+    extra = bv._connector_config("vllm+host", plan, _args(host_gb=None), "/tmp", shape)
+    assert extra["kv_connector_extra_config"]["host_tokens"] == 6 * plan.host_tokens
+
+
+def test_hybrid_host_pages_against_every_window_page():
+    from hicache.cli.benchmarks.vllm_report import hybrid_host_pages
+
+    model = {"num_window_groups": 5, "hidden_size": 512, "num_heads": 8, "num_kv_heads": 8,
+             "num_layers": 6, "full_every": 6}
+    # 100 full pages and 140 window pages: 240 pages where every window page makes 600
+    h = hybrid_host_pages({"host_pages_used": 240, "host_window_pages": 140,
+                           "host_state_pages": 0}, model, 32)
+    group = 2 * 8 * 64 * 4  # K and V of one layer, float32, a token
+    assert h == {"host_pages": 240, "full_pages": 100, "window_pages": 140,
+                 "cached_tokens": 3200, "bytes_per_cached_token": 240 * group // 100,
+                 "every_window_page_bytes_per_token": 6 * group, "vs_every_window_page": 0.4}
+    assert hybrid_host_pages({"host_pages_used": 3}, model, 32) is None  # not a hybrid run
+
+
 def test_presets_are_llama_shapes():
     for shape in bv.PRESETS.values():
         assert shape.hidden_size % shape.num_heads == 0

@@ -200,7 +200,7 @@ def test_hook_clocks_split_the_connectors_time_per_hook_and_time_the_forward():
     sdata = sched.get_kv_connector_stats().data
     assert per_hook(sdata, "scheduler_", "calls") == {
         "get_num_new_matched_tokens": 2, "update_state_after_alloc": 2,
-        "build_connector_meta": 3, "request_finished": 1}
+        "build_connector_meta": 3, "request_finished_all_groups": 1}
     assert sum(per_hook(sdata, "scheduler_").values()) == pytest.approx(
         sdata["scheduler_hook_seconds"])
     assert "model_steps" not in sdata and per_hook(sdata) == {}  # the worker's keys only

@@ -161,8 +161,9 @@ class ConnectorMachine(RuleBasedStateMachine):
             extra["storage"] = f"file:{tempfile.mkdtemp(prefix='hicache-stateful-')}"
             extra.update(prefetch_policy=prefetch, prefetch_threshold_tokens=self.sched.B,
                          prefetch_timeout_base_s=0.02, prefetch_timeout_per_ki_token_s=0.0)
-        self.e = self.sched.Engine(async_scheduling=async_scheduling, policy=policy,
-                                   num_blocks=num_blocks, extra=extra, seed=seed)
+        self.prompt_blocks = num_blocks  # prompts fit in as many blocks (a few spare)
+        self.e = self._engine(async_scheduling=async_scheduling, policy=policy,
+                              num_blocks=num_blocks, extra=extra, seed=seed)
         self.rng = random.Random(seed)
         self.system = [self.rng.randrange(1, 500) for _ in range(2 * self.sched.B)]
         self._write_adapters()
@@ -191,6 +192,9 @@ class ConnectorMachine(RuleBasedStateMachine):
             self.adapters[key] = (LoRARequest(name, i + 1, path), (name, weights))
         gone = LoRARequest("gone", 9, os.path.join(root, "missing"))
         self.adapters["gone"] = (gone, ("gone", None))
+
+    def _engine(self, **kwargs):
+        return self.sched.Engine(**kwargs)
 
     def _check_lookup(self, request: Any, num_computed: int, num: int) -> None:
         """A hit of ``num`` tokens after vLLM's ``num_computed``: allowed only for a
@@ -222,7 +226,7 @@ class ConnectorMachine(RuleBasedStateMachine):
         import torch
 
         # vLLM cannot schedule a request larger than its whole cache: keep prompts in it.
-        limit = (self.e.num_blocks - 2) * self.sched.B
+        limit = (self.prompt_blocks - 2) * self.sched.B
         n = limit - max_tokens
         prompt, rows = conv.tokens[:n], conv.rows[:n] if conv.rows is not None else None
         items = tuple(i for i in conv.items if i[1] + i[2] <= n)
@@ -494,6 +498,28 @@ def failing_loads(async_scheduling: bool) -> type[ConnectorMachine]:
     return FailingLoads
 
 
+class HybridMachine(ConnectorMachine):
+    """The same on a hybrid model (vllm_sched_hybrid.py): a full-attention group beside
+    one or two sliding-window groups or a Mamba "align" mode group, drawn from the
+    example's seed; write_through (what hybrid models take), third-tier hits read in
+    the step. Every wrong read is a violation (hybrid loads fail per request)."""
+
+    def _engine(self, **kwargs):
+        from vllm_sched_hybrid import hybrid_engine
+
+        rng = random.Random(kwargs["seed"])
+        kind = rng.choice(["window", "state"])
+        others = rng.choice([1, 2]) if kind == "window" else 1
+        # (tree "auto": the C++ tree takes no components yet, the Python one then serves)
+        kwargs["extra"].update(write_policy="write_through", prefetch_policy="sync",
+                               tree="auto")
+        # vLLM's other groups need blocks of their own beside the prompt's (a window's
+        # and a prefill chunk's, a state's two): one request must always fit
+        kwargs["num_blocks"] += 10 * others
+        return hybrid_engine(kind=kind, window=rng.choice([17, 40, 64]), num_others=others,
+                             **kwargs)
+
+
 def _run(max_examples: int, steps: int, machine: type[ConnectorMachine] = ConnectorMachine,
          **options: Any) -> None:
     machine.TestCase.settings = settings(
@@ -505,6 +531,10 @@ def _run(max_examples: int, steps: int, machine: type[ConnectorMachine] = Connec
 
 def test_connector_state_machine():
     _run(int(os.environ.get("HICACHE_STATEFUL_EXAMPLES", "12")), 40)
+
+
+def test_connector_state_machine_hybrid():
+    _run(int(os.environ.get("HICACHE_STATEFUL_EXAMPLES", "12")), 40, HybridMachine)
 
 
 @pytest.mark.slow
@@ -534,3 +564,8 @@ def test_the_machine_catches_a_block_computed_after_a_failed_load_saved(monkeypa
     with pytest.raises(AssertionError, match="wrong KV"):
         _run(30, 40, failing_loads(True), phases=[Phase.generate],
              report_multiple_bugs=False)
+
+
+@pytest.mark.slow
+def test_connector_state_machine_hybrid_long():
+    _run(200, 60, HybridMachine)

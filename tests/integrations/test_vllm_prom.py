@@ -30,7 +30,7 @@ def test_every_counter_the_halves_report_has_a_metric():
 
     reported = {f.name for cls in (WorkerStats, SchedulerStats) for f in dataclasses.fields(cls)}
     reported |= {"scheduler_steps", "scheduler_hook_seconds", "scheduler_hook_cpu_seconds",
-                 "host_pages_used", "host_pages_free"}
+                 "host_pages_used", "host_pages_free", "host_window_pages", "host_state_pages"}
     # load_blocks is the sum of vllm:hicache_loaded_blocks_total's two tiers
     assert reported - metric_keys() == {"load_blocks"}
     assert metric_keys() - reported == set()  # and no metric reads a key nobody sends

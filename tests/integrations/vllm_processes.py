@@ -16,9 +16,14 @@ VLLM_DRIVER = Path(__file__).parent / "vllm_driver.py"
 def run_vllm(*args: str, **env_vars: str) -> subprocess.Popen:
     """Start ``tests/integrations/vllm_driver.py ARGS`` (stdout and stderr in one pipe),
     with ``env_vars`` added to its environment."""
+    return run_driver(VLLM_DRIVER, *args, **env_vars)
+
+
+def run_driver(driver: Path, *args: str, **env_vars: str) -> subprocess.Popen:
+    """:func:`run_vllm` with another driver script (e.g. ``vllm_hybrid_driver.py``)."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1", **env_vars)
     return subprocess.Popen(
-        [sys.executable, str(VLLM_DRIVER), *args], stdout=subprocess.PIPE,
+        [sys.executable, str(driver), *args], stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, env=env,
     )
 

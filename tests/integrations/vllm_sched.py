@@ -205,7 +205,7 @@ class Engine:
         from vllm.v1.core.kv_cache_utils import init_none_hash
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.kv_cache_interface import KVCacheConfig
         from vllm.v1.structured_output import StructuredOutputManager
 
         from hicache.integrations.vllm import HiCacheConnector
@@ -230,16 +230,13 @@ class Engine:
         )
         self.vllm_config = VllmConfig(
             model_config=mc, scheduler_config=sc,
-            cache_config=CacheConfig(block_size=B, enable_prefix_caching=True),
+            cache_config=self._cache_config(CacheConfig),
             kv_transfer_config=transfer, device_config=DeviceConfig("cpu"),
             kv_events_config=KVEventsConfig(**self.kv_events) if self.kv_events else None,
             parallel_config=ParallelConfig(**(self.parallel or {})),
         )
-        spec = FullAttentionSpec(block_size=B, num_kv_heads=H, head_size=D, dtype=torch.float32)
         self.kv_cache_config = KVCacheConfig(
-            num_blocks=self.num_blocks, kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
-        )
+            num_blocks=self.num_blocks, kv_cache_tensors=[], kv_cache_groups=self._groups())
         self.vllm_config.cache_config.num_gpu_blocks = self.num_blocks
         cls = AsyncScheduler if self.async_scheduling else Scheduler
         self.scheduler = cls(
@@ -253,8 +250,7 @@ class Engine:
 
         self.scheduler.max_num_encoder_input_tokens = 1 << 20
         self.scheduler.encoder_cache_manager = EncoderCacheManager(cache_size=1 << 20)
-        # vLLM's CPU layout: (num_blocks, H, block_size, 2 * D) per layer.
-        self.kv = {name: torch.zeros(self.num_blocks, H, B, 2 * D) for name in LAYERS}
+        self.kv = self._kv_tensors()
         self.worker = HiCacheConnector(self.vllm_config, KVConnectorRole.WORKER,
                                        self.kv_cache_config)
         self.faults = Faults(self.seed)
@@ -263,7 +259,7 @@ class Engine:
         self.worker.worker_half = WorkerHalf(
             cfg, self.kv, num_blocks=self.num_blocks, block_size=B,
             num_host_pages=self.worker.num_host_pages, storage_backend=backend,
-            copier_hook=self.faults,
+            copier_hook=self.faults, per_request_loads=self.worker.groups.hybrid,
         )
         if self.worker.worker_half.storage is not None:
             tier = self.worker.worker_half.storage
@@ -293,6 +289,20 @@ class Engine:
         self.loaded_by_step: dict[int, set[int]] = {}
         self._pending = None  # async: (scheduler output, model runner output) not yet updated
         self.scheduler_stats: list = []  # vLLM's SchedulerStats of every step, as the front end gets them
+
+    def _cache_config(self, cls):
+        return cls(block_size=B, enable_prefix_caching=True)
+
+    def _groups(self) -> list:
+        """vLLM's KV cache groups: one of full attention over every layer."""
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+
+        spec = FullAttentionSpec(block_size=B, num_kv_heads=H, head_size=D, dtype=torch.float32)
+        return [KVCacheGroupSpec(list(LAYERS), spec)]
+
+    def _kv_tensors(self) -> dict[str, torch.Tensor]:
+        """vLLM's CPU layout: (num_blocks, H, block_size, 2 * D) per layer."""
+        return {name: torch.zeros(self.num_blocks, H, B, 2 * D) for name in LAYERS}
 
     # ------------------------------------------------------------ requests
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 4,
@@ -423,13 +433,14 @@ class Engine:
         if not out.has_sync_kv_loads:
             w.start_load_kv(None)
         w.wait_for_save()
-        finished_sending, finished_recving = w.get_finished(out.finished_req_ids)
+        results = w.get_transfer_results(out.finished_req_ids)
         invalid = w.get_block_ids_with_load_errors()
         self._check_reads(n, reads, invalid, getattr(w.worker_half, "_poisoned", set()))
         worker_meta = w.build_connector_worker_meta()
         w.clear_connector_metadata()
         kv_out = KVConnectorOutput(
-            finished_sending=finished_sending, finished_recving=finished_recving,
+            finished_sending=results.finished_sending, finished_recving=results.finished_recving,
+            failed_recving=results.failed_recving,
             invalid_block_ids=invalid, kv_connector_worker_meta=worker_meta,
             kv_connector_stats=w.get_kv_connector_stats(),  # as vLLM's model runner does
         )

@@ -213,9 +213,15 @@ def _check_args(args: argparse.Namespace) -> list[str]:
 
 
 def _connector_config(name: str, plan: Plan, args: argparse.Namespace,
-                      storage_dir: str) -> dict | None:
+                      storage_dir: str, shape: ModelShape | None = None) -> dict | None:
     if name in WITHOUT_CONNECTOR:
         return None
+    # A hybrid model's host page is one KV cache group's block: room for every group's
+    # page of every token (what storing every sliding-window page takes), so that the
+    # host tier's bytes per cached token show what the connector keeps, not its size.
+    scale = 1 + (shape.num_window_groups if shape is not None else 0)
+    plan = plan._replace(host_tokens=plan.host_tokens * scale,
+                         small_host_tokens=plan.small_host_tokens * scale)
     extra: dict = {}
     if name in WRITE_POLICIES:
         extra["write_policy"] = WRITE_POLICIES[name]
@@ -284,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
         configs = _check_args(args)
         requests = load_requests(args)
         shape = model_shape_of(args.model) if args.model else PRESETS[args.preset or DEFAULT_PRESET]
-        plan = make_plan(args, requests)
+        plan = make_plan(args, requests, shape)
     except UsageError as e:
         print(f"hicache bench vllm: {e}", file=sys.stderr)
         return 2
@@ -322,7 +328,9 @@ def run(args: argparse.Namespace) -> int:
                     "requests_path": requests_path, "concurrency": concurrency,
                     "request_rate": args.request_rate or 0.0, "vocab_size": V,
                     "kv_nbytes_per_token": shape.kv_nbytes_per_token,
-                    "kv_transfer_config": _connector_config(name, plan, args, storage_dir)}
+                    "kv_transfer_config": _connector_config(name, plan, args, storage_dir,
+                                                            shape),
+                    "hybrid": shape.hybrid}
             env = {}
             if "storage" in name and args.store_read_delay_ms:
                 env["HICACHE_FAULTS"] = f"read_delay_ms={args.store_read_delay_ms}"
@@ -331,8 +339,9 @@ def run(args: argparse.Namespace) -> int:
             if env:
                 spec["env"] = env
             results[name].append(run_config(name, spec, workdir, out.fileno(), tag=label))
-        model_info = {"source": args.model or f"random Llama, preset {args.preset or DEFAULT_PRESET}",
-                      **shape._asdict(), "dtype": args.dtype}
+        model_info = {"source": args.model or f"random {'Gemma-3-style' if shape.hybrid else 'Llama'}"
+                      f", preset {args.preset or DEFAULT_PRESET}", **shape._asdict(),
+                      "dtype": args.dtype, "num_window_groups": shape.num_window_groups}
         summary = report(results, model_info, plan._asdict(), out=out, plot=args.plot,
                          title=f"{args.workload or os.path.basename(args.trace or '')}")
     finally:
@@ -361,7 +370,8 @@ def _schedule(configs: list[str], repeat: int) -> list[tuple[str, int]]:
 def _header(args: argparse.Namespace, shape: ModelShape, plan: Plan,
             requests: list[Request], concurrency: int) -> str:
     source = args.trace or f"--workload {args.workload or 'agentic'} (seed {args.seed})"
-    model = args.model or f"random Llama-style, preset {args.preset or DEFAULT_PRESET}"
+    model = args.model or (f"random {'Gemma-3-style' if shape.hybrid else 'Llama-style'}, "
+                           f"preset {args.preset or DEFAULT_PRESET}")
     kv_tokens = plan.vllm_blocks * plan.block_size
     issue = (f"closed loop, at most {concurrency} requests in flight" if concurrency
              else f"open loop, Poisson arrivals at {args.request_rate} req/s")
@@ -371,9 +381,13 @@ def _header(args: argparse.Namespace, shape: ModelShape, plan: Plan,
         f"{shape.num_heads} heads ({shape.num_kv_heads} KV), intermediate "
         f"{shape.intermediate_size}, vocab {shape.vocab_size}, {args.dtype}, "
         f"{shape.num_params / 1e6:.1f}M parameters, {shape.kv_nbytes_per_token // 1024} KiB "
-        "KV per token (float32)",
+        "KV per token (float32)"
+        + (f"; hybrid: every {shape.full_every}th layer full attention, the others a "
+           f"{shape.sliding_window}-token sliding window ({shape.num_window_groups} "
+           "sliding-window KV cache groups), vLLM's hybrid KV cache manager on in every "
+           "configuration" if shape.hybrid else ""),
         f"vLLM: blocks of {plan.block_size} tokens, {plan.vllm_blocks} blocks = {kv_tokens} "
-        f"tokens; working set {plan.working_set_tokens} tokens = "
+        f"tokens{' of one KV cache group' if shape.hybrid else ''}; working set {plan.working_set_tokens} tokens = "
         f"{plan.working_set_tokens / kv_tokens:.1f}x vLLM's KV cache"
         f" (vllm-fits: {vllm_blocks_of('vllm-fits', plan)} blocks)",
         f"host tier: {plan.host_tokens} tokens (vllm+host"

@@ -134,6 +134,8 @@ def _engine_args(spec: dict):
         # worker in a process of its own; without one it may run it in-process).
         distributed_executor_backend="mp",
     )
+    if spec.get("hybrid"):  # a hybrid model: vLLM's hybrid KV cache manager, forced on
+        kwargs["disable_hybrid_kv_cache_manager"] = False
     if spec.get("kv_transfer_config"):
         from vllm.config import KVTransferConfig
 

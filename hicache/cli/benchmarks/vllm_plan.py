@@ -19,7 +19,9 @@ from hicache.sim.workloads import generate
 
 
 class ModelShape(NamedTuple):
-    """A Llama-style decoder's sizes (what ``LlamaConfig`` takes)."""
+    """A Llama-style decoder's sizes (what ``LlamaConfig`` takes), or with
+    ``sliding_window`` a Gemma-3-style hybrid one (``Gemma3TextConfig``): every
+    ``full_every``-th layer full attention, the others sliding-window attention."""
 
     num_layers: int
     hidden_size: int
@@ -27,6 +29,25 @@ class ModelShape(NamedTuple):
     num_kv_heads: int
     intermediate_size: int
     vocab_size: int
+    sliding_window: int = 0  # tokens; 0: every layer full attention (Llama)
+    full_every: int = 0  # hybrid: layers i with (i + 1) % full_every == 0 are full attention
+
+    @property
+    def hybrid(self) -> bool:
+        return self.sliding_window > 0
+
+    @property
+    def num_window_groups(self) -> int:
+        """vLLM's KV cache groups of sliding-window layers (its hybrid manager groups
+        layers by the full-attention layer count): 0 for a Llama shape."""
+        if not self.hybrid:
+            return 0
+        full = self.num_layers // self.full_every
+        return -(-(self.num_layers - full) // full)
+
+    def layer_types(self) -> list[str]:
+        return ["full_attention" if (i + 1) % self.full_every == 0 else "sliding_attention"
+                for i in range(self.num_layers)]
 
     @property
     def kv_nbytes_per_token(self) -> int:  # float32 K and V of every layer
@@ -51,6 +72,12 @@ PRESETS: dict[str, ModelShape] = {
     "tiny": ModelShape(2, 128, 4, 4, 352, 32000),
     "small": ModelShape(4, 512, 8, 8, 1408, 32000),
     "medium": ModelShape(8, 768, 12, 12, 2048, 32000),
+    # Gemma-3's pattern, 5 sliding-window layers to 1 full-attention layer, "small"'s
+    # width. The window, 64 tokens, is well under the agentic prompts (768-1,408 tokens)
+    # and half of what an agentic turn adds (128 tokens): the host tier keeps a window's
+    # tail at each prompt's end, so what it saves grows with the tokens between two
+    # ends over the window (docs/benchmarks.md).
+    "hybrid": ModelShape(6, 512, 8, 8, 1408, 32000, sliding_window=64, full_every=6),
 }
 DEFAULT_PRESET = "medium"
 
@@ -79,13 +106,26 @@ class UsageError(Exception):
 
 
 def make_random_model(shape: ModelShape, directory: str, seed: int) -> None:
-    """Save a randomly initialized ``LlamaForCausalLM`` of ``shape`` into ``directory``."""
+    """Save a randomly initialized ``LlamaForCausalLM`` of ``shape`` into ``directory``
+    (a ``Gemma3ForCausalLM`` text model for a hybrid shape)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the run's own progress bars are the ones to read
     torch.manual_seed(seed)
+    if shape.hybrid:
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        gemma = Gemma3TextConfig(
+            vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+            intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
+            num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
+            head_dim=shape.hidden_size // shape.num_heads, sliding_window=shape.sliding_window,
+            layer_types=shape.layer_types(), max_position_embeddings=32768,
+            tie_word_embeddings=False)
+        Gemma3ForCausalLM(gemma).save_pretrained(directory)
+        return
     cfg = LlamaConfig(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
                       intermediate_size=shape.intermediate_size,
                       num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
@@ -100,9 +140,13 @@ def model_shape_of(directory: str) -> ModelShape:
         cfg = json.load(f)
     try:
         heads = cfg["num_attention_heads"]
+        types = cfg.get("layer_types") or []
+        window = (cfg.get("sliding_window") or 0) if "sliding_attention" in types else 0
+        full = [i for i, t in enumerate(types) if t == "full_attention"]
         return ModelShape(cfg["num_hidden_layers"], cfg["hidden_size"], heads,
                           cfg.get("num_key_value_heads", heads), cfg["intermediate_size"],
-                          cfg["vocab_size"])
+                          cfg["vocab_size"], sliding_window=window,
+                          full_every=full[0] + 1 if window and full else 0)
     except KeyError as e:
         raise UsageError(f"--model: expected a Llama-style config.json, missing {e}") from None
 
@@ -137,13 +181,17 @@ class Plan(NamedTuple):
     fits_blocks: int
 
 
-def make_plan(args: argparse.Namespace, requests: list[Request]) -> Plan:
+def make_plan(args: argparse.Namespace, requests: list[Request],
+              shape: ModelShape | None = None) -> Plan:
     B = args.block_size
     longest = max(len(r.prompt) + max_tokens_of(r, args.max_tokens) for r in requests)
     max_model_len = -(-longest // B) * B
     prompts_only = [r._replace(output=[]) for r in requests]
     ws = trace_stats(prompts_only, B).working_set_tokens
-    min_blocks = max_model_len // B + 1  # vLLM must fit one longest sequence
+    # vLLM must fit one longest sequence; a hybrid model's sliding-window groups hold a
+    # block of each token of a prefill chunk too, until the step after it
+    groups = 1 + (shape.num_window_groups if shape is not None else 0)
+    min_blocks = groups * (max_model_len // B + 1)
     vllm_blocks = args.vllm_blocks if args.vllm_blocks is not None else max(ws // B // 4,
                                                                            min_blocks)
     if vllm_blocks < min_blocks:
@@ -154,7 +202,7 @@ def make_plan(args: argparse.Namespace, requests: list[Request]) -> Plan:
     small_host = max(ws // 4 // B * B, 2 * max_model_len)
     tails = sum(-(-(len(r.prompt) % B + max_tokens_of(r, args.max_tokens)) // B)
                 for r in requests)
-    fits_blocks = max(vllm_blocks, ws // B + tails + 1)
+    fits_blocks = max(vllm_blocks, groups * (ws // B + tails) + 1)
     return Plan(B, max_model_len, ws, vllm_blocks, host_tokens, small_host, fits_blocks)
 
 

@@ -35,6 +35,8 @@ FITS_TTFT_DELTA_MS = 2.0  # vllm+host - vllm mean TTFT when vLLM's cache serves 
 FITS_DECODE_DELTA_MS = 0.5  # vllm+host - vllm decode step
 # Issue 26: (vllm / vllm+host mean TTFT) / (vllm / vllm+host computed tokens), agentic.
 LOADS_FREE_TARGET = 0.9
+# Issue 37: a hybrid model's host bytes per cached token / storing every window page.
+HYBRID_HOST_BYTES_TARGET = 0.4
 
 
 def summarize(result: dict) -> dict:
@@ -267,6 +269,31 @@ def compare(configs: dict[str, dict]) -> dict:
     return out
 
 
+def hybrid_host_pages(cstats: dict | None, model: dict, block_size: int) -> dict | None:
+    """A hybrid model's host tier at the end of a run (the connector's occupancy, one
+    page a KV cache group's block): its pages per cached token, against storing every
+    sliding-window group's page of every cached token (vLLM's OffloadingConnector by
+    default, and SGLang's HiCache). None without the connector's figures."""
+    if not cstats or "host_window_pages" not in cstats:
+        return None
+    used = int(cstats.get("host_pages_used", 0))
+    components = int(cstats["host_window_pages"]) + int(cstats.get("host_state_pages", 0))
+    full = used - components  # full-attention pages: one a cached block of tokens
+    if full <= 0:
+        return None
+    groups = int(model["num_window_groups"])
+    head_dim = model["hidden_size"] // model["num_heads"]
+    # one group's bytes a token: K and V of as many layers as there are full-attention ones
+    group_nbytes = 2 * model["num_kv_heads"] * head_dim * 4 * (
+        model["num_layers"] // model["full_every"])
+    B = block_size
+    return {"host_pages": used, "full_pages": full, "window_pages": components,
+            "cached_tokens": full * B,
+            "bytes_per_cached_token": used * group_nbytes // full,
+            "every_window_page_bytes_per_token": (1 + groups) * group_nbytes,
+            "vs_every_window_page": round(used / (full * (1 + groups)), 3)}
+
+
 def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 3) if b else None
 
@@ -392,6 +419,17 @@ def report(results: dict[str, list[dict]], model: dict, plan: dict, *, out: IO[s
     per_run = compare_per_run(configs)
     identical = outputs_identical(flat)
     print_table(configs, comparisons, identical, out, per_run)
+    if model.get("num_window_groups"):
+        hybrid = {name: h for name, c in configs.items()
+                  if (h := hybrid_host_pages(c["connector_stats"], model, plan["block_size"]))
+                  is not None}
+        comparisons["hybrid_host_pages"] = hybrid
+        for name, h in hybrid.items():
+            print(f"{name}: host tier {h['host_pages']:,} pages for {h['cached_tokens']:,} cached "
+                  f"tokens: {h['bytes_per_cached_token']:,} bytes a token, x"
+                  f"{_fmt(h['vs_every_window_page'])} of storing every sliding-window page "
+                  f"({h['every_window_page_bytes_per_token']:,} bytes a token; target <= "
+                  f"{HYBRID_HOST_BYTES_TARGET})", file=out)
     if plot:
         plot_ttft_cdf(plot, results, f"hicache bench vllm: {title}")
         print(f"TTFT CDF written to {plot}", file=out)

@@ -27,7 +27,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -36,7 +38,8 @@ from hicache.integrations.vllm.clocks import HookClock
 from hicache.integrations.vllm.clocks import timed_scheduler_hook as _timed_scheduler
 from hicache.integrations.vllm.clocks import timed_worker_hook as _timed
 from hicache.integrations.vllm.common.config import ConnectorConfig
-from hicache.integrations.vllm.common.identity import layout_planes, page_nbytes, storage_identity
+from hicache.integrations.vllm.common.groups import KVGroups
+from hicache.integrations.vllm.common.identity import layout_planes, storage_identity
 from hicache.integrations.vllm.common.keys import rank_salt
 from hicache.integrations.vllm.common.params import (
     ERROR_KEY,
@@ -48,10 +51,10 @@ from hicache.integrations.vllm.common.params import (
 from hicache.integrations.vllm.common.plan import StepPlan
 from hicache.integrations.vllm.common.tp import check_parallelism, vllm_rank_group
 from hicache.integrations.vllm.metadata import HiCacheConnectorMetadata, HiCacheWorkerMetadata
+from hicache.integrations.vllm.scheduled import scheduled_requests
 from hicache.integrations.vllm.scheduler.half import SchedulerHalf
 from hicache.integrations.vllm.scheduler.inputs import InputReader
 from hicache.integrations.vllm.scheduler.pool_hooks import EvictionHook
-from hicache.integrations.vllm.scheduler.requests import ScheduledRequest
 from hicache.integrations.vllm.stats import HiCacheConnectorStats, SchedulerReport
 from hicache.integrations.vllm.worker.half import WorkerHalf
 
@@ -81,8 +84,15 @@ if TYPE_CHECKING:
 _log = logging.getLogger(__name__)
 
 
-class HiCacheConnector(KVConnectorBase_V1):
-    """hicache's host tier and third tier behind vLLM's prefix cache."""
+class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
+    """hicache's host tier and third tier behind vLLM's prefix cache.
+
+    Hybrid models (several KV cache groups: sliding-window or Mamba layers beside full
+    attention, vLLM's hybrid KV cache manager on, :mod:`.common.groups`): loads are
+    asynchronous (the request waits in ``WAITING_FOR_REMOTE_KVS`` for one step) and a
+    failed one fails its request (``failed_recving``), never single blocks, which vLLM
+    cannot map back to requests when there are several groups.
+    """
 
     _cache_hit_source = CacheHitSource.HOST
 
@@ -93,15 +103,14 @@ class HiCacheConnector(KVConnectorBase_V1):
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.hc_config = ConnectorConfig.from_sources(extra)  # extra > HICACHE_* > file
         check_parallelism(vllm_config.parallel_config)
-        if len(kv_cache_config.kv_cache_groups) != 1:
-            raise ValueError(
-                "HiCacheConnector: expected one KV cache group (full attention in every "
-                f"layer), got {len(kv_cache_config.kv_cache_groups)}"
-            )
-        self.block_size = vllm_config.cache_config.block_size
-        self.page_nbytes = page_nbytes(kv_cache_config)
+        self.groups = KVGroups.from_config(kv_cache_config, self.hc_config.write_policy)
+        self.block_size = self.groups.block_size
+        self.page_nbytes = self.groups.page_nbytes
         self.num_host_pages = self.hc_config.num_host_pages(self.block_size, self.page_nbytes)
-        self._identity = storage_identity(vllm_config, kv_cache_config, self.hc_config)
+        layout, model_id = storage_identity(vllm_config, kv_cache_config, self.hc_config)
+        # Hybrid: a page is one group's block, not the same model's without vLLM's hybrid manager
+        self._identity = (f"{layout}-{self.groups.fingerprint()}" if self.groups.hybrid
+                          else layout, model_id)
         self._requests: dict[str, Request] = {}
         self._hit_sources: dict[str, tuple[int, int]] = {}
         self._scheduler_report = SchedulerReport()  # the scheduler side's stats and clock
@@ -123,7 +132,7 @@ class HiCacheConnector(KVConnectorBase_V1):
             self.scheduler_half = SchedulerHalf(
                 self.hc_config, block_size=self.block_size, num_host_pages=self.num_host_pages,
                 storage_backend=backend, storage_identity=self._identity,
-                tp_size=vllm_config.parallel_config.tensor_parallel_size,
+                tp_size=vllm_config.parallel_config.tensor_parallel_size, groups=self.groups,
             )
             self._scheduler_report.start(self.scheduler_half)
             if self._events_on:
@@ -132,7 +141,8 @@ class HiCacheConnector(KVConnectorBase_V1):
 
                 self._events = HostTierEvents(
                     self.block_size, self._requests.get,
-                    getattr(kv_cache_config, "hash_block_size", None))
+                    getattr(kv_cache_config, "hash_block_size", None), group_idx=self.groups.full,
+                    group_specs=self.groups.event_specs())
                 self.scheduler_half.page_listener = self._events
                 if backend is not None:
                     self._tier_events = StorageTierEvents(
@@ -169,6 +179,7 @@ class HiCacheConnector(KVConnectorBase_V1):
             block_size=self.block_size, num_host_pages=self.num_host_pages,
             storage_backend=backend, rank_group=ranks,
             key_salt=rank_salt(ranks.rank, ranks.world_size) if ranks is not None else None,
+            per_request_loads=self.groups.hybrid,
         )
         self._rank = ranks.rank if ranks is not None else 0
         if self._events_on and backend is not None:
@@ -230,6 +241,15 @@ class HiCacheConnector(KVConnectorBase_V1):
             return None, None
         self.worker_half.finished(finished_req_ids)
         return None, None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # Hybrid models: the requests whose asynchronous load ended, failed ones too.
+        out = super().get_transfer_results(finished_req_ids)
+        if self.worker_half is not None:
+            done, failed = self.worker_half.take_finished_loads()
+            out.finished_recving |= done | failed
+            out.failed_recving |= failed
+        return out
 
     @_timed
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -336,7 +356,7 @@ class HiCacheConnector(KVConnectorBase_V1):
             request.request_id, request.all_token_ids, num_computed_tokens,
             self._namespace(request),
         )
-        return num, False
+        return num, bool(num) and self.groups.hybrid  # hybrid: loaded off the forward
 
     @_timed_scheduler
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
@@ -344,9 +364,11 @@ class HiCacheConnector(KVConnectorBase_V1):
         assert self.scheduler_half is not None, "scheduler-side call on a worker connector"
         half = self.scheduler_half
         before = (half.counters.host_hit_tokens, half.counters.storage_hit_tokens)
+        tables = blocks.get_block_ids()
         half.after_alloc(
-            request.request_id, request.all_token_ids, blocks.get_block_ids()[0],
+            request.request_id, request.all_token_ids, tables[self.groups.full],
             num_external_tokens, self._namespace(request),
+            group_block_ids=tables if self.groups.hybrid else None,
         )
         if num_external_tokens:
             self._hit_sources[request.request_id] = (
@@ -365,26 +387,13 @@ class HiCacheConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler_half is not None, "scheduler-side call on a worker connector"
         self._scheduler_report.steps += 1  # once per step
-        scheduled: list[ScheduledRequest] = []
-        num_tokens = scheduler_output.num_scheduled_tokens
-        for new in scheduler_output.scheduled_new_reqs:
-            req = self._requests.get(new.req_id)
-            tokens = req.all_token_ids if req is not None else (new.prompt_token_ids or [])
-            scheduled.append(ScheduledRequest(
-                new.req_id, tokens, list(new.block_ids[0]), True, new.num_computed_tokens,
-                num_tokens.get(new.req_id, 0), self._namespace(req) if req else None,
-            ))
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            req = self._requests.get(req_id)
-            if req is None:
-                continue
-            new_ids = cached.new_block_ids[i]
-            scheduled.append(ScheduledRequest(
-                req_id, req.all_token_ids, list(new_ids[0]) if new_ids is not None else None,
-                req_id in cached.resumed_req_ids, cached.num_computed_tokens[i],
-                num_tokens.get(req_id, 0), self._namespace(req),
-            ))
+        scheduled = scheduled_requests(scheduler_output, self._requests.get, self._namespace,
+                                       self.groups)
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        if block_state is not None and block_state.boundary_state_offloads:
+            comps = self.scheduler_half.components
+            if comps is not None:
+                comps.boundary_states(block_state.boundary_state_offloads)
         plan = self.scheduler_half.build_plan(scheduled)
         if self._tier_events is not None:
             self._tier_events.planned(plan.early_saves + plan.saves)
@@ -393,6 +402,9 @@ class HiCacheConnector(KVConnectorBase_V1):
     @_timed_scheduler
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
+        comps = self.scheduler_half.components if self.scheduler_half is not None else None
+        if comps is not None and (connector_output.finished_recving or connector_output.failed_recving):
+            comps.loads_ended(connector_output.finished_recving, connector_output.failed_recving)
         if isinstance(meta, HiCacheWorkerMetadata) and self.scheduler_half is not None:
             self.scheduler_half.mark_bad(meta.bad_host_pages)
             if self._tier_events is not None:
@@ -408,14 +420,19 @@ class HiCacheConnector(KVConnectorBase_V1):
                 with hook.paused() if hook is not None else contextlib.nullcontext():
                     self._block_pool.evict_blocks(meta.poisoned_blocks)
 
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Any]:
+        return self.request_finished_all_groups(request, (block_ids,))  # one group
+
     @_timed_scheduler
-    def request_finished(self, request: Request,
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
         self._hit_sources.pop(request.request_id, None)
         if self.scheduler_half is not None:
             self._requests[request.request_id] = request  # its last saves are announced
             self.scheduler_half.request_finished(
-                request.request_id, request.num_computed_tokens, block_ids
+                request.request_id, request.num_computed_tokens,
+                block_ids[self.groups.full] if block_ids else None,
+                group_block_ids=block_ids if self.groups.hybrid else None,
             )
         self._requests.pop(request.request_id, None)
         control = self._controls.pop(request.request_id, (None,))[0]

@@ -103,6 +103,18 @@ METRICS: dict[str, Metric] = {
         None, {"": "host_pages_used"}),
     "vllm:hicache_host_pages_free": Metric(
         Gauge, "Host-tier pages free.", None, {"": "host_pages_free"}),
+    "vllm:hicache_component_pages_saved_total": Metric(
+        Counter, "Hybrid models: host pages of sliding-window (window) and recurrent-state "
+        "(state) groups planned to save.", "kind",
+        {"window": "window_pages_saved", "state": "state_pages_saved"}),
+    "vllm:hicache_component_pages_loaded_total": Metric(
+        Counter, "Hybrid models: host pages of sliding-window and recurrent-state groups "
+        "planned to load.", "kind",
+        {"window": "window_pages_loaded", "state": "state_pages_loaded"}),
+    "vllm:hicache_host_component_pages": Metric(
+        Gauge, "Hybrid models: host-tier pages holding sliding-window tails (window) and "
+        "recurrent-state checkpoints (state).", "kind",
+        {"window": "host_window_pages", "state": "host_state_pages"}),
     "vllm:hicache_connector_steps_total": Metric(
         Counter, "vLLM steps seen by the connector (worker: summed over ranks).",
         "side", {"worker": "steps", "scheduler": "scheduler_steps"}),

@@ -96,6 +96,8 @@ class SchedulerReport:
             data[name] = value - self._reported.get(name, 0)
         data["host_pages_used"] = half.host_allocator.num_used_pages
         data["host_pages_free"] = half.host_allocator.num_free_pages
+        if half.components is not None:
+            data.update(half.components.occupancy())
         self._reported = dict(counters)
         self.steps, self.seconds, self.cpu_seconds = 0, 0.0, 0.0
         return HiCacheConnectorStats(data=data)

@@ -50,9 +50,13 @@ The parts, each in its own module, bottom up (each builds on those above it)::
     eviction.py    evict_device, evict_host: giving pages up in policy order
     integrity.py   check_integrity: every invariant above, asserted
     tree.py        RadixTree: all of them, plus the path queries
+
+and, for hybrid models, :class:`HybridRadixTree` (components beside full
+attention) on top of them: :mod:`hicache.tree.python.hybrid` lists its parts.
 """
 
+from hicache.tree.python.hybrid import HybridRadixTree
 from hicache.tree.python.node import TreeNode
 from hicache.tree.python.tree import RadixTree
 
-__all__ = ["RadixTree", "TreeNode"]
+__all__ = ["HybridRadixTree", "RadixTree", "TreeNode"]

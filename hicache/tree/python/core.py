@@ -22,6 +22,8 @@ become candidates) and logs KV events for what it adds.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from hicache.checks import check_page_count
@@ -86,7 +88,9 @@ class PrefixIndex(TierMembership):
         self._refresh(last_device)
         if node is not last_device:
             self._refresh(node)
-        return MatchResult(device_len >> 2, host_len >> 2, last_device, node)
+        return MatchResult(
+            device_len >> 2, host_len >> 2, last_device, node, (device_len + host_len) >> 2
+        )
 
     def _descend(self, node: TreeNode, key: bytes, off: int) -> TreeNode | None:
         """The child of ``node`` that ``key[off:]`` enters, split to end inside the key."""
@@ -111,6 +115,23 @@ class PrefixIndex(TierMembership):
         nodes: list[TreeNode] = []
         self._probe(key, namespace, nodes)
         return nodes
+
+    def probe_hit_key(self, key: bytes, namespace: str | None = None) -> int:
+        """Tokens of ``key`` a match would serve (``device_len + host_len``), read-only.
+
+        Without components every cached prefix is a hit: :meth:`probe_key`.
+        """
+        return self._probe(check_key(key, self._key_nbytes_per_page), namespace, None)
+
+    def _check_component_pages(
+        self, components: Sequence[torch.Tensor | None], num_pages: int
+    ) -> None:
+        """Refuse ``components`` unless it gives each component's ids along a key."""
+        if len(components) != len(self.components):
+            raise ValueError(
+                f"components: expected one entry per component of the tree "
+                f"({len(self.components)}), got {len(components)}"
+            )
 
     def _probe(self, key: bytes, namespace: str | None, path: list[TreeNode] | None) -> int:
         node = self._roots.get(namespace)
@@ -172,6 +193,8 @@ class PrefixIndex(TierMembership):
         if node.host_indices is not None:
             prefix._host_children = 1
             prefix._busy_children = int(self._host_busy(node))
+        if self._has_components:
+            self._split_components(prefix, node, num_pages)
         on_split = self.on_split
         if on_split is not None:
             outer, self._hook = self._hook, "on_split"
@@ -183,22 +206,30 @@ class PrefixIndex(TierMembership):
 
     # ----------------------------------------------------------------- insert
     def insert(
-        self, tokens: TokenLike, device_indices: torch.Tensor, namespace: str | None = None
+        self, tokens: TokenLike, device_indices: torch.Tensor, namespace: str | None = None,
+        *, components: Sequence[torch.Tensor | None] = (),
     ) -> InsertResult:
         """Cache ``tokens`` (whole pages) whose KV sits in ``device_indices`` (one id per page).
 
         Pages of the first ``num_cached_tokens`` tokens were already on the device
         and are not taken: the caller frees the ones it allocated itself. Host-only
         nodes on the path adopt the given pages (they are on the device again).
+        ``components``: per component, its page ids along the key (docs/design.md,
+        "Hybrid models: components"); those not taken are ``unused_pages``.
         """
-        return self.insert_key(token_key(tokens, self.page_size), device_indices, namespace)
+        return self.insert_key(
+            token_key(tokens, self.page_size), device_indices, namespace, components=components
+        )
 
     def insert_key(
-        self, key: bytes, device_indices: torch.Tensor, namespace: str | None = None
+        self, key: bytes, device_indices: torch.Tensor, namespace: str | None = None,
+        *, components: Sequence[torch.Tensor | None] = (),
     ) -> InsertResult:
         """:meth:`insert` for a key already made by :func:`token_key`."""
         key = check_key(key, self._key_nbytes_per_page)
         check_page_count("device_indices", device_indices, len(key) // self._key_nbytes_per_page)
+        if components:
+            self._check_component_pages(components, len(key) // self._key_nbytes_per_page)
         if self._hook is not None:
             self._refuse_reentry("insert")
         return self._insert_key(key, device_indices, namespace)
@@ -245,16 +276,20 @@ class PrefixIndex(TierMembership):
         return InsertResult(num_cached >> 2, node)
 
     def insert_host(
-        self, tokens: TokenLike, host_indices: torch.Tensor, namespace: str | None = None
+        self, tokens: TokenLike, host_indices: torch.Tensor, namespace: str | None = None,
+        *, components: Sequence[torch.Tensor | None] = (),
     ) -> InsertResult:
         """Cache ``tokens`` whose KV sits only in host pages (e.g. fetched from a third tier).
 
         Pages of the first ``num_cached_tokens`` tokens were already cached (in either
         tier) and are not taken: the caller frees them. The rest become a host-only leaf.
+        ``components`` as for :meth:`insert`, in the host tier.
         """
         key = token_key(tokens, self.page_size)
         num_pages = len(key) // self._key_nbytes_per_page
         check_page_count("host_indices", host_indices, num_pages)
+        if components:
+            self._check_component_pages(components, num_pages)
         if self._hook is not None:
             self._refuse_reentry("insert_host")
         node = last_device = self.root(namespace)

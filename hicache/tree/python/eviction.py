@@ -30,6 +30,23 @@ from hicache.tree.python.node import EMPTY_PAGES, TreeNode
 from hicache.tree.types import EvictResult, IOStatus
 
 
+class EvictTally:
+    """What one eviction call has given up so far: pages, counts, skipped nodes."""
+
+    __slots__ = ("freed", "num_freed", "num_backup", "skipped")
+
+    def __init__(self) -> None:
+        self.freed: list[torch.Tensor] = []  # page ids given up, in eviction order
+        self.num_freed = 0  # full-attention tokens whose pages were given up
+        self.num_backup = 0  # tokens handed to the backup hook
+        self.skipped: list[TreeNode] = []  # candidates passed over (pushed back at the end)
+
+    def result(self) -> EvictResult:
+        freed = self.freed
+        pages = torch.cat(freed) if len(freed) > 1 else (freed[0] if freed else EMPTY_PAGES)
+        return EvictResult(pages, self.num_freed, self.num_backup)
+
+
 class Eviction(PrefixIndex):
     """``evict_device`` and ``evict_host``, and the node removal and merging they do."""
 
@@ -49,66 +66,94 @@ class Eviction(PrefixIndex):
         """
         need = -(-check_int("num_tokens", num_tokens) // self.page_size)
         self._refuse_reentry("evict_device")
-        freed: list[torch.Tensor] = []
-        num_freed = num_backup = 0
-        skipped: list[TreeNode] = []
+        tally = EvictTally()
         node = None
         try:
             while need > 0:
                 node = self._device_heap.pop(self._device_rank)
                 if node is None:
                     break
-                if node.host_indices is None and node.children and backup is None:
-                    skipped.append(node)
-                    continue
-                num_pages = len(node.key) // self._key_nbytes_per_page
-                if num_pages > need:
-                    self._split(node, num_pages - need)
-                    num_pages = need
-                if node.host_indices is not None:
-                    if self._events is not None:
-                        self._log(False, "device", node)
-                    freed.append(node.device_indices)
-                    node.device_indices = None
-                    self.device_evictable_tokens -= node.num_tokens
-                    num_freed += node.num_tokens
-                    self._merge_host_chain(node)
-                    self._refresh(node)
-                    self._refresh(node.parent)
-                elif backup is not None and self._call_backup(backup, node):
-                    num_backup += node.num_tokens
-                elif (
-                    not node.children
-                    and node.host_indices is None
-                    and node.io_status is IOStatus.NONE
-                    and node.parent is not None
-                ):
-                    # (A backup hook that declined may have given the node a host
-                    # copy or IO in flight: then it is skipped like a node with children.)
-                    if self._events is not None:
-                        self._log(False, "device", node)
-                    freed.append(node.device_indices)
-                    self.device_evictable_tokens -= node.num_tokens
-                    num_freed += node.num_tokens
-                    node.device_indices = None
-                    self._remove(node)
-                else:
-                    skipped.append(node)
-                    continue
-                need -= num_pages
+                need -= self._evict_device_node(node, need, backup, tally)
         except BaseException:
-            # A hook raised: the node it was running for and the skipped ones get
-            # their heap entries back, so the tree stays consistent.
-            for n in skipped:
-                self._refresh(n)
-            if node is not None and node.parent is not None:
-                self._refresh(node)
+            self._after_failed_eviction(tally, node)
             raise
-        for node in skipped:
+        for node in tally.skipped:
             self._device_heap.push(node)
         self._maybe_compact()
-        pages = torch.cat(freed) if len(freed) > 1 else (freed[0] if freed else EMPTY_PAGES)
-        return EvictResult(pages, num_freed, num_backup)
+        return tally.result()
+
+    def _evict_device_node(
+        self,
+        node: TreeNode,
+        need: int,
+        backup: Callable[[TreeNode], bool] | None,
+        tally: EvictTally,
+    ) -> int:
+        """Evict device candidate ``node`` (its tail if it is larger than ``need`` pages).
+
+        Returns the pages it counts against ``need`` (0 when skipped).
+        """
+        if node.host_indices is None and node.children and backup is None:
+            tally.skipped.append(node)
+            return 0
+        num_pages = len(node.key) // self._key_nbytes_per_page
+        if num_pages > need:
+            self._split(node, num_pages - need)
+            num_pages = need
+        pages = node.device_indices
+        parent = node.parent
+        assert pages is not None and parent is not None, "a device candidate is a non-root device node"
+        if node.host_indices is not None:
+            if self._events is not None:
+                self._log(False, "device", node)
+            tally.freed.append(pages)
+            node.device_indices = None
+            self.device_evictable_tokens -= node.num_tokens
+            tally.num_freed += node.num_tokens
+            if self._has_components:
+                num_pages += self._drop_into(node, "device", tally)
+            self._merge_host_chain(node)
+            self._refresh(node)
+            self._refresh(parent)
+        elif backup is not None and self._call_backup(backup, node):
+            tally.num_backup += node.num_tokens
+        elif (
+            not node.children
+            and node.host_indices is None
+            and node.io_status is IOStatus.NONE
+            and node.parent is not None
+        ):
+            # (A backup hook that declined may have given the node a host
+            # copy or IO in flight: then it is skipped like a node with children.)
+            if self._events is not None:
+                self._log(False, "device", node)
+            tally.freed.append(pages)
+            self.device_evictable_tokens -= node.num_tokens
+            tally.num_freed += node.num_tokens
+            node.device_indices = None
+            if self._has_components:
+                num_pages += self._drop_into(node, "device", tally)
+            self._remove(node)
+        else:
+            tally.skipped.append(node)
+            return 0
+        return num_pages
+
+    def _drop_into(self, node: TreeNode, tier: str, tally: EvictTally) -> int:
+        """Cascade: ``node`` lost its full copy in ``tier``; its component data goes too."""
+        pages = self._drop_components(node, tier)
+        if pages is None:
+            return 0
+        tally.freed.append(pages)
+        return pages.shape[0]
+
+    def _after_failed_eviction(self, tally: EvictTally, node: TreeNode | None) -> None:
+        """A hook raised: the node it was running for and the skipped ones get
+        their heap entries back, so the tree stays consistent."""
+        for n in tally.skipped:
+            self._refresh(n)
+        if node is not None and node.parent is not None:
+            self._refresh(node)
 
     def _call_backup(self, backup: Callable[[TreeNode], bool], node: TreeNode) -> bool:
         outer, self._hook = self._hook, "backup"
@@ -126,8 +171,7 @@ class Eviction(PrefixIndex):
         """
         need = -(-check_int("num_tokens", num_tokens) // self.page_size)
         self._refuse_reentry("evict_host", backup_may=True)
-        freed: list[torch.Tensor] = []
-        num_freed = 0
+        tally = EvictTally()
         while need > 0:
             node = self._host_heap.pop(self._host_rank)
             if node is None:
@@ -135,28 +179,34 @@ class Eviction(PrefixIndex):
             if node.device_indices is not None and not drop_device_resident:
                 self._host_heap.push(node, 1)
                 break
-            num_pages = len(node.key) // self._key_nbytes_per_page
-            if num_pages > need:
-                try:
-                    self._split(node, num_pages - need)
-                except BaseException:
-                    self._refresh(node)  # an on_split hook raised: node keeps its heap entry
-                    raise
-                num_pages = need
-            if self._events is not None:
-                self._log(False, "host", node)
-            freed.append(node.host_indices)
-            node.host_indices = None
-            self.host_evictable_tokens -= node.num_tokens
-            self._host_changed(node, True, False)  # a candidate is never busy
-            num_freed += node.num_tokens
-            if node.device_indices is None:
-                self._remove(node)
-            else:
-                self._refresh(node)
-            need -= num_pages
-        pages = torch.cat(freed) if len(freed) > 1 else (freed[0] if freed else EMPTY_PAGES)
-        return EvictResult(pages, num_freed, 0)
+            need -= self._evict_host_node(node, need, tally)
+        return tally.result()
+
+    def _evict_host_node(self, node: TreeNode, need: int, tally: EvictTally) -> int:
+        """Evict host candidate ``node`` (its tail if larger than ``need`` pages); pages counted."""
+        num_pages = len(node.key) // self._key_nbytes_per_page
+        if num_pages > need:
+            try:
+                self._split(node, num_pages - need)
+            except BaseException:
+                self._refresh(node)  # an on_split hook raised: node keeps its heap entry
+                raise
+            num_pages = need
+        if self._events is not None:
+            self._log(False, "host", node)
+        assert node.host_indices is not None, "a host candidate has a host copy"
+        tally.freed.append(node.host_indices)
+        node.host_indices = None
+        self.host_evictable_tokens -= node.num_tokens
+        self._host_changed(node, True, False)  # a candidate is never busy
+        tally.num_freed += node.num_tokens
+        if self._has_components:
+            num_pages += self._drop_into(node, "host", tally)
+        if node.device_indices is None:
+            self._remove(node)
+        else:
+            self._refresh(node)
+        return num_pages
 
     def _merge_host_chain(self, node: TreeNode) -> None:
         """Absorb ``node``'s only child when both are idle and host-only.

@@ -16,7 +16,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from hicache.tree.types import IOStatus
+from hicache.tree.guards import check_component, check_tier
+from hicache.tree.types import IOStatus, Tier
 
 # The page ids of a root (it holds no tokens), and an evict call that freed nothing.
 EMPTY_PAGES = torch.empty(0, dtype=torch.int64)
@@ -40,6 +41,38 @@ def own_pages(indices: torch.Tensor) -> torch.Tensor:
     return indices
 
 
+class ComponentRecord:
+    """One component's data on one node (docs/design.md, "Hybrid models: components").
+
+    Its page ids in each tier (a window component: ``width`` ids per page of the
+    node; a state component: ``width`` ids of the checkpoint at the node's end), and
+    what orders its eviction: its own access time and hit count, refreshed only
+    when a hit reads this data, and the tick it was first attached. The eviction
+    policy's key reads it as it reads a node (``priority`` is the node's).
+    """
+
+    __slots__ = ("node", "device", "host", "last_access", "hit_count", "created",
+                 "_dev_seq", "_host_seq", "_dev_children", "_host_children")
+
+    def __init__(self, node: TreeNode) -> None:
+        self.node = node
+        self.device: torch.Tensor | None = None
+        self.host: torch.Tensor | None = None
+        self.last_access = 0  # tree clock tick of the last hit that read it (or its attach)
+        self.hit_count = 0  # hits that read it
+        self.created = 0  # tree clock tick it was attached at (in either tier)
+        self._dev_seq = 0  # seq of its newest device-heap entry
+        self._host_seq = 0  # seq of its newest host-heap entry
+        # Children holding this component in each tier (kept for window components: a
+        # child's hits read this node's window pages).
+        self._dev_children = 0
+        self._host_children = 0
+
+    @property
+    def priority(self) -> int:
+        return self.node.priority
+
+
 class TreeNode:
     """One edge of the radix tree: a run of whole pages and where their KV lives."""
 
@@ -47,6 +80,7 @@ class TreeNode:
         "id", "key", "parent", "children", "namespace", "device_indices", "host_indices",
         "lock_ref", "host_lock_ref", "io_status", "hit_count", "last_access", "created",
         "priority", "_dev_seq", "_host_seq", "_end_hash", "_host_children", "_busy_children",
+        "components",
     )
 
     def __init__(
@@ -76,6 +110,8 @@ class TreeNode:
         # Children whose host copy is "busy": host-locked, IO in flight, or above a
         # busy host child. Host eviction can never take a busy host copy.
         self._busy_children = 0
+        # One record per component of the tree (hybrid models), None in a single-kind tree.
+        self.components: list[ComponentRecord] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -94,6 +130,15 @@ class TreeNode:
 
     def tokens(self) -> npt.NDArray[np.int32]:
         return np.frombuffer(self.key, dtype=np.int32)
+
+    def component_pages(self, c: int, tier: Tier) -> torch.Tensor | None:
+        """Component ``c``'s page ids in ``tier`` (docs/design.md, "Hybrid models"), or None."""
+        check_tier(tier, "component_pages")
+        check_component(c, 0 if self.components is None else len(self.components),
+                        "component_pages")
+        assert self.components is not None, "checked above"
+        record = self.components[c]
+        return record.device if tier == "device" else record.host
 
     def __repr__(self) -> str:
         return (

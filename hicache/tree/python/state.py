@@ -18,16 +18,23 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import torch
+
 from hicache.checks import check_namespace
+from hicache.components import ComponentSpec
 from hicache.config import EvictionPolicy
-from hicache.tree.guards import check_page_size, reentry_message
+from hicache.tree.guards import check_component, check_page_size, check_tier, reentry_message
 from hicache.tree.policies import CandidateHeap, priority_fn
 from hicache.tree.python.node import EMPTY_PAGES, TreeNode
-from hicache.tree.types import TreeEvent
+from hicache.tree.types import Tier, TreeEvent
 
 
 class TreeState:
     """The fields of :class:`hicache.tree.RadixTree` and the checks on its arguments."""
+
+    # A tree with components (HybridRadixTree) sets it: the few places where every tree
+    # divides or drops a node's data call its component hooks only then.
+    _has_components = False
 
     def __init__(
         self,
@@ -57,6 +64,10 @@ class TreeState:
         # (stored, tier, namespace, parent hash, page hashes, num_tokens).
         self._events: list[TreeEvent] | None = None
         self._hook: str | None = None  # the hook running now: "on_split", "backup" or None
+        # Hybrid models (docs/design.md, "Hybrid models: components"): none in this tree.
+        self.components: tuple[ComponentSpec, ...] = ()
+        self.device_component_evictable_pages = 0  # component ids on unlocked device nodes
+        self.host_component_takeable_pages = 0  # component ids evict_host can take now
 
     def root(self, namespace: str | None = None) -> TreeNode:
         """The root of a namespace (created on first use). Roots hold no tokens."""
@@ -81,6 +92,12 @@ class TreeState:
             self._roots[namespace] = root
         return root
 
+    def num_component_pages(self, c: int, tier: Tier) -> int:
+        """Page ids component ``c`` holds in ``tier``."""
+        check_tier(tier, "num_component_pages")
+        check_component(c, len(self.components), "num_component_pages")
+        return 0
+
     @property
     def device_tokens(self) -> int:
         return self.device_evictable_tokens + self.device_protected_tokens
@@ -96,6 +113,13 @@ class TreeState:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
+
+    def _split_components(self, prefix: TreeNode, suffix: TreeNode, num_pages: int) -> None:
+        """Divide the component data of a node split after ``num_pages`` (hybrid trees)."""
+
+    def _drop_components(self, node: TreeNode, tier: str) -> torch.Tensor | None:
+        """Give up ``node``'s component data in ``tier`` with its full copy (hybrid trees)."""
+        return None
 
     def _refuse_reentry(self, op: str, backup_may: bool = False) -> None:
         """Raise RuntimeError if a hook runs that may not call ``op`` (hicache.tree.python)."""

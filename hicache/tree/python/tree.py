@@ -12,10 +12,11 @@ from __future__ import annotations
 import torch
 
 from hicache.checks import check_int, check_page_tensor
+from hicache.tree.guards import check_component, check_key, check_tier
 from hicache.tree.python.eviction import Eviction
 from hicache.tree.python.integrity import IntegrityCheck
 from hicache.tree.python.node import EMPTY_PAGES, TreeNode
-from hicache.tree.types import IOStatus, MatchResult
+from hicache.tree.types import IOStatus, MatchResult, Tier
 
 
 class RadixTree(Eviction, IntegrityCheck):
@@ -80,6 +81,36 @@ class RadixTree(Eviction, IntegrityCheck):
             node = node.parent
         nodes.reverse()
         return nodes
+
+    def component_table(self, node: TreeNode, c: int, tier: Tier) -> torch.Tensor:
+        """Component ``c``'s page ids in ``tier`` along the path root..``node``, per token page.
+
+        ``-1`` where a node holds none (docs/design.md, "Hybrid models: components").
+        """
+        check_tier(tier, "component_table")
+        check_component(c, len(self.components), "component_table")
+        self._check_live(node, "component_table")
+        return EMPTY_PAGES
+
+    def component_gaps(
+        self, key: bytes, c: int, tier: Tier, namespace: str | None = None
+    ) -> torch.Tensor:
+        """Per page of ``key``: would an insert keep ``c``'s page there, and does the tree lack it?"""
+        check_tier(tier, "component_gaps")
+        check_component(c, len(self.components), "component_gaps")
+        return torch.zeros(len(check_key(key, self._key_nbytes_per_page)) // self._key_nbytes_per_page,
+                           dtype=torch.bool)
+
+    def attach_component(self, node: TreeNode, c: int, tier: Tier, pages: torch.Tensor) -> None:
+        """Give ``node`` component ``c``'s data in ``tier`` (it holds its full copy there)."""
+        check_tier(tier, "attach_component")
+        check_component(c, len(self.components), "attach_component")
+
+    def detach_component(self, node: TreeNode, c: int, tier: Tier) -> torch.Tensor:
+        """Take component ``c``'s data in ``tier`` from ``node``; return its pages."""
+        check_tier(tier, "detach_component")
+        check_component(c, len(self.components), "detach_component")
+        return EMPTY_PAGES
 
     def path_to(self, node: TreeNode) -> list[TreeNode]:
         """Non-root nodes from the root down to ``node``."""

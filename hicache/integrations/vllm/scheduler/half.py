@@ -28,16 +28,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
 
 import numpy as np
 import torch
 
 from hicache.integrations.vllm.common.config import ConnectorConfig
+from hicache.integrations.vllm.common.groups import KVGroups
 from hicache.integrations.vllm.common.keys import rank_salt
 from hicache.integrations.vllm.common.params import RequestControl
 from hicache.integrations.vllm.common.plan import LoadOp, SaveOp, StepPlan
 from hicache.integrations.vllm.scheduler.bad_pages import BadPages
+from hicache.integrations.vllm.scheduler.components import ComponentPages
+from hicache.integrations.vllm.scheduler.inspection import HalfInspection
 from hicache.integrations.vllm.scheduler.pins import StepPins
 from hicache.integrations.vllm.scheduler.prefetch import Prefetcher, num_fetched
 from hicache.integrations.vllm.scheduler.requests import RequestState, ScheduledRequest
@@ -50,6 +52,7 @@ from hicache.integrations.vllm.scheduler.stats import (  # noqa: F401 (re-export
 from hicache.integrations.vllm.scheduler.third_tier import (
     StorageKeys,
     StorageProbe,
+    host_room_for_fetch,
     num_promisable_pages,
 )
 from hicache.memory import PageAllocator
@@ -58,7 +61,7 @@ from hicache.tree import TreeNode, make_tree
 _log = logging.getLogger(__name__)
 
 
-class SchedulerHalf:
+class SchedulerHalf(HalfInspection):
     """Bookkeeping for the host tier (and third tier) of one vLLM engine."""
 
     def __init__(
@@ -70,14 +73,20 @@ class SchedulerHalf:
         storage_backend=None,
         storage_identity: tuple[str, str] | None = None,
         tp_size: int = 1,
+        groups: KVGroups | None = None,
     ) -> None:
         """``storage_identity``: ``(KV layout fingerprint, model_id)`` that third-tier keys
         are salted with (with the request's ``cache_salt`` and the tier's epoch).
         ``tp_size``: tensor-parallel ranks; each stores its shard under its own keys, and a
-        page is promised from storage only when every rank's shard is there."""
+        page is promised from storage only when every rank's shard is there. ``groups``:
+        vLLM's KV cache groups; with several (a hybrid model) the tree keeps the other
+        groups' pages as components (:mod:`.components`)."""
         self.config = config
         self.page_size = block_size
-        self.tree = make_tree(config.tree, block_size, config.eviction)
+        self.components = (ComponentPages(self, groups)
+                           if groups is not None and groups.hybrid else None)
+        self.tree = make_tree(config.tree, block_size, config.eviction,
+                              components=self.components.specs if self.components else ())
         self.tree.on_split = self._on_split
         self.host_allocator = PageAllocator(num_host_pages, "host pages")
         self.storage = storage_backend  # exists() (through the probe), epoch, bump_epoch
@@ -101,7 +110,8 @@ class SchedulerHalf:
         self.saves = Saves(self, config.write_policy, config.backup_hit_threshold)
         # Third-tier hits read in the background (None: "sync", read in vLLM's step)
         self.prefetch: Prefetcher | None = None
-        if storage_backend is not None and config.prefetch_policy != "sync":
+        if storage_backend is not None and config.prefetch_policy != "sync" and not self.components:
+            # (hybrid models: third-tier hits are read in the step, see docs/vllm.md)
             self.prefetch = Prefetcher(config, self.tree, self.host_allocator, block_size,
                                        tp_size, alloc=self._alloc_host, counters=self.counters,
                                        listener=lambda: self.page_listener)
@@ -153,8 +163,12 @@ class SchedulerHalf:
             return 0
         c.lookup_tokens += limit * P - num_computed
         key = self._key(st, limit)
-        cached = self.tree.probe_key(key, st.namespace) // P
+        comps = self.components  # hybrid: a hit ends where every component serves it
+        cached = comps.hit_pages(key, st.namespace) if comps else self.tree.probe_key(
+            key, st.namespace) // P
         host = self._first_bad(st, key, cached)  # promise nothing from a bad page on
+        if comps is not None and host < cached:
+            host = cached = comps.hit_pages(key, st.namespace, host)
         # Storage pages continue whichever hit is longer: the host tier's or vLLM's own
         # (pages vLLM holds are copied from its blocks into the host tier, not read).
         start = max(host, num_computed // P)
@@ -173,6 +187,11 @@ class SchedulerHalf:
                 self.host_allocator, key, host, P, extra_pages=start - host,
                 namespace=st.namespace, salts=self._salts,
             )
+            if comps is not None and stored and not comps.promise_storage(
+                    st, num_computed // P, start + stored, host_room_for_fetch(
+                        self.tree, self.host_allocator, key, host, P, st.namespace)
+                    - (start + stored - host)):
+                stored = 0  # a component page the hit reads is not stored
         num_tokens = ((start + stored) if stored else host) * P - num_computed
         if num_tokens <= 0 or num_tokens < self.config.load_threshold_tokens:
             return 0
@@ -181,12 +200,15 @@ class SchedulerHalf:
 
     def after_alloc(
         self, req_id: str, token_ids: Sequence[int], block_ids: Sequence[int], num_external: int,
-        namespace: str | None = None,
+        namespace: str | None = None, group_block_ids: Sequence[Sequence[int]] | None = None,
     ) -> None:
-        """vLLM allocated ``block_ids`` (all of the request's blocks); plan the load of the
-        ``num_external`` tokens promised by :meth:`num_matched_tokens`."""
+        """vLLM allocated ``block_ids`` (all of the request's blocks; hybrid models: every
+        group's in ``group_block_ids``); plan the load of the ``num_external`` tokens
+        promised by :meth:`num_matched_tokens`."""
         st = self._state(req_id, token_ids, namespace)
-        st.block_ids = list(block_ids)
+        st.block_ids, st.loading = list(block_ids), None  # loading: set again by a load
+        if group_block_ids is not None:
+            st.follow_tables(group_block_ids, True)
         if st.vllm_hit_pages:
             # vLLM's own hit is a hit of the host tier's copy too: a prefix vLLM keeps hot
             # must not be the host tier's first victim (its LRU/LFU order sees it).
@@ -247,6 +269,8 @@ class SchedulerHalf:
                 first = max(a, have)
                 op.storage_keys = self._keys(st, b)[first:b]
                 c.storage_hit_tokens += (b - first) * P
+        if self.components is not None and not self.components.load(st, a, b, op, have < b):
+            op.failed_block_ids = st.block_ids[a:b]  # hybrid: a load fails as a whole
         prefetched = num_fetched(st.prefetched, a, min(have, b))  # read by its prefetch
         c.storage_hit_tokens += prefetched * P
         c.host_hit_tokens += (max(0, min(have, b) - a) - prefetched) * P
@@ -266,6 +290,9 @@ class SchedulerHalf:
             plan.early_saves += self.saves.plan_evicted()  # write_back
             for s in scheduled:
                 st = self._state(s.req_id, s.token_ids, s.namespace)
+                if s.group_block_ids is not None:
+                    st.follow_tables(s.group_block_ids, s.resumed)
+                    plan.new_block_ids.extend(b for ids in s.group_block_ids for b in ids)  # all
                 if s.new_block_ids is not None:
                     if s.resumed:
                         st.block_ids = list(s.new_block_ids)
@@ -277,17 +304,26 @@ class SchedulerHalf:
                     plan.blocks.append((s.req_id, list(s.new_block_ids), s.resumed))
                 end = s.num_computed_tokens + s.num_scheduled_tokens
                 plan.computes.append((s.req_id, s.num_computed_tokens, end))
+                saved = st.num_checked_pages
                 save = self.saves.computed(s.req_id, st, end)
+                if self.components is not None:  # window tails where a prompt chunk ends
+                    prompt = s.num_prompt_tokens is None or end <= s.num_prompt_tokens
+                    save = self.components.save(s.req_id, st, st.num_checked_pages if prompt
+                                                and st.num_checked_pages > saved else 0, save)
                 if save is not None:
                     plan.saves.append(save)
         finally:
             self.pins.unpin_all()
+            if self.components is not None:
+                self.components.planned()
         return plan
 
     def mark_bad(self, host_pages) -> None:
         """The workers found these host pages bad (a save or storage read failed): lookups
         stop before them, and the next request computing them saves them again."""
         self._bad.report(host_pages, self.tree)
+        if self.components is not None:
+            self.components.mark_bad(host_pages)
 
     def _first_bad(self, st: RequestState, key: bytes, num_pages: int) -> int:
         return self._bad.first(self.tree, key, st.namespace, num_pages)
@@ -295,6 +331,7 @@ class SchedulerHalf:
     def request_finished(
         self, req_id: str, num_computed_tokens: int | None = None,
         block_ids: Sequence[int] | None = None,
+        group_block_ids: Sequence[Sequence[int]] | None = None,
     ) -> None:
         """Forget the request.
 
@@ -310,7 +347,11 @@ class SchedulerHalf:
         if st is None or num_computed_tokens is None or block_ids is None:
             return
         st.block_ids = list(block_ids)
+        if group_block_ids is not None:
+            st.follow_tables(group_block_ids, True)
         save = self.saves.computed(req_id, st, num_computed_tokens)
+        if self.components is not None:  # and where it ends
+            save = self.components.save(req_id, st, st.num_checked_pages, save)
         if save is not None:
             self._early_saves.append(save)  # pinned until that plan is built
 
@@ -333,8 +374,10 @@ class SchedulerHalf:
         self.pins.unpin_all()
         if self.prefetch is not None:
             self.prefetch.reset()
-        if self.tree.host_tokens:
-            self._evict_host(self.tree.host_tokens)
+        num = self.tree.host_tokens
+        if num:  # evict_host counts page ids: component pages too (held only beside full ones)
+            self._evict_host(num + (self.page_size * self.components.num_host_pages()
+                                    if self.components is not None else 0))
         for st in self._reqs.values():
             st.num_checked_pages = 0
         ok = self.tree.host_tokens == 0
@@ -383,7 +426,9 @@ class SchedulerHalf:
         short = num_pages - alloc.num_free_pages
         # host_takeable_tokens: exactly what evict_host can take (not the host copies
         # above a pinned node, which host eviction cannot reach while it is pinned).
-        if short > self.tree.host_takeable_tokens // self.page_size:
+        takeable = self.tree.host_takeable_tokens // self.page_size + (
+            self.tree.host_component_takeable_pages if self.components is not None else 0)
+        if short > takeable:
             return None  # evicting could not make room: evict nothing, keep what is cached
         if short > 0:
             self._evict_host(short * self.page_size)
@@ -392,7 +437,7 @@ class SchedulerHalf:
     def _evict_host(self, num_tokens: int) -> None:
         """Evict at least ``num_tokens`` of host pages (LRU/LFU leaves) and free them."""
         result = self.tree.evict_host(num_tokens)
-        if result.num_evicted_tokens:
+        if result.page_ids.numel():  # component pages go without full ones too
             if self._bad:
                 self._bad.difference_update(result.page_ids.tolist())
             self.host_allocator.free(result.page_ids)
@@ -404,46 +449,3 @@ class SchedulerHalf:
         self.pins.on_split(prefix, suffix)
         if self.prefetch is not None:
             self.prefetch.on_split(prefix, suffix)
-
-    def close(self) -> None:
-        """Stop the storage probe's thread and close the backend (idempotent)."""
-        if self._probe is not None:
-            self._probe.close()
-            self._probe = None
-        if self.storage is not None:
-            self.storage.close()
-            self.storage = None
-
-    # ------------------------------------------------------------ inspection
-    @property
-    def epoch(self) -> int:
-        """The third tier's epoch that storage keys are salted with (bumped by reset)."""
-        return self._storage_keys.epoch
-
-    @property
-    def num_live_requests(self) -> int:
-        return len(self._reqs)
-
-    def stats(self) -> dict:
-        return {**asdict(self.counters), "host_pages_used": self.host_allocator.num_used_pages,
-                "host_pages_free": self.host_allocator.num_free_pages,
-                "host_cached_tokens": self.tree.host_tokens}
-
-    def check_integrity(self) -> None:
-        """Tree invariants; every host page in use is held by the tree; locks = pins."""
-        self.tree.check_integrity()
-        self.host_allocator.check_integrity()
-        P = self.page_size
-        assert self.tree.device_tokens == 0, "the scheduler's tree must hold host pages only"
-        fetch = self.prefetch
-        fetching = fetch.num_held_pages if fetch is not None else 0
-        assert self.host_allocator.num_used_pages == self.tree.host_tokens // P + fetching, (
-            f"host pages: {self.host_allocator.num_used_pages} allocated, tree holds "
-            f"{self.tree.host_tokens // P}, prefetches {fetching}: pages leaked or lost"
-        )
-        for node in self.tree.nodes():
-            assert node.lock_ref == 0, f"node {node.id}: device lock in a host-only tree"
-            pins = self.pins.count(node) + (fetch.num_pins(node) if fetch is not None else 0)
-            assert node.host_lock_ref == pins, (
-                f"node {node.id}: host_lock_ref {node.host_lock_ref}, pins {pins}: a pin leaked"
-            )

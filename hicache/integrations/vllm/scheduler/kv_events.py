@@ -8,6 +8,12 @@ with the request's own ``block_hashes``, in the shape vLLM's block pool uses for
 GPU blocks, with ``medium="CPU"`` as vLLM's offloading connector names host memory.
 vLLM's scheduler publishes them with its own events (``take_events``).
 
+Hybrid models (several KV cache groups): every event names its group (``group_idx``),
+full-attention pages that group's, and each sliding-window tail page or state
+checkpoint its own group's (one ``BlockStored`` a page, with the group's
+``kv_cache_spec_kind`` and sliding window, as vLLM's offloading connector announces
+them), under the hash of the block it holds (a checkpoint: the block it ends).
+
 Contracts: a host page is announced once while it holds a block (stored when cached,
 removed when evicted, never twice); a page that could not be named (no block hash for
 it yet) is announced neither way. The events carry what vLLM's own events carry for
@@ -22,6 +28,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import (
     generate_block_hash_extra_keys,
@@ -38,13 +45,20 @@ class HostTierEvents:
     """Pending KV cache events of the host tier, and which page announced which hash."""
 
     def __init__(self, block_size: int, requests: Callable[[str], Request | None],
-                 hash_block_size: int | None = None, medium: str = MEDIUM_CPU) -> None:
-        """``requests``: vLLM's live ``Request`` of a request id (None once unknown)."""
+                 hash_block_size: int | None = None, medium: str = MEDIUM_CPU,
+                 group_idx: int = 0, group_specs: dict[int, tuple[str, int | None]] | None = None
+                 ) -> None:
+        """``requests``: vLLM's live ``Request`` of a request id (None once unknown).
+        ``group_idx``: the full-attention KV cache group's id; ``group_specs``: group id
+        -> (``kv_cache_spec_kind``, sliding window) of the others (hybrid models)."""
         self._request = requests
         self.block_size = block_size
         self.hash_block_size = hash_block_size or block_size
         self.medium = medium
-        self._announced: dict[int, Any] = {}  # host page -> the block hash it was stored as
+        self.group_idx = group_idx
+        self.group_specs = group_specs or {}
+        # host page -> (the block hash it was stored as, its group)
+        self._announced: dict[int, tuple[Any, int]] = {}
         self._events: list[KVCacheEvent] = []
         # Host page -> its block's own one-block BlockStored (medium None), kept while
         # the page is announced, for the third tier's events (see tier_events.py).
@@ -59,6 +73,33 @@ class HostTierEvents:
     def evicted(self, host_pages: list[int]) -> None:
         self.removed(host_pages)
 
+    def cached_component(self, req_id: str, group: int, position: int, page: int) -> None:
+        """Host page ``page`` holds block ``position`` of the request in ``group`` (a
+        sliding-window page, or the state checkpoint ending there)."""
+        request = self._request(req_id)
+        hashes = [] if request is None else resolve_block_hashes(
+            request.block_hashes, self.hash_block_size, self.block_size)
+        if position >= len(hashes) or request is None:
+            return
+        assert page not in self._announced, f"host page {page} announced again"
+        block = maybe_convert_block_hash(hashes[position])
+        self._announced[page] = (block, group)
+        P = self.block_size
+        keys, _ = generate_block_hash_extra_keys(request, position * P, (position + 1) * P, 0)
+        kind, window = self.group_specs.get(group, (None, None))
+        lora = request.lora_request
+        event = BlockStored(
+            block_hashes=[block],
+            parent_block_hash=maybe_convert_block_hash(hashes[position - 1]) if position else None,
+            token_ids=list(request.all_token_ids[position * P:(position + 1) * P]), block_size=P,
+            lora_id=lora.adapter_id if lora else None, lora_name=lora.name if lora else None,
+            medium=self.medium, extra_keys=to_event_extra_keys([keys]), group_idx=group,
+            kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window,
+            session_id=getattr(request, "session_id", None))
+        self._events.append(event)
+        if self.blocks is not None:  # the third tier's events repeat it
+            self.blocks[page] = msgspec.structs.replace(event, medium=None)
+
     def stored(self, request: Request, first_block: int, host_pages: Sequence[int]) -> None:
         """``host_pages`` now hold blocks ``first_block, first_block + 1, ...`` of
         ``request``: one ``BlockStored`` for the run (the pages a request caches at once
@@ -72,7 +113,7 @@ class HostTierEvents:
         twice = [p for p in pages if p in self._announced]
         assert not twice, f"host pages {twice} announced again before their removal"
         new = [maybe_convert_block_hash(hashes[first_block + i]) for i in range(n)]
-        self._announced.update(zip(pages, new, strict=True))
+        self._announced.update((p, (h, self.group_idx)) for p, h in zip(pages, new, strict=True))
         P = self.block_size
         start, end = first_block * P, (first_block + n) * P
         extra, mm_idx = [], 0
@@ -84,7 +125,7 @@ class HostTierEvents:
         tokens = list(request.all_token_ids[start:end])
         run = functools.partial(
             BlockStored, block_size=P, lora_id=lora.adapter_id if lora else None,
-            lora_name=lora.name if lora else None, group_idx=0,
+            lora_name=lora.name if lora else None, group_idx=self.group_idx,
             session_id=getattr(request, "session_id", None))
         self._events.append(run(block_hashes=new, parent_block_hash=parent, token_ids=tokens,
                                 medium=self.medium, extra_keys=to_event_extra_keys(extra)))
@@ -98,13 +139,17 @@ class HostTierEvents:
     def removed(self, host_pages: Sequence[int]) -> None:
         """``host_pages`` left the host tier: one ``BlockRemoved`` of the hashes they
         were announced with (pages never announced are skipped)."""
-        gone = [self._announced.pop(int(p)) for p in host_pages if int(p) in self._announced]
+        gone: dict[int, list[Any]] = {}  # per group, in order
+        for p in host_pages:
+            if int(p) in self._announced:
+                block, group = self._announced.pop(int(p))
+                gone.setdefault(group, []).append(block)
         if self.blocks is not None:
             for p in host_pages:
                 self.blocks.pop(int(p), None)
-        if gone:
-            self._events.append(BlockRemoved(block_hashes=gone, medium=self.medium,
-                                             group_idx=0))
+        for group, blocks in gone.items():
+            self._events.append(BlockRemoved(block_hashes=blocks, medium=self.medium,
+                                             group_idx=group))
 
     @property
     def num_announced(self) -> int:
@@ -113,7 +158,7 @@ class HostTierEvents:
 
     def announced_pages(self) -> dict[int, Any]:
         """Host page -> block hash, for every page announced and not removed."""
-        return dict(self._announced)
+        return {page: block for page, (block, _) in self._announced.items()}
 
     def take(self) -> list[KVCacheEvent]:
         """The events since the last call, in order."""

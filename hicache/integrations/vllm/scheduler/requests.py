@@ -28,6 +28,10 @@ class ScheduledRequest:
     num_computed_tokens: int  # computed before this step
     num_scheduled_tokens: int  # computed by this step
     namespace: str | None = None  # vLLM's cache_salt: pages are shared within one only
+    # Hybrid models: every KV cache group's blocks added (new_block_ids is the full-
+    # attention group's); None otherwise, or when none were added
+    group_block_ids: list[list[int]] | None = None
+    num_prompt_tokens: int | None = None  # None: unknown (taken as a prompt chunk)
 
 
 class RequestState:
@@ -35,7 +39,7 @@ class RequestState:
 
     __slots__ = ("token_ids", "namespace", "block_ids", "num_checked_pages", "key", "keys",
                  "lookup", "vllm_hit_pages", "skip_load", "skip_save", "max_save_pages",
-                 "prefetched", "inputs")
+                 "prefetched", "inputs", "tables", "states", "loading")
 
     def __init__(self, token_ids: Sequence[int], namespace: str | None = None) -> None:
         self.token_ids = token_ids
@@ -55,6 +59,14 @@ class RequestState:
         # Pages whose KV depends on more than their tokens (multimodal items, prompt
         # embeddings): page index -> digest of those inputs (inputs.py)
         self.inputs: Mapping[int, bytes] = {}
+        # Hybrid models: every KV cache group's block table (block_ids is the full-
+        # attention group's), and the recurrent states vLLM handed over that this
+        # step's forward computes: boundary token -> {group id: block id}
+        self.tables: list[list[int]] | None = None
+        self.states: dict[int, dict[int, int]] = {}
+        # (first, end) pages of its asynchronous load until vLLM reported it done: its
+        # blocks there hold nothing to save yet (a failed one's never will)
+        self.loading: tuple[int, int] | None = None
 
     def identity_ids(self, first: int, end: int, page_size: int) -> np.ndarray:
         """What pages ``first .. end-1`` are keyed by: their token ids, or for a page
@@ -72,6 +84,15 @@ class RequestState:
         if num_pages > have:
             self.key += token_key(self.identity_ids(have, num_pages, P), P)
         return self.key[: num_pages * P * 4]
+
+    def follow_tables(self, new: Sequence[Sequence[int]], replace: bool) -> None:
+        """vLLM added ``new`` blocks to every group's table (``replace``: they are the
+        whole tables now: a new or resumed request)."""
+        if replace or self.tables is None:
+            self.tables = [list(ids) for ids in new]
+        else:
+            for table, ids in zip(self.tables, new, strict=True):
+                table.extend(ids)
 
     def set_tokens(self, token_ids: Sequence[int]) -> None:
         """The request's token ids now. vLLM hands the same sequence every time and only

@@ -28,11 +28,18 @@ class SchedulerStats:
     prefetch_dropped_tokens: int = 0  # of which did not (read failed, or after a reset)
     # served without hicache: an input its KV depends on that hicache cannot key (inputs.py)
     unkeyed_requests: int = 0
+    # Hybrid models: host pages of the sliding-window and recurrent-state groups planned
+    # to save and to load (one page a group's block)
+    window_pages_saved: int = 0
+    state_pages_saved: int = 0
+    window_pages_loaded: int = 0
+    state_pages_loaded: int = 0
 
 
 # Stats the connector reports with the counters' deltas that are snapshots (the host
 # tier's occupancy): of two reports, the later one holds; they are never summed.
-SNAPSHOT_STATS = frozenset({"host_pages_used", "host_pages_free"})
+SNAPSHOT_STATS = frozenset({"host_pages_used", "host_pages_free", "host_window_pages",
+                            "host_state_pages"})
 
 
 class PageListener(Protocol):
@@ -43,3 +50,7 @@ class PageListener(Protocol):
 
     def evicted(self, host_pages: list[int]) -> None:
         """``host_pages`` were evicted (free again)."""
+
+    def cached_component(self, req_id: str, group: int, position: int, page: int) -> None:
+        """Hybrid models: ``page`` now holds the request's block ``position`` of KV cache
+        group ``group`` (a sliding-window page, or the state checkpoint ending there)."""

@@ -46,7 +46,8 @@ class StorageTierEvents:
         self.num_ranks = num_ranks
         self.medium = medium
         self._pending: dict[str, tuple[BlockStored, set[int]]] = {}  # key -> (block, ranks done)
-        self._announced: dict[str, Any] = {}  # storage key -> the block hash it announced
+        # storage key -> (the block hash it announced, its KV cache group)
+        self._announced: dict[str, tuple[Any, int | None]] = {}
         self._events: list[KVCacheEvent] = []
 
     def planned(self, saves: Iterable[SaveOp]) -> None:
@@ -73,14 +74,17 @@ class StorageTierEvents:
             if len(done) < self.num_ranks:
                 continue
             del self._pending[key]
-            self._announced[key] = block.block_hashes[0]
+            self._announced[key] = (block.block_hashes[0], block.group_idx)
             self._events.append(msgspec.structs.replace(block, medium=self.medium))
 
     def invalidated(self) -> None:
         """The tier's epoch moved on: every page announced misses from now on."""
-        if self._announced:
-            self._events.append(BlockRemoved(block_hashes=list(self._announced.values()),
-                                             medium=self.medium, group_idx=0))
+        groups: dict[int | None, list[Any]] = {}  # one BlockRemoved per KV cache group
+        for block, group in self._announced.values():
+            groups.setdefault(group, []).append(block)
+        for group, blocks in groups.items():
+            self._events.append(BlockRemoved(block_hashes=blocks, medium=self.medium,
+                                             group_idx=group))
         self._announced.clear()
         self._pending.clear()
 

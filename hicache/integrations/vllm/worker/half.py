@@ -76,11 +76,14 @@ class WorkerHalf(WorkerThirdTier):
         rank_group: RankGroup | None = None,
         native: bool | None = None,
         copier_hook=None,
+        per_request_loads: bool = False,
     ) -> None:
         """``key_salt``: this rank's storage key salt; ``rank_group``: the engine's
         tensor-parallel ranks (None with one), with which this worker shares each
         step's load errors. ``copier_hook`` (tests): wraps the CPU copier, e.g. to
-        delay or fail copies."""
+        delay or fail copies. ``per_request_loads`` (hybrid models): every load is
+        vLLM's asynchronous kind, reported per request (:meth:`take_finished_loads`),
+        never as block errors."""
         self.config = config
         self.layout = BlockLayout(kv_caches, num_blocks, block_size)
         kv = self.layout.host_kv_config()
@@ -91,7 +94,7 @@ class WorkerHalf(WorkerThirdTier):
         self.transfers, storage_backend = build_transfers(
             config, self.layout, self.host_pool, rank_group,
             storage_backend=storage_backend, native=native, copier_hook=copier_hook)
-        self._layer_index = {name: i for i, name in enumerate(self.layout.layer_names)}
+        self._layer_index = self.layout.region_of  # every layer, overlays included
         self.storage = None
         if storage_backend is not None:
             from hicache.storage.worker import StorageTier
@@ -116,6 +119,8 @@ class WorkerHalf(WorkerThirdTier):
         self._reads_in_flight: list = []  # those reads (StorageJob)
         self._tables: dict[str, list[int]] = {}  # vLLM's block table of each live request
         self._poisoned = PoisonedBlocks()  # blocks whose content is not their tokens' KV
+        self.per_request_loads = per_request_loads
+        self._finished_loads: tuple[set[str], set[str]] = (set(), set())  # done, failed
         self.counters = WorkerStats()
 
     # ------------------------------------------------------------------ steps
@@ -215,7 +220,9 @@ class WorkerHalf(WorkerThirdTier):
         if self._load is not None:
             self._load.wait()
             self._poll()
-        if plan.loads and self._ranks is not None:  # every rank: the plan is the same
+        if self.per_request_loads:
+            self._end_request_loads(plan)
+        elif plan.loads and self._ranks is not None:  # every rank: the plan is the same
             self._errors = share_load_errors(self._ranks, self._errors)
         if not (plan.loads or plan.saves or self._errors or self._poisoned
                 or self._poisoned.tainted):
@@ -233,6 +240,27 @@ class WorkerHalf(WorkerThirdTier):
             self._follow_computes(plan.computes)
         if plan.saves:
             self._submit_saves(plan.saves)
+
+    def _end_request_loads(self, plan: StepPlan) -> None:
+        """Asynchronous loads (hybrid models): each request's load ended, or failed if
+        one of its blocks did. vLLM recomputes or fails such a request before any
+        forward reads its blocks, so they poison nothing; each rank reports its own
+        (vLLM fails a request that failed on any rank)."""
+        errors, self._errors = self._errors, set()
+        done, failed = self._finished_loads
+        for op in plan.loads:
+            broken = op.failed_block_ids or not errors.isdisjoint(op.block_ids)
+            (failed if broken else done).add(op.req_id)
+            if broken:
+                _log.warning("hicache worker: load failed for request %s; vLLM recomputes or "
+                             "fails it (kv_load_failure_policy)", op.req_id)
+
+    def take_finished_loads(self) -> tuple[set[str], set[str]]:
+        """Requests whose asynchronous load ended since the last call, and of those the
+        ones whose load failed: ``(done, failed)``, disjoint."""
+        done, failed = self._finished_loads
+        self._finished_loads = (set(), set())
+        return done - failed, failed
 
     def _submit_saves(self, saves) -> None:
         """Copy blocks to host pages. A save reading a block that holds wrong KV (a load

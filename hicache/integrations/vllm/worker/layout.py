@@ -57,12 +57,64 @@ def block_planes(kv: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
     return planes
 
 
+def distinct_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """The layers whose KV tensors hold distinct memory, and each layer's region index.
+
+    With vLLM's hybrid KV cache manager, the layers of different KV cache groups overlay
+    each other (common/groups.py): a sliding-window layer's tensor starts where a
+    full-attention layer's does, a Mamba layer's state fits inside the attention block
+    it shares. One region a starting address: its widest tensor stands for it (a block
+    of it covers every layer's block there), and the others must fit inside (same
+    block stride, at most as many bytes a block); else ``ValueError``. Without overlays
+    every layer is its own region, in ``kv_caches``' order.
+    """
+    regions: dict[int, str] = {}  # start address -> the widest layer there
+    for name, kv in kv_caches.items():
+        start = kv.data_ptr() if isinstance(kv, torch.Tensor) else None
+        if start is None:
+            raise TypeError(f"kv cache {name!r}: expected a tensor, got {type(kv).__name__}")
+        rep = regions.get(start)
+        if rep is None or _row_nbytes(kv, num_blocks) > _row_nbytes(kv_caches[rep], num_blocks):
+            regions[start] = name
+    index = {rep: i for i, rep in enumerate(regions.values())}
+    out: dict[str, int] = {}
+    for name, kv in kv_caches.items():
+        rep = regions[kv.data_ptr()]
+        if name != rep:
+            wide, rep_kv = _block_planes_bytes(kv, num_blocks), _block_planes_bytes(
+                kv_caches[rep], num_blocks)
+            if len(wide) > len(rep_kv) or any(
+                    s != rs or n > rn for (s, n), (rs, rn) in zip(wide, rep_kv, strict=False)):
+                raise ValueError(
+                    f"kv caches: layers {name!r} and {rep!r} start at the same address but "
+                    f"{name!r} (shape {tuple(kv.shape)}, strides {kv.stride()}) does not fit "
+                    f"inside {rep!r}'s blocks (shape {tuple(kv_caches[rep].shape)})")
+        out[name] = index[rep]
+    return {rep: kv_caches[rep] for rep in regions.values()}, out
+
+
+def _block_planes_bytes(kv: torch.Tensor, num_blocks: int) -> list[tuple[int, int]]:
+    """(block stride, bytes a block) of each plane of ``kv``."""
+    return [(p.stride(0) * p.element_size(), p[0].numel() * p.element_size())
+            for p in block_planes(kv, num_blocks)]
+
+
+def _row_nbytes(kv: torch.Tensor, num_blocks: int) -> int:
+    return sum(n for _, n in _block_planes_bytes(kv, num_blocks))
+
+
 class BlockLayout:
-    """Planes of every layer of one worker's vLLM KV cache, and the host page they map to."""
+    """Planes of every layer of one worker's vLLM KV cache, and the host page they map to.
+
+    Layers that overlay others (vLLM's hybrid KV cache manager, :func:`distinct_regions`)
+    are copied once, through the layer standing for their region.
+    """
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int, block_size: int):
         if not kv_caches:
             raise ValueError("kv caches: expected at least one layer, got none")
+        kv_caches, self.region_of = distinct_regions(kv_caches, num_blocks)
         self.layer_names = list(kv_caches)
         self.num_blocks = num_blocks
         self.block_size = block_size
