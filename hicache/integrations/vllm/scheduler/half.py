@@ -39,6 +39,8 @@ from hicache.integrations.vllm.common.keys import rank_salt
 from hicache.integrations.vllm.common.params import RequestControl
 from hicache.integrations.vllm.common.plan import LoadOp, SaveOp, StepPlan
 from hicache.integrations.vllm.scheduler.bad_pages import BadPages
+from hicache.integrations.vllm.scheduler.handoff import Handoffs
+from hicache.integrations.vllm.scheduler.integrity import check_scheduler_half
 from hicache.integrations.vllm.scheduler.pins import StepPins
 from hicache.integrations.vllm.scheduler.prefetch import Prefetcher, num_fetched
 from hicache.integrations.vllm.scheduler.requests import RequestState, ScheduledRequest
@@ -49,6 +51,7 @@ from hicache.integrations.vllm.scheduler.stats import (  # noqa: F401 (re-export
     SchedulerStats,
 )
 from hicache.integrations.vllm.scheduler.third_tier import (
+    NoReads,
     StorageKeys,
     StorageProbe,
     num_promisable_pages,
@@ -71,19 +74,21 @@ class SchedulerHalf:
         storage_backend=None,
         storage_identity: tuple[str, str] | None = None,
         tp_size: int = 1,
+        storage_reads: bool = True,
     ) -> None:
         """``storage_identity``: ``(KV layout fingerprint, model_id)`` that third-tier keys
         are salted with (with the request's ``cache_salt`` and the tier's epoch).
         ``tp_size``: tensor-parallel ranks; each stores its shard under its own keys, and a
-        page is promised from storage only when every rank's shard is there."""
+        page is promised from storage only when every rank's shard is there.
+        ``storage_reads`` False: no lookup finds a stored page (a producer only writes)."""
         self.config = config
         self.page_size = block_size
         self.tree = make_tree(config.tree, block_size, config.eviction)
         self.tree.on_split = self._on_split
         self.host_allocator = PageAllocator(num_host_pages, "host pages")
         self.storage = storage_backend  # exists() (through the probe), epoch, bump_epoch
-        self._probe = (StorageProbe(storage_backend, config.storage_timeout_s)
-                       if storage_backend is not None else None)
+        self._probe = ((StorageProbe(storage_backend, config.storage_timeout_s)
+                        if storage_reads else NoReads()) if storage_backend is not None else None)
         self._salts = [rank_salt(r, tp_size) for r in range(tp_size)]
         self._storage_keys = StorageKeys(
             storage_identity, storage_backend.epoch() if storage_backend is not None else 0,
@@ -98,6 +103,7 @@ class SchedulerHalf:
         # saves, which run after the forward.
         self._gap_saves: list[SaveOp] = []
         self._bad = BadPages()  # host pages the workers reported bad, still in the tree
+        self.handoffs = Handoffs(self, config.handoff_timeout_s)  # prefill -> decode
         self.counters = SchedulerStats()
         self.saves = Saves(self, config.write_policy, config.backup_hit_threshold)
         # Third-tier hits read in the background (None: "sync", read in vLLM's step)
@@ -125,6 +131,7 @@ class SchedulerHalf:
         before its first lookup: ``save_max_tokens`` counts prompt tokens (whole pages)."""
         st = self._state(req_id, token_ids, namespace)
         st.skip_load, st.skip_save = control.skip_load, control.skip_save
+        st.handoff = control.handoff  # pages a prefill instance stored for it (handoff.py)
         if control.save_max_tokens is not None:
             st.max_save_pages = min(control.save_max_tokens, num_prompt_tokens) // self.page_size
 
@@ -156,12 +163,14 @@ class SchedulerHalf:
         # Storage pages continue whichever hit is longer: the host tier's or vLLM's own
         # (pages vLLM holds are copied from its blocks into the host tier, not read).
         start = max(host, num_computed // P)
+        if st.handoff is not None and self.handoffs.waits(req_id, st, st.handoff, start, limit):
+            return None  # its pages, handed off by a prefill instance, are not all there yet
         stored = 0
         if self.prefetch is not None:
             if host == cached and start < limit and not st.prefetched:
                 n = self.prefetch.try_start(req_id, st.namespace, key, host, start,
                                             self._keys(st, limit)[host:limit], self._probe,
-                                            self._salts)
+                                            self._salts, force=st.handoff is not None)
                 if n:
                     st.prefetched = (host, host + n)
                     return None  # vLLM asks again next step
@@ -423,6 +432,11 @@ class SchedulerHalf:
     def num_live_requests(self) -> int:
         return len(self._reqs)
 
+    @property
+    def has_unsent_saves(self) -> bool:
+        """Saves planned that go out with the next plan (a finished request's last blocks)."""
+        return bool(self._early_saves or self._gap_saves)
+
     def stats(self) -> dict:
         s = asdict(self.counters)
         s["host_pages_used"] = self.host_allocator.num_used_pages
@@ -432,19 +446,4 @@ class SchedulerHalf:
 
     def check_integrity(self) -> None:
         """Tree invariants; every host page in use is held by the tree; locks = pins."""
-        self.tree.check_integrity()
-        self.host_allocator.check_integrity()
-        P = self.page_size
-        assert self.tree.device_tokens == 0, "the scheduler's tree must hold host pages only"
-        fetch = self.prefetch
-        fetching = fetch.num_held_pages if fetch is not None else 0
-        assert self.host_allocator.num_used_pages == self.tree.host_tokens // P + fetching, (
-            f"host pages: {self.host_allocator.num_used_pages} allocated, tree holds "
-            f"{self.tree.host_tokens // P}, prefetches {fetching}: pages leaked or lost"
-        )
-        for node in self.tree.nodes():
-            assert node.lock_ref == 0, f"node {node.id}: device lock in a host-only tree"
-            pins = self.pins.count(node) + (fetch.num_pins(node) if fetch is not None else 0)
-            assert node.host_lock_ref == pins, (
-                f"node {node.id}: host_lock_ref {node.host_lock_ref}, pins {pins}: a pin leaked"
-            )
+        check_scheduler_half(self)

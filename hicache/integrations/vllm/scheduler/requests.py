@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hicache.integrations.vllm.common.handoff import Handoff
 from hicache.tree import token_key
 
 
@@ -34,7 +35,7 @@ class RequestState:
 
     __slots__ = ("token_ids", "namespace", "block_ids", "num_checked_pages", "key", "keys",
                  "lookup", "vllm_hit_pages", "skip_load", "skip_save", "max_save_pages",
-                 "prefetched")
+                 "prefetched", "handoff")
 
     def __init__(self, token_ids: Sequence[int], namespace: str | None = None) -> None:
         self.token_ids = token_ids
@@ -51,6 +52,7 @@ class RequestState:
         self.max_save_pages: int | None = None
         # (first, end) pages of its prefetch from the third tier (at most one a request)
         self.prefetched: tuple[int, int] | None = None
+        self.handoff: Handoff | None = None  # pages a prefill instance stored for it
 
     def tree_key(self, num_pages: int, page_size: int) -> bytes:
         """The tree key of the first ``num_pages`` pages. Built once per page: a request's
