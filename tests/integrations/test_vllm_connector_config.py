@@ -112,11 +112,12 @@ def test_switches_must_be_bools(name):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("load=0.2,bogus=1", "expected load=, save=, read=, read_delay_ms=, seed= or rank= "
-     "entries, got 'bogus=1'"),
-    ("load", "expected load=, save=, read=, read_delay_ms=, seed= or rank= entries, "
-     "got 'load'"),
+    ("load=0.2,bogus=1", "expected load=, save=, read=, read_delay_ms=, write_delay_ms=, "
+     "seed= or rank= entries, got 'bogus=1'"),
+    ("load", "expected load=, save=, read=, read_delay_ms=, write_delay_ms=, seed= or rank= "
+     "entries, got 'load'"),
     ("read_delay_ms=-1", "read_delay_ms: expected 0 to 60000, got -1"),
+    ("write_delay_ms=70000", "write_delay_ms: expected 0 to 60000, got 70000"),
     ("read_delay_ms=0.5", "read_delay_ms: expected a number, got '0.5'"),
     ("save=lots", "save: expected a number, got 'lots'"),
     ("read=1.5", "read: expected a fraction in [0, 1], got 1.5"),
