@@ -156,7 +156,7 @@ def test_the_chat_workload_adds_short_turns():
     for r in reqs:
         by_session.setdefault(r.session, []).append(r)
     growth = [len(b.prompt) - len(a.prompt) for turns in by_session.values()
-              for a, b in zip(turns, turns[1:])]
+              for a, b in zip(turns, turns[1:], strict=False)]
     assert growth and 28 <= min(growth) and max(growth) <= 112
 
 
