@@ -258,3 +258,23 @@ def test_an_idle_engine_keeps_stepping_until_its_writes_landed(sched, tmp_path):
     assert not e.connector.has_pending_push_work() and not e.scheduler.has_requests()
     assert _stored_pages(tmp_path) == 3
     e.check()
+
+
+def test_a_prompt_without_a_whole_page_is_handed_off_empty_and_not_held(sched, tmp_path):
+    """Nothing stored: the params say 0 pages, vLLM frees the blocks at once (no worker
+    will name the request), the decode computes without waiting."""
+    B = sched.B
+    p = _engine(sched, tmp_path, "kv_producer")
+    d = _engine(sched, tmp_path, "kv_consumer")
+    prompt = _prompt(9, B - 3)
+    params = _prefill(p, "r", prompt)
+    assert params["hicache"]["handoff"] == {"pages": 0, "epoch": 0, "key": ""}
+    p.run()
+    assert "r" not in p.scheduler.requests and not p.connector.has_pending_push_work()
+    d.add("r", prompt, max_tokens=DECODE_TOKENS, kv_transfer_params=params)
+    d.run()
+    assert d.outputs["r"] == sched.extend(prompt, DECODE_TOKENS)[len(prompt):]
+    c = d.connector.scheduler_half.counters
+    assert c.handoff_tokens == 0 and c.handoff_wait_seconds == 0
+    p.check()
+    d.check()

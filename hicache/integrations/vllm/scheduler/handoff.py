@@ -78,7 +78,8 @@ class Handoffs:
               namespace: str | None) -> Handoff:
         """What a finished prefill request hands off: the leading whole prompt pages the
         host tier holds (none past a bad one). Call after the request's last saves were
-        planned; the request is held from now on (:meth:`take_held`)."""
+        planned; with any page, the request is held from now on (vLLM keeps its blocks
+        until the workers name it, :meth:`take_held`, :meth:`sent`)."""
         half = self._half
         P = half.page_size
         st = RequestState(token_ids, namespace)
@@ -86,8 +87,9 @@ class Handoffs:
         key = half._key(st, num_pages)
         cached = half.tree.probe_key(key, namespace) // P
         pages = half._first_bad(st, key, cached)
-        self._held[req_id] = self._clock()
-        self._new_held.append(req_id)
+        if pages:
+            self._held[req_id] = self._clock()
+            self._new_held.append(req_id)
         half.counters.handoff_offered_tokens += pages * P
         last = half._keys(st, pages)[-1] if pages else ""
         return Handoff(pages, half.epoch, last)
