@@ -18,8 +18,6 @@ Skipped without vLLM unless ``HICACHE_REQUIRE_VLLM=1``.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from optional_vllm import VLLM_REQUIRED, vllm_available
 
@@ -31,27 +29,19 @@ pytestmark = pytest.mark.skipif(
 REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False,
                  "remote_engine_id": None, "remote_block_ids": None}  # the toy proxy's
 DECODE_TOKENS = 3
-_ENGINES: list = []
 
 
-@pytest.fixture(autouse=True)
-def _close_engines():
-    yield
-    while _ENGINES:
-        _ENGINES.pop().close()
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 500) for _ in range(n)]
-
-
-def _engine(sched, tmp_path, role: str, **kw):
-    extra = {"host_tokens": 16 * sched.B, "storage": f"file:{tmp_path}",
-             "prefetch_policy": kw.pop("prefetch_policy", "timeout"), **kw.pop("extra", {})}
-    e = sched.Engine(role=role, num_blocks=24, extra=extra, **kw)
-    _ENGINES.append(e)
-    return e
+@pytest.fixture
+def make(sched, tmp_path, engines):
+    """``make(role, **engine fields)``: an engine on the test's ``file:`` tier."""
+    def engine(role: str, **kw):
+        extra = {"host_tokens": 16 * sched.B, "storage": f"file:{tmp_path}",
+                 "prefetch_policy": kw.pop("prefetch_policy", "timeout"),
+                 **kw.pop("extra", {})}
+        e = sched.Engine(role=role, num_blocks=24, extra=extra, **kw)
+        engines.append(e)
+        return e
+    return engine
 
 
 def _prefill(p, rid: str, prompt: list[int]) -> dict:
@@ -82,17 +72,17 @@ def _stored_pages(tmp_path) -> int:
 @pytest.mark.parametrize("policy", ["timeout", "sync"])
 @pytest.mark.parametrize("multi", [False, True])
 def test_decode_waits_for_the_handed_off_pages_and_computes_one_page_at_most(
-        sched, tmp_path, async_scheduling, policy, multi):
+        sched, tmp_path, make, async_scheduling, policy, multi):
     """Asked at once, before the prefill's writes landed: the decode request waits (not
     scheduled), the prefill holds the request's blocks and keeps stepping; once the
     writes land, the decode is served every whole page but the one holding the last
     token, counted as a hand-off served, with the greedy output of the prompt."""
     B = sched.B
-    p = _engine(sched, tmp_path, "kv_producer", async_scheduling=async_scheduling,
+    p = make("kv_producer", async_scheduling=async_scheduling,
                 multi=multi)
-    d = _engine(sched, tmp_path, "kv_consumer", async_scheduling=async_scheduling,
+    d = make("kv_consumer", async_scheduling=async_scheduling,
                 multi=multi, prefetch_policy=policy)
-    prompt = _prompt(1, 5 * B + 3)
+    prompt = sched.random_prompt(1, 5 * B + 3)
     p.faults.write_gate.clear()
     params = _prefill(p, "r", prompt)
     handoff = params["hicache"]["handoff"]
@@ -122,16 +112,16 @@ def test_decode_waits_for_the_handed_off_pages_and_computes_one_page_at_most(
     d.check()
 
 
-def test_decode_asked_after_the_writes_landed_does_not_wait(sched, tmp_path):
+def test_decode_asked_after_the_writes_landed_does_not_wait(sched, tmp_path, make):
     B = sched.B
-    p = _engine(sched, tmp_path, "kv_producer")
-    d = _engine(sched, tmp_path, "kv_consumer")
+    p = make("kv_producer")
+    d = make("kv_consumer")
     for i in range(3):
-        prompt = _prompt(10 + i, 3 * B + i * 7)
+        prompt = sched.random_prompt(10 + i, 3 * B + i * 7)
         params = _prefill(p, f"r{i}", prompt)
         p.run()  # idle: the engine steps until its writes are durable, then stops
         assert _stored_pages(tmp_path) == sum(
-            len(_prompt(10 + j, 3 * B + j * 7)) // B for j in range(i + 1))
+            len(sched.random_prompt(10 + j, 3 * B + j * 7)) // B for j in range(i + 1))
         d.add(f"r{i}", prompt, max_tokens=DECODE_TOKENS, kv_transfer_params=params)
         d.run()
         assert d.outputs[f"r{i}"] == sched.extend(prompt, DECODE_TOKENS)[len(prompt):]
@@ -141,14 +131,14 @@ def test_decode_asked_after_the_writes_landed_does_not_wait(sched, tmp_path):
     d.check()
 
 
-def test_pages_that_never_come_are_computed_after_the_timeout(sched, tmp_path):
+def test_pages_that_never_come_are_computed_after_the_timeout(sched, tmp_path, make):
     """The prefill's writes never land in time: the decode request stops waiting after
     handoff_timeout_s and computes its prompt (counted as a timeout); no load error."""
     B = sched.B
-    p = _engine(sched, tmp_path, "kv_producer")
-    d = _engine(sched, tmp_path, "kv_consumer", extra={"handoff_timeout_s": 0.2},
+    p = make("kv_producer")
+    d = make("kv_consumer", extra={"handoff_timeout_s": 0.2},
                 policy="fail")
-    prompt = _prompt(3, 4 * B + 1)
+    prompt = sched.random_prompt(3, 4 * B + 1)
     p.faults.write_gate.clear()
     params = _prefill(p, "r", prompt)
     d.add("r", prompt, max_tokens=DECODE_TOKENS, kv_transfer_params=params)
@@ -168,15 +158,15 @@ def test_pages_that_never_come_are_computed_after_the_timeout(sched, tmp_path):
     (lambda h: {**h, "epoch": h["epoch"] + 1}, "epoch"),
     (lambda h: {**h, "key": "0" * 32}, "identity"),
 ])
-def test_pages_keyed_for_another_instance_are_not_waited_for(sched, tmp_path, change,
+def test_pages_keyed_for_another_instance_are_not_waited_for(sched, tmp_path, make, change,
                                                              reason):
     """A hand-off under another epoch, or whose last key is not the one this instance
     computes (another model, tenant or tokens), is not waited for: the request computes
     what it does not find at once (here: everything, the writes are held), reason counted."""
     B = sched.B
-    p = _engine(sched, tmp_path, "kv_producer")
-    d = _engine(sched, tmp_path, "kv_consumer")
-    prompt = _prompt(4, 3 * B + 5)
+    p = make("kv_producer")
+    d = make("kv_consumer")
+    prompt = sched.random_prompt(4, 3 * B + 5)
     p.faults.write_gate.clear()
     params = _prefill(p, "r", prompt)
     params["hicache"]["handoff"] = change(params["hicache"]["handoff"])
@@ -193,13 +183,13 @@ def test_pages_keyed_for_another_instance_are_not_waited_for(sched, tmp_path, ch
     d.check()
 
 
-def test_a_hand_off_under_a_namespace_travels_with_it(sched, tmp_path):
+def test_a_hand_off_under_a_namespace_travels_with_it(sched, tmp_path, make):
     """The prefill request's hicache namespace comes back in its params: the decode
     request (given only those params) keys its pages the same way and is served."""
     B = sched.B
-    p = _engine(sched, tmp_path, "kv_producer")
-    d = _engine(sched, tmp_path, "kv_consumer")
-    prompt = _prompt(5, 4 * B)
+    p = make("kv_producer")
+    d = make("kv_consumer")
+    prompt = sched.random_prompt(5, 4 * B)
     p.add("r", prompt, max_tokens=1,
           kv_transfer_params={**REMOTE_DECODE, "hicache": {"namespace": "t1"}})
     p.run()
@@ -212,27 +202,27 @@ def test_a_hand_off_under_a_namespace_travels_with_it(sched, tmp_path):
     d.check()
 
 
-def test_roles_a_consumer_saves_with_save_decode_a_producer_reads_when_asked(sched,
-                                                                             tmp_path):
+def test_roles_a_consumer_saves_with_save_decode_a_producer_reads_when_asked(
+        sched, tmp_path, make):
     B = sched.B
-    writer = _engine(sched, tmp_path, "kv_both")
-    prompt = _prompt(6, 4 * B + 2)
+    writer = make("kv_both")
+    prompt = sched.random_prompt(6, 4 * B + 2)
     writer.add("w", prompt, max_tokens=1)
     writer.run()
     assert _stored_pages(tmp_path) == 4
     # A producer computes what the tier holds (its own host tier is empty) ...
-    p = _engine(sched, tmp_path, "kv_producer")
+    p = make("kv_producer")
     p.add("a", prompt, max_tokens=2)
     p.run()
     assert p.connector.scheduler_half.counters.storage_hit_tokens == 0
     # ... unless it reads the tier, as SGLang's prefill instances share their L3.
-    p2 = _engine(sched, tmp_path, "kv_producer", extra={"producer_reads_storage": True})
+    p2 = make("kv_producer", extra={"producer_reads_storage": True})
     p2.add("a", prompt, max_tokens=2)
     p2.run()
     assert p2.connector.scheduler_half.counters.storage_hit_tokens == _whole(len(prompt), B)
     # A consumer with save_decode saves what it computes, decode tokens included.
-    d = _engine(sched, tmp_path, "kv_consumer", extra={"save_decode": True})
-    longer = prompt + _prompt(7, 2 * B)
+    d = make("kv_consumer", extra={"save_decode": True})
+    longer = prompt + sched.random_prompt(7, 2 * B)
     d.add("d", longer, max_tokens=B + 1)
     d.run()
     assert d.connector.scheduler_half.counters.saved_tokens > 0
@@ -241,13 +231,13 @@ def test_roles_a_consumer_saves_with_save_decode_a_producer_reads_when_asked(sch
         e.check()
 
 
-def test_an_idle_engine_keeps_stepping_until_its_writes_landed(sched, tmp_path):
+def test_an_idle_engine_keeps_stepping_until_its_writes_landed(sched, tmp_path, make):
     """A request's last writes land without a next request: the scheduler has pending
     push work (vLLM keeps stepping) until every worker's third-tier writes ended."""
     B = sched.B
-    e = _engine(sched, tmp_path, "kv_both")
+    e = make("kv_both")
     e.faults.write_gate.clear()
-    e.add("r", _prompt(8, 3 * B + 4), max_tokens=2)
+    e.add("r", sched.random_prompt(8, 3 * B + 4), max_tokens=2)
     for _ in range(20):
         e.step()
     e.update_held()
@@ -260,13 +250,13 @@ def test_an_idle_engine_keeps_stepping_until_its_writes_landed(sched, tmp_path):
     e.check()
 
 
-def test_a_prompt_without_a_whole_page_is_handed_off_empty_and_not_held(sched, tmp_path):
+def test_a_prompt_without_a_whole_page_is_handed_off_empty_and_not_held(sched, tmp_path, make):
     """Nothing stored: the params say 0 pages, vLLM frees the blocks at once (no worker
     will name the request), the decode computes without waiting."""
     B = sched.B
-    p = _engine(sched, tmp_path, "kv_producer")
-    d = _engine(sched, tmp_path, "kv_consumer")
-    prompt = _prompt(9, B - 3)
+    p = make("kv_producer")
+    d = make("kv_consumer")
+    prompt = sched.random_prompt(9, B - 3)
     params = _prefill(p, "r", prompt)
     assert params["hicache"]["handoff"] == {"pages": 0, "epoch": 0, "key": ""}
     p.run()

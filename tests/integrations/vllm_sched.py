@@ -78,6 +78,12 @@ def next_token(tokens: Sequence[int]) -> int:
     return zlib.crc32(np.asarray(tokens, dtype=np.int32).tobytes()) % VOCAB + 1
 
 
+def random_prompt(seed: int, n: int) -> list[int]:
+    """``n`` token ids drawn from ``seed``."""
+    rng = random.Random(seed)
+    return [rng.randrange(1, VOCAB) for _ in range(n)]
+
+
 def extend(tokens: list[int], n: int) -> list[int]:
     """``tokens`` followed by the model's next ``n`` tokens."""
     out = list(tokens)
