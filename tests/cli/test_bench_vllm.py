@@ -151,7 +151,8 @@ def test_plan_sizes_are_exact():
 
 def test_the_chat_workload_adds_short_turns():
     """Each turn adds 28-112 tokens (user line and reply): mostly under SGLang's 256."""
-    reqs = generate("multiturn", seed=0, **bv.WORKLOADS["chat"])
+    reqs = bv.load_requests(type("Args", (), {"trace": None, "workload": "chat", "seed": 0,
+                                              "num_requests": None})())
     by_session: dict[int, list] = {}
     for r in reqs:
         by_session.setdefault(r.session, []).append(r)

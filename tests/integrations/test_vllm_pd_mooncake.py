@@ -123,7 +123,7 @@ def _outcomes(decode: Server) -> dict[str, float]:
             for o in ("served", "epoch", "identity", "timeout", "store", "short")}
 
 
-def test_decode_asked_at_once_through_the_toy_proxy(cluster):
+def test_decode_asked_at_once_through_the_toy_proxy_and_after_a_gap(cluster):
     _, prefill, decode, proxy = cluster
     prompts = [prompt(500 + i, n) for i, n in enumerate(PROMPT_LENGTHS)]
     expected = [_reference(prefill, p) for p in prompts]
@@ -132,6 +132,16 @@ def test_decode_asked_at_once_through_the_toy_proxy(cluster):
         assert out["choices"][0]["token_ids"] == want
         assert cached_tokens(out) == hit_able(len(p))
     assert _outcomes(decode)["served"] == 6
+    for i, n in enumerate((347, 590)):  # asked 2 s after the prefill answered
+        p = prompt(550 + i, n)
+        want = _reference(prefill, p)
+        answer = prefill.completion(p, max_tokens=1, kv_transfer_params={
+            "do_remote_decode": True})
+        time.sleep(2)
+        out = decode.completion(p, kv_transfer_params=answer["kv_transfer_params"])
+        assert out["choices"][0]["token_ids"] == want
+        assert cached_tokens(out) == hit_able(n)
+    assert _outcomes(decode)["served"] == 8
 
 
 def test_two_instances_writing_one_prefix_at_once(cluster):

@@ -78,6 +78,10 @@ WORKLOADS: dict[str, dict[str, int | float]] = {
 }
 
 
+# The generator (hicache/sim/workloads.py) of a workload named otherwise
+GENERATOR_OF = {"chat": "multiturn"}
+
+
 class UsageError(Exception):
     """A bad command line: one line on stderr, exit code 2."""
 
@@ -119,8 +123,8 @@ def load_requests(args: argparse.Namespace) -> list[Request]:
         except (ValueError, OSError) as e:
             raise UsageError(f"--trace: {e}") from None
     else:
-        requests = generate(args.workload or "agentic", seed=args.seed,
-                            **WORKLOADS[args.workload or "agentic"])
+        name = args.workload or "agentic"
+        requests = generate(GENERATOR_OF.get(name, name), seed=args.seed, **WORKLOADS[name])
     if args.num_requests is not None:
         requests = requests[: args.num_requests]
     if not requests or min(len(r.prompt) for r in requests) == 0:
