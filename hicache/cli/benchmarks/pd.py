@@ -20,15 +20,16 @@ time from the prefill's answer to the decode's first token; the end-to-end TTFT
 (prefill request to the decode's first token); the prompt tokens the decode computed
 (prompt - cached); the part of the decode's wait spent waiting for handed-off pages
 (its ``/metrics``, per request). Then, cross-instance: ``--num-requests`` more prompts
-sent to the prefill instance alone (one token), then to the decode instance (no
-hand-off): the tokens the decode is served from the tier, and on a ``file:`` tier the
+sent to the prefill instance alone (one token), then ``--cross-gap-s`` later to the
+decode instance (no hand-off, so nothing tells it to wait for pages still being
+written): the tokens the decode is served from the tier, and on a ``file:`` tier the
 time from the prefill's answer until its pages are all stored, nothing else asked of
 it (an idle engine's writes). Outputs must be identical to the colocated
 instance's (checked per request). Ends with one JSON line.
 
     hicache bench pd [--preset tiny|small|medium | --model DIR] [--num-requests N]
         [--min-prompt-tokens N] [--max-prompt-tokens N] [--output-tokens N]
-        [--storage SPEC] [--keep DIR] [--json]
+        [--storage SPEC] [--cross-gap-s S] [--keep DIR] [--json]
     (bench/pd.py runs the same)
 """
 
@@ -75,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="vLLM block = hicache page, tokens (a multiple of 32 on CPU)")
     parser.add_argument("--storage", metavar="SPEC",
                         help="the shared third tier (default: file: a temporary directory)")
+    parser.add_argument("--cross-gap-s", type=float, default=1.0, metavar="S",
+                        help="cross-instance: the decode is asked this long after the "
+                        "prefill answered (default 1; no hand-off tells it to wait)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--startup-timeout", type=float, default=900, metavar="S")
     parser.add_argument("--keep", metavar="DIR", help="keep the model and server logs in DIR")
@@ -83,6 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
+    if not 0 <= args.cross_gap_s <= 600:
+        raise UsageError(f"--cross-gap-s: expected 0 to 600, got {args.cross_gap_s}")
     for name in ("num_requests", "min_prompt_tokens", "output_tokens", "block_size"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')}: expected an int >= 1, got "
@@ -272,7 +278,9 @@ def run_pd(model: str, prompts: list[list[int]], cross: list[list[int]], args,
         for p in cross:
             before = _num_pages(tier)
             first = prefill.complete(p, 1)
+            answered = time.perf_counter()
             durable = _durable_s(tier, before + len(p) // args.block_size)
+            time.sleep(max(0.0, args.cross_gap_s - (time.perf_counter() - answered)))
             r = decode.complete(p, args.output_tokens)
             cross_rows.append({"cached": r["usage"]["prompt_tokens_details"]["cached_tokens"],
                                "hit_able": (len(p) - 1) // args.block_size * args.block_size,
