@@ -284,9 +284,10 @@ class WorkerHalf(WorkerThirdTier):
         blocks (:mod:`~hicache.integrations.vllm.worker.sends`)."""
         for req_id in finished_req_ids:
             self._tables.pop(req_id, None)
-        if not self.held.num_held:
+        if not (self.held.num_held or finished_req_ids):
             return set()
-        self._poll()
+        if self.held.num_held:
+            self._poll()
         return self.held.ended(finished_req_ids, self._saves)
 
     def num_writes_in_flight(self) -> int:

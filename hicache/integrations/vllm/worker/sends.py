@@ -16,11 +16,16 @@ What it knows: request ids and the worker's saves in flight, not blocks or token
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from hicache.integrations.vllm.worker.prefetch import SaveRecord
+
+# Requests vLLM named finished before a plan named them held (the two normally come in
+# one step): remembered this many, newest first, so the hold still finds them.
+RECENTLY_FINISHED = 4096
 
 
 class HeldRequests:
@@ -31,10 +36,17 @@ class HeldRequests:
         self._clock = clock
         self._held: set[str] = set()  # named by a plan, not yet seen finished
         self._finished: dict[str, float] = {}  # held and seen finished -> since when
+        self._recent: OrderedDict[str, None] = OrderedDict()  # finished, not held (yet)
 
     def hold(self, req_ids: Iterable[str]) -> None:
-        """The plan names these requests held (vLLM finished them in the same step)."""
-        self._held.update(req_ids)
+        """The plan names these requests held (vLLM finished them in the same step, or
+        the step before)."""
+        now = self._clock()
+        for req_id in req_ids:
+            if self._recent.pop(req_id, 0) is None:
+                self._finished[req_id] = now
+            else:
+                self._held.add(req_id)
 
     def ended(self, finished_req_ids: Iterable[str], saves: list[SaveRecord]) -> set[str]:
         """Held requests whose writes here ended (or timed out), from those vLLM has
@@ -44,6 +56,10 @@ class HeldRequests:
             if req_id in self._held:
                 self._held.discard(req_id)
                 self._finished[req_id] = now
+            else:
+                self._recent[req_id] = None
+        while len(self._recent) > RECENTLY_FINISHED:
+            self._recent.popitem(last=False)
         if not self._finished:
             return set()
         busy = {r for rec in saves for r in rec.req_ids}
