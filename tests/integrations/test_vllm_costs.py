@@ -77,60 +77,56 @@ def _stored(sched, tmp_path, prompt) -> str:
     return spec
 
 
-def _reader(sched, spec, **extra):
-    return sched.Engine(extra={"host_tokens": 16 * sched.B, "storage": spec,
-                               "prefetch_policy": "wait_complete", **extra})
+@pytest.fixture
+def reader(sched, tmp_path, engines):
+    """``reader(prompt, **extra)``: an engine over a third tier that holds ``prompt``'s
+    whole pages, its hits read in the background (closed after the test)."""
+    def make(prompt, **extra):
+        e = sched.Engine(extra={"host_tokens": 16 * sched.B, "storage": _stored(
+            sched, tmp_path, prompt), "prefetch_policy": "wait_complete", **extra})
+        engines.append(e)
+        return e
+    return make
 
 
 @needs_vllm
 @pytest.mark.parametrize("read_s_per_page, read", [(1e-4, True), (1.0, False)])
-def test_a_stored_hit_is_read_only_when_the_read_pays(sched, tmp_path, read_s_per_page,
-                                                      read):
+def test_a_stored_hit_is_read_only_when_the_read_pays(sched, reader, read_s_per_page, read):
     B = sched.B
     prompt = sched.random_prompt(1, 6 * B + 1)
-    e = _reader(sched, _stored(sched, tmp_path, prompt))
-    try:
-        costs = e.connector.scheduler_half.prefetch.costs
-        costs.observe([(n, 1e-4 * n) for n in (B, 8 * B)], [(8, 8 * read_s_per_page)])
-        e.add("r", prompt, max_tokens=2)
-        e.run()
-        e.check()
-        c = e.connector.scheduler_half.counters
-        assert c.storage_hit_tokens == (6 * B if read else 0)
-        assert c.prefetch_declined_tokens == (0 if read else 6 * B)
-    finally:
-        e.close()
+    e = reader(prompt)
+    costs = e.connector.scheduler_half.prefetch.costs
+    costs.observe([(n, 1e-4 * n) for n in (B, 8 * B)], [(8, 8 * read_s_per_page)])
+    e.add("r", prompt, max_tokens=2)
+    e.run()
+    e.check()
+    c = e.connector.scheduler_half.counters
+    assert c.storage_hit_tokens == (6 * B if read else 0)
+    assert c.prefetch_declined_tokens == (0 if read else 6 * B)
 
 
 @needs_vllm
-def test_the_workers_steps_and_reads_feed_the_model(sched, tmp_path):
+def test_the_workers_steps_and_reads_feed_the_model(sched, reader):
     B = sched.B
     prompt = sched.random_prompt(2, 6 * B + 1)
-    e = _reader(sched, _stored(sched, tmp_path, prompt))
-    try:
-        e.add("other", sched.random_prompt(3, 5 * B), max_tokens=20)
-        e.run()
-        e.add("r", prompt, max_tokens=20)
-        e.run()
-        e.quiesce()
-        e.step()  # an empty step reports what the last one gathered
-        costs = e.connector.scheduler_half.prefetch.costs
-        assert costs.compute.measured and costs.read.measured
-        assert e.connector.scheduler_half.counters.storage_hit_tokens == 6 * B
-    finally:
-        e.close()
+    e = reader(prompt)
+    e.add("other", sched.random_prompt(3, 5 * B), max_tokens=20)
+    e.run()
+    e.add("r", prompt, max_tokens=20)
+    e.run()
+    e.quiesce()
+    e.step()  # an empty step reports what the last one gathered
+    costs = e.connector.scheduler_half.prefetch.costs
+    assert costs.compute.measured and costs.read.measured
+    assert e.connector.scheduler_half.counters.storage_hit_tokens == 6 * B
 
 
 @needs_vllm
-def test_a_fixed_threshold_replaces_the_costs(sched, tmp_path):
+def test_a_fixed_threshold_replaces_the_costs(sched, reader):
     B = sched.B
-    prompt = sched.random_prompt(4, 3 * B + 1)
-    e = _reader(sched, _stored(sched, tmp_path, prompt), prefetch_threshold_tokens=4 * B)
-    try:
-        e.add("r", prompt, max_tokens=2)
-        e.run()
-        c = e.connector.scheduler_half.counters
-        assert c.storage_hit_tokens == 0 and c.prefetch_declined_tokens == 3 * B
-        e.check()
-    finally:
-        e.close()
+    e = reader(prompt := sched.random_prompt(4, 3 * B + 1), prefetch_threshold_tokens=4 * B)
+    e.add("r", prompt, max_tokens=2)
+    e.run()
+    c = e.connector.scheduler_half.counters
+    assert c.storage_hit_tokens == 0 and c.prefetch_declined_tokens == 3 * B
+    e.check()
