@@ -45,6 +45,8 @@ _BENCHES = [
      "device-only on one trace"),
     ("vllm", "hicache.cli.benchmarks.vllm", "vLLM alone vs with the hicache connector (host tier, "
      "+ storage): TTFT, tokens computed per tier, req/s"),
+    ("pd", "hicache.cli.benchmarks.pd", "prefill/decode disaggregation through the third "
+     "tier against one colocated vLLM instance: decode TTFT, tokens computed, hand-off wait"),
     ("storage", "hicache.cli.benchmarks.storage", "third-tier page write/read throughput with and "
      "without a storage secret; the authenticator's GB/s per core"),
 ]

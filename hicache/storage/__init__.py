@@ -8,7 +8,7 @@
   master at HOST:PORT and the HTTP metadata server at URL; options (keyword or
   query parameters) ``segment_nbytes``, ``local_buffer_nbytes``,
   ``local_hostname``, ``protocol``, ``device_name``, ``connect_timeout_s``,
-  ``retry_after_s``.
+  ``retry_after_s``, ``epoch_refresh_s``, ``epoch_wait_s``.
 
 Every backend takes ``secret`` (str or bytes): the storage secret that tags and
 verifies each page (see ``auth.py``); None falls back to ``$HICACHE_STORAGE_SECRET``.
@@ -60,7 +60,8 @@ __all__ = [
 SPEC_FORMS = "'file:DIR' or 'mooncake://HOST:PORT?metadata=http://HOST:PORT/metadata'"
 _FILE_OPTIONS = {"capacity_nbytes", "fsync", "low_watermark", "shared", "adopt"}
 _MOONCAKE_INT_OPTIONS = {"segment_nbytes", "local_buffer_nbytes"}
-_MOONCAKE_FLOAT_OPTIONS = {"connect_timeout_s", "retry_after_s"}
+_MOONCAKE_FLOAT_OPTIONS = {"connect_timeout_s", "retry_after_s", "epoch_refresh_s",
+                           "epoch_wait_s"}
 _MOONCAKE_STR_OPTIONS = {"local_hostname", "protocol", "device_name"}
 _MOONCAKE_OPTIONS = _MOONCAKE_INT_OPTIONS | _MOONCAKE_FLOAT_OPTIONS | _MOONCAKE_STR_OPTIONS
 

@@ -25,7 +25,9 @@ a page past a miss is useless to a prefix cache.
 A tier also keeps its *epoch* (:meth:`StorageBackend.epoch`): a generation number
 stored in the tier itself and salted into every page key (``keys.root_key``), so
 :meth:`StorageBackend.bump_epoch` invalidates every page stored before, for this
-process and for every process that opens the tier afterwards (docs/storage.md).
+process and for every process that opens the tier afterwards (docs/storage.md);
+:meth:`StorageBackend.advance_epoch` raises it to a given epoch, so that processes
+that each retire their old pages after the same weight update agree on the new one.
 
 Buffers are anything with the buffer protocol (bytes, bytearray, memoryview,
 numpy arrays) or CPU torch tensors, contiguous, of exactly ``page_nbytes`` bytes;
@@ -254,6 +256,18 @@ class StorageBackend(ABC):
         assert isinstance(epoch, int) and epoch >= 1, f"backend returned epoch {epoch!r}"
         return epoch
 
+    def advance_epoch(self, epoch: int) -> int:
+        """Raise the tier's epoch to at least ``epoch`` and return the tier's epoch after.
+
+        Unlike :meth:`bump_epoch`, several processes that each advance to the same
+        ``epoch`` (their own epoch + 1 after the same weight update) end on one epoch
+        and share pages again; a record already past ``epoch`` is left as it is.
+        """
+        epoch = check_int("epoch", epoch, 0, 1 << 62)
+        new = self._run(self._advance_epoch, epoch)
+        assert isinstance(new, int) and new >= epoch, f"backend returned epoch {new!r}"
+        return new
+
     def usage(self) -> StorageUsage | None:
         """Pages and bytes the tier holds now (all processes' writes); None when the
         backend cannot tell without reading every value."""
@@ -322,6 +336,10 @@ class StorageBackend(ABC):
 
     def _bump_epoch(self) -> int:
         self._local_epoch = self._read_epoch() + 1
+        return self._local_epoch
+
+    def _advance_epoch(self, epoch: int) -> int:
+        self._local_epoch = max(self._read_epoch(), epoch)
         return self._local_epoch
 
     def _usage(self) -> StorageUsage | None:

@@ -59,7 +59,7 @@ from hicache.storage.base import (
     StorageUsage,
     verify_value,
 )
-from hicache.storage.fileepoch import bump_epoch, read_epoch
+from hicache.storage.fileepoch import advance_epoch, bump_epoch, read_epoch
 from hicache.storage.filelru import Stamps, evict_oldest
 
 _log = logging.getLogger(__name__)
@@ -324,6 +324,9 @@ class FileStorage(StorageBackend):
 
     def _bump_epoch(self) -> int:
         return bump_epoch(self._root_fd, str(self.root), self._file_mode)
+
+    def _advance_epoch(self, epoch: int) -> int:
+        return advance_epoch(self._root_fd, str(self.root), self._file_mode, epoch)
 
     def _usage(self) -> StorageUsage:
         values = self._scan(sweep=False).values

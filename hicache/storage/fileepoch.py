@@ -5,7 +5,8 @@ it makes every stored page a miss for processes that read the new one. It lives 
 ``ROOT/EPOCH`` as a decimal number (absent: 0). :func:`bump_epoch` advances it under
 an ``flock`` of ``ROOT/.epoch.lock``, so concurrent bumps from several processes each
 get their own epoch, and writes it to a temp file that is fsync'ed and renamed over
-the record (an epoch that went back would serve stale pages). Clearing the tier
+the record (an epoch that went back would serve stale pages); :func:`advance_epoch`
+raises it to a given epoch the same way (processes advancing to one epoch agree). Clearing the tier
 never removes the epoch: a process still salting with an old epoch must not meet a
 reused one.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+from collections.abc import Callable
 
 from hicache.storage import filelayout as layout
 from hicache.storage.base import StorageError
@@ -52,6 +54,18 @@ def bump_epoch(root_fd: int, root: str, file_mode: int) -> int:
 
     Files it creates get ``file_mode`` (before the umask).
     """
+    return _update_epoch(root_fd, root, file_mode, lambda epoch: epoch + 1)
+
+
+def advance_epoch(root_fd: int, root: str, file_mode: int, epoch: int) -> int:
+    """Raise the epoch to at least ``epoch`` (max-merge), one process at a time; return
+    the epoch recorded after."""
+    return _update_epoch(root_fd, root, file_mode, lambda recorded: max(recorded, epoch))
+
+
+def _update_epoch(root_fd: int, root: str, file_mode: int,
+                  update: Callable[[int], int]) -> int:
+    """Read the epoch, write ``update(epoch)`` (unless unchanged) under the lock; return it."""
     try:
         lock_fd = os.open(layout.EPOCH_LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
                           | os.O_CLOEXEC, file_mode, dir_fd=root_fd)
@@ -59,7 +73,10 @@ def bump_epoch(root_fd: int, root: str, file_mode: int) -> int:
         raise StorageError(f"file storage: bump the epoch in {root}: {e}") from e
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX)  # read-advance-write, one process at a time
-        epoch = read_epoch(root_fd, root) + 1
+        recorded = read_epoch(root_fd, root)
+        epoch = update(recorded)
+        if epoch == recorded:
+            return epoch
         temp = layout.epoch_temp_name()
         try:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW

@@ -19,10 +19,16 @@ master gone, each call takes a few seconds of internal retries). A
 connection-class code raises :class:`StorageError` and opens a short breaker:
 for ``retry_after_s`` every op raises at once instead of waiting again.
 
-The tier's epoch is the object ``hicache-epoch`` (a decimal number; absent: 0;
-not a hex page key, so no page can take its place). The store has no
-compare-and-swap: two processes bumping at the same instant may both get the same
-new epoch. ``clear`` keeps it.
+The tier's epoch (docs/storage.md, "Where a Mooncake epoch lives") is recorded
+twice under ``hicache-epoch`` (not a hex page key, so no page can take its place):
+in the master's own HTTP metadata store, which no client's exit takes away, and
+as an object, which lives in some client's segment. The epoch is the larger of the
+two; every client that knows an epoch puts it back where it is missing or lower
+(every ``epoch_refresh_s``, on a thread), so it outlives the exit of whoever wrote
+it and comes back after a master restart (which empties both, and every page). A
+client that finds neither waits ``epoch_wait_s`` for a live client to put it back
+before it takes 0. The store has no compare-and-swap: two processes bumping at the
+same instant may both get the same new epoch. ``clear`` keeps it.
 
 This module knows nothing about keys' meaning, the KV layout or the cache.
 """
@@ -34,8 +40,10 @@ import os
 import socket
 import threading
 import time
-from typing import Any
-from urllib.parse import urlsplit
+import urllib.error
+import urllib.request
+from typing import Any, NoReturn
+from urllib.parse import quote, urlsplit
 
 import numpy as np
 
@@ -89,6 +97,8 @@ class MooncakeStorage(StorageBackend):
         device_name: str = "",
         connect_timeout_s: float = 2.0,
         retry_after_s: float = 1.0,
+        epoch_refresh_s: float = 0.5,
+        epoch_wait_s: float = 1.5,
         secret: str | bytes | None = None,
     ) -> None:
         super().__init__(page_nbytes, secret=secret)
@@ -104,6 +114,12 @@ class MooncakeStorage(StorageBackend):
         self.metadata_url = metadata_url
         self.value_nbytes = VALUE_HEADER_NBYTES + page_nbytes
         self.retry_after_s = retry_after_s
+        self.connect_timeout_s = connect_timeout_s
+        self.epoch_refresh_s = epoch_refresh_s
+        self.epoch_wait_s = epoch_wait_s
+        self._known_epoch: int | None = None  # the highest epoch this client read or wrote
+        self._epoch_keeper: threading.Thread | None = None  # puts it back (see the docstring)
+        self._stopping = threading.Event()
         self._state_lock = threading.Lock()
         self._down_until = 0.0
         self._last_failure = ""
@@ -209,38 +225,115 @@ class MooncakeStorage(StorageBackend):
 
     def _clear(self) -> int:
         # The store's remove_all: the number of objects removed, or a negative error code.
-        # It takes the epoch record too: put it back (an epoch must never go back).
+        # It takes the epoch object too: put it back (an epoch must never go back).
         # force: without it objects under a lease (read or written in the last few
         # seconds) stay, and a clear right after a run removed nothing.
         epoch = self._read_epoch()
-        code: int = self._call("remove_all", True)
+        had_record = int(self._call("is_exist", EPOCH_KEY) == 1)
+        code = int(self._call("remove_all", True))
         if code < 0:
             self._fail(f"remove_all: code {code}")
-        if epoch:
-            self._write_epoch(epoch)
-            code -= 1
-        return max(code, 0)
+        self._write_epoch(epoch)
+        return max(code - had_record, 0)
+
+    # ---- the epoch (see the module docstring) -----------------------------------
 
     def _read_epoch(self) -> int:
-        if self._call("is_exist", EPOCH_KEY) != 1:
-            return 0
-        text = bytes(self._call("get", EPOCH_KEY)).decode("ascii", "replace")
-        if not text.strip().isdigit():
-            raise StorageError(f"mooncake: {EPOCH_KEY} holds {text[:40]!r}, expected a "
-                               "decimal epoch")
-        return int(text)
+        recorded = self._recorded_epoch()
+        if recorded is None and self._known_epoch is None:
+            # Lost with the master (a restart), or never written: live clients put it
+            # back within epoch_refresh_s; wait for them before believing it is 0.
+            deadline = time.monotonic() + self.epoch_wait_s
+            while recorded is None and time.monotonic() < deadline:
+                time.sleep(min(0.1, self.epoch_refresh_s))
+                recorded = self._recorded_epoch()
+        epoch = max(recorded or 0, self._known_epoch or 0)
+        self._learn(epoch)
+        return epoch
 
     def _bump_epoch(self) -> int:
         epoch = self._read_epoch() + 1
         self._write_epoch(epoch)
         return epoch
 
-    def _write_epoch(self, epoch: int) -> None:
-        code = self._call("upsert", EPOCH_KEY, f"{epoch}\n".encode())
-        if code != 0:
-            self._fail(f"upsert {EPOCH_KEY}: code {code}")
+    def _advance_epoch(self, epoch: int) -> int:
+        recorded = self._read_epoch()
+        if epoch > recorded:
+            self._write_epoch(epoch)
+        return max(epoch, recorded)
+
+    def _recorded_epoch(self) -> int | None:
+        """The larger of the two records (None: neither exists)."""
+        both = [e for e in (self._metadata_epoch(), self._object_epoch()) if e is not None]
+        return max(both) if both else None
+
+    def _object_epoch(self) -> int | None:
+        if self._call("is_exist", EPOCH_KEY) != 1:
+            return None
+        return _parse_epoch(bytes(self._call("get", EPOCH_KEY)), "object")
+
+    def _metadata_epoch(self) -> int | None:
+        try:
+            with urllib.request.urlopen(self._metadata_request("GET"),
+                                        timeout=self.connect_timeout_s) as r:
+                return _parse_epoch(r.read(), "metadata record")
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                return None
+            self._fail(f"GET {EPOCH_KEY} from the metadata server: HTTP {e.code}")
+        except OSError as e:
+            self._fail(f"GET {EPOCH_KEY} from the metadata server: {e}")
+
+    def _write_epoch(self, epoch: int, *, metadata: bool = True, obj: bool = True) -> None:
+        value = f"{epoch}\n".encode()
+        if metadata:
+            try:
+                with urllib.request.urlopen(self._metadata_request("PUT", value),
+                                            timeout=self.connect_timeout_s):
+                    pass
+            except OSError as e:  # HTTPError included
+                self._fail(f"PUT {EPOCH_KEY} to the metadata server: {e}")
+        if obj:
+            code = self._call("upsert", EPOCH_KEY, value)
+            if code <= _CONNECTION_CODE_MAX:
+                self._fail(f"upsert {EPOCH_KEY}: code {code}")
+            # Any other failure (no segment has room): the metadata record holds it.
+        self._learn(epoch)
+
+    def _metadata_request(self, method: str, data: bytes | None = None) -> urllib.request.Request:
+        return urllib.request.Request(f"{self.metadata_url}?key={quote(EPOCH_KEY)}", data=data,
+                                      method=method)
+
+    def _learn(self, epoch: int) -> None:
+        """This client knows ``epoch`` now: from here on it keeps the records at least
+        as high (a thread, started the first time)."""
+        with self._state_lock:
+            self._known_epoch = max(epoch, self._known_epoch or 0)
+            if self._epoch_keeper is not None:
+                return
+            self._epoch_keeper = threading.Thread(target=self._keep_epoch, daemon=True,
+                                                  name="hicache-mooncake-epoch")
+        self._epoch_keeper.start()
+
+    def _keep_epoch(self) -> None:
+        """Every ``epoch_refresh_s``: put the known epoch back into a record that lost it
+        (its holder left, the master restarted) or holds less (max-merge)."""
+        while not self._stopping.wait(self.epoch_refresh_s):
+            known = self._known_epoch or 0
+            try:
+                meta, obj = self._metadata_epoch(), self._object_epoch()
+                if meta is None or meta < known or obj is None or obj < known:
+                    self._write_epoch(known, metadata=meta is None or meta < known,
+                                      obj=obj is None or obj < known)
+            except StorageError:
+                continue  # the master is away: the breaker says so to the other ops
+            except Exception:  # noqa: BLE001 (a client library error: try again next period)
+                continue
 
     def _close(self) -> None:
+        self._stopping.set()
+        if self._epoch_keeper is not None:
+            self._epoch_keeper.join(timeout=30)
         # With the master gone this takes seconds (measured 1-13 s): the library
         # retries the unmount while holding the GIL. Skipping it does not help: a
         # client left alive makes interpreter exit wait on its threads instead.
@@ -260,7 +353,7 @@ class MooncakeStorage(StorageBackend):
         except (RuntimeError, OSError) as e:
             self._fail(f"{method}: {e}")
 
-    def _fail(self, what: str) -> None:
+    def _fail(self, what: str) -> NoReturn:
         with self._state_lock:
             self._down_until = time.monotonic() + self.retry_after_s
             self._last_failure = what
@@ -283,6 +376,14 @@ class MooncakeStorage(StorageBackend):
         code = self._call("remove", key, True)
         if code <= _CONNECTION_CODE_MAX:
             self._fail(f"remove corrupt {key}: code {code}")
+
+
+def _parse_epoch(value: bytes, where: str) -> int:
+    text = value.decode("ascii", "replace")
+    if not text.strip().isdigit():
+        raise StorageError(f"mooncake: {EPOCH_KEY} ({where}) holds {text[:40]!r}, expected a "
+                           "decimal epoch")
+    return int(text)
 
 
 def _split_host_port(address: str) -> tuple[str, int]:

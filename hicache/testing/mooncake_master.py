@@ -63,6 +63,8 @@ class MooncakeMaster:
         self.holder = holder
         self.log_dir = log_dir
         self.owns_log_dir = owns_log_dir  # a temp dir made for us: removed by stop()
+        self.num_restarts = 0
+        self.master_command: list[str] = []  # how the master was started (restart_master)
 
     @property
     def master_address(self) -> str:
@@ -82,6 +84,19 @@ class MooncakeMaster:
         if self.master.poll() is None:
             self.master.send_signal(signal.SIGKILL)
             self.master.wait()
+
+    def restart_master(self, startup_timeout_s: float = 20.0) -> None:
+        """Start the master again on the same ports (after :meth:`kill_master`; killed
+        first if still running). It starts empty: every object, and its metadata
+        store, is gone; the holder and live clients reconnect to it by themselves."""
+        self.kill_master()
+        log_path = self.log_dir / f"master.{self.num_restarts + 1}.log"
+        with open(log_path, "wb") as log:
+            self.master = subprocess.Popen(self.master_command, stdout=log,
+                                           stderr=subprocess.STDOUT)
+        self.num_restarts += 1
+        _wait_ready(self.master, self.host, [self.rpc_port, self.metadata_port], log_path,
+                    time.monotonic() + startup_timeout_s)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the holder, then the master; SIGKILL whatever ignores SIGTERM."""
@@ -158,6 +173,7 @@ def start_mooncake_master(
         master = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     _wait_ready(master, host, [rpc_port, metadata_port], master_log, deadline)
     handle = MooncakeMaster(host, rpc_port, metadata_port, master, None, logs, log_dir is None)
+    handle.master_command = cmd
     if segment_nbytes > 0:
         holder_port = _free_port(host)
         holder_log = logs / "segment_holder.log"

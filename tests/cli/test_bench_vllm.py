@@ -122,7 +122,7 @@ def test_installed_survives_a_missing_parent_package():
 
 
 def _args(**overrides):
-    base = dict(block_size=32, max_tokens=16, vllm_blocks=None)
+    base = dict(block_size=32, max_tokens=16, vllm_blocks=None, storage_host_tokens=None)
     base.update(overrides)
     return type("Args", (), base)()
 
@@ -146,6 +146,19 @@ def test_plan_sizes_are_exact():
     # (a: 0 + 16 tokens, b: 8 + 5, a2: 8 + 16), vLLM's null block
     assert plan.fits_blocks == 5 + 3 + 1
     assert bv.make_plan(_args(vllm_blocks=40), reqs).vllm_blocks == 40
+    assert bv.make_plan(_args(storage_host_tokens=100), reqs).small_host_tokens == 96
+
+
+def test_the_chat_workload_adds_short_turns():
+    """Each turn adds 28-112 tokens (user line and reply): mostly under SGLang's 256."""
+    reqs = bv.load_requests(type("Args", (), {"trace": None, "workload": "chat", "seed": 0,
+                                              "num_requests": None})())
+    by_session: dict[int, list] = {}
+    for r in reqs:
+        by_session.setdefault(r.session, []).append(r)
+    growth = [len(b.prompt) - len(a.prompt) for turns in by_session.values()
+              for a, b in zip(turns, turns[1:], strict=False)]
+    assert growth and 28 <= min(growth) and max(growth) <= 112
 
 
 def test_default_agentic_working_set_is_4x_vllm_cache():

@@ -12,3 +12,13 @@ def sched():
     import vllm_sched
 
     return vllm_sched
+
+
+@pytest.fixture
+def engines():
+    """A list of ``vllm_sched.Engine``s a test appends to: closed after the test (their
+    copy and storage threads end)."""
+    started: list = []
+    yield started
+    while started:
+        started.pop().close()

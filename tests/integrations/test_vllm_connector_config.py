@@ -25,7 +25,7 @@ def test_the_number_fields_are_all_tested():
                                 "backup_hit_threshold", "load_threshold_tokens",
                                 "storage_timeout_s", "prefetch_threshold_tokens",
                                 "prefetch_timeout_base_s", "prefetch_timeout_per_ki_token_s",
-                                "prefetch_timeout_max_s"]
+                                "prefetch_timeout_max_s", "handoff_timeout_s"]
 
 
 def _refused(extra_json: str, name: str) -> None:
@@ -50,7 +50,7 @@ def test_copy_cpus_refuses_non_finite_values(text):
 @pytest.mark.parametrize("text", NON_FINITE)
 @pytest.mark.parametrize("name", ["capacity_nbytes", "low_watermark", "segment_nbytes",
                                   "local_buffer_nbytes", "connect_timeout_s", "retry_after_s",
-                                  "some_future_option"])
+                                  "epoch_refresh_s", "epoch_wait_s", "some_future_option"])
 def test_number_storage_options_refuse_non_finite_values(name, text):
     storage = "mooncake://m:1?metadata=http://m:2/metadata"
     _refused(f'{{"storage": "{storage}", "storage_options": {{"{name}": {text}}}}}',
@@ -75,6 +75,10 @@ def test_number_storage_options_refuse_non_finite_values(name, text):
     ({"prefetch_timeout_per_ki_token_s": 4000},
      "prefetch_timeout_per_ki_token_s: expected <= 3600, got 4000"),
     ({"prefetch_timeout_max_s": 0}, "prefetch_timeout_max_s: expected > 0, got 0"),
+    ({"handoff_timeout_s": -1}, "handoff_timeout_s: expected >= 0, got -1"),
+    ({"handoff_timeout_s": 4000}, "handoff_timeout_s: expected <= 3600, got 4000"),
+    ({"storage": "file:/x", "storage_options": {"epoch_refresh_s": 0}},
+     "storage_options.epoch_refresh_s: expected > 0, got 0"),
     ({"prefetch_policy": "eager"}, "prefetch_policy: expected one of"),
     ({"copy_cpus": [0, 1 << 16]}, "copy_cpus: expected one or more CPU ids >= 0 and < 65536"),
     ({"storage": "file:/x", "storage_options": {"low_watermark": 1.5}},
@@ -100,17 +104,20 @@ def test_the_bounds_themselves_are_accepted():
     assert ConnectorConfig(host_tokens=(1 << 62) - 1).host_tokens == (1 << 62) - 1
 
 
-def test_storage_epoch_on_reset_must_be_a_bool():
-    with pytest.raises(TypeError, match="storage_epoch_on_reset: expected a bool, got 'yes'"):
-        ConnectorConfig(storage_epoch_on_reset="yes")
+@pytest.mark.parametrize("name", ["storage_epoch_on_reset", "save_decode",
+                                  "producer_reads_storage"])
+def test_switches_must_be_bools(name):
+    with pytest.raises(TypeError, match=f"{name}: expected a bool, got 'yes'"):
+        ConnectorConfig(**{name: "yes"})
 
 
 @pytest.mark.parametrize("text, message", [
-    ("load=0.2,bogus=1", "expected load=, save=, read=, read_delay_ms=, seed= or rank= "
-     "entries, got 'bogus=1'"),
-    ("load", "expected load=, save=, read=, read_delay_ms=, seed= or rank= entries, "
-     "got 'load'"),
+    ("load=0.2,bogus=1", "expected load=, save=, read=, read_delay_ms=, write_delay_ms=, "
+     "seed= or rank= entries, got 'bogus=1'"),
+    ("load", "expected load=, save=, read=, read_delay_ms=, write_delay_ms=, seed= or rank= "
+     "entries, got 'load'"),
     ("read_delay_ms=-1", "read_delay_ms: expected 0 to 60000, got -1"),
+    ("write_delay_ms=70000", "write_delay_ms: expected 0 to 60000, got 70000"),
     ("read_delay_ms=0.5", "read_delay_ms: expected a number, got '0.5'"),
     ("save=lots", "save: expected a number, got 'lots'"),
     ("read=1.5", "read: expected a fraction in [0, 1], got 1.5"),
@@ -138,10 +145,11 @@ def test_fault_hook_is_off_unless_set(monkeypatch):
 
 
 def test_prefetch_defaults_are_sglangs_and_the_budget_is_capped():
-    """SGLang HiCache's defaults: threshold 256 tokens, timeout 1 s + 0.25 s per 1024
-    tokens; ours caps the budget (prefetch_timeout_max_s)."""
+    """SGLang HiCache's timeout defaults, 1 s + 0.25 s per 1024 tokens; ours caps the
+    budget (prefetch_timeout_max_s). No fixed threshold: the costs decide (costs.py)."""
     c = ConnectorConfig()
-    assert (c.prefetch_policy, c.prefetch_threshold_tokens) == ("timeout", 256)
+    assert (c.prefetch_policy, c.prefetch_threshold_tokens) == ("timeout", None)
+    assert ConnectorConfig(prefetch_threshold_tokens=256).prefetch_threshold_tokens == 256
     assert c.prefetch_budget_s(0) == 1.0 and c.prefetch_budget_s(4096) == 2.0
     assert c.prefetch_budget_s(10**9) == 30.0
     for policy in ("best_effort", "wait_complete", "timeout", "sync"):

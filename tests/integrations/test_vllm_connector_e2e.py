@@ -158,7 +158,7 @@ def test_request_params_end_to_end(runs):
     assert r["bad_output"] == r["plain_output"]
     assert r["bad_params"] == {"hicache_error": "kv_transfer_params.hicache: unknown key(s) "
                                "['bogus']; expected some of ['skip_load', 'skip_save', "
-                               "'save_max_tokens', 'namespace']"}
+                               "'save_max_tokens', 'namespace', 'handoff']"}
     whole = (r["prompt_tokens"] - 1) // 32 * 32
     assert r["namespace_cached"] == [0, 0, whole]
     assert r["namespace_outputs"][0] == r["namespace_outputs"][1] == r["namespace_outputs"][2]

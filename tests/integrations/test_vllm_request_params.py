@@ -40,7 +40,7 @@ def test_params_parse():
 @pytest.mark.parametrize("params, message", [
     ({"hicache": {"skip_lod": True}},
      "kv_transfer_params.hicache: unknown key(s) ['skip_lod']; expected some of "
-     "['skip_load', 'skip_save', 'save_max_tokens', 'namespace']"),
+     "['skip_load', 'skip_save', 'save_max_tokens', 'namespace', 'handoff']"),
     ({"hicache": {"skip_load": "yes"}},
      "kv_transfer_params.hicache.skip_load: expected true or false, got 'yes'"),
     ({"hicache": {"skip_save": 1}}, "kv_transfer_params.hicache.skip_save: expected true or "
@@ -187,6 +187,6 @@ def test_a_mistake_serves_the_request_by_vllm_alone_and_reports_it(sched, async_
     assert len(e.outputs["bad"]) == 3 and not e.failed
     assert e.transfer_params["bad"] == {ERROR_KEY: (
         "kv_transfer_params.hicache: unknown key(s) ['skip_lod']; expected some of "
-        "['skip_load', 'skip_save', 'save_max_tokens', 'namespace']")}
+        "['skip_load', 'skip_save', 'save_max_tokens', 'namespace', 'handoff']")}
     assert "leading NUL" in e.transfer_params["bad-salt"][ERROR_KEY]
     assert "good" not in e.transfer_params

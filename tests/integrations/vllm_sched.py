@@ -91,6 +91,10 @@ def adapter_weights(path: str) -> bytes:
         return b"missing"
     return b"".join(open(os.path.join(path, name), "rb").read()
                     for name in sorted(os.listdir(path)))
+def random_prompt(seed: int, n: int) -> list[int]:
+    """``n`` token ids drawn from ``seed``."""
+    rng = random.Random(seed)
+    return [rng.randrange(1, VOCAB) for _ in range(n)]
 
 
 def extend(tokens: list[int], n: int) -> list[int]:
@@ -117,6 +121,8 @@ class Faults:
         # Reads wait for this gate while it is cleared (a slow store, held by the test).
         self.read_gate = threading.Event()
         self.read_gate.set()
+        self.write_gate = threading.Event()  # the same for third-tier writes
+        self.write_gate.set()
         self.fail_read_calls: set[int] = set()  # get_into calls (0-based) that fail
         self.num_read_calls = 0
         self.fail_next_loads = 0
@@ -163,6 +169,10 @@ class Faults:
                     time.sleep(faults.hang_s)
                 return backend.get_into(keys, views)
 
+            def set(self, keys, values):
+                faults.write_gate.wait(60)
+                return backend.set(keys, values)
+
         return FaultyBackend()
 
 
@@ -188,6 +198,10 @@ class Engine:
     seed: int = 0
     kv_events: dict | None = None  # vLLM's KVEventsConfig fields (None: events off)
     parallel: dict | None = None  # vLLM's ParallelConfig fields (None: one rank)
+    role: str = "kv_both"  # kv_transfer_config.kv_role
+    # vLLM's MultiConnector around the connector, with a no-op second connector after it
+    # (tests/integrations/noop_connector.py); False: the connector alone
+    multi: bool = False
 
     def __post_init__(self) -> None:
         from vllm.config import (
@@ -223,11 +237,18 @@ class Engine:
                              max_num_batched_tokens=self.max_num_batched_tokens,
                              max_model_len=4096, enable_chunked_prefill=True,
                              is_encoder_decoder=False, async_scheduling=self.async_scheduling)
-        transfer = KVTransferConfig(
-            kv_connector="HiCacheConnector", kv_connector_module_path="hicache.integrations.vllm",
-            kv_role="kv_both", kv_connector_extra_config=extra,
-            kv_load_failure_policy=self.policy,
-        )
+        hicache = {"kv_connector": "HiCacheConnector",
+                   "kv_connector_module_path": "hicache.integrations.vllm",
+                   "kv_role": self.role, "kv_connector_extra_config": extra}
+        if self.multi:
+            noop = {"kv_connector": "NoopConnector", "kv_connector_module_path": "noop_connector",
+                    "kv_role": self.role}
+            transfer = KVTransferConfig(
+                kv_connector="MultiConnector", kv_role=self.role,
+                kv_connector_extra_config={"connectors": [hicache, noop]},
+                kv_load_failure_policy=self.policy)
+        else:
+            transfer = KVTransferConfig(**hicache, kv_load_failure_policy=self.policy)
         self.vllm_config = VllmConfig(
             model_config=mc, scheduler_config=sc,
             cache_config=self._cache_config(CacheConfig),
@@ -243,6 +264,7 @@ class Engine:
             vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config, log_stats=True,
             structured_output_manager=StructuredOutputManager(self.vllm_config), block_size=B,
         )
+        # The connector (in a MultiConnector: its first child), scheduler side
         self.connector = self.scheduler.connector
         # The encoder budget a multimodal model would get (the model config is a text
         # model's): requests with multimodal items are scheduled, their "encoder" is free.
@@ -251,8 +273,18 @@ class Engine:
         self.scheduler.max_num_encoder_input_tokens = 1 << 20
         self.scheduler.encoder_cache_manager = EncoderCacheManager(cache_size=1 << 20)
         self.kv = self._kv_tensors()
-        self.worker = HiCacheConnector(self.vllm_config, KVConnectorRole.WORKER,
-                                       self.kv_cache_config)
+        if self.multi:
+            from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+                MultiConnector,
+            )
+
+            self.connector = self.scheduler.connector.sub_connectors[0]
+            self.worker_api = MultiConnector(self.vllm_config, KVConnectorRole.WORKER,
+                                             self.kv_cache_config)  # what the runner calls
+            self.worker = self.worker_api.sub_connectors[0]
+        else:
+            self.worker = self.worker_api = HiCacheConnector(
+                self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
         self.faults = Faults(self.seed)
         cfg = self.worker.hc_config
         backend = self.worker._open_storage()
@@ -419,7 +451,7 @@ class Engine:
 
         self.step_no += 1
         n = self.step_no
-        w = self.worker
+        w = self.worker_api
         meta = out.kv_connector_metadata
         scheduled = self._follow_tables(out)
         # The model runner's order (vLLM 0.32, kv_connector_model_runner_mixin.py).
@@ -435,7 +467,7 @@ class Engine:
         w.wait_for_save()
         results = w.get_transfer_results(out.finished_req_ids)
         invalid = w.get_block_ids_with_load_errors()
-        self._check_reads(n, reads, invalid, getattr(w.worker_half, "_poisoned", set()))
+        self._check_reads(n, reads, invalid, getattr(self.worker.worker_half, "_poisoned", set()))
         worker_meta = w.build_connector_worker_meta()
         w.clear_connector_metadata()
         kv_out = KVConnectorOutput(
@@ -599,8 +631,8 @@ class Engine:
                     bad_host_pages=bad, prefetch={op: {0: v} for op, v in progress.items()})))
 
     def close(self) -> None:
-        self.worker.shutdown()
-        self.connector.shutdown()
+        self.worker_api.shutdown()
+        self.scheduler.connector.shutdown()
 
     def check(self) -> None:
         """Every recorded violation, the host tier's content, and leaks."""

@@ -6,6 +6,8 @@ Skipped when the optional extra is not installed, unless HICACHE_REQUIRE_MOONCAK
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from optional import need
@@ -66,3 +68,70 @@ def test_the_storage_command_on_a_mooncake_tier(master, capsys):
     assert cli.main(["storage", "info", master.spec, "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {
         "spec": master.spec, "epoch": before + 1, "pages": None, "bytes": None}
+
+
+def _pages(store, epoch: int, fill: int) -> list[str]:
+    keys = page_keys(np.arange(8), 4, None, FP, MID, epoch=epoch)
+    assert store.set(keys, [bytes([fill]) * PAGE_NBYTES] * 2) == 2
+    return keys
+
+
+def test_the_epoch_outlives_the_client_whose_segment_held_it(master):
+    """The reported failure: the segment holder keeps pages stored before a bump; the
+    client that bumped lent the memory the epoch object may have been placed in, and
+    exits. A client opened afterwards must still read the bumped epoch (the master's
+    own record holds it) and miss the old pages."""
+    with make_storage(master.spec, page_nbytes=PAGE_NBYTES, segment_nbytes=0) as b:
+        e0 = b.epoch()
+        old = _pages(b, e0, 1)  # in the holder's segment (b lends none)
+    with make_storage(master.spec, page_nbytes=PAGE_NBYTES, segment_nbytes=64 << 20) as a:
+        bumped = a.bump_epoch()
+        assert bumped == e0 + 1
+        a._client.remove(EPOCH_KEY, True)  # as if the object had lived in a's segment
+    with make_storage(master.spec, page_nbytes=PAGE_NBYTES, segment_nbytes=0) as c:
+        assert c.epoch() == bumped
+        assert c.exists(old) == 2  # still stored, under keys nobody at epoch 1 asks for
+        new = page_keys(np.arange(8), 4, None, FP, MID, epoch=c.epoch())
+        assert c.exists(new) == 0
+
+
+def test_advancing_to_one_epoch_makes_instances_agree(master):
+    """Two instances that each retire their pages after the same weight update advance
+    to their epoch + 1 and agree (two bumps would leave them one apart, sharing
+    nothing); a record already past the epoch asked for stays."""
+    with make_storage(master.spec, page_nbytes=PAGE_NBYTES, segment_nbytes=0) as a, \
+            make_storage(master.spec, page_nbytes=PAGE_NBYTES, segment_nbytes=0) as b:
+        mine = a.epoch()
+        assert b.epoch() == mine
+        assert a.advance_epoch(mine + 1) == mine + 1
+        assert b.advance_epoch(mine + 1) == mine + 1
+        assert a.epoch() == b.epoch() == mine + 1
+        assert b.advance_epoch(mine) == mine + 1  # never back
+
+
+def test_the_epoch_comes_back_after_a_master_restart(tmp_path):
+    """A master restart empties the store and its metadata: the live client that knows
+    the epoch puts it back, so a client opened afterwards (even while it is missing:
+    it waits epoch_wait_s for that) reads it, not 0; pages written after the restart
+    are served again without reopening anything."""
+    with start_mooncake_master(segment_nbytes=16 << 20, log_dir=tmp_path / "mc") as m, \
+            make_storage(m.spec, page_nbytes=PAGE_NBYTES, segment_nbytes=0,
+                         retry_after_s=0.1) as a:
+        epoch = a.bump_epoch()
+        keys = _pages(a, epoch, 3)
+        m.kill_master()
+        with pytest.raises(StorageError):
+            a.exists(keys)
+        m.restart_master()
+        with make_storage(m.spec, page_nbytes=PAGE_NBYTES, segment_nbytes=0) as c:
+            assert c.epoch() == epoch
+        deadline = time.monotonic() + 30
+        while True:  # the holder remounts its segment, the client reconnects
+            try:
+                if a.exists(keys) == 0 and a.set(keys, [b"\x04" * PAGE_NBYTES] * 2) == 2:
+                    break
+            except StorageError:
+                pass
+            assert time.monotonic() < deadline, "writes did not resume after the restart"
+            time.sleep(0.2)
+        assert a.get(keys) == [b"\x04" * PAGE_NBYTES] * 2

@@ -69,6 +69,24 @@ def test_a_damaged_epoch_record_is_a_storage_error(tmp_path):
     assert store.counters().num_errors == 2
 
 
+def _advance(root: str, epoch: int) -> int:
+    return FileStorage(root, page_nbytes=PAGE).advance_epoch(epoch)
+
+
+def test_advancing_to_one_epoch_from_processes_agrees_and_never_goes_back(tmp_path):
+    """Instances that retire their pages after the same weight update each advance to
+    their epoch + 1 and agree on it (bumps would hand out one epoch each)."""
+    with ProcessPoolExecutor(4) as pool:
+        assert list(pool.map(_advance, [str(tmp_path)] * 8, [3] * 8)) == [3] * 8
+    store = FileStorage(tmp_path, page_nbytes=PAGE)
+    assert store.epoch() == 3 and (tmp_path / "EPOCH").read_text() == "3\n"
+    assert store.advance_epoch(1) == 3 and store.epoch() == 3  # a record past it stays
+    assert store.bump_epoch() == 4
+    for bad, error in ((-1, ValueError), (1.5, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="epoch"):
+            store.advance_epoch(bad)
+
+
 def _bump_many(root: str, times: int) -> list[int]:
     store = FileStorage(root, page_nbytes=PAGE)
     return [store.bump_epoch() for _ in range(times)]
@@ -90,6 +108,7 @@ def test_other_backends_keep_an_epoch_per_instance():
 
     m = Memory(PAGE)
     assert (m.epoch(), m.bump_epoch(), m.epoch(), m.usage()) == (0, 1, 1, None)
+    assert (m.advance_epoch(3), m.advance_epoch(2), m.epoch()) == (3, 3, 3)
 
 
 # ------------------------------------------------------------------ HiCache

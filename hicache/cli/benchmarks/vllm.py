@@ -15,6 +15,9 @@ Configurations, each in its own process with its own engine (vLLM's async engine
   default. ``--store-read-delay-ms N`` makes every third-tier read N ms slower per page
   (``HICACHE_FAULTS=read_delay_ms=N`` in the storage configurations' engines), as a
   network store or a busy disk would;
+* ``vllm+host+storage+t256``: the same, a hit read only when it holds at least 256
+  tokens past the host tier's and vLLM's (SGLang's fixed ``prefetch_threshold``); not
+  run by default. ``+async`` decides from measured costs (the connector's default);
 * ``vllm+host+storage+secret``: the same with a storage secret (every third-tier page
   tagged and verified), to measure what the authenticator costs; not run by default;
 * ``vllm+host+wb``, ``vllm+host+sel``: ``vllm+host`` under the ``write_back`` and the
@@ -44,9 +47,9 @@ requests/s over the replay, and the decode step (per request, mean time between
 output tokens). With ``--repeat N`` every configuration runs N times in interleaved
 rounds and each figure is the median of its runs. Ends with one JSON line.
 
-    hicache bench vllm [--workload agentic|multiturn|longdoc|noreuse | --trace T.jsonl]
+    hicache bench vllm [--workload agentic|multiturn|chat|longdoc|noreuse | --trace T.jsonl]
         [--preset medium | --model DIR] [--vllm-blocks N] [--host-gb G] [--storage SPEC]
-        [--store-read-delay-ms N]
+        [--store-read-delay-ms N] [--storage-host-tokens N]
         [--concurrency C | --request-rate R] [--repeat N] [--plot ttft.png] [--json]
     (bench/vllm.py runs the same)
 """
@@ -84,7 +87,8 @@ from hicache.cli.benchmarks.vllm_report import report
 from hicache.sim.traces import Request
 
 CONFIG_NAMES = ("vllm", "vllm+host", "vllm+host+storage", "vllm+host+storage+secret",
-                "vllm+host+wb", "vllm+host+sel", "vllm-fits", "vllm+host+storage+async")
+                "vllm+host+wb", "vllm+host+sel", "vllm-fits", "vllm+host+storage+async",
+                "vllm+host+storage+t256")
 # The write policy of the configurations that name one (the others: write_through).
 WRITE_POLICIES = {"vllm+host+wb": "write_back", "vllm+host+sel": "write_through_selective"}
 DEFAULT_CONFIGS = CONFIG_NAMES[:3]
@@ -114,6 +118,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="host tier of vllm+host in GB of 10**9 bytes (default: the working set)")
     parser.add_argument("--storage", metavar="SPEC",
                         help="third tier of vllm+host+storage (default: file: a temp dir)")
+    parser.add_argument("--storage-host-tokens", type=int, metavar="N",
+                        help="host tier of the configurations with storage, in tokens "
+                        "(default: a quarter of the working set, at least two longest "
+                        "sequences)")
     parser.add_argument("--store-read-delay-ms", type=int, default=0, metavar="N",
                         help="every third-tier read takes N ms more per page (test-only "
                              "fault knob of the connector; default 0)")
@@ -166,6 +174,7 @@ def _check_args(args: argparse.Namespace) -> list[str]:
                              ("--max-tokens", args.max_tokens, 1),
                              ("--repeat", args.repeat, 1),
                              ("--block-size", args.block_size, 1),
+                             ("--storage-host-tokens", args.storage_host_tokens, 1),
                              ("--store-read-delay-ms", args.store_read_delay_ms, 0)):
         if value is not None and value < low:
             raise UsageError(f"{name}: expected an int >= {low}, got {value}")
@@ -234,7 +243,9 @@ def _connector_config(name: str, plan: Plan, args: argparse.Namespace,
         extra["host_tokens"] = plan.small_host_tokens
         extra["storage"] = args.storage or f"file:{storage_dir}"
         # The synchronous read of earlier versions, unless the configuration says async.
-        extra["prefetch_policy"] = "timeout" if name.endswith("+async") else "sync"
+        extra["prefetch_policy"] = "timeout" if name.endswith(("+async", "+t256")) else "sync"
+        if name.endswith("+t256"):
+            extra["prefetch_threshold_tokens"] = 256
     return {"kv_connector": "HiCacheConnector", "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_both", "kv_connector_extra_config": extra,
             # vLLM's default policy fails a request whose load failed; hicache's contract

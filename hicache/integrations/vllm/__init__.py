@@ -13,8 +13,9 @@ two halves in different processes; each has its folder, and what both speak is a
 The halves never import each other. They import no vLLM (but
 :mod:`.scheduler.kv_events`); only :mod:`.connector`, which translates vLLM's calls
 into the halves' plain arguments, and what it uses of vLLM's (:mod:`.metadata`,
-:mod:`.stats`, :mod:`.prom` for ``/metrics``, :mod:`.clocks`) do, imported on first use
-of ``HiCacheConnector``, so the halves are usable and testable without vLLM.
+:mod:`.stats`, :mod:`.prom` for ``/metrics``, :mod:`.clocks`, :mod:`.roles` for
+``kv_role`` and the prefill-to-decode hand-off) do, imported on first use of
+``HiCacheConnector``, so the halves are usable and testable without vLLM.
 """
 
 from __future__ import annotations

@@ -110,6 +110,7 @@ class HookClock:
         self.model_steps = 0
         self.load_forward_seconds = 0.0
         self.load_forward_steps = 0
+        self.last_model_seconds: float | None = None  # the model runner's in the last step
 
     def add(self, hook: str, start: float, end: float, cpu_seconds: float,
             *, loading: bool = False) -> None:
@@ -124,8 +125,10 @@ class HookClock:
         elif hook == LOAD_START_HOOK and loading:
             self._load_from = end
         elif hook == STEP_END_HOOK:
+            self.last_model_seconds = None
             if self._model_from is not None:
-                self.model_seconds += start - self._model_from
+                self.last_model_seconds = start - self._model_from
+                self.model_seconds += self.last_model_seconds
                 self.model_steps += 1
             if self._load_from is not None:
                 self.load_forward_seconds += start - self._load_from

@@ -52,6 +52,7 @@ from hicache.integrations.vllm.common.plan import StepPlan
 from hicache.integrations.vllm.common.tp import check_parallelism, vllm_rank_group
 from hicache.integrations.vllm.metadata import HiCacheConnectorMetadata, HiCacheWorkerMetadata
 from hicache.integrations.vllm.scheduled import scheduled_requests
+from hicache.integrations.vllm.roles import ConnectorRoles
 from hicache.integrations.vllm.scheduler.half import SchedulerHalf
 from hicache.integrations.vllm.scheduler.inputs import InputReader
 from hicache.integrations.vllm.scheduler.pool_hooks import EvictionHook
@@ -84,8 +85,9 @@ if TYPE_CHECKING:
 _log = logging.getLogger(__name__)
 
 
-class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
-    """hicache's host tier and third tier behind vLLM's prefix cache.
+class HiCacheConnector(ConnectorRoles, KVConnectorBase_V1, SupportsHMA):
+    """hicache's host tier and third tier behind vLLM's prefix cache (``kv_role`` and
+    the prefill-to-decode hand-off: :mod:`~hicache.integrations.vllm.roles`).
 
     Hybrid models (several KV cache groups: sliding-window or Mamba layers beside full
     attention, vLLM's hybrid KV cache manager on, :mod:`.common.groups`): loads are
@@ -127,12 +129,14 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._rank = 0  # this worker's tensor-parallel rank (worker side)
         self.scheduler_half: SchedulerHalf | None = None
         self.worker_half: WorkerHalf | None = None
+        self._init_roles(self._kv_transfer_config.kv_role)
         if role == KVConnectorRole.SCHEDULER:
             backend = self._open_storage()
             self.scheduler_half = SchedulerHalf(
                 self.hc_config, block_size=self.block_size, num_host_pages=self.num_host_pages,
                 storage_backend=backend, storage_identity=self._identity,
                 tp_size=vllm_config.parallel_config.tensor_parallel_size, groups=self.groups,
+                storage_reads=self.reads_storage,
             )
             self._scheduler_report.start(self.scheduler_half)
             if self._events_on:
@@ -239,8 +243,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.worker_half is None:
             return None, None
-        self.worker_half.finished(finished_req_ids)
-        return None, None
+        sent = self.worker_half.finished(finished_req_ids)  # held requests' writes ended
+        return sent or None, None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         # Hybrid models: the requests whose asynchronous load ended, failed ones too.
@@ -274,14 +278,16 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         progress = half.take_prefetch_progress(self._plan())  # before the bad pages
         bad, poisoned = half.take_bad_pages(), half.take_poisoned_blocks()
         written, unwritten = half.write_reports or ((), ())
-        if not (bad or poisoned or written or unwritten or progress):
+        reporting = bool(bad or poisoned or written or unwritten or progress)
+        push = self._push_report(self._plan(), reporting)  # writes in flight, costs
+        if not (reporting or push):
             return None
         if half.write_reports is not None:
             half.write_reports = ([], [])
         return HiCacheWorkerMetadata(
             bad_host_pages=bad, poisoned_blocks=poisoned,
             written_keys={key: {self._rank} for key in written}, unwritten_keys=set(unwritten),
-            prefetch={op_id: {self._rank: state} for op_id, state in progress.items()})
+            prefetch={op_id: {self._rank: state} for op_id, state in progress.items()}, **push)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
@@ -327,7 +333,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if known is not None:
             return known[1]
         salt = getattr(request, "cache_salt", None)
-        control = parse_request_control(getattr(request, "kv_transfer_params", None))
+        control = self._role_control(
+            parse_request_control(getattr(request, "kv_transfer_params", None)))
         salt_error = check_cache_salt(salt)
         if control.error is None and salt_error is not None:
             control = control._replace(skip_load=True, skip_save=True, error=salt_error)
@@ -356,6 +363,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             request.request_id, request.all_token_ids, num_computed_tokens,
             self._namespace(request),
         )
+        if num is not None:  # a hand-off's outcome is counted at its first answer
+            self.scheduler_half.handoffs.looked_up(request.request_id, num_computed_tokens, num)
         return num, bool(num) and self.groups.hybrid  # hybrid: loaded off the forward
 
     @_timed_scheduler
@@ -395,6 +404,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             if comps is not None:
                 comps.boundary_states(block_state.boundary_state_offloads)
         plan = self.scheduler_half.build_plan(scheduled)
+        plan.held = self.scheduler_half.handoffs.take_held()  # vLLM holds their blocks
         if self._tier_events is not None:
             self._tier_events.planned(plan.early_saves + plan.saves)
         return HiCacheConnectorMetadata(**vars(plan))
@@ -402,6 +412,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     @_timed_scheduler
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
+        self._update_push_work(meta if isinstance(meta, HiCacheWorkerMetadata) else None,
+                               connector_output)
         comps = self.scheduler_half.components if self.scheduler_half is not None else None
         if comps is not None and (connector_output.finished_recving or connector_output.failed_recving):
             comps.loads_ended(connector_output.finished_recving, connector_output.failed_recving)
@@ -427,6 +439,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
         self._hit_sources.pop(request.request_id, None)
+        control, namespace = self._controls.pop(request.request_id, (None, None))
+        handoff = None
         if self.scheduler_half is not None:
             self._requests[request.request_id] = request  # its last saves are announced
             self.scheduler_half.request_finished(
@@ -434,13 +448,16 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 block_ids[self.groups.full] if block_ids else None,
                 group_block_ids=block_ids if self.groups.hybrid else None,
             )
+            self.scheduler_half.handoffs.request_finished(request.request_id)
+            if control is not None:
+                handoff = self._hand_off(request, control, namespace)
         self._requests.pop(request.request_id, None)
-        control = self._controls.pop(request.request_id, (None,))[0]
-        # Never delays the free: the last blocks are saved before the next forward can
-        # write a block vLLM hands out again (see StepPlan.early_saves).
+        # Never delays the free for a save: the last blocks are saved before the next
+        # forward can write a block vLLM hands out again (see StepPlan.early_saves). A
+        # hand-off holds them until the workers' third-tier writes of them ended.
         if control is not None and control.error is not None:
             return False, {ERROR_KEY: control.error}  # in the request's output
-        return False, None
+        return handoff if handoff is not None else (False, None)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """The host tier's and the third tier's ``BlockStored`` / ``BlockRemoved`` events

@@ -38,6 +38,13 @@ class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
     # Prefetches (third-tier reads off the step): op id -> rank -> (leading pages read,
     # the op ended), for the ops whose progress changed this step.
     prefetch: dict[int, dict[int, tuple[int, bool]]] = field(default_factory=dict)
+    # rank -> third-tier writes still in flight there (when it changed): the scheduler
+    # keeps vLLM stepping until they landed (has_pending_push_work)
+    pending_writes: dict[int, int] = field(default_factory=dict)
+    # What reads and forwards cost (scheduler/costs.py): (tokens, seconds) of forwards,
+    # (pages, seconds) of third-tier reads
+    forwards: list[tuple[int, float]] = field(default_factory=list)
+    reads: list[tuple[int, float]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, HiCacheWorkerMetadata):
@@ -48,4 +55,7 @@ class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
             self.unwritten_keys |= other.unwritten_keys
             for op_id, progress in other.prefetch.items():
                 self.prefetch.setdefault(op_id, {}).update(progress)
+            self.pending_writes.update(other.pending_writes)
+            self.forwards += other.forwards
+            self.reads += other.reads
         return self

@@ -87,12 +87,27 @@ METRICS: dict[str, Metric] = {
         "operation", {op: (f"{op}_bytes", f"{op}_seconds") for op in _OPS}),
     "vllm:hicache_prefetch_tokens_total": Metric(
         Counter, "Tokens of third-tier prefetches: started, arrived (into the host tier), "
-        "dropped (their read failed, or came after a reset).", "state",
+        "dropped (their read failed, or came after a reset), declined (stored, computed: "
+        "reading would not pay).", "state",
         {"started": "prefetch_tokens", "arrived": "prefetch_arrived_tokens",
-         "dropped": "prefetch_dropped_tokens"}),
+         "dropped": "prefetch_dropped_tokens", "declined": "prefetch_declined_tokens"}),
     "vllm:hicache_unkeyed_requests_total": Metric(
         Counter, "Requests served without hicache (nothing loaded or saved): an input their "
         "KV depends on that hicache cannot key.", None, {"": "unkeyed_requests"}),
+    "vllm:hicache_handoff_tokens_total": Metric(
+        Counter, "Tokens of the prefill-to-decode hand-off: offered (a prefill instance "
+        "handed them off), wanted (a decode request could load them), served (it did).",
+        "state", {"offered": "handoff_offered_tokens", "wanted": "handoff_tokens",
+                  "served": "handoff_served_tokens"}),
+    "vllm:hicache_handoff_requests_total": Metric(
+        Counter, "Decode requests with a hand-off: served every page, or computed some "
+        "because of another epoch, another key (identity), a timeout, an unreachable "
+        "store, or a short read.", "outcome",
+        {"served": "handoff_served", "epoch": "handoff_epoch", "identity": "handoff_identity",
+         "timeout": "handoff_timeout", "store": "handoff_store", "short": "handoff_short"}),
+    "vllm:hicache_handoff_wait_seconds_total": Metric(
+        Counter, "Seconds decode requests waited for handed-off pages to land.",
+        None, {"": "handoff_wait_seconds"}),
     "vllm:hicache_storage_errors_total": Metric(
         Counter, "Third-tier operations that failed.", None, {"": "storage_errors"}),
     "vllm:hicache_storage_timeouts_total": Metric(

@@ -84,6 +84,8 @@ _STORAGE_FLOATS: dict[str, dict[str, Any]] = {
     "low_watermark": {"minimum": 0, "strict": True, "maximum": 1, "max_included": True},
     "connect_timeout_s": {"minimum": 0, "strict": True},
     "retry_after_s": {"minimum": 0, "strict": False},
+    "epoch_refresh_s": {"minimum": 0, "strict": True},
+    "epoch_wait_s": {"minimum": 0, "strict": False},
 }
 
 
@@ -128,15 +130,29 @@ class ConnectorConfig:
     storage_timeout_s: float = 5.0
     # Third-tier hits: read in the background while the request waits (see
     # hicache/integrations/vllm/scheduler/prefetch.py) under "best_effort", "wait_complete" or
-    # "timeout"; "sync" reads them inside vLLM's step. Hits of fewer tokens than
-    # prefetch_threshold_tokens beyond the host tier's are not read (async policies).
+    # "timeout"; "sync" reads them inside vLLM's step. A hit is read when reading it is
+    # expected to take less than computing its tokens (both measured, scheduler/costs.py);
+    # with prefetch_threshold_tokens set, when it has at least that many tokens beyond the
+    # host tier's and vLLM's hit instead (SGLang's fixed prefetch_threshold, 256 there).
     prefetch_policy: str = "timeout"
-    prefetch_threshold_tokens: int = 256  # SGLang's prefetch_threshold
+    prefetch_threshold_tokens: int | None = None
     # "timeout": a request waits at most base + per_ki_token * tokens / 1024 seconds
     # (SGLang's prefetch_timeout_base, prefetch_timeout_per_ki_token), capped at max.
     prefetch_timeout_base_s: float = 1.0
     prefetch_timeout_per_ki_token_s: float = 0.25
     prefetch_timeout_max_s: float = 30.0
+    # kv_role "kv_consumer" (a decode instance) saves nothing unless this is on; on, it
+    # saves what it computes (host tier and third tier), so that the next turn's prefill
+    # reuses the decode instance's KV (as vLLM's MooncakeStoreConnector's save_decode_cache)
+    save_decode: bool = False
+    # kv_role "kv_producer" (a prefill instance) loads nothing from the third tier unless
+    # this is on (its own host tier still serves it); on, prefill instances share prefixes
+    # through the third tier, as SGLang HiCache's prefill instances share their L3.
+    producer_reads_storage: bool = False
+    # A request handed off by a prefill instance (its kv_transfer_params name the pages
+    # the prefill stored, see scheduler/handoff.py) waits at most this long for exactly
+    # those pages to land in the third tier, then computes what did not come.
+    handoff_timeout_s: float = 2.0
     # reset_prefix_cache(reset_connector=True) bumps the third tier's epoch (its pages of
     # the old weights miss from then on, for every process sharing the tier)
     storage_epoch_on_reset: bool = True
@@ -224,16 +240,20 @@ class ConnectorConfig:
         _number("storage_timeout_s", self.storage_timeout_s, minimum=0, strict=True,
                 maximum=3600, max_included=True)
         _choice("prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES)
-        _int("prefetch_threshold_tokens", self.prefetch_threshold_tokens, minimum=0)
+        if self.prefetch_threshold_tokens is not None:
+            _int("prefetch_threshold_tokens", self.prefetch_threshold_tokens, minimum=0)
+        for name in ("storage_epoch_on_reset", "save_decode", "producer_reads_storage"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"kv_connector_extra_config.{name}: expected a bool, got "
+                                f"{getattr(self, name)!r}")
+        _number("handoff_timeout_s", self.handoff_timeout_s, minimum=0, strict=False,
+                maximum=3600, max_included=True)
         _number("prefetch_timeout_base_s", self.prefetch_timeout_base_s, minimum=0,
                 strict=False, maximum=3600, max_included=True)
         _number("prefetch_timeout_per_ki_token_s", self.prefetch_timeout_per_ki_token_s,
                 minimum=0, strict=False, maximum=3600, max_included=True)
         _number("prefetch_timeout_max_s", self.prefetch_timeout_max_s, minimum=0,
                 strict=True, maximum=3600, max_included=True)
-        if not isinstance(self.storage_epoch_on_reset, bool):
-            raise TypeError("kv_connector_extra_config.storage_epoch_on_reset: expected a bool, "
-                            f"got {self.storage_epoch_on_reset!r}")
         _choice("write_policy", self.write_policy, _WRITE_POLICIES)
         _int("backup_hit_threshold", self.backup_hit_threshold, minimum=1)
         _choice("eviction", self.eviction, _EVICTIONS)

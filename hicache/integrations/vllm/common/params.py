@@ -13,6 +13,8 @@ key                 type     meaning
                              (whole blocks only)
 ``namespace``       str      a tenant: pages of two namespaces are never shared
                              (combined with vLLM's ``cache_salt``)
+``handoff``         dict     pages a prefill instance stored for this request
+                             (:mod:`~hicache.integrations.vllm.common.handoff`)
 =================== ======== =====================================================
 
 A mistake (an unknown key, a value of the wrong type) fails *closed*: raising in
@@ -29,9 +31,11 @@ import json
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from hicache.integrations.vllm.common.handoff import HANDOFF_KEY, Handoff, parse_handoff
+
 PARAMS_KEY = "hicache"  # kv_transfer_params[PARAMS_KEY]
 ERROR_KEY = "hicache_error"  # in the request's output kv_transfer_params
-_KEYS = ("skip_load", "skip_save", "save_max_tokens", "namespace")
+_KEYS = ("skip_load", "skip_save", "save_max_tokens", "namespace", HANDOFF_KEY)
 
 
 class RequestControl(NamedTuple):
@@ -41,6 +45,7 @@ class RequestControl(NamedTuple):
     skip_save: bool = False
     save_max_tokens: int | None = None  # None: no limit
     namespace: str | None = None
+    handoff: Handoff | None = None  # a prefill instance stored these pages for the request
     error: str | None = None  # set: the params were refused; load and save are off
 
     @property
@@ -90,6 +95,11 @@ def parse_request_control(kv_transfer_params: Mapping[str, Any] | None) -> Reque
         if value is not None and (not isinstance(value, str) or not value):
             return _refused(f"{where}.namespace: expected a non-empty str, got {value!r:.80}")
         values["namespace"] = value
+    if HANDOFF_KEY in params:
+        handoff = parse_handoff(params[HANDOFF_KEY], f"{where}.{HANDOFF_KEY}")
+        if isinstance(handoff, str):
+            return _refused(handoff)
+        values[HANDOFF_KEY] = handoff
     return RequestControl(**values)
 
 

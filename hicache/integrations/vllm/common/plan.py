@@ -64,6 +64,9 @@ class StepPlan:
     computes: list[tuple[str, int, int]] = field(default_factory=list)
     # Prefetches started this step (read off the step, see prefetch.py).
     prefetches: list[PrefetchOp] = field(default_factory=list)
+    # Requests handed off to a decode instance (scheduler/handoff.py), finished now: vLLM
+    # holds their blocks until every worker's third-tier writes of them ended.
+    held: list[str] = field(default_factory=list)
 
     def is_empty(self) -> bool:
         return not (self.loads or self.saves or self.early_saves or self.prefetches)

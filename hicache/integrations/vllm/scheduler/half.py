@@ -39,6 +39,7 @@ from hicache.integrations.vllm.common.params import RequestControl
 from hicache.integrations.vllm.common.plan import LoadOp, SaveOp, StepPlan
 from hicache.integrations.vllm.scheduler.bad_pages import BadPages
 from hicache.integrations.vllm.scheduler.components import ComponentPages
+from hicache.integrations.vllm.scheduler.handoff import Handoffs
 from hicache.integrations.vllm.scheduler.inspection import HalfInspection
 from hicache.integrations.vllm.scheduler.pins import StepPins
 from hicache.integrations.vllm.scheduler.prefetch import Prefetcher, num_fetched
@@ -50,6 +51,7 @@ from hicache.integrations.vllm.scheduler.stats import (  # noqa: F401 (re-export
     SchedulerStats,
 )
 from hicache.integrations.vllm.scheduler.third_tier import (
+    NoReads,
     StorageKeys,
     StorageProbe,
     host_room_for_fetch,
@@ -74,13 +76,15 @@ class SchedulerHalf(HalfInspection):
         storage_identity: tuple[str, str] | None = None,
         tp_size: int = 1,
         groups: KVGroups | None = None,
+        storage_reads: bool = True,
     ) -> None:
         """``storage_identity``: ``(KV layout fingerprint, model_id)`` that third-tier keys
         are salted with (with the request's ``cache_salt`` and the tier's epoch).
         ``tp_size``: tensor-parallel ranks; each stores its shard under its own keys, and a
         page is promised from storage only when every rank's shard is there. ``groups``:
         vLLM's KV cache groups; with several (a hybrid model) the tree keeps the other
-        groups' pages as components (:mod:`.components`)."""
+        groups' pages as components (:mod:`.components`). ``storage_reads`` False: no
+        lookup finds a stored page (a producer only writes)."""
         self.config = config
         self.page_size = block_size
         self.components = (ComponentPages(self, groups)
@@ -90,8 +94,8 @@ class SchedulerHalf(HalfInspection):
         self.tree.on_split = self._on_split
         self.host_allocator = PageAllocator(num_host_pages, "host pages")
         self.storage = storage_backend  # exists() (through the probe), epoch, bump_epoch
-        self._probe = (StorageProbe(storage_backend, config.storage_timeout_s)
-                       if storage_backend is not None else None)
+        self._probe = ((StorageProbe(storage_backend, config.storage_timeout_s)
+                        if storage_reads else NoReads()) if storage_backend is not None else None)
         self._salts = [rank_salt(r, tp_size) for r in range(tp_size)]
         self._storage_keys = StorageKeys(
             storage_identity, storage_backend.epoch() if storage_backend is not None else 0,
@@ -106,6 +110,7 @@ class SchedulerHalf(HalfInspection):
         # saves, which run after the forward.
         self._gap_saves: list[SaveOp] = []
         self._bad = BadPages()  # host pages the workers reported bad, still in the tree
+        self.handoffs = Handoffs(self, config.handoff_timeout_s)  # prefill -> decode
         self.counters = SchedulerStats()
         self.saves = Saves(self, config.write_policy, config.backup_hit_threshold)
         # Third-tier hits read in the background (None: "sync", read in vLLM's step)
@@ -137,6 +142,7 @@ class SchedulerHalf(HalfInspection):
         st = self._state(req_id, token_ids, namespace)
         st.inputs, st.key, st.keys = inputs or {}, b"", []
         st.skip_load, st.skip_save = control.skip_load, control.skip_save
+        st.handoff = control.handoff  # pages a prefill instance stored for it (handoff.py)
         if control.save_max_tokens is not None:
             st.max_save_pages = min(control.save_max_tokens, num_prompt_tokens) // self.page_size
 
@@ -172,12 +178,14 @@ class SchedulerHalf(HalfInspection):
         # Storage pages continue whichever hit is longer: the host tier's or vLLM's own
         # (pages vLLM holds are copied from its blocks into the host tier, not read).
         start = max(host, num_computed // P)
+        if st.handoff is not None and self.handoffs.waits(req_id, st, st.handoff, start, limit):
+            return None  # its pages, handed off by a prefill instance, are not all there yet
         stored = 0
         if self.prefetch is not None:
             if host == cached and start < limit and not st.prefetched:
                 n = self.prefetch.try_start(req_id, st.namespace, key, host, start,
                                             self._keys(st, limit)[host:limit], self._probe,
-                                            self._salts)
+                                            self._salts, force=st.handoff is not None)
                 if n:
                     st.prefetched = (host, host + n)
                     return None  # vLLM asks again next step

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from hicache.integrations.vllm.common.config import ConnectorConfig
+    from hicache.integrations.vllm.common.plan import SaveOp
     from hicache.integrations.vllm.scheduler.components import ComponentPages
     from hicache.integrations.vllm.scheduler.pins import StepPins
     from hicache.integrations.vllm.scheduler.prefetch import Prefetcher
@@ -35,6 +36,8 @@ class HalfInspection:
     pins: StepPins
     prefetch: Prefetcher | None
     _reqs: dict[str, RequestState]
+    _early_saves: list[SaveOp]
+    _gap_saves: list[SaveOp]
     _storage_keys: StorageKeys
     _probe: StorageProbe | None
     storage: StorageBackend | None
@@ -56,6 +59,11 @@ class HalfInspection:
     @property
     def num_live_requests(self) -> int:
         return len(self._reqs)
+
+    @property
+    def has_unsent_saves(self) -> bool:
+        """Saves planned that go out with the next plan (a finished request's last blocks)."""
+        return bool(self._early_saves or self._gap_saves)
 
     def stats(self) -> dict:
         s = asdict(self.counters)

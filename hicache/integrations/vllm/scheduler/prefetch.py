@@ -1,8 +1,9 @@
 """The scheduler half's asynchronous third-tier prefetch: a request waits, others compute.
 
-A lookup (``get_num_new_matched_tokens``) that finds at least
-``prefetch_threshold_tokens`` in storage beyond the hit vLLM and the host tier already
-have starts a *fetch*: host pages are allocated for the stored pages, a
+A lookup (``get_num_new_matched_tokens``) that finds pages in storage beyond the hit
+vLLM and the host tier already have, whose read pays (reading them is expected to take
+less than computing their tokens, :mod:`~hicache.integrations.vllm.scheduler.costs`; or,
+with ``prefetch_threshold_tokens`` set, at least that many tokens) starts a *fetch*: host pages are allocated for the stored pages, a
 :class:`~hicache.integrations.vllm.common.plan.PrefetchOp` goes to the workers with the
 step's plan, and the lookup answers None ("not determined yet": vLLM keeps the request
 waiting and asks again next step) while the workers read the pages off vLLM's step.
@@ -40,6 +41,7 @@ import numpy as np
 import torch
 
 from hicache.integrations.vllm.common.plan import PrefetchOp
+from hicache.integrations.vllm.scheduler.costs import CostModel
 from hicache.integrations.vllm.scheduler.stats import PageListener
 from hicache.integrations.vllm.scheduler.third_tier import num_promisable_pages
 from hicache.tree import TreeNode
@@ -91,6 +93,7 @@ class Prefetcher:
         self._ops: list[PrefetchOp] = []  # for the next plan
         self._listener = listener
         self.counters = counters
+        self.costs = CostModel(page_size)  # read or recompute (the workers' measurements)
 
     # ---------------------------------------------------------------- lookups
     def waits(self, req_id: str) -> bool:
@@ -109,16 +112,19 @@ class Prefetcher:
         return False
 
     def try_start(self, req_id: str, namespace: str | None, key: bytes, host: int,
-                  start: int, keys: list[str], probe, salts) -> int:
+                  start: int, keys: list[str], probe, salts, *, force: bool = False) -> int:
         """Fetch the stored pages after the ``host`` cached pages of ``key`` (``keys``:
-        the storage keys from there on) when they reach ``prefetch_threshold_tokens``
-        past page ``start`` (the longer of vLLM's hit and the host hit), as far as host
-        memory can take them. Returns the pages fetched (0: none, nothing changed)."""
+        the storage keys from there on) when reading them pays for the pages past page
+        ``start`` (the longer of vLLM's hit and the host hit; see :meth:`_pays`), or with
+        ``force`` (a prefill instance's hand-off) when there are any past it, as far as
+        host memory can take them. Returns the pages fetched (0: none, nothing changed)."""
         P = self.page_size
         stored = num_promisable_pages(probe, keys, self.tree, self.allocator, key, host, P,
                                       namespace=namespace, salts=salts)
-        if stored <= 0 or (host + stored - start) * P < max(
-                1, self.config.prefetch_threshold_tokens):
+        if stored <= 0 or host + stored <= start:
+            return 0
+        if not force and not self._pays(stored, host + stored - start):
+            self.counters.prefetch_declined_tokens += (host + stored - start) * P
             return 0
         path = self.tree.probe_path(key[: host * P * 4], namespace) if host else []
         ok = self.start(req_id, namespace, key, host, keys[:stored],
@@ -149,6 +155,14 @@ class Prefetcher:
         self._ops.append(PrefetchOp(f.op_id, list(keys), list(f.pages)))
         self.counters.prefetch_tokens += len(keys) * P
         return True
+
+    def _pays(self, num_read: int, num_saved: int) -> bool:
+        """Reading ``num_read`` pages for ``num_saved`` pages past the hit is worth it: by
+        the measured costs, or by SGLang's fixed threshold when one is set."""
+        threshold = self.config.prefetch_threshold_tokens
+        if threshold is not None:
+            return num_saved * self.page_size >= max(1, threshold)
+        return self.costs.read_pays(num_read, num_saved)
 
     def take_ops(self) -> list[PrefetchOp]:
         """Ops started since the last call (sent with this step's plan)."""

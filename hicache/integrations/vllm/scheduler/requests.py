@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hicache.integrations.vllm.common.handoff import Handoff
 from hicache.integrations.vllm.scheduler.inputs import identity_ids
 from hicache.tree import token_key
 
@@ -39,7 +40,7 @@ class RequestState:
 
     __slots__ = ("token_ids", "namespace", "block_ids", "num_checked_pages", "key", "keys",
                  "lookup", "vllm_hit_pages", "skip_load", "skip_save", "max_save_pages",
-                 "prefetched", "inputs", "tables", "states", "loading")
+                 "prefetched", "inputs", "tables", "states", "loading", "handoff")
 
     def __init__(self, token_ids: Sequence[int], namespace: str | None = None) -> None:
         self.token_ids = token_ids
@@ -67,6 +68,7 @@ class RequestState:
         # (first, end) pages of its asynchronous load until vLLM reported it done: its
         # blocks there hold nothing to save yet (a failed one's never will)
         self.loading: tuple[int, int] | None = None
+        self.handoff: Handoff | None = None  # pages a prefill instance stored for it
 
     def identity_ids(self, first: int, end: int, page_size: int) -> np.ndarray:
         """What pages ``first .. end-1`` are keyed by: their token ids, or for a page

@@ -34,6 +34,21 @@ class SchedulerStats:
     state_pages_saved: int = 0
     window_pages_loaded: int = 0
     state_pages_loaded: int = 0
+    prefetch_declined_tokens: int = 0  # stored, not read: reading would not pay (costs.py)
+    # The prefill-to-decode hand-off (handoff.py). Prefill side:
+    handoff_offered_tokens: int = 0  # prompt tokens handed off to a decode instance
+    # Decode side: tokens handed off that requests could load, and of which served
+    handoff_tokens: int = 0
+    handoff_served_tokens: int = 0
+    handoff_wait_seconds: float = 0.0  # requests waited for handed-off pages, in all
+    handoff_served: int = 0  # requests served every page handed off
+    # requests that computed some, by reason: another epoch, another key (model, layout,
+    # tenant, tokens), not there in time, the tier unreachable, fewer loaded than found
+    handoff_epoch: int = 0
+    handoff_identity: int = 0
+    handoff_timeout: int = 0
+    handoff_store: int = 0
+    handoff_short: int = 0
 
 
 # Stats the connector reports with the counters' deltas that are snapshots (the host

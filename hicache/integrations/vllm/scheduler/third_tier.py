@@ -57,16 +57,19 @@ class StorageKeys:
         return keys[:num_pages]
 
     def bump_epoch(self, backend) -> bool:
-        """Bump the tier's epoch (pages stored before miss from now on, see
-        docs/storage.md); keys are rooted anew (callers drop their key caches). False
-        when the tier could not be reached (logged)."""
+        """Move to this engine's epoch + 1 and raise the tier's record to it (pages stored
+        before miss from now on, see docs/storage.md): engines that reset after the same
+        weight update land on one epoch and share pages again, which two bumps of the
+        record would not give. Keys are rooted anew (callers drop their key caches).
+        False when the tier could not be reached (logged; the epoch stays)."""
         from hicache.storage import StorageError
 
         try:
-            self.epoch = backend.bump_epoch()
+            backend.advance_epoch(self.epoch + 1)
         except StorageError as exc:
-            _log.warning("hicache: the third tier's epoch could not be bumped: %s", exc)
+            _log.warning("hicache: the third tier's epoch could not be advanced: %s", exc)
             return False
+        self.epoch += 1
         self._roots.clear()
         return True
 
@@ -106,6 +109,19 @@ class StorageProbe:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
+
+
+class NoReads:
+    """The probe of a scheduler half that never reads the third tier (a ``kv_producer``):
+    as far as its lookups know, the tier holds nothing; it still writes there."""
+
+    num_timeouts = 0
+
+    def exists(self, keys: Sequence[str]) -> int:
+        return 0
+
+    def close(self) -> None:
+        return
 
 
 def num_promisable_pages(

@@ -6,13 +6,15 @@ broken device, a full disk or a flaky store would::
 
     HICACHE_FAULTS="load=0.2,save=0.1,read=0.2,seed=1"
     HICACHE_FAULTS="read_delay_ms=5"
+    HICACHE_FAULTS="write_delay_ms=50"
 
 ``load``/``save``: the fraction of host -> block / block -> host copies that raise
 (CPU executors: the CUDA executor copies on its own streams); ``read``: the fraction
 of third-tier reads that raise; ``rank=N``: only tensor-parallel rank ``N`` fails
 (default: every rank, each with the same seed); ``read_delay_ms``: every third-tier
 read takes this many milliseconds more per page (a slow store, for benchmarks of the
-prefetch). Each injected failure is logged at WARNING
+prefetch); ``write_delay_ms``: the same for third-tier writes (a prefill instance whose
+pages land after its answer, for the hand-off's tests). Each injected failure is logged at WARNING
 (``hicache faults: injected ...``). Nothing here is used unless the variable is set.
 """
 
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 _log = logging.getLogger(__name__)
 
 ENV = "HICACHE_FAULTS"
+_DELAYS = ("read_delay_ms", "write_delay_ms")
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class FaultRates:
     seed: int = 0
     rank: int | None = None  # only this tensor-parallel rank injects (None: every rank)
     read_delay_ms: int = 0  # added to every third-tier read, per page
+    write_delay_ms: int = 0  # added to every third-tier write, per page
 
     @classmethod
     def parse(cls, text: str) -> FaultRates:
@@ -45,16 +49,16 @@ class FaultRates:
         values: dict[str, float | int] = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             name, sep, value = item.partition("=")
-            if not sep or name not in ("load", "save", "read", "seed", "rank", "read_delay_ms"):
-                raise ValueError(f"{ENV}: expected load=, save=, read=, read_delay_ms=, seed= "
-                                 f"or rank= entries, got {item!r}")
-            integer = name in ("seed", "rank", "read_delay_ms")
+            if not sep or name not in ("load", "save", "read", "seed", "rank", *_DELAYS):
+                raise ValueError(f"{ENV}: expected load=, save=, read=, read_delay_ms=, "
+                                 f"write_delay_ms=, seed= or rank= entries, got {item!r}")
+            integer = name in ("seed", "rank", *_DELAYS)
             try:
                 number = int(value) if integer else float(value)
             except ValueError:
                 raise ValueError(f"{ENV}: {name}: expected a number, got {value!r}") from None
-            if name == "read_delay_ms" and not 0 <= number <= 60_000:
-                raise ValueError(f"{ENV}: read_delay_ms: expected 0 to 60000, got {value}")
+            if name in _DELAYS and not 0 <= number <= 60_000:
+                raise ValueError(f"{ENV}: {name}: expected 0 to 60000, got {value}")
             if not integer and not 0.0 <= number <= 1.0:
                 raise ValueError(f"{ENV}: {name}: expected a fraction in [0, 1], got {value}")
             values[name] = number
@@ -99,7 +103,8 @@ class FaultyCopier:
 
 class FaultyBackend:
     """A storage backend whose ``get_into`` fails at ``rates.read`` and takes
-    ``rates.read_delay_ms`` more per page."""
+    ``rates.read_delay_ms`` more per page, and whose ``set`` takes ``rates.write_delay_ms``
+    more per page."""
 
     def __init__(self, inner, rates: FaultRates) -> None:
         self.inner = inner
@@ -116,3 +121,8 @@ class FaultyBackend:
             _log.warning("hicache faults: injected storage read failure")
             raise OSError("injected storage read failure")
         return self.inner.get_into(keys, views)
+
+    def set(self, keys, values):
+        if self.rates.write_delay_ms:
+            time.sleep(self.rates.write_delay_ms * len(keys) / 1000)
+        return self.inner.set(keys, values)

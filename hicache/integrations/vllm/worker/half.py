@@ -50,6 +50,7 @@ from hicache.integrations.vllm.common.plan import StepPlan
 from hicache.integrations.vllm.common.tp import RankGroup, share_load_errors
 from hicache.integrations.vllm.worker.layout import BlockLayout
 from hicache.integrations.vllm.worker.prefetch import PrefetchReader, SaveRecord, free_for_read
+from hicache.integrations.vllm.worker.sends import HeldRequests, num_writes_in_flight
 from hicache.integrations.vllm.worker.stats import CLOCK_STATS, WorkerStats
 from hicache.integrations.vllm.worker.third_tier import WorkerThirdTier, id_tensor
 from hicache.integrations.vllm.worker.transfers import build_transfers
@@ -122,6 +123,12 @@ class WorkerHalf(WorkerThirdTier):
         self.per_request_loads = per_request_loads
         self._finished_loads: tuple[set[str], set[str]] = (set(), set())  # done, failed
         self.counters = WorkerStats()
+        self.held = HeldRequests(config.storage_timeout_s)  # handed off, blocks held by vLLM
+        # (pages, seconds) of third-tier reads since the last report, for the scheduler's
+        # read-or-recompute decision (scheduler/costs.py); None: not wanted
+        self.read_samples: list[tuple[int, float]] | None = (
+            [] if self.storage is not None and config.prefetch_policy != "sync"
+            and config.prefetch_threshold_tokens is None else None)
 
     # ------------------------------------------------------------------ steps
     def begin_step(self, plan: StepPlan) -> None:
@@ -131,6 +138,8 @@ class WorkerHalf(WorkerThirdTier):
         self._poll()
         if plan.prefetches:
             self._start_prefetches(plan)
+        if plan.held:
+            self.held.hold(plan.held)
         tables = self._tables
         for req_id, ids, replace in plan.blocks:
             if replace:
@@ -299,11 +308,22 @@ class WorkerHalf(WorkerThirdTier):
     def _follow_computes(self, computes) -> None:
         self._poisoned.follow(computes, self._tables, self.layout.block_size)
 
-    def finished(self, finished_req_ids: set[str]) -> None:
-        """Forget the block tables of requests vLLM finished."""
+    def finished(self, finished_req_ids: set[str]) -> set[str]:
+        """Forget the block tables of requests vLLM finished; returns the held requests
+        (handed off) whose saves and third-tier writes here ended: vLLM frees their
+        blocks (:mod:`~hicache.integrations.vllm.worker.sends`)."""
         for req_id in finished_req_ids:
             self._tables.pop(req_id, None)
             self._poisoned.forget(req_id)
+        if not (self.held.num_held or finished_req_ids):
+            return set()
+        if self.held.num_held:
+            self._poll()
+        return self.held.ended(finished_req_ids, self._saves)
+
+    def num_writes_in_flight(self) -> int:
+        """Third-tier writes not yet ended (at most ``storage_timeout_s`` old)."""
+        return num_writes_in_flight(self._saves, self.config.storage_timeout_s)
 
     def take_poisoned_blocks(self) -> set[int]:
         """Blocks found to hold wrong KV since the last call: the scheduler takes them out

@@ -24,6 +24,7 @@ What it knows: keys, host page ids, jobs. Not the tree, not requests, not blocks
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -41,9 +42,10 @@ CHUNK_PAGES = 8
 class SaveRecord:
     """A save in flight (or its storage write-behind) and what it touches."""
 
-    __slots__ = ("handle", "job", "req_ids", "blocks", "pages", "host_pages", "keys")
+    __slots__ = ("handle", "job", "req_ids", "blocks", "pages", "host_pages", "keys", "since")
 
     def __init__(self, handle: Transfer | None, req_ids, block_ids, host_pages, keys) -> None:
+        self.since = time.monotonic()  # submitted
         self.handle = handle  # the Transfer of the copy, None once it landed
         self.job: StorageJob | None = None  # writes the pages to storage once the save landed
         self.req_ids = req_ids

@@ -43,6 +43,7 @@ class WorkerThirdTier:
     prefetch: PrefetchReader | None
     counters: WorkerStats
     write_reports: tuple[list[str], list[str]] | None
+    read_samples: list[tuple[int, float]] | None
     _key_salt: str | None
     _saves: list[SaveRecord]
     _quarantine: set[int]
@@ -144,6 +145,8 @@ class WorkerThirdTier:
             c.storage_errors += 1
         c.storage_read_bytes += num_done * self.host_pool.page_nbytes
         c.storage_read_seconds += job.seconds
+        if self.read_samples is not None and num_done:
+            self.read_samples.append((num_done, job.seconds))
         self._mark_good(host_pages[:num_done])
         self._mark_bad(host_pages[num_done:])
 
@@ -170,6 +173,8 @@ class WorkerThirdTier:
                 self._mark_bad(missed)
                 c.storage_read_bytes += len(read) * self.host_pool.page_nbytes
                 c.storage_read_seconds += job.seconds
+                if self.read_samples is not None and read:
+                    self.read_samples.append((len(read), job.seconds))
                 c.storage_errors += job.error is not None
                 continue
             if job.kind != "write":
