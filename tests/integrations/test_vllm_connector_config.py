@@ -106,10 +106,13 @@ def test_storage_epoch_on_reset_must_be_a_bool():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("load=0.2,bogus=1", "expected load=, save=, read=, read_delay_ms=, seed= or rank= "
-     "entries, got 'bogus=1'"),
-    ("load", "expected load=, save=, read=, read_delay_ms=, seed= or rank= entries, "
-     "got 'load'"),
+    ("load=0.2,bogus=1", "expected load=, save=, read=, write=, read_delay_ms=, hang_after=, "
+     "hang_ms=, seed=, rank= entries, got 'bogus=1'"),
+    ("load", "expected load=, save=, read=, write=, read_delay_ms=, hang_after=, hang_ms=, "
+     "seed=, rank= entries, got 'load'"),
+    ("write=2", "write: expected a fraction in [0, 1], got 2"),
+    ("hang_ms=-5", "hang_ms: expected 0 to 600000, got -5"),
+    ("hang_after=x", "hang_after: expected a number, got 'x'"),
     ("read_delay_ms=-1", "read_delay_ms: expected 0 to 60000, got -1"),
     ("read_delay_ms=0.5", "read_delay_ms: expected a number, got '0.5'"),
     ("save=lots", "save: expected a number, got 'lots'"),
