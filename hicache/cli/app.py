@@ -45,6 +45,10 @@ _BENCHES = [
      "device-only on one trace"),
     ("vllm", "hicache.cli.benchmarks.vllm", "vLLM alone vs with the hicache connector (host tier, "
      "+ storage): TTFT, tokens computed per tier, req/s"),
+    ("serve", "hicache.cli.benchmarks.serve", "vLLM's OpenAI server with and without the "
+     "connector under many multi-turn clients: throughput, TTFT and ITL percentiles, no-hit cost"),
+    ("soak", "hicache.cli.benchmarks.serve_soak", "vLLM's OpenAI server with the connector under "
+     "steady load, its third tier failing: failed requests, replies, memory, stalls"),
     ("storage", "hicache.cli.benchmarks.storage", "third-tier page write/read throughput with and "
      "without a storage secret; the authenticator's GB/s per core"),
 ]
