@@ -371,7 +371,7 @@ def test_short_soak_with_third_tier_faults(servers, tmp_path):
     w = Workload(num_clients=6, num_rounds=3, num_system_prompts=2, system_tokens=64,
                  first_tokens=96, turn_tokens=32, max_tokens=8, vocab_size=VOCAB)
     result = soak_and_check(faulty.url, faulty.proc.pid, servers["alone"].url, w,
-                            duration_s=15.0, warmup_s=5.0, max_in_flight=4,
+                            ref_pid=servers["alone"].proc.pid, duration_s=15.0, warmup_s=5.0, max_in_flight=4,
                             request_rate=float("inf"), storage_timeout_s=SOAK_TIMEOUT_S,
                             rss_bound=0.05, sample_interval_s=1.0, log_path=str(faulty.log))
     checks = result["checks"]
