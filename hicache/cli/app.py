@@ -47,6 +47,10 @@ _BENCHES = [
      "+ storage): TTFT, tokens computed per tier, req/s"),
     ("pd", "hicache.cli.benchmarks.pd", "prefill/decode disaggregation through the third "
      "tier against one colocated vLLM instance: decode TTFT, tokens computed, hand-off wait"),
+    ("serve", "hicache.cli.benchmarks.serve", "vLLM's OpenAI server with and without the "
+     "connector under many multi-turn clients: throughput, TTFT and ITL percentiles, no-hit cost"),
+    ("soak", "hicache.cli.benchmarks.serve_soak", "vLLM's OpenAI server with the connector under "
+     "steady load, its third tier failing: failed requests, replies, memory, stalls"),
     ("storage", "hicache.cli.benchmarks.storage", "third-tier page write/read throughput with and "
      "without a storage secret; the authenticator's GB/s per core"),
 ]

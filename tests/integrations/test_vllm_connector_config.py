@@ -112,10 +112,13 @@ def test_switches_must_be_bools(name):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("load=0.2,bogus=1", "expected load=, save=, read=, read_delay_ms=, write_delay_ms=, "
-     "seed= or rank= entries, got 'bogus=1'"),
-    ("load", "expected load=, save=, read=, read_delay_ms=, write_delay_ms=, seed= or rank= "
-     "entries, got 'load'"),
+    ("load=0.2,bogus=1", "expected load=, save=, read=, write=, read_delay_ms=, "
+     "write_delay_ms=, hang_after=, hang_ms=, seed=, rank= entries, got 'bogus=1'"),
+    ("load", "expected load=, save=, read=, write=, read_delay_ms=, write_delay_ms=, "
+     "hang_after=, hang_ms=, seed=, rank= entries, got 'load'"),
+    ("write=2", "write: expected a fraction in [0, 1], got 2"),
+    ("hang_ms=-5", "hang_ms: expected 0 to 600000, got -5"),
+    ("hang_after=x", "hang_after: expected a number, got 'x'"),
     ("read_delay_ms=-1", "read_delay_ms: expected 0 to 60000, got -1"),
     ("write_delay_ms=70000", "write_delay_ms: expected 0 to 60000, got 70000"),
     ("read_delay_ms=0.5", "read_delay_ms: expected a number, got '0.5'"),

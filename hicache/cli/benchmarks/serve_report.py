@@ -1,0 +1,182 @@
+"""Figures of ``hicache bench serve``: per run, per sweep, and the comparisons.
+
+A run (one configuration at one request rate) is summarized by :func:`summarize`:
+input and output tokens per second over the run (first request sent to last reply),
+TTFT and inter-token latency percentiles (numpy's linear interpolation, as
+``vllm bench serve``), the share of prompt tokens the server reported cached, and the
+failed requests. :func:`loaded_rates` finds the request rates where vLLM alone is
+loaded: its TTFT p90 at least ``factor`` times its unloaded TTFT p90 (one request at
+a time); :func:`compare_at` puts each configuration against vLLM alone at a rate. :func:`same_outputs` compares greedy replies turn by turn.
+
+This module knows nothing of HTTP or vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TextIO
+
+import numpy as np
+
+from hicache.cli.benchmarks.serve_client import Record
+
+PERCENTILES = (50, 90, 99)
+
+
+def _pcts(values: Sequence[float]) -> dict[str, float | None]:
+    if not len(values):
+        return dict.fromkeys([*(f"p{p}" for p in PERCENTILES), "mean", "max"])
+    arr = np.asarray(values, dtype=np.float64) * 1000.0
+    out: dict[str, float | None] = {f"p{p}": round(float(np.percentile(arr, p)), 3)
+                                    for p in PERCENTILES}
+    out["mean"] = round(float(arr.mean()), 3)
+    out["max"] = round(float(arr.max()), 3)
+    return out
+
+
+def summarize(records: Sequence[Record]) -> dict:
+    """One run's figures (times in ms, throughputs per second of the run)."""
+    ok = [r for r in records if r.error is None]
+    duration_s = (max(r.done_s for r in records) - min(r.sent_s for r in records)
+                  if records else 0.0)
+    prompt_tokens = sum(len(r.prompt) for r in ok)
+    output_tokens = sum(len(r.output) for r in ok)
+    per_s = (lambda n: round(n / duration_s, 3)) if duration_s > 0 else (lambda n: 0.0)
+    return {
+        "num_requests": len(records),
+        "num_failed": len(records) - len(ok),
+        "errors": sorted({r.error for r in records if r.error is not None})[:3],
+        "duration_s": round(duration_s, 3),
+        "request_throughput": per_s(len(ok)),
+        "input_throughput": per_s(prompt_tokens),
+        "output_throughput": per_s(output_tokens),
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": sum(r.cached_tokens for r in ok),
+        "cached_ratio": round(sum(r.cached_tokens for r in ok) / prompt_tokens, 4)
+        if prompt_tokens else 0.0,
+        "ttft_ms": _pcts([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "itl_ms": _pcts([x for r in ok for x in r.itl_s]),
+    }
+
+
+def outputs_by_turn(records: Sequence[Record]) -> dict[tuple[int, int, int], list[int]]:
+    return {(r.client, r.conversation, r.round_no): r.output for r in records
+            if r.error is None}
+
+
+def same_outputs(a: Sequence[Record], b: Sequence[Record]) -> dict:
+    """Turns answered in both runs, and how many of them got a different reply."""
+    oa, ob = outputs_by_turn(a), outputs_by_turn(b)
+    common = oa.keys() & ob.keys()
+    differing = sum(oa[k] != ob[k] for k in common)
+    return {"num_compared": len(common), "num_differing": differing}
+
+
+def loaded_rates(sweep: dict[str, dict], unloaded_ttft_p90_ms: float,
+                 factor: float = 3.0) -> list[str]:
+    """The rates (keys of ``sweep``, the baseline's runs by rate), lowest first, whose TTFT
+    p90 is at least ``factor`` x ``unloaded_ttft_p90_ms``."""
+    return [rate for rate in sorted(sweep, key=rate_value)
+            if (p90 := sweep[rate]["ttft_ms"]["p90"]) is not None
+            and p90 >= factor * unloaded_ttft_p90_ms]
+
+
+def rate_value(rate: str) -> float:
+    return math.inf if rate == "inf" else float(rate)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 4) if a is not None and b else None
+
+
+def compare_at(runs: dict[str, dict], baseline: str = "vllm") -> dict[str, dict]:
+    """Each configuration's figures over the baseline's at one rate: TTFT p90 and ITL
+    p50 ratios (lower is better), input and output throughput ratios (higher is better)."""
+    base = runs[baseline]
+    out = {}
+    for name, s in runs.items():
+        if name == baseline:
+            continue
+        out[name] = {
+            "ttft_p90_ratio": _ratio(s["ttft_ms"]["p90"], base["ttft_ms"]["p90"]),
+            "itl_p50_ratio": _ratio(s["itl_ms"]["p50"], base["itl_ms"]["p50"]),
+            "input_throughput_ratio": _ratio(s["input_throughput"], base["input_throughput"]),
+            "output_throughput_ratio": _ratio(s["output_throughput"],
+                                              base["output_throughput"]),
+        }
+    return out
+
+
+def median_run(runs: Sequence[dict]) -> dict:
+    """Figures of repeated runs: the median of each throughput and percentile."""
+    def med(values: list) -> float | None:
+        values = [v for v in values if v is not None]
+        return round(float(np.median(values)), 3) if values else None
+
+    out = dict(runs[0])
+    for key in ("request_throughput", "input_throughput", "output_throughput", "duration_s",
+                "cached_ratio"):
+        out[key] = med([r[key] for r in runs])
+    for key in ("ttft_ms", "itl_ms"):
+        out[key] = {k: med([r[key][k] for r in runs]) for k in runs[0][key]}
+    out["num_failed"] = sum(r["num_failed"] for r in runs)
+    out["num_requests"] = sum(r["num_requests"] for r in runs)
+    return out
+
+
+def _fmt(v: float | None, digits: int = 0) -> str:
+    return "-" if v is None else f"{v:,.{digits}f}"
+
+
+def sweep_table(sweeps: dict[str, dict[str, dict]], unloaded: dict[str, dict],
+                out: TextIO) -> None:
+    """One row per configuration and rate: throughputs, TTFT and ITL percentiles."""
+    head = (f"{'config':<18} {'rate':>6} {'req/s':>6} {'in tok/s':>9} {'out tok/s':>9} "
+            f"{'TTFT p50':>9} {'p90':>8} {'p99':>8} {'ITL p50':>8} {'p90':>7} {'p99':>7} "
+            f"{'cached':>7} {'fail':>4}")
+    print(head, file=out)
+    print("-" * len(head), file=out)
+    for name, by_rate in sweeps.items():
+        rows = ([("1 inflt", unloaded[name])] if name in unloaded else []) + [
+            (rate, by_rate[rate]) for rate in sorted(by_rate, key=rate_value)]
+        for rate, s in rows:
+            t, i = s["ttft_ms"], s["itl_ms"]
+            print(f"{name:<18} {rate:>6} {_fmt(s['request_throughput'], 2):>6} "
+                  f"{_fmt(s['input_throughput']):>9} {_fmt(s['output_throughput'], 1):>9} "
+                  f"{_fmt(t['p50']):>9} {_fmt(t['p90']):>8} {_fmt(t['p99']):>8} "
+                  f"{_fmt(i['p50'], 1):>8} {_fmt(i['p90'], 1):>7} {_fmt(i['p99'], 1):>7} "
+                  f"{s['cached_ratio']:>7.2f} {s['num_failed']:>4}", file=out)
+
+
+def plot_sweep(sweeps: dict[str, dict[str, dict]], path: str, title: str) -> None:
+    """TTFT p90 and input throughput against the request rate, one line per
+    configuration (``inf``, requests sent as fast as the cap allows, drawn rightmost)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = sorted({r for by_rate in sweeps.values() for r in by_rate}, key=rate_value)
+    finite = [rate_value(r) for r in rates if r != "inf"]
+    inf_x = (max(finite) * 1.4) if finite else 1.0
+    xs = {r: (inf_x if r == "inf" else rate_value(r)) for r in rates}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, by_rate in sweeps.items():
+        rs = [r for r in rates if r in by_rate]
+        ax1.plot([xs[r] for r in rs], [by_rate[r]["ttft_ms"]["p90"] for r in rs],
+                 marker="o", label=name)
+        ax2.plot([xs[r] for r in rs], [by_rate[r]["input_throughput"] for r in rs],
+                 marker="o", label=name)
+    for ax, ylabel in ((ax1, "TTFT p90 (ms)"), (ax2, "input throughput (tokens/s)")):
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(ylabel)
+        ax.set_xticks([xs[r] for r in rates])
+        ax.set_xticklabels(["inf" if r == "inf" else f"{rate_value(r):g}" for r in rates])
+        ax.grid(alpha=0.3)
+    ax1.set_yscale("log")
+    ax1.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
