@@ -21,6 +21,7 @@ broken install fails instead.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -35,6 +36,7 @@ from vllm_servers import (
     CPU_ARGS,
     OUT_TOKENS,
     ROOT,
+    VOCAB,
     Server,
     chat_example,
     connector_config,

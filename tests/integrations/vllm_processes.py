@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hicache.cli.benchmarks.serve_server import stop_process_group
+
 VLLM_DRIVER = Path(__file__).parent / "vllm_driver.py"
 
 
@@ -24,13 +26,16 @@ def run_driver(driver: Path, *args: str, **env_vars: str) -> subprocess.Popen:
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1", **env_vars)
     return subprocess.Popen(
         [sys.executable, str(driver), *args], stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, env=env,
+        stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
     )
 
 
 def vllm_result(proc: subprocess.Popen, timeout: int = 900) -> dict:
     """The driver's last JSON line, after it exited 0; its whole output under ``"log"``."""
-    out, _ = proc.communicate(timeout=timeout)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:  # its engine processes too, whether it ended or timed out
+        stop_process_group(proc, timeout_s=10)
     lines = [line for line in out.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and lines, f"vLLM driver failed:\n{out[-6000:]}"
     return {**json.loads(lines[-1]), "log": out}

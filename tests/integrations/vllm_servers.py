@@ -13,6 +13,8 @@ import random
 import subprocess
 from pathlib import Path
 
+from hicache.cli.benchmarks.serve_server import stop_process_group
+
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32
 VOCAB = 512  # tests/integrations/vllm_driver.py's model
@@ -79,7 +81,7 @@ class Server:
                         VLLM_SERVER_DEV_MODE="1", **(env or {}))
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         env=full_env)
+                                         env=full_env, start_new_session=True)
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-6000:]
@@ -112,9 +114,9 @@ class Server:
             return r.read().decode()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        """Stop the server and every process it started (its engine core): none outlives
+        the test."""
+        stop_process_group(self.proc, timeout_s=30)
 
 
 def cached_tokens(response: dict) -> int:

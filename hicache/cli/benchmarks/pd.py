@@ -53,6 +53,7 @@ import urllib.request
 import numpy as np
 
 from hicache.cli.benchmarks import standalone_main
+from hicache.cli.benchmarks.serve_server import stop_process_group
 from hicache.cli.benchmarks.vllm_plan import PRESETS, UsageError, make_random_model
 
 CONNECTOR = {"kv_connector": "HiCacheConnector",
@@ -131,7 +132,8 @@ class _Server:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         self.log_path = os.path.join(workdir, f"{name}.log")
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -200,13 +202,7 @@ class _Server:
         return total
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process_group(self.proc)
 
 
 def _start(servers: list[_Server], timeout_s: float) -> None:

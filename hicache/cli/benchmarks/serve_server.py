@@ -141,18 +141,7 @@ class Server:
         return sum(tree_rss(self.proc.pid).values())
 
     def stop(self, timeout_s: float = 60.0) -> None:
-        """SIGINT (vLLM's own shutdown), then SIGKILL to the process group."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # what is left of the tree
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.proc.wait()
+        stop_process_group(self.proc, timeout_s)
 
 
 def tree_rss(pid: int) -> dict[str, int]:
@@ -228,3 +217,20 @@ def parse_metrics(text: str) -> dict[str, float]:
         key = f"{name}{{{','.join(kept)}}}" if kept else name
         out[key] = out.get(key, 0.0) + number
     return out
+
+
+def stop_process_group(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """Stop ``proc``, started with ``start_new_session=True`` (a vLLM server, whose engine
+    core and workers are its children): SIGINT (vLLM's own shutdown), then SIGKILL to
+    what is left of its process group, so that no engine process outlives it."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()

@@ -51,8 +51,8 @@ from hicache.integrations.vllm.common.params import (
 from hicache.integrations.vllm.common.plan import StepPlan
 from hicache.integrations.vllm.common.tp import check_parallelism, vllm_rank_group
 from hicache.integrations.vllm.metadata import HiCacheConnectorMetadata, HiCacheWorkerMetadata
-from hicache.integrations.vllm.scheduled import scheduled_requests
 from hicache.integrations.vllm.roles import ConnectorRoles
+from hicache.integrations.vllm.scheduled import scheduled_requests
 from hicache.integrations.vllm.scheduler.half import SchedulerHalf
 from hicache.integrations.vllm.scheduler.inputs import InputReader
 from hicache.integrations.vllm.scheduler.pool_hooks import EvictionHook
