@@ -20,7 +20,7 @@ WINDOW = ComponentSpec("window", window_tokens=5)  # w = ceil(4 / 2) = 2 pages
 STATE = ComponentSpec("state")
 
 
-@pytest.fixture(params=[k for k in TREE_KINDS if k == "python"])
+@pytest.fixture(params=TREE_KINDS)
 def hybrid(request):
     """``hybrid(*specs, eviction="lru")``: a tree of the parametrized kind with components."""
 
