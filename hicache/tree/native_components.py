@@ -14,14 +14,14 @@ from collections.abc import Sequence
 
 import torch
 
-from hicache.checks import check_page_count, check_page_tensor
+from hicache.checks import check_int, check_page_count, check_page_tensor
 from hicache.components import ComponentSpec
 from hicache.native.binding import TreeBinding
 from hicache.tree.guards import check_component, check_component_pages, check_key, check_tier
 from hicache.tree.native_node import NativeNode
 from hicache.tree.python.hybrid_paths import gaps_along
 from hicache.tree.python.hybrid_records import kind_logic
-from hicache.tree.types import InsertResult, MatchResult, Tier, TokenLike, token_key
+from hicache.tree.types import EvictResult, InsertResult, MatchResult, Tier, TokenLike, token_key
 
 
 class NativeComponents:
@@ -110,6 +110,15 @@ class NativeComponents:
         check_component(c, len(self.components), "attach_component")
         handle = self._handle(node, "attach_component")
         self._impl.attach_component(handle, c, tier == "host", check_page_tensor("pages", pages))
+
+    def evict_component(self, c: int, tier: Tier, num_pages: int) -> EvictResult:
+        """Evict component ``c``'s data only; see :meth:`HybridRadixTree.evict_component`."""
+        check_tier(tier, "evict_component")
+        check_component(c, len(self.components), "evict_component")
+        num_pages = check_int("num_pages", num_pages)
+        if not self.components:
+            return EvictResult(torch.empty(0, dtype=torch.int64), 0, 0)
+        return EvictResult(*self._impl.evict_component(c, tier == "host", num_pages))
 
     def detach_component(self, node: NativeNode, c: int, tier: Tier) -> torch.Tensor:
         """Take ``node``'s component data; see :meth:`RadixTree.detach_component`."""

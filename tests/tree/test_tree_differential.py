@@ -389,6 +389,15 @@ class HybridPythonVsNative(PythonVsNative):
             if ra[0] == "ok":
                 assert ra[1].tolist() == rb[1].tolist()
 
+    @rule(c=st.integers(0, 2), host=st.booleans(), num=st.integers(0, 8))
+    def evict_component(self, c, host, num):
+        c %= len(self.specs)
+        tier = "host" if host else "device"
+        ra = self.py.evict_component(c, tier, num)
+        rb = self.nat.evict_component(c, tier, num)
+        assert ra.page_ids.tolist() == rb.page_ids.tolist()
+        assert ra.num_evicted_tokens == rb.num_evicted_tokens == 0
+
     @rule()
     def evict_all_takeable_host(self):
         """Host eviction takes exactly the takeable full tokens and component pages."""

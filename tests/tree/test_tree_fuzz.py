@@ -167,7 +167,7 @@ def run_seed(seed: int, steps: int, hybrid: bool = False) -> None:
             ["match", "insert", "insert", "insert_host", "probe", "lock", "unlock", "host_lock",
              "host_unlock", "io", "attach_host", "attach_device", "detach_host", "detach_device",
              "evict_device", "evict_device", "evict_host", "priority", "path", "indices"]
-            + (["attach_c", "detach_c", "table", "probe_hit", "gaps"] if specs else [])
+            + (["attach_c", "detach_c", "table", "probe_hit", "gaps", "evict_c"] if specs else [])
         )
         if op == "unlock" and not op_unlock and pick is not None and pick[0].lock_ref:
             op = "lock"  # unlocking a node this run did not lock breaks the lock counts
@@ -204,6 +204,7 @@ def run_seed(seed: int, steps: int, hybrid: bool = False) -> None:
                 "table": (t.component_table, n, c, tier),
                 "probe_hit": (t.probe_hit_key, token_key(toks, P), ns),
                 "gaps": (t.component_gaps, token_key(toks, P), c, tier, ns),
+                "evict_c": (t.evict_component, c, tier, num),
                 "probe": (t.probe_path, token_key(toks, P), ns),
                 "lock": (t.lock, n),
                 "unlock": (t.unlock, n),

@@ -460,6 +460,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            [](RadixTree& t, NodeHandle h, std::size_t c, bool host) { TreeLock guard(t);
              return t.detach_component(node_of(t, h, "detach_component"), c, host);
            })
+      .def("evict_component",
+           [](RadixTree& t, std::size_t c, bool host, std::int64_t num_pages) { TreeLock guard(t);
+             return evict_result(t.evict_component(c, host, num_pages));
+           })
       .def("component_table",
            [](RadixTree& t, NodeHandle h, std::size_t c, bool host) { TreeLock guard(t);
              return t.component_table(node_of(t, h, "component_table"), c, host);

@@ -483,27 +483,41 @@ std::optional<HeapEntry> RadixTree::peek_host() {
   return std::nullopt;
 }
 
+bool RadixTree::peek_record(std::size_t c, bool host) {
+  CandidateHeap& heap = comp_heaps_[host ? 1 : 0][c];
+  while (!heap.empty()) {
+    const HeapEntry e = heap.top();
+    const TreeNode* node = find(e.node);
+    if (node != nullptr && e.seq == (host ? node->comps[c].host_seq : node->comps[c].dev_seq)) {
+      const int rank = record_rank(node, c, host);
+      if (rank != INT_MIN && record_entry(node, c, rank, e.seq).key() == e.key()) return true;
+    }
+    heap.pop();
+  }
+  return false;
+}
+
 std::optional<std::pair<HeapEntry, std::size_t>> RadixTree::best_component(bool host) {
   std::optional<std::pair<HeapEntry, std::size_t>> best;
   for (std::size_t c = 0; c < comps_.size(); ++c) {
-    CandidateHeap& heap = comp_heaps_[host ? 1 : 0][c];
-    while (!heap.empty()) {
-      const HeapEntry e = heap.top();
-      const TreeNode* node = find(e.node);
-      if (node != nullptr && e.seq == (host ? node->comps[c].host_seq : node->comps[c].dev_seq)) {
-        const int rank = record_rank(node, c, host);
-        if (rank != INT_MIN && record_entry(node, c, rank, e.seq).key() == e.key()) {
-          if (!best || std::tie(e.rank, e.p1, e.p2) <
-                           std::tie(best->first.rank, best->first.p1, best->first.p2)) {
-            best = std::make_pair(e, c);
-          }
-          break;
-        }
-      }
-      heap.pop();
+    if (!peek_record(c, host)) continue;
+    const HeapEntry& e = comp_heaps_[host ? 1 : 0][c].top();
+    if (!best ||
+        std::tie(e.rank, e.p1, e.p2) < std::tie(best->first.rank, best->first.p1, best->first.p2)) {
+      best = std::make_pair(e, c);
     }
   }
   return best;
+}
+
+EvictOut RadixTree::evict_component(std::size_t c, bool host, std::int64_t num_pages) {
+  check_reentry("evict_component", true);
+  if (num_pages < 0) throw ValueError("num_pages: expected >= 0, got " + std::to_string(num_pages));
+  OpScope scope(*this);
+  EvictTally tally;
+  std::int64_t need = num_pages;
+  while (need > 0 && peek_record(c, host)) need -= evict_record(c, host, tally);
+  return tally_result(tally);
 }
 
 std::int64_t RadixTree::evict_record(std::size_t c, bool host, EvictTally& tally) {

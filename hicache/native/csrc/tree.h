@@ -168,6 +168,8 @@ class RadixTree {
   std::int64_t probe_hit(token_span key, std::optional<std::uint32_t> ns) const;
   void attach_component(TreeNode* node, std::size_t c, bool host, const IndexRun& pages);
   at::Tensor detach_component(TreeNode* node, std::size_t c, bool host);
+  // Component c's data only, in its heap's order, until num_pages ids are freed.
+  EvictOut evict_component(std::size_t c, bool host, std::int64_t num_pages);
   // Component c's ids in a tier along the path root..node, per token page (-1: none).
   at::Tensor component_table(TreeNode* node, std::size_t c, bool host) const;
   std::int64_t num_component_pages(std::size_t c, bool host) const {
@@ -280,6 +282,7 @@ class RadixTree {
   std::optional<HeapEntry> peek_device();
   std::optional<HeapEntry> peek_host();
   std::optional<std::pair<HeapEntry, std::size_t>> best_component(bool host);
+  bool peek_record(std::size_t c, bool host);  // drops stale tops; true if a candidate is left
   std::int64_t evict_record(std::size_t c, bool host, EvictTally& tally);
   EvictOut evict_device_hybrid(std::int64_t need, const BackupHook* backup);
   EvictOut evict_host_hybrid(std::int64_t need, bool drop_device_resident);

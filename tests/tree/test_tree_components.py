@@ -284,6 +284,21 @@ def test_a_tail_hits_passed_by_goes_before_a_fresh_leaf(hybrid):
     tree.check_integrity()
 
 
+def test_evict_component_takes_one_components_data_in_order(hybrid):
+    tree = hybrid(WINDOW, STATE)
+    for first in (0, 100, 200):  # three keys, inserted in this order
+        tree.insert(seq(2, first), ids(first, 2), components=[ids(first + 50, 2),
+                                                              checkpoints(2, {4: first + 90})])
+    tree.match_prefix(seq(2, 0) + [7])  # the first key's hit reads its window and checkpoint
+    res = tree.evict_component(1, "device", 2)  # the state only, least recently read first
+    assert res.page_ids.tolist() == [190, 290] and res.num_evicted_tokens == 0
+    assert tree.num_component_pages(0, "device") == 6 and tree.device_tokens == 12
+    assert tree.evict_component(1, "host", 5).page_ids.tolist() == []
+    with pytest.raises(ValueError, match="tier"):
+        tree.evict_component(0, "disk", 1)
+    tree.check_integrity()
+
+
 def test_locks_hold_component_data(hybrid):
     tree = hybrid(WINDOW, STATE)
     res = tree.insert(seq(3), ids(0, 3), components=[ids(100, 3), checkpoints(3, {6: 500})])
