@@ -76,7 +76,9 @@ class Loads:
         tree = self._tree
         nodes = tree.host_only_path(result)
         num_pages = sum(n.num_tokens for n in nodes) // self._page_size
-        num_tokens = num_pages * self._page_size
+        # The hit beyond what the device serves: the loaded tokens, and for a hybrid model
+        # also device nodes above them whose own ends no component serves.
+        num_tokens = result.host_len
         if num_tokens < self._threshold_tokens:
             self._counters.loads_refused_by_threshold += 1
             self._counters.host_hit_refused_tokens += num_tokens
@@ -122,7 +124,7 @@ class Loads:
         tree.unlock(h._lock_node)
         h._lock_node = nodes[-1]
         h._prefix_pages = None
-        h.prefix_len += num_tokens
+        h.prefix_len = result.device_len + result.host_len
         self._counters.loads += 1
         self._counters.host_hit_tokens += num_tokens
         if extra:
@@ -204,6 +206,13 @@ class Loads:
         depth = sum(n.num_tokens for n in tree.path_to(node))
         if depth >= h.prefix_len:
             return
+        if tree.components:  # hybrid: back to the deepest end every component serves there
+            served = tree.probe_hit_key(h.key[: 4 * depth], h.namespace)
+            while depth > served:
+                depth -= node.num_tokens
+                parent = node.parent
+                assert parent is not None, "a servable end lies on the path"
+                node = parent
         tree.lock(node)
         tree.unlock(h._lock_node)
         h._lock_node = node

@@ -234,10 +234,7 @@ std::pair<int, int> RadixTree::servable(const std::vector<PathStep>& path,
       best_host = static_cast<int>(i);
     }
   }
-  if (best_device == static_cast<int>(num_device) - 1 && best_host > best_device) {
-    return {best_device, best_host};
-  }
-  return {best_device, best_device};
+  return {best_device, std::max(best_device, best_host)};
 }
 
 void RadixTree::touch_hit(const std::vector<PathStep>& path, int i) {

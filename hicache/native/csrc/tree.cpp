@@ -1047,7 +1047,8 @@ std::vector<TreeNode*> RadixTree::host_only_path(TreeNode* last,
     if (n->parent == nullptr) {
       throw ValueError("host_only_path: last_device_node is not an ancestor of last_node");
     }
-    path.push_back(n);
+    // (a hybrid match's host part may start below device nodes: those are not loaded)
+    if (!has_components() || !n->on_device()) path.push_back(n);
   }
   std::reverse(path.begin(), path.end());
   return path;

@@ -48,11 +48,12 @@ class HybridPaths(HybridRecords):
 
     # ------------------------------------------------------------ serving
     def _servable(self, entries: Sequence[PathEntry], num_device: int) -> tuple[int, int]:
-        """The deepest servable node ends of a path: (in the device part, with the host part).
+        """The deepest servable node ends of a path: (in the device part, in all of it).
 
         ``entries`` root side first, the first ``num_device`` on the device. Indices,
-        -1 for the root. The host part counts only when the device part is servable
-        to its end.
+        -1 for the root. An end in the host part is read in each node's view: the
+        device nodes above it lend their device data (a window reaching into them),
+        the host-only nodes their host data.
         """
         logic = self._logic
         carry_device = [0] * len(logic)
@@ -80,9 +81,7 @@ class HybridPaths(HybridRecords):
                 best_device = i
             elif not on_device and ok_view:
                 best_host = i
-        if best_device == num_device - 1 and best_host > best_device:
-            return best_device, best_host
-        return best_device, best_device
+        return best_device, max(best_device, best_host)
 
     def match_key(self, key: bytes, namespace: str | None = None) -> MatchResult:
         """:meth:`RadixTree.match_key`, cut back to what every component serves.
@@ -125,6 +124,11 @@ class HybridPaths(HybridRecords):
                 self._touch(node.components[c], c)
                 need -= num_pages
                 j -= 1
+
+    def host_only_path(self, result: MatchResult) -> list[TreeNode]:
+        """The host-only nodes of a match, root side first (a hybrid match's host part may
+        start below device nodes its hit reads nothing of: those are not loaded)."""
+        return [n for n in super().host_only_path(result) if n.device_indices is None]
 
     def probe_hit_key(self, key: bytes, namespace: str | None = None) -> int:
         """Tokens of ``key`` a match would serve (``device_len + host_len``), read-only."""
