@@ -54,7 +54,7 @@ import torch
 
 from hicache.cache import HiCache, LoadError, PrefixHandle
 from hicache.cache.request_components import StatePages
-from hicache.config import CacheConfig, EvictionPolicy, PrefetchPolicy, WritePolicy
+from hicache.config import CacheConfig, EvictionPolicy, KVConfig, PrefetchPolicy, WritePolicy
 from hicache.memory import DevicePool, PageAllocator
 from hicache.sim.model import Model
 
@@ -66,6 +66,13 @@ class EngineMode(str, Enum):
 
 
 MODES: tuple[str, ...] = tuple(m.value for m in EngineMode)
+
+
+def request_pages(kv: KVConfig, num_pages: int) -> int:
+    """Device pages one request of ``num_pages`` pages takes: its full pages, and for a
+    hybrid model (``kv.components``) its window pages, its state and two checkpoints."""
+    return num_pages + sum(
+        s.width * (num_pages if s.is_window else 3) for s in kv.component_specs)
 
 
 class GenerateResult(NamedTuple):
@@ -140,6 +147,7 @@ class Engine:
         self.model = model
         self.page_size = page_size
         kv = model.kv_config(page_size)
+        self._kv = kv
         self._specs = kv.component_specs  # hybrid models: window and state components
         device = str(model.device)
         self.cache: HiCache | None = None
@@ -200,7 +208,7 @@ class Engine:
         prompt_len = len(prompt)
         # The last generated token is never fed back, so its KV is never needed.
         seq_len = prompt_len + max_new_tokens - 1
-        num_pages = self._request_pages(-(-seq_len // self.page_size))
+        num_pages = request_pages(self._kv, -(-seq_len // self.page_size))
         if num_pages > self.num_device_pages:
             raise ValueError(
                 f"request needs {num_pages} device pages ({seq_len} tokens of prompt and "
@@ -282,18 +290,12 @@ class Engine:
             )
         return prompt
 
-    def _request_pages(self, num_pages: int) -> int:
-        """Device pages a request of ``num_pages`` pages takes: its full pages, and for a
-        hybrid model its window pages, its state and two checkpoints."""
-        return num_pages + sum(
-            s.width * (num_pages if s.is_window else 3) for s in self._specs)
-
     def _generate_uncached(
         self, prompt: torch.Tensor, max_new_tokens: int, seq_len: int, start: float,
         keep_logits: bool,
     ) -> GenerateResult:
         num_pages = -(-seq_len // self.page_size)
-        held = self._allocator.alloc(self._request_pages(num_pages))
+        held = self._allocator.alloc(request_pages(self._kv, num_pages))
         assert held is not None, "pages of the previous request were not freed"
         pages, comps = held[:num_pages], []
         off = num_pages
