@@ -31,7 +31,7 @@ from setuptools import Extension, setup
 from setuptools.errors import CompileError
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ["hicache/native/csrc/tree.cpp", "hicache/native/csrc/lifecycle.cpp", "hicache/native/csrc/bindings.cpp"]
+SOURCES = ["hicache/native/csrc/tree.cpp", "hicache/native/csrc/components.cpp", "hicache/native/csrc/lifecycle.cpp", "hicache/native/csrc/bindings.cpp"]
 COPIER_SOURCE = "hicache/memory/copier.c"
 # The package modules hicache/native/build.py imports, loaded on their own first (each
 # imports only the standard library).

@@ -22,6 +22,7 @@ keeps their pages, :mod:`hicache.config` lays them out.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -108,3 +109,55 @@ def check_components(components: object) -> tuple[ComponentSpec, ...]:
         if not isinstance(spec, ComponentSpec):
             raise TypeError(f"components[{i}]: expected ComponentSpec, got {type(spec).__name__}")
     return tuple(components)
+
+
+_SPEC_TEXT = re.compile(r"(window):(\d+)(?:x(\d+))?|(state)(?:x(\d+))?")
+
+
+def parse_components(value: object) -> tuple[ComponentSpec, ...]:
+    """Components from their text form or a sequence of specs, texts or mappings.
+
+    Text: comma-separated :meth:`ComponentSpec.describe` forms, e.g.
+    ``"window:4096x5,state"`` (a window of 4,096 tokens over 5 groups of layers, and
+    a recurrent state over one); ``""`` is none. A mapping holds the spec's fields.
+    """
+    if isinstance(value, str):
+        items: Sequence[object] = [v for v in (p.strip() for p in value.split(",")) if v]
+    elif isinstance(value, Sequence) and not isinstance(value, bytes):
+        items = value
+    else:
+        raise TypeError(
+            f"components: expected a text like 'window:4096x5,state' or a list of "
+            f"ComponentSpec, got {type(value).__name__}"
+        )
+    specs = []
+    for item in items:
+        if isinstance(item, ComponentSpec):
+            specs.append(item)
+        elif isinstance(item, str):
+            m = _SPEC_TEXT.fullmatch(item.strip())
+            if m is None:
+                raise ValueError(
+                    f"components: expected 'window:TOKENS[xWIDTH]' or 'state[xWIDTH]', "
+                    f"got {item!r}"
+                )
+            if m.group(1):
+                specs.append(ComponentSpec("window", int(m.group(2)), int(m.group(3) or 1)))
+            else:
+                specs.append(ComponentSpec("state", width=int(m.group(5) or 1)))
+        elif isinstance(item, dict):
+            try:
+                specs.append(ComponentSpec(**item))
+            except TypeError as exc:
+                raise TypeError(f"components: {exc}") from None
+        else:
+            raise TypeError(
+                f"components: expected ComponentSpec, text or mapping items, got "
+                f"{type(item).__name__}"
+            )
+    return tuple(specs)
+
+
+def describe_components(components: Sequence[ComponentSpec]) -> str:
+    """The text form :func:`parse_components` reads back (``""`` for none)."""
+    return ",".join(spec.describe() for spec in components)

@@ -27,6 +27,7 @@ from hicache.checks import (
     check_seconds,
     check_secret,
 )
+from hicache.components import ComponentSpec, describe_components, parse_components
 from hicache.configfile import config_from_dict, config_from_file, config_to_dict
 from hicache.errors import config_errors
 
@@ -68,19 +69,29 @@ def _set_int(obj: object, name: str, minimum: int) -> None:
 
 @dataclass(frozen=True)
 class KVConfig:
-    """Shape of the KV cache of one model: what one token and one page cost."""
+    """Shape of the KV cache of one model: what one token and one page cost.
 
-    num_layers: int  # transformer layers, each with its own K and V
+    A hybrid model (sliding-window or recurrent layers beside full attention) names
+    its other layers as ``components`` (:mod:`hicache.components`, docs/design.md,
+    "Hybrid models: components"); ``num_layers`` then counts its full-attention
+    layers, the layers one page holds, and a component's ``width`` is how many such
+    pages one of its token pages (or checkpoints) takes.
+    """
+
+    num_layers: int  # transformer layers (full attention), each with its own K and V
     num_kv_heads: int  # KV heads (GQA: fewer than query heads)
     head_dim: int  # channels per head
     dtype: str | torch.dtype = "float16"  # element type of K and V
     page_size: int = 16  # tokens per page; the unit of caching and transfer
+    # Hybrid models: window and state components, as specs or text ("window:4096x5,state")
+    components: str | tuple[ComponentSpec, ...] = ()
 
     @config_errors
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
             _set_int(self, name, minimum=1)
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype))
+        object.__setattr__(self, "components", parse_components(self.components))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -105,13 +116,21 @@ class KVConfig:
         """Bytes of one page over all layers: the unit a backup, load or store moves."""
         return self.page_size * self.token_nbytes
 
+    @property
+    def component_specs(self) -> tuple[ComponentSpec, ...]:
+        """``components`` as specs (typed: the field also takes their text on input)."""
+        return self.components  # type: ignore[return-value]
+
     def fingerprint(self) -> str:
         """Identifies the KV layout; caches of different fingerprints never share pages."""
         dtype_name = str(self.torch_dtype).removeprefix("torch.")
-        return (
+        layout = (
             f"L{self.num_layers}-H{self.num_kv_heads}-D{self.head_dim}"
             f"-{dtype_name}-P{self.page_size}"
         )
+        if self.component_specs:
+            layout += "-C" + describe_components(self.component_specs)
+        return layout
 
 
 class WritePolicy(str, Enum):
@@ -201,6 +220,10 @@ class CacheConfig:
     max_pinned_fraction: float = 0.5
     # Log KV events (pages entering / leaving each tier) for HiCache.take_events.
     kv_events: bool = False
+    # Hybrid models (kv.components): each component may hold at most this fraction of
+    # the device / host tier's pages; past it, its least recently used data goes.
+    component_device_fraction: float = 1.0
+    component_host_fraction: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict, compare=False)  # backend-specific options
 
     @config_errors
@@ -267,11 +290,14 @@ class CacheConfig:
             )
         if self.lifecycle == "native" and (
             self.allocate_kv or self.storage is not None or self.tree == "python"
+            or self.kv.component_specs
         ):
             raise ValueError(
-                "lifecycle='native' runs bookkeeping-only caches over the native tree: "
-                "expected allocate_kv=False, storage=None and tree 'native' or 'auto', got "
-                f"allocate_kv={self.allocate_kv}, storage={self.storage!r}, tree={self.tree!r}"
+                "lifecycle='native' runs bookkeeping-only caches of single-kind models over "
+                "the native tree: expected allocate_kv=False, storage=None, no kv.components "
+                f"and tree 'native' or 'auto', got allocate_kv={self.allocate_kv}, "
+                f"storage={self.storage!r}, tree={self.tree!r}, "
+                f"kv.components={describe_components(self.kv.component_specs)!r}"
             )
         check_seconds("prefetch_timeout_s", self.prefetch_timeout_s)
         if not isinstance(self.extra, dict):
@@ -290,6 +316,14 @@ class CacheConfig:
             )
         check_fraction("max_pinned_fraction", self.max_pinned_fraction)
         check_bool("kv_events", self.kv_events)
+        check_fraction("component_device_fraction", self.component_device_fraction)
+        check_fraction("component_host_fraction", self.component_host_fraction)
+        if self.kv.component_specs and self.storage is not None:
+            raise ValueError(
+                "storage: a third tier does not keep a hybrid model's components yet "
+                f"(kv.components={describe_components(self.kv.component_specs)!r}); expected "
+                f"storage=None, got {self.storage!r}"
+            )
 
     @property
     def page_size(self) -> int:

@@ -85,8 +85,9 @@ def _env_kind(cls: type, field: str) -> tuple[type, bool]:
     for kind in (bool, int, float, dict):  # bool first: a bool is an int too
         if kind in members:
             return kind, optional
-    if all(m in (str, bytes, torch.dtype) or isinstance(m, type) and issubclass(m, Enum)
-           for m in members):
+    # A tuple beside str is a value that also has a text form (KVConfig.components).
+    if all(m in (str, bytes, torch.dtype) or (m is tuple and str in members)
+           or isinstance(m, type) and issubclass(m, Enum) for m in members):
         return str, optional
     raise TypeError(f"{cls.__name__}.{field}: no HICACHE_* parser for its type {hint}")
 
@@ -204,17 +205,23 @@ def config_from_file(cls: type[C], path: str | os.PathLike[str], *, env: bool = 
         raise type(exc)(f"{path}: {exc}") from None
 
 
+def _kv_value(kv: Any, name: str) -> Any:
+    """A KV field as plain data: a dtype's name, components as their text."""
+    value = getattr(kv, name)
+    if name == "dtype":
+        return str(value).removeprefix("torch.")
+    if name == "components":
+        return ",".join(spec.describe() for spec in value)
+    return value
+
+
 def config_to_dict(config: Any) -> dict[str, Any]:
     """See :meth:`hicache.CacheConfig.to_dict`."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if f.name == "kv":
-            value = {
-                k.name: (str(getattr(value, k.name)).removeprefix("torch.")
-                         if k.name == "dtype" else getattr(value, k.name))
-                for k in dataclasses.fields(value)
-            }
+            value = {k.name: _kv_value(value, k.name) for k in dataclasses.fields(value)}
         elif isinstance(value, Enum):
             value = value.value
         elif f.name == "extra":

@@ -14,8 +14,12 @@ def assert_no_leaks(cache: HiCache) -> None:
     P = cache.page_size
     s = cache.stats()
     assert s["transfers_in_flight"] == 0 and s["live_requests"] == 0
-    assert s["device_pages_used"] == s["device_cached_tokens"] // P, "device pages leaked"
-    assert s["host_pages_used"] == s["host_cached_tokens"] // P, "host pages leaked"
+    # hybrid models: component pages share the tiers' page space
+    comps = {t: s.get(f"{t}_component_pages", 0) for t in ("device", "host")}
+    assert s["device_pages_used"] == s["device_cached_tokens"] // P + comps["device"], (
+        "device pages leaked")
+    assert s["host_pages_used"] == s["host_cached_tokens"] // P + comps["host"], (
+        "host pages leaked")
     for node in cache.tree.nodes():
         assert node.lock_ref == 0 and node.host_lock_ref == 0, f"lock leaked on {node}"
         assert node.io_status is IOStatus.NONE, f"IO left in flight on {node}"

@@ -26,9 +26,24 @@ def as_form(tokens: list[int], form: str):
     return list(tokens)
 
 
+def component_state(tree, node) -> list[tuple]:
+    """A node's component data in both tiers and its records' stamps (hybrid trees)."""
+    out = []
+    for c in range(len(tree.components)):
+        if hasattr(node, "_h"):  # a native node
+            stamps = tuple(tree._impl.component_stamps(node._h, c))
+        else:
+            rec = node.components[c]
+            stamps = (rec.last_access, rec.hit_count, rec.created)
+        data = [node.component_pages(c, tier) for tier in ("device", "host")]
+        out.append((*[None if d is None else d.tolist() for d in data], stamps))
+    return out
+
+
 def snapshot(tree) -> list[tuple]:
     """Everything observable about every node, in nodes() order."""
     out = []
+    hybrid = bool(tree.components)
     for n in tree.nodes():
         dev = n.device_indices
         host = n.host_indices
@@ -51,6 +66,7 @@ def snapshot(tree) -> list[tuple]:
                 n.on_device,
                 n.on_host,
                 sorted(n.children),
+                component_state(tree, n) if hybrid else None,
             )
         )
     return out

@@ -46,16 +46,21 @@ def drop_unheld(
 ) -> tuple[int, int]:
     """Evict every unlocked device and host copy; (device tokens, host tokens) dropped."""
     num_device = num_host = 0
+    P = tree.page_size
     while True:  # host-only children leave first, then their device-only parents can
-        dev = tree.evict_device(tree.device_evictable_tokens)
-        host = tree.evict_host(tree.host_evictable_tokens, drop_device_resident=True)
-        if dev.num_evicted_tokens:
+        # (hybrid models: component pages go too, and count against the request)
+        dev = tree.evict_device(tree.device_evictable_tokens
+                                + P * tree.device_component_evictable_pages)
+        host = tree.evict_host(tree.host_evictable_tokens
+                               + P * tree.host_component_takeable_pages,
+                               drop_device_resident=True)
+        if dev.page_ids.shape[0]:
             device_allocator.free(dev.page_ids)
-        if host.num_evicted_tokens:
+        if host.page_ids.shape[0]:
             host_allocator.free(host.page_ids)
         num_device += dev.num_evicted_tokens
         num_host += host.num_evicted_tokens
-        if not dev.num_evicted_tokens and not host.num_evicted_tokens:
+        if not dev.page_ids.shape[0] and not host.page_ids.shape[0]:
             return num_device, num_host
 
 

@@ -26,6 +26,7 @@ it owns (:mod:`hicache.cache.parts` lists them and wires them together).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -158,21 +159,41 @@ class HiCache:
             h.load_error = None  # e.g. a retried load_back landed
         return not failed
 
-    def alloc(self, h: PrefixHandle, num_tokens: int) -> torch.Tensor | None:
+    def alloc(
+        self, h: PrefixHandle, num_tokens: int, *, checkpoints: Collection[int] = ()
+    ) -> torch.Tensor | None:
         """Allocate device pages for ``num_tokens`` more tokens of ``h``'s sequence.
 
         The new pages continue ``h.page_table()``. Evicts if needed; returns
         ``None`` when not enough pages can be freed, and then has evicted nothing:
-        a refused allocation leaves every cached prefix in place.
+        a refused allocation leaves every cached prefix in place. A hybrid model's
+        request gets its component pages with them (``h.window_table(c)``,
+        ``h.state_pages(c)``): window pages for the new pages, its running state once,
+        and a page set per ``checkpoints`` entry not held yet (token counts, multiples
+        of the page size within the request's pages: where the state after that many
+        tokens is kept for ``insert``, e.g. ``h.full_len`` and the inserted length).
         """
         self._check_handle(h)
         num_tokens = check_int("num_tokens", num_tokens)
         num_pages = -(-num_tokens // self.page_size)
+        comps = h._components
+        marks: list[int] = []
+        if comps is not None:
+            high = h.prefix_len + self.page_size * (h.num_owned_pages + num_pages)
+            marks = comps.check_checkpoints(checkpoints, h.prefix_len, high)
+        elif checkpoints:
+            raise ValueError("checkpoints: the cache's KV layout has no state component")
+        extra = 0 if comps is None else comps.extra_pages(num_pages, marks)
         self._pins.expire()  # the native lifecycle does not poll
-        if num_pages > self.device_allocator.num_pages:
+        if num_pages + extra > self.device_allocator.num_pages:
             return None  # more than the whole device tier: evicting cannot help
-        pages = self._lifecycle.alloc(h, num_pages)
-        if pages is not None and pages.shape[0]:
+        pages = self._lifecycle.alloc(h, num_pages + extra)
+        if pages is None:
+            return None
+        if comps is not None:
+            comps.take(pages[num_pages:], num_pages, marks)
+            pages = pages[:num_pages]
+        if pages.shape[0]:
             h._new_pages.append(pages)
         return pages
 
@@ -201,6 +222,9 @@ class HiCache:
         self._check_handle(h)
         self._lifecycle.release(h)
         h._new_pages = []
+        if h._components is not None:
+            for pages in h._components.release():
+                self.device_allocator.free(pages)
         h.released = True
         self._live.discard(h)
         self.poll()

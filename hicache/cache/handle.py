@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hicache.cache.request_components import RequestComponents, StatePages
 from hicache.checks import check_int
 from hicache.errors import LoadError  # defined with the others; raised from here
 
@@ -29,7 +30,7 @@ class InFlightIO:
     :class:`PrefixHandle` lists the loads it waits on and each load its requests.
     """
 
-    __slots__ = ("handle", "kind", "nodes", "requests", "evict", "nbytes")
+    __slots__ = ("handle", "kind", "nodes", "requests", "evict", "nbytes", "parts")
 
     def __init__(self, handle: Transfer, kind: str, nodes: list[TreeNode], nbytes: int) -> None:
         self.handle = handle  # the transfer engine's handle
@@ -40,6 +41,9 @@ class InFlightIO:
         # pages are freed once backed up; None for other backups
         self.evict: list[TreeNode] | None = None
         self.nbytes = nbytes  # KV bytes moved
+        # hybrid models: nodes whose backup copies only these components (their host
+        # copy predates it); None when every node's full pages are copied
+        self.parts: dict[TreeNode, list[int]] | None = None
 
 
 class PrefixHandle:
@@ -61,6 +65,9 @@ class PrefixHandle:
         self.key = key  # int32 bytes of the matched prompt's whole pages
         self.device_len = device_len  # matched on the device at match time
         self.host_len = host_len  # matched only in host memory at match time
+        # Hybrid models: tokens cached as full-attention pages at match time (MatchResult.
+        # full_len); a state checkpoint there makes it a hit for the next request.
+        self.full_len = device_len + host_len
         self.prefix_len = device_len  # tokens whose KV is (or is being loaded) on device
         self.load_error: BaseException | None = None
         # Locked; ends the prefix. A node of the owner's tree (TreeNode or NativeNode); a
@@ -73,6 +80,9 @@ class PrefixHandle:
         self._failed_loads: list[tuple[InFlightIO, TreeNode]] = []
         self._failure_unreported = False  # applied, not yet reported by finish_loads
         self.released = False
+        # Hybrid models: the request's window and state pages (None: a single-kind model)
+        specs = tree.components
+        self._components = RequestComponents(specs, tree.page_size) if specs else None
 
     @property
     def prefix_pages(self) -> torch.Tensor:
@@ -93,6 +103,51 @@ class PrefixHandle:
             return self._tree.device_indices_of(self._lock_node, new[0])  # one gather
         parts = [self.prefix_pages, *new]
         return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def window_table(self, c: int) -> torch.Tensor:
+        """Window component ``c``'s pages of the whole sequence so far, ``(num_pages, width)``.
+
+        The prefix's part from the tree (``-1`` before the window the prefix's end
+        reads: those positions are never read), then the request's own pages.
+        """
+        comps = self._hybrid("window_table", c)
+        if c not in comps.windows:
+            raise ValueError(f"window_table: component {c} is not a window component")
+        if self.released:
+            raise ValueError("handle was already released: its pages are no longer valid")
+        width = comps.specs[c].width
+        prefix = self._tree.component_table(self._lock_node, c, "device")
+        return torch.cat((prefix, comps.window_pages(c))).view(-1, width)
+
+    def state_pages(self, c: int) -> StatePages:
+        """Where state component ``c``'s layers read and write this request's state.
+
+        ``read`` is the checkpoint the prefix ends at, for the first forward (a matched
+        prefix always ends at one; None for an empty prefix: the zero state, and
+        after an insert, where the request goes on from its own state); later
+        forwards read ``write``, the running state, which ``alloc`` allocates with the
+        checkpoints (None before).
+        """
+        comps = self._hybrid("state_pages", c)
+        if c not in comps.checkpoints:
+            raise ValueError(f"state_pages: component {c} is not a state component")
+        if self.released:
+            raise ValueError("handle was already released: its pages are no longer valid")
+        write = comps.states.get(c)
+        read = None
+        if self.prefix_len:
+            width = comps.specs[c].width
+            ids = self._tree.component_table(self._lock_node, c, "device")[-width:]
+            read = ids if bool((ids >= 0).all()) else None
+        return StatePages(read, write, dict(comps.checkpoints[c]))
+
+    def _hybrid(self, op: str, c: object) -> RequestComponents:
+        if self._components is None:
+            raise ValueError(f"{op}: the cache's KV layout has no components")
+        num = len(self._components.specs)
+        if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < num:
+            raise ValueError(f"{op}: expected a component index in [0, {num}), got {c!r}")
+        return self._components
 
     def wait_layer(self, layer: int) -> None:
         """Block until layer ``layer`` of every load this request depends on has landed."""

@@ -111,6 +111,8 @@ class InFlightTable:
                 self.num_loading_nodes += 1
             elif rec.evict is not None and suffix in rec.evict:
                 rec.evict.append(prefix)
+            if rec.parts is not None and suffix in rec.parts:
+                rec.parts[prefix] = rec.parts[suffix]
 
 
 def node_depth(node: TreeNode) -> int:

@@ -43,14 +43,20 @@ def check_cache_integrity(
     host_allocator.check_integrity()
     P = page_size
     owned = sum(h.num_owned_pages for h in live)
-    assert device_allocator.num_used_pages == tree.device_tokens // P + owned, (
+    owned += sum(h._components.num_pages for h in live if h._components is not None)
+    # Component pages share the tiers' page space (docs/design.md, "Hybrid models").
+    held = {tier: sum(tree.num_component_pages(c, tier) for c in range(len(tree.components)))
+            for tier in ("device", "host")}
+    assert device_allocator.num_used_pages == tree.device_tokens // P + held["device"] + owned, (
         f"device pages: {device_allocator.num_used_pages} allocated, tree holds "
-        f"{tree.device_tokens // P}, requests own {owned}: pages leaked or lost"
+        f"{tree.device_tokens // P} (and {held['device']} of components), requests own "
+        f"{owned}: pages leaked or lost"
     )
     prefetching = num_prefetching_pages
-    assert host_allocator.num_used_pages == tree.host_tokens // P + prefetching, (
+    assert host_allocator.num_used_pages == tree.host_tokens // P + held["host"] + prefetching, (
         f"host pages: {host_allocator.num_used_pages} allocated, tree holds "
-        f"{tree.host_tokens // P}, storage reads hold {prefetching}: pages leaked or lost"
+        f"{tree.host_tokens // P} (and {held['host']} of components), storage reads hold "
+        f"{prefetching}: pages leaked or lost"
     )
     want_locks: dict[TreeNode, int] = {}
     want_host_locks: dict[TreeNode, int] = {}

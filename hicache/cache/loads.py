@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hicache.cache.components import attach_loaded, load_extra_pages, transfer_pairs
 from hicache.cache.inflight import InFlightIO, node_depth
 from hicache.tree import IOStatus
 from hicache.tree.pages import device_pages_of, host_pages_of
@@ -49,6 +50,9 @@ class Loads:
     ) -> None:
         self._threshold_tokens = config.load_threshold_tokens
         self._page_size = config.page_size
+        # Hybrid models: a load gives the nodes device pages for their host component
+        # data too, moved in the same transfer (hicache.cache.components).
+        self._num_components = len(config.kv.component_specs)
         self._page_nbytes = config.kv.page_nbytes
         self._tree = tree
         self._space = space
@@ -72,7 +76,9 @@ class Loads:
         tree = self._tree
         nodes = tree.host_only_path(result)
         num_pages = sum(n.num_tokens for n in nodes) // self._page_size
-        num_tokens = num_pages * self._page_size
+        # The hit beyond what the device serves: the loaded tokens, and for a hybrid model
+        # also device nodes above them whose own ends no component serves.
+        num_tokens = result.host_len
         if num_tokens < self._threshold_tokens:
             self._counters.loads_refused_by_threshold += 1
             self._counters.host_hit_refused_tokens += num_tokens
@@ -81,9 +87,11 @@ class Loads:
         if pin:  # the eviction below must not take them
             for node in nodes:
                 tree.host_lock(node)
+        num_comps = self._num_components
+        extra = load_extra_pages(nodes, num_comps) if num_comps else 0
         self.setting_up = True
         try:
-            pages = self._space.alloc_device(num_pages)
+            pages = self._space.alloc_device(num_pages + extra)
         finally:
             self.setting_up = False
         if h._lock_node is not result.last_device_node:
@@ -104,27 +112,34 @@ class Loads:
         for node in nodes:
             n = node.num_tokens // self._page_size
             tree.attach_device(node, pages[off : off + n])
+            off += n
+            if extra:
+                off = attach_loaded(tree, node, pages, off, num_comps)
             if self._bookkeeping:
                 if pin:
                     tree.host_unlock(node)
             else:
                 tree.set_io_status(node, IOStatus.LOADING)
-            off += n
         tree.lock(nodes[-1])
         tree.unlock(h._lock_node)
         h._lock_node = nodes[-1]
         h._prefix_pages = None
-        h.prefix_len += num_tokens
+        h.prefix_len = result.device_len + result.host_len
         self._counters.loads += 1
         self._counters.host_hit_tokens += num_tokens
+        if extra:
+            self._space.enforce_budget("device")
         if self._bookkeeping:  # no KV to move: the load is complete as it starts
-            self._counters.load_bytes += num_pages * self._page_nbytes
+            self._counters.load_bytes += (num_pages + extra) * self._page_nbytes
             return None
-        host_pages = torch.cat([n.host_indices for n in nodes]) if len(nodes) > 1 else (
-            nodes[0].host_indices
-        )
+        if extra:
+            pages, host_pages = transfer_pairs(nodes, num_comps)
+        else:
+            host_pages = torch.cat([n.host_indices for n in nodes]) if len(nodes) > 1 else (
+                nodes[0].host_indices
+            )
         handle = self._transfers.load(host_pages, pages)
-        rec = InFlightIO(handle, "load", list(nodes), num_pages * self._page_nbytes)
+        rec = InFlightIO(handle, "load", list(nodes), (num_pages + extra) * self._page_nbytes)
         rec.requests.append(h)
         h._loads.append(rec)
         self._inflight.track(rec)
@@ -165,10 +180,12 @@ class Loads:
         for node in nodes:
             self._tree.set_io_status(node, IOStatus.LOADING)
             self._tree.host_lock(node)
-        handle = self._transfers.load(
-            host_pages_of(nodes), device_pages_of(nodes)
-        )
-        num_pages = sum(n.num_tokens for n in nodes) // self._page_size
+        if self._num_components:
+            device, host = transfer_pairs(nodes, self._num_components)
+        else:
+            device, host = device_pages_of(nodes), host_pages_of(nodes)
+        handle = self._transfers.load(host, device)
+        num_pages = device.shape[0]
         self._counters.loads_reloaded += 1
         self._inflight.track(InFlightIO(handle, "load", list(nodes), num_pages * self._page_nbytes))
 
@@ -189,6 +206,13 @@ class Loads:
         depth = sum(n.num_tokens for n in tree.path_to(node))
         if depth >= h.prefix_len:
             return
+        if tree.components:  # hybrid: back to the deepest end every component serves there
+            served = tree.probe_hit_key(h.key[: 4 * depth], h.namespace)
+            while depth > served:
+                depth -= node.num_tokens
+                parent = node.parent
+                assert parent is not None, "a servable end lies on the path"
+                node = parent
         tree.lock(node)
         tree.unlock(h._lock_node)
         h._lock_node = node
@@ -197,4 +221,7 @@ class Loads:
         for pages in h._new_pages:  # computed on top of garbage: useless
             self._space.device_allocator.free(pages)
         h._new_pages = []
+        if h._components is not None:
+            for pages in h._components.drop_computed():
+                self._space.device_allocator.free(pages)
         h.load_error = error

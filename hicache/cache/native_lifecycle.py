@@ -63,7 +63,8 @@ def open_native_lifecycle(
     host_allocator: PageAllocator,
 ) -> NativeLifecycle | None:
     """The C++ lifecycle where it applies (``config.lifecycle``), else None (Python runs it)."""
-    if config.lifecycle == "python" or config.allocate_kv or config.storage is not None:
+    if (config.lifecycle == "python" or config.allocate_kv or config.storage is not None
+            or config.kv.component_specs):  # hybrid models: the Python lifecycle only
         return None
     if (
         type(tree) is not NativeRadixTree

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+from hicache.cache.components import ComponentBudget
 from hicache.cache.control import EventLog
 from hicache.cache.inflight import InFlightTable
 from hicache.cache.loads import Loads
@@ -65,6 +66,15 @@ def compose_parts(
         tree, tiers.device_allocator, tiers.host_allocator, tiers.transfers, inflight, counters,
         page_size=page_size, bookkeeping=bookkeeping, poll=poll, wait_all=wait_all,
     )
+    if config.kv.component_specs and (
+        config.component_device_fraction < 1 or config.component_host_fraction < 1
+    ):
+        space.budget = ComponentBudget(
+            tree,
+            {"device": int(config.component_device_fraction * config.num_device_pages),
+             "host": int(config.component_host_fraction * config.num_host_pages)},
+            {"device": tiers.device_allocator.free, "host": tiers.host_allocator.free},
+        )
     pins = Pins(config, tree, counters)
     events = EventLog(tree, page_size, config.has_host_tier) if config.kv_events else None
     third_tier = None

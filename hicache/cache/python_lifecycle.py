@@ -75,6 +75,7 @@ class PythonLifecycle:
             owner, tree, self._num_layers, key, namespace, result.device_len, result.host_len,
             result.last_device_node,
         )
+        h.full_len = result.full_len
         tree.lock(result.last_device_node)
         c = self._counters
         c.requests += 1
@@ -138,7 +139,16 @@ class PythonLifecycle:
             return 0
         table = h.page_table()
         inserted = table[:num_pages]
-        result = self._tree.insert_key(key, inserted, h.namespace)
+        comps = h._components
+        if comps is None:
+            result = self._tree.insert_key(key, inserted, h.namespace)
+        else:  # the window pages and checkpoints go with the full pages (hybrid models)
+            given = comps.insert_pages(num_prefix_pages, num_pages)
+            result = self._tree.insert_key(key, inserted, h.namespace, components=given)
+            if result.unused_pages.shape[0]:
+                self._space.device_allocator.free(result.unused_pages)
+            comps.after_insert(num_prefix_pages, num_pages)
+            self._space.enforce_budget("device")
         cached_pages = result.num_cached_tokens // P
         if cached_pages > num_prefix_pages:  # cached meanwhile by someone else: ours are spare
             self._space.device_allocator.free(table[num_prefix_pages:cached_pages])

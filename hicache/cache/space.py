@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hicache.cache.components import ComponentBudget, component_pages
+
 if TYPE_CHECKING:  # annotations only
     from hicache.cache.inflight import InFlightTable
     from hicache.cache.stats import CacheStats
@@ -26,6 +28,7 @@ if TYPE_CHECKING:  # annotations only
     from hicache.transfer import TransferEngine
     from hicache.tree import TreeNode
     from hicache.tree.protocol import RadixTreeLike
+    from hicache.tree.types import Tier
 
 
 class TierSpace:
@@ -56,6 +59,13 @@ class TierSpace:
         self._poll = poll  # the cache's: applies finished transfers (frees pages)
         self._wait_all = wait_all  # the cache's: waits for and applies every transfer
         self._backup_for_eviction: Callable[[TreeNode], bool] | None = None
+        # Hybrid models: each component's share of each tier (None: no cap below the tier)
+        self.budget: ComponentBudget | None = None
+
+    def enforce_budget(self, tier: Tier) -> None:
+        """Evict what a component holds past its share of ``tier`` (hybrid models)."""
+        if self.budget is not None:
+            self.budget.enforce(tier)
 
     def set_eviction_backup(self, hook: Callable[[TreeNode], bool] | None) -> None:
         """Device eviction hands each leaf to ``hook`` (write-back): True if it took it."""
@@ -124,7 +134,7 @@ class TierSpace:
             return False
 
         result = self.tree.evict_device(num_pages * self.page_size, decline)
-        if result.num_evicted_tokens:
+        if result.page_ids.shape[0]:  # (component pages may go alone: no full tokens)
             self.device_allocator.free(result.page_ids)
             self._counters.device_evicted_tokens += result.num_evicted_tokens
         self._counters.unbacked_dropped_tokens += dropped
@@ -135,23 +145,30 @@ class TierSpace:
         An unlocked node with IO in flight (a backup, a reload) is not taken, nor
         are its unlocked ancestors (they keep a device child until it lands).
         """
-        tokens = self.tree.device_evictable_tokens
+        tree = self.tree
+        tokens = tree.device_evictable_tokens
+        # Hybrid models: component pages on unlocked nodes go too (component eviction
+        # takes them from nodes above IO in flight, not from the nodes it covers).
+        pages = tree.device_component_evictable_pages
         if self._inflight.by_node:
             seen: set[TreeNode] = set()
             for node in self._inflight.by_node:
+                if pages and node.lock_ref == 0:
+                    pages -= sum(t.shape[0] for t in component_pages(
+                        node, "device", len(tree.components)))
                 while node.parent is not None and node.lock_ref == 0 and node not in seen:
                     seen.add(node)
                     if node.device_indices is not None:
                         tokens -= node.num_tokens
                     node = node.parent
-        return tokens // self.page_size
+        return tokens // self.page_size + pages
 
     def evict_device(self, num_pages: int) -> None:
         """Evict device leaves for about ``num_pages`` pages (write-back: into backups)."""
         if num_pages <= 0:
             return
         result = self.tree.evict_device(num_pages * self.page_size, self._backup_for_eviction)
-        if result.num_evicted_tokens:
+        if result.page_ids.shape[0]:  # (component pages may go alone: no full tokens)
             self.device_allocator.free(result.page_ids)
             self._counters.device_evicted_tokens += result.num_evicted_tokens
         if result.num_backup_tokens:
@@ -166,7 +183,7 @@ class TierSpace:
             return None  # evicting would not make enough room: keep what is cached
         if short > 0:
             result = self.tree.evict_host(short * self.page_size)
-            if result.num_evicted_tokens:
+            if result.page_ids.shape[0]:
                 self.host_allocator.free(result.page_ids)
                 self._counters.host_evicted_tokens += result.num_evicted_tokens
         return alloc.alloc(num_pages)
@@ -179,4 +196,5 @@ class TierSpace:
         a host copy only once its children have none: see docs/design.md). The
         tree keeps that figure (``host_takeable_tokens``).
         """
-        return self.tree.host_takeable_tokens // self.page_size
+        tree = self.tree
+        return tree.host_takeable_tokens // self.page_size + tree.host_component_takeable_pages

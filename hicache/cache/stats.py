@@ -69,9 +69,10 @@ def stats_report(c: CacheStats) -> dict[str, Any]:
 
 def tier_occupancy(
     tree: RadixTreeLike, device_allocator: PageAllocator, host_allocator: PageAllocator
-) -> dict[str, int]:
-    """Pages used and free in each tier's free list, tokens cached in each tier now."""
-    return {
+) -> dict[str, Any]:
+    """Pages used and free in each tier's free list, tokens cached in each tier now; for a
+    hybrid model the page ids its components hold in each tier (in all, and each one's)."""
+    out: dict[str, Any] = {
         "device_pages_used": device_allocator.num_used_pages,
         "device_pages_free": device_allocator.num_free_pages,
         "host_pages_used": host_allocator.num_used_pages,
@@ -79,3 +80,12 @@ def tier_occupancy(
         "device_cached_tokens": tree.device_tokens,
         "host_cached_tokens": tree.host_tokens,
     }
+    if tree.components:
+        per = [{"component": spec.describe(),
+                "device_pages": tree.num_component_pages(c, "device"),
+                "host_pages": tree.num_component_pages(c, "host")}
+               for c, spec in enumerate(tree.components)]
+        out["device_component_pages"] = sum(p["device_pages"] for p in per)
+        out["host_component_pages"] = sum(p["host_pages"] for p in per)
+        out["components"] = per
+    return out

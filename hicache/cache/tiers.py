@@ -49,4 +49,5 @@ def build_tiers(config: CacheConfig) -> Tiers:
 
 def make_tree(config: CacheConfig) -> RadixTreeLike:
     """The radix tree ``config.tree`` names: the Python reference tree or the native one."""
-    return make_radix_tree(config.tree, config.page_size, config.eviction)
+    return make_radix_tree(config.tree, config.page_size, config.eviction,
+                           components=config.kv.component_specs)

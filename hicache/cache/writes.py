@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hicache.cache.components import backup_plan, transfer_pairs
 from hicache.cache.inflight import InFlightIO, node_depth
 from hicache.config import WritePolicy
 from hicache.tree import IOStatus
@@ -56,6 +57,9 @@ class Writes:
         self._has_host_tier = config.has_host_tier
         self._page_size = config.page_size
         self._page_nbytes = config.kv.page_nbytes
+        # Hybrid models: a backup copies a node's component data with its full pages, or
+        # alone where its host copy exists (hicache.cache.components).
+        self._num_components = len(config.kv.component_specs)
         self._tree = tree
         self._space = space
         self._inflight = inflight
@@ -109,13 +113,18 @@ class Writes:
         # eviction loop hands the node over and frees its pages when that is applied.
         sync = self._bookkeeping
         tree = self._tree
+        num_comps = self._num_components
         started: list[TreeNode] = []
+        parts: dict[TreeNode, list[int]] = {}  # nodes whose backup copies components only
         for i, node in enumerate(nodes):
             parent = node.parent
             assert parent is not None, "a backup of a root"
             if parent.parent is not None and parent.host_indices is None:
                 break  # the parent first: a later backup through this path takes these
-            num_pages = node.num_tokens // self._page_size
+            if num_comps:
+                full, comps, num_pages = backup_plan(node, num_comps)
+            else:
+                full, comps, num_pages = True, [], node.num_tokens // self._page_size
             # Making room must not take the parent's host copy (a host-eviction
             # candidate while its children have none): node's copy needs it.
             guard = (parent.parent is not None
@@ -130,29 +139,45 @@ class Writes:
             if host_pages is None:
                 self._counters.backups_skipped += len(nodes) - i
                 break
-            tree.attach_host(node, host_pages)
+            off = 0
+            if full:
+                off = node.num_tokens // self._page_size
+                tree.attach_host(node, host_pages[:off])
+            else:
+                parts[node] = comps
+            for c in comps:
+                n = node.component_pages(c, "device").shape[0]  # type: ignore[union-attr]
+                tree.attach_component(node, c, "host", host_pages[off : off + n])
+                off += n
             if not sync or node is evict:
                 tree.set_io_status(node, IOStatus.BACKING_UP)
             started.append(node)
         if not started:
             return False
+        if num_comps:
+            self._space.enforce_budget("host")
         self._counters.backups += 1
         moving = started if not sync else [evict] if started[-1] is evict else []
         if sync:  # bookkeeping only: the host copy is complete as it starts
-            self._counters.backup_bytes += (
-                sum(n.num_tokens for n in started if n is not evict) // self._page_size
-                * self._page_nbytes
-            )
+            copied = [n for n in started if n is not evict]
+            num_pages = (transfer_pairs(copied, num_comps, parts)[0].shape[0] if num_comps
+                         else sum(n.num_tokens for n in copied) // self._page_size)
+            self._counters.backup_bytes += num_pages * self._page_nbytes
         if not moving:
             return False
-        if len(moving) == 1:
+        if num_comps:
+            dev, host = transfer_pairs(moving, num_comps, parts)
+        elif len(moving) == 1:
             (node,) = moving
-            dev, host = node.device_indices, node.host_indices
-            assert dev is not None and host is not None, "a backup moves nodes on both tiers"
+            dev_pages, host_pages_ = node.device_indices, node.host_indices
+            assert dev_pages is not None and host_pages_ is not None, (
+                "a backup moves nodes on both tiers")
+            dev, host = dev_pages, host_pages_
         else:
             dev = device_pages_of(moving)
             host = host_pages_of(moving)
         rec = self._submit(dev, host, moving)
+        rec.parts = {n: cs for n, cs in parts.items() if n in moving} or None
         if evict is not None and started[-1] is evict:
             rec.evict = [evict]
         self._inflight.track(rec)
@@ -179,7 +204,13 @@ class Writes:
             # tries again).
             retry = []
             for node in sorted(rec.nodes, key=node_depth, reverse=True):
-                if any(ch.host_indices is not None for ch in node.children.values()):
+                if rec.parts is not None and node in rec.parts:
+                    # Only component data was copied: the node's host copy predates it.
+                    for comp in rec.parts[node]:
+                        if node.component_pages(comp, "host") is not None:
+                            self._space.host_allocator.free(
+                                tree.detach_component(node, comp, "host"))
+                elif any(ch.host_indices is not None for ch in node.children.values()):
                     retry.append(node)
                 else:
                     self._space.host_allocator.free(tree.detach_host(node))
@@ -201,8 +232,11 @@ class Writes:
         """Copy ``nodes`` (root side first) into the host pages they keep, again."""
         for node in nodes:
             self._tree.set_io_status(node, IOStatus.BACKING_UP)
-        dev = device_pages_of(nodes)
-        host = host_pages_of(nodes)
+        if self._num_components:
+            dev, host = transfer_pairs(nodes, self._num_components)
+        else:
+            dev = device_pages_of(nodes)
+            host = host_pages_of(nodes)
         rec = self._submit(dev, host, nodes)
         if failed.evict is not None:
             rec.evict = [n for n in failed.evict if n in nodes] or None

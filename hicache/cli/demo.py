@@ -92,8 +92,11 @@ def run(args: argparse.Namespace) -> int:
         trace = trace[: args.requests]
     page_size = args.page_size
     requests = to_requests(trace)
-    ws, device_tokens, host_tokens = capacities(trace, requests, page_size, args.device_tokens)
     cfg = preset(args.preset)
+    with user_input("--page-size"):  # a hybrid model's state must fit a page
+        kv = cfg.kv_config(page_size)
+    ws, device_tokens, host_tokens = capacities(trace, requests, page_size, args.device_tokens,
+                                                kv=kv)
     model = Model(cfg, seed=args.seed)
     check_engine_tiers(model, page_size, device_tokens, host_tokens)
     prompt_tokens = sum(len(r.prompt) for r in requests)

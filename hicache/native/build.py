@@ -52,7 +52,7 @@ from hicache.errors import NativeBuildError  # defined with the others; raised f
 
 _PACKAGE = Path(__file__).resolve().parent
 _CSRC = _PACKAGE / "csrc"
-_SOURCES = ("tree.cpp", "lifecycle.cpp", "bindings.cpp")  # translation units; headers are hashed too
+_SOURCES = ("tree.cpp", "components.cpp", "lifecycle.cpp", "bindings.cpp")  # translation units; headers are hashed too
 _MODULE = "_native"  # the extension's name, installed as hicache.native._native
 BUILD_INFO_NAME = "_native_build.json"  # written by setup.py next to the installed module
 _DIR_PREFIX = "native-"  # JIT build directories: native-<digest>, native-asan-<digest>

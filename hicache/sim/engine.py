@@ -32,6 +32,13 @@ arrived when it is scheduled. :meth:`Engine.close` waits for the host copies and
 storage writes still in flight, so what this engine computed is in storage for
 the next process.
 
+A hybrid model (``tiny-hybrid``, ``small-hybrid``: window and linear layers beside
+full attention) runs the same way: the cache hands the request its window pages
+and its state (``h.window_table``, ``h.state_pages``); the engine asks ``alloc`` for
+state checkpoints at the inserted length and at the full-attention match
+(``h.full_len``), which the insert gives the tree, so the next turn, and the next
+request branching there, start from a checkpoint.
+
 This module does not know the radix tree, the pools' layout or how transfers
 move bytes: it talks to the cache through its public lifecycle only.
 """
@@ -46,7 +53,8 @@ import numpy as np
 import torch
 
 from hicache.cache import HiCache, LoadError, PrefixHandle
-from hicache.config import CacheConfig, EvictionPolicy, PrefetchPolicy, WritePolicy
+from hicache.cache.request_components import StatePages
+from hicache.config import CacheConfig, EvictionPolicy, KVConfig, PrefetchPolicy, WritePolicy
 from hicache.memory import DevicePool, PageAllocator
 from hicache.sim.model import Model
 
@@ -58,6 +66,13 @@ class EngineMode(str, Enum):
 
 
 MODES: tuple[str, ...] = tuple(m.value for m in EngineMode)
+
+
+def request_pages(kv: KVConfig, num_pages: int) -> int:
+    """Device pages one request of ``num_pages`` pages takes: its full pages, and for a
+    hybrid model (``kv.components``) its window pages, its state and two checkpoints."""
+    return num_pages + sum(
+        s.width * (num_pages if s.is_window else 3) for s in kv.component_specs)
 
 
 class GenerateResult(NamedTuple):
@@ -132,6 +147,8 @@ class Engine:
         self.model = model
         self.page_size = page_size
         kv = model.kv_config(page_size)
+        self._kv = kv
+        self._specs = kv.component_specs  # hybrid models: window and state components
         device = str(model.device)
         self.cache: HiCache | None = None
         if self.mode is EngineMode.NONE:
@@ -191,7 +208,7 @@ class Engine:
         prompt_len = len(prompt)
         # The last generated token is never fed back, so its KV is never needed.
         seq_len = prompt_len + max_new_tokens - 1
-        num_pages = -(-seq_len // self.page_size)
+        num_pages = request_pages(self._kv, -(-seq_len // self.page_size))
         if num_pages > self.num_device_pages:
             raise ValueError(
                 f"request needs {num_pages} device pages ({seq_len} tokens of prompt and "
@@ -277,19 +294,44 @@ class Engine:
         self, prompt: torch.Tensor, max_new_tokens: int, seq_len: int, start: float,
         keep_logits: bool,
     ) -> GenerateResult:
-        pages = self._allocator.alloc(-(-seq_len // self.page_size))
-        assert pages is not None, "pages of the previous request were not freed"
+        num_pages = -(-seq_len // self.page_size)
+        held = self._allocator.alloc(request_pages(self._kv, num_pages))
+        assert held is not None, "pages of the previous request were not freed"
+        pages, comps = held[:num_pages], []
+        off = num_pages
+        for spec in self._specs:  # hybrid: window pages for every page, one state
+            n = spec.width * (num_pages if spec.is_window else 1)
+            ids = held[off : off + n]
+            off += n
+            comps.append(ids.view(num_pages, spec.width) if spec.is_window
+                         else StatePages(None, ids, {}))
         try:
-            first = self.model.forward(prompt, pages, 0, self.pool, last_only=True)
+            first = self.model.forward(prompt, pages, 0, self.pool, last_only=True,
+                                       components=comps or None)
             first_token = int(first[-1].argmax())  # syncs a GPU: TTFT is real
             ttft = time.perf_counter() - start
+            comps = [c if isinstance(c, torch.Tensor) else StatePages(c.write, c.write, {})
+                     for c in comps]  # decode goes on from the state prefill left
             tokens, logits = self._decode(
-                first, first_token, pages, len(prompt), max_new_tokens, keep_logits
+                first, first_token, pages, len(prompt), max_new_tokens, keep_logits, comps
             )
             total = time.perf_counter() - start
         finally:
-            self._allocator.free(pages)
+            self._allocator.free(held)
         return GenerateResult(tokens, ttft, total, 0, 0, len(prompt), 0, logits)
+
+    def _components(self, h: PrefixHandle, prefill: bool) -> list[torch.Tensor | StatePages]:
+        """A hybrid request's component pages for the model: window page tables, and
+        states read from the prefix's checkpoint (``prefill``) or the request's own."""
+        out: list[torch.Tensor | StatePages] = []
+        for c, spec in enumerate(self._specs):
+            if spec.is_window:
+                out.append(h.window_table(c))
+            else:
+                state = h.state_pages(c)
+                out.append(state if prefill else StatePages(state.write, state.write,
+                                                            state.checkpoints))
+        return out
 
     def _generate_cached(
         self, prompt: torch.Tensor, max_new_tokens: int, seq_len: int,
@@ -315,6 +357,7 @@ class Engine:
                     first = self.model.forward(
                         prompt[prefix_len:], h.page_table(), prefix_len, self.pool,
                         load_handle=h, last_only=True,
+                        components=self._components(h, True) if self._specs else None,
                     )
                 except LoadError as exc:
                     error = exc
@@ -327,8 +370,9 @@ class Engine:
             first_token = int(first[-1].argmax())  # syncs a GPU: TTFT is real
             ttft = time.perf_counter() - start
             pages = h.page_table()
+            comps = self._components(h, False) if self._specs else []
             tokens, logits = self._decode(
-                first, first_token, pages, prompt_len, max_new_tokens, keep_logits
+                first, first_token, pages, prompt_len, max_new_tokens, keep_logits, comps
             )
             total = time.perf_counter() - start
             seq = torch.cat((prompt, torch.tensor(tokens[:-1], dtype=torch.int64)))
@@ -342,10 +386,17 @@ class Engine:
         )
 
     def _alloc(self, h: PrefixHandle, seq_len: int) -> None:
-        """Make ``h`` own the pages its sequence needs past ``h.prefix_len``."""
+        """Make ``h`` own the pages its sequence needs past ``h.prefix_len``; a hybrid
+        model's request also its state checkpoints at the length the insert will cache
+        and at the full-attention match."""
         num_pages = -(-(seq_len - h.prefix_len) // self.page_size) - h.num_owned_pages
         assert self.cache is not None, "a handle comes from the engine's cache"
-        if num_pages > 0 and self.cache.alloc(h, num_pages * self.page_size) is None:
+        marks = []
+        if self._specs:
+            end = seq_len // self.page_size * self.page_size
+            marks = [p for p in {end, h.full_len} if h.prefix_len < p <= end]
+        if num_pages > 0 and self.cache.alloc(
+                h, num_pages * self.page_size, checkpoints=marks) is None:
             raise ValueError(
                 f"request needs {-(-seq_len // self.page_size)} device pages "
                 f"({seq_len} tokens, page_size {self.page_size}); after evicting everything "
@@ -356,13 +407,15 @@ class Engine:
     def _decode(
         self, first_logits: torch.Tensor, first_token: int, pages: torch.Tensor,
         prompt_len: int, max_new_tokens: int, keep_logits: bool,
+        components: list[torch.Tensor | StatePages],
     ) -> tuple[list[int], torch.Tensor | None]:
         kept = [first_logits] if keep_logits else []  # (1, vocab) each
         tokens = [first_token]
         for step in range(1, max_new_tokens):
             ids = torch.tensor(tokens[-1:], dtype=torch.int64)
             logits = self.model.forward(
-                ids, pages, prompt_len + step - 1, self.pool, last_only=True
+                ids, pages, prompt_len + step - 1, self.pool, last_only=True,
+                components=components or None,
             )
             if keep_logits:
                 kept.append(logits)

@@ -16,6 +16,12 @@ All arithmetic is vectorized numpy ``uint64`` (wrapping), one pass per call, no
 Python loop per token. Values are small multiples of 1/64 in ``[-1, 1)``, then
 cast to the pool dtype; comparison is bitwise on the cast values.
 
+A hybrid model's component pages (docs/design.md, "Hybrid models: components")
+are checked the same way, with a salt per component and group of layers: a window
+page holds its positions' KV as above, salted; a state page holds the checkpoint
+after ``L`` tokens, every slot drawn from the prefix of ``L`` tokens, salted. So a
+window page or checkpoint read for the wrong prefix, group or component mismatches.
+
 What it does not know: allocators or transfers. Callers give the page table
 (device page id per page of the sequence) or host page ids; only
 :func:`verify_cache` walks a cache's tree, to check every readable node at once.
@@ -61,11 +67,18 @@ def _as_tokens(tokens) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
-def position_seeds(tokens, end: int, namespace: str | None) -> np.ndarray:
+def component_salt(c: int, group: int) -> int:
+    """The salt of component ``c``'s group ``group`` (0 is full attention's: no salt)."""
+    with np.errstate(over="ignore"):
+        return int(_mix(np.array([(c + 1) * 0x10001 + group], dtype=_U64) * _GOLDEN)[0])
+
+
+def position_seeds(tokens, end: int, namespace: str | None, salt: int = 0) -> np.ndarray:
     """Seed of every position ``0..end-1``: a hash of the namespace, the prefix and the position.
 
     The prefix hash is ``sum_i (tok_i + 1) * BASE**i`` (mod 2**64), a cumulative sum,
-    so it is vectorized and still changes when any earlier token changes.
+    so it is vectorized and still changes when any earlier token changes. ``salt``
+    (:func:`component_salt`) tells a component's pages from full attention's.
     """
     toks = _as_tokens(tokens)
     if not 0 <= end <= len(toks):
@@ -75,7 +88,7 @@ def position_seeds(tokens, end: int, namespace: str | None) -> np.ndarray:
         powers = np.cumprod(np.full(end, _BASE, dtype=_U64), dtype=_U64)
         prefix = np.cumsum((toks + _U64(1)) * powers, dtype=_U64)
         pos = np.arange(end, dtype=_U64)
-        return _mix(prefix ^ _mix(pos * _GOLDEN + _U64(namespace_seed(namespace))))
+        return _mix(prefix ^ _mix(pos * _GOLDEN + _U64(namespace_seed(namespace)) + _U64(salt)))
 
 
 def expected_kv(
@@ -124,6 +137,7 @@ def write_kv(
     start: int,
     end: int,
     namespace: str | None = None,
+    salt: int = 0,
 ) -> None:
     """Fill positions ``[start, end)`` of a sequence with their expected KV, all layers, K and V.
 
@@ -135,7 +149,7 @@ def write_kv(
     if end == start:
         return
     row = kv.num_kv_heads * kv.head_dim
-    vals = expected_kv(position_seeds(tokens, end, namespace)[start:], kv.num_layers, row,
+    vals = expected_kv(position_seeds(tokens, end, namespace, salt)[start:], kv.num_layers, row,
                        kv.torch_dtype)  # (n, L, 2, row)
     pages, slots = pages.to(pool.device), slots.to(pool.device)
     vals = vals.to(pool.device).view(len(vals), kv.num_layers, 2, kv.num_kv_heads, kv.head_dim)
@@ -151,6 +165,7 @@ def verify_kv(
     end: int,
     namespace: str | None = None,
     start: int = 0,
+    salt: int = 0,
 ) -> list[int]:
     """Positions in ``[start, end)`` whose device KV differs from the expected (any layer, K or V)."""
     kv = pool.kv
@@ -158,7 +173,7 @@ def verify_kv(
     if end == start:
         return []
     row = kv.num_kv_heads * kv.head_dim
-    want = expected_kv(position_seeds(tokens, end, namespace)[start:], kv.num_layers, row,
+    want = expected_kv(position_seeds(tokens, end, namespace, salt)[start:], kv.num_layers, row,
                        kv.torch_dtype)  # (n, L, 2, row)
     pages, slots = pages.to(pool.device), slots.to(pool.device)
     got = torch.stack(
@@ -180,6 +195,7 @@ def verify_host_kv(
     start: int,
     end: int,
     namespace: str | None = None,
+    salt: int = 0,
 ) -> list[int]:
     """Positions in ``[start, end)`` whose host copy differs from the expected.
 
@@ -203,7 +219,7 @@ def verify_host_kv(
     if int(ids.min()) < 0 or int(ids.max()) >= pool.num_pages:
         raise ValueError(f"host_pages: ids outside [0, {pool.num_pages})")
     row = kv.num_kv_heads * kv.head_dim
-    want = expected_kv(position_seeds(tokens, end, namespace)[start:], kv.num_layers, row,
+    want = expected_kv(position_seeds(tokens, end, namespace, salt)[start:], kv.num_layers, row,
                        kv.torch_dtype)  # (n, L, 2, row)
     # (num_pages, L, 2, P, H, D) -> (num_pages, P, L, 2, row): token-major like ``want``
     got = pool.buffer.index_select(0, ids).reshape(num_pages, kv.num_layers, 2, P, row)
@@ -211,6 +227,102 @@ def verify_host_kv(
     got = got[: end - start]
     bad = (_bits(got) != _bits(want)).reshape(len(want), -1).any(dim=1)
     return (torch.nonzero(bad).flatten() + start).tolist()
+
+
+# ----------------------------------------------------------- components
+def state_seeds(tokens, length: int, namespace: str | None, salt: int, page_size: int) -> np.ndarray:
+    """Seeds of the ``page_size`` slots of a checkpoint after ``length`` (>= 1) tokens."""
+    base = position_seeds(tokens, length, namespace, salt)[length - 1]
+    slots = np.arange(page_size, dtype=_U64)
+    with np.errstate(over="ignore"):
+        return _mix(base + (slots + _U64(1)) * _GOLDEN)
+
+
+def _state_values(kv, tokens, length: int, namespace: str | None, salt: int) -> torch.Tensor:
+    row = kv.num_kv_heads * kv.head_dim
+    seeds = state_seeds(tokens, length, namespace, salt, kv.page_size)
+    return expected_kv(seeds, kv.num_layers, row, kv.torch_dtype)  # (P, L, 2, row)
+
+
+def write_window(pool: DevicePool, table: torch.Tensor, tokens, start: int, end: int,
+                 namespace: str | None, c: int) -> None:
+    """Fill positions ``[start, end)`` of window component ``c``'s pages (``table``:
+    ``(num_pages, width)``, as from ``PrefixHandle.window_table``), every group salted."""
+    for g in range(table.shape[1]):
+        write_kv(pool, table[:, g].contiguous(), tokens, start, end, namespace,
+                 component_salt(c, g))
+
+
+def verify_window(pool: DevicePool, table: torch.Tensor, tokens, start: int, end: int,
+                  namespace: str | None, c: int) -> list[int]:
+    """Positions in ``[start, end)`` whose window pages (any group) differ from the expected."""
+    bad: set[int] = set()
+    for g in range(table.shape[1]):
+        bad.update(verify_kv(pool, table[:, g].contiguous(), tokens, end, namespace, start,
+                             component_salt(c, g)))
+    return sorted(bad)
+
+
+def write_state(pool: DevicePool, ids: torch.Tensor, tokens, length: int,
+                namespace: str | None, c: int) -> None:
+    """Fill state component ``c``'s pages ``ids`` (one per group) with the checkpoint
+    after ``length`` tokens."""
+    kv = pool.kv
+    shape = (kv.page_size, kv.num_kv_heads, kv.head_dim)
+    for g, page in enumerate(ids.tolist()):
+        vals = _state_values(kv, tokens, length, namespace, component_salt(c, g)).to(pool.device)
+        for layer in range(kv.num_layers):
+            pool.k_buffers[layer][page] = vals[:, layer, 0].reshape(shape)
+            pool.v_buffers[layer][page] = vals[:, layer, 1].reshape(shape)
+
+
+def verify_state(pool: DevicePool | HostPool, ids: torch.Tensor, tokens, length: int,
+                 namespace: str | None, c: int) -> bool:
+    """True when pages ``ids`` (device, or host with a :class:`HostPool`) hold exactly the
+    checkpoint of state component ``c`` after ``length`` tokens."""
+    kv = pool.kv
+    for g, page in enumerate(ids.tolist()):
+        want = _state_values(kv, tokens, length, namespace, component_salt(c, g))
+        if isinstance(pool, HostPool):  # (L, 2, P, H, D) -> (P, L, 2, row)
+            got = pool.buffer[page].reshape(kv.num_layers, 2, kv.page_size, -1).permute(2, 0, 1, 3)
+        else:
+            got = torch.stack([torch.stack((pool.k_buffers[layer][page], pool.v_buffers[layer][page]))
+                               for layer in range(kv.num_layers)])  # (L, 2, P, H, D)
+            got = got.reshape(kv.num_layers, 2, kv.page_size, -1).permute(2, 0, 1, 3).cpu()
+        if not torch.equal(_bits(got.reshape(want.shape)), _bits(want)):
+            return False
+    return True
+
+
+def _verify_components(cache, node, tokens, start: int, end: int) -> list[str]:
+    """What of ``node``'s component data, in each readable tier, differs from the expected."""
+    from hicache.tree import IOStatus
+
+    problems = []
+    for c, spec in enumerate(cache.tree.components):
+        for tier in ("device", "host"):
+            ids = node.component_pages(c, tier)
+            busy = IOStatus.LOADING if tier == "device" else IOStatus.BACKING_UP
+            if ids is None or node.io_status is busy:
+                continue
+            pool = cache.device_pool if tier == "device" else cache.host_pool
+            if not spec.is_window:
+                if not verify_state(pool, ids, tokens, end, node.namespace, c):
+                    problems.append(f"node {node.id} component {c} {tier} checkpoint")
+                continue
+            width = spec.width
+            for g in range(width):
+                salt = component_salt(c, g)
+                if tier == "device":
+                    table = torch.cat([torch.zeros(start // cache.page_size, dtype=torch.int64),
+                                       ids[g::width]])
+                    bad = verify_kv(pool, table, tokens, end, node.namespace, start, salt)
+                else:
+                    bad = verify_host_kv(pool, ids[g::width].contiguous(), tokens, start, end,
+                                         node.namespace, salt)
+                if bad:
+                    problems.append(f"node {node.id} component {c} {tier} positions {bad}")
+    return problems
 
 
 def path_tokens(node) -> np.ndarray:
@@ -247,4 +359,6 @@ def verify_cache(cache) -> list[str]:
                                  node.namespace)
             if bad:
                 problems.append(f"node {node.id} ({node.namespace!r}) host positions {bad}")
+        if cache.tree.components:
+            problems += _verify_components(cache, node, tokens, start, end)
     return problems

@@ -19,6 +19,15 @@ How a sequence's tokens meet the pool in one ``forward`` call::
                                                            page_table[p // page_size],
                                                            slot p % page_size
 
+A hybrid preset (``tiny-hybrid``, ``small-hybrid``) also has sliding-window and
+linear-recurrence layers (:mod:`hicache.sim.layers`); the caller then passes
+``components``, one entry per cache component of the model's KV layout
+(:meth:`ModelConfig.components`): a window component's page table
+``(num_pages, width)`` (``PrefixHandle.window_table``), a state component's pages
+(``PrefixHandle.state_pages``: the checkpoint to start from, the running state, the
+checkpoints to write). A layer's pool layer is its slot in a page
+(:meth:`ModelConfig.layer_slots`): ``load_handle.wait_layer`` gets that slot.
+
 This module does not know the radix tree, the allocator or transfers: the
 caller passes the page table, and optionally a load handle to wait on per layer.
 """
@@ -29,6 +38,7 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Protocol
@@ -38,7 +48,15 @@ import torch.nn.functional as F
 
 from hicache.config import KVConfig
 from hicache.memory import DevicePool, as_rows
-from hicache.sim.modelconfig import PRESET_NAMES, ModelConfig, preset
+from hicache.sim.layers import decays, recur, window_mask
+from hicache.sim.modelchecks import (
+    StateIO,
+    check_components,
+    check_page_table,
+    check_pool,
+    check_tokens,
+)
+from hicache.sim.modelconfig import PRESET_NAMES, LayerSlot, ModelConfig, preset
 from hicache.storage.keys import model_identity
 
 # The model's shapes and presets live in hicache.sim.modelconfig; they are re-exported
@@ -60,10 +78,15 @@ class LayerLoadHandle(Protocol):
 
 
 class _Layer:
-    """Weights of one decoder layer, stored ``(in, out)`` so ``x @ w`` needs no transpose."""
+    """Weights of one decoder layer, stored ``(in, out)`` so ``x @ w`` needs no transpose.
 
-    def __init__(self, cfg: ModelConfig, gen: torch.Generator, device: torch.device) -> None:
+    A linear layer's query and key projections map to ``state_dim`` per head.
+    """
+
+    def __init__(self, cfg: ModelConfig, gen: torch.Generator, device: torch.device,
+                 kind: str = "full") -> None:
         h, q_dim, kv_dim = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        key_dim = cfg.state_dim if kind == "linear" else cfg.head_dim
 
         def linear(n_in: int, n_out: int) -> torch.Tensor:
             # std 1/sqrt(fan_in) keeps every branch's output at unit scale, so the
@@ -72,8 +95,8 @@ class _Layer:
             return w.to(device=device, dtype=cfg.torch_dtype)
 
         self.attn_norm = torch.ones(h, device=device, dtype=cfg.torch_dtype)
-        self.wq = linear(h, q_dim)
-        self.wk = linear(h, kv_dim)
+        self.wq = linear(h, cfg.num_heads * key_dim)
+        self.wk = linear(h, cfg.num_kv_heads * key_dim)
         self.wv = linear(h, kv_dim)
         self.wo = linear(q_dim, h)
         self.mlp_norm = torch.ones(h, device=device, dtype=cfg.torch_dtype)
@@ -99,7 +122,9 @@ class Model:
         self.embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen).to(
             device=self.device, dtype=cfg.torch_dtype
         )  # (V, hidden)
-        self.layers = [_Layer(cfg, gen, self.device) for _ in range(cfg.num_layers)]
+        self._slots: list[LayerSlot] = cfg.layer_slots()
+        self.layers = [_Layer(cfg, gen, self.device, s.kind) for s in self._slots]
+        self._decay = decays(cfg.num_kv_heads, self.device)  # linear layers' state decay
         self.final_norm = torch.ones(cfg.hidden_size, device=self.device, dtype=cfg.torch_dtype)
         self.lm_head = (
             torch.randn(cfg.hidden_size, cfg.vocab_size, generator=gen)
@@ -158,13 +183,9 @@ class Model:
 
     @property
     def num_params(self) -> int:
-        per_layer = sum(
-            t.numel() for t in vars(self.layers[0]).values() if isinstance(t, torch.Tensor)
-        )
-        return (
-            self.embed.numel() + self.lm_head.numel() + self.final_norm.numel()
-            + per_layer * len(self.layers)
-        )
+        layers = sum(t.numel() for layer in self.layers for t in vars(layer).values()
+                     if isinstance(t, torch.Tensor))
+        return self.embed.numel() + self.lm_head.numel() + self.final_norm.numel() + layers
 
     def kv_config(self, page_size: int = 16) -> KVConfig:
         return self.config.kv_config(page_size)
@@ -180,6 +201,7 @@ class Model:
         load_handle: LayerLoadHandle | None = None,
         *,
         last_only: bool = False,
+        components: Sequence[torch.Tensor | StateIO] | None = None,
     ) -> torch.Tensor:
         """Run ``T`` new tokens at positions ``[start_pos, start_pos+T)`` against the pool.
 
@@ -187,19 +209,22 @@ class Model:
         ``page_table`` (int64, the sequence's device page ids, long enough to cover
         ``start_pos + T`` positions) and writes the new tokens' KV into it; the new
         tokens may start mid-page (decode). If ``load_handle`` is given, its
-        ``wait_layer(i)`` is called before layer ``i`` touches the pool, in layer
-        order, so a layer-wise load overlaps compute.
+        ``wait_layer(i)`` is called before a layer in pool slot ``i`` touches the pool,
+        in layer order, so a layer-wise load overlaps compute. A hybrid model takes
+        ``components`` (module docstring): its window layers read and write through
+        their page tables, its linear layers their states and checkpoints.
 
         Returns float32 logits ``(T, vocab_size)``, or ``(1, vocab_size)`` for the
         last position only with ``last_only=True`` (prefill needs no more).
         """
-        ids = self._check_tokens(token_ids)
+        ids = check_tokens(self.config, self.device, token_ids)
         num_new = ids.numel()
         if isinstance(start_pos, bool) or not isinstance(start_pos, int) or start_pos < 0:
             raise ValueError(f"start_pos: expected an int >= 0, got {start_pos!r}")
-        page_size = self._check_pool(pool)
+        page_size = check_pool(self.config, self.device, pool)
         total_len = start_pos + num_new
-        pages = self._check_page_table(page_table, total_len, page_size, pool.num_pages)
+        pages = check_page_table(self.device, page_table, total_len, page_size, pool.num_pages)
+        comps = check_components(self.config, components)
         positions = torch.arange(start_pos, total_len, device=self.device)
         # Pool rows of the new tokens, counting (page, slot) as one flat row index.
         new_rows = pages[positions // page_size] * page_size + positions % page_size  # (T,)
@@ -208,95 +233,58 @@ class Model:
         cos, sin = self._rope(positions)
 
         x = self.embed.index_select(0, ids)  # (T, hidden)
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, cos, sin)  # (T, H, D), (T, KVH, D) x2
-            if load_handle is not None and load_handle.wait_layer(i) is False:
+        for layer, where in zip(self.layers, self._slots, strict=True):
+            if where.kind == "linear":
+                q, k, v = self._qkv_linear(layer, x)
+            else:
+                q, k, v = self._qkv(layer, x, cos, sin)  # (T, H, D), (T, KVH, D) x2
+            if load_handle is not None and load_handle.wait_layer(where.slot) is False:
                 # The load failed before this layer: its pages hold garbage.
-                raise RuntimeError(f"load_handle: layer {i} of the prefix KV never arrived")
-            k_buf, v_buf = pool.layer(i)  # (num_pages, page_size, KVH, D)
-            k_all = self._write_and_gather(k_buf, k, new_rows, prefix_pages, start_pos)
-            v_all = self._write_and_gather(v_buf, v, new_rows, prefix_pages, start_pos)
-            x = self._finish_layer(layer, x, q, k_all, v_all, mask)
+                raise RuntimeError(f"load_handle: layer {where.slot} of the prefix KV never arrived")
+            k_buf, v_buf = pool.layer(where.slot)  # (num_pages, page_size, KVH, D)
+            if where.kind == "full":
+                k_all = self._write_and_gather(k_buf, k, new_rows, prefix_pages, start_pos)
+                v_all = self._write_and_gather(v_buf, v, new_rows, prefix_pages, start_pos)
+                attn = self._attend(q, k_all, v_all, mask)
+            elif where.kind == "window":
+                table = comps[where.component]
+                assert isinstance(table, torch.Tensor), "checked: a window page table"
+                attn = self._window(q, k, v, k_buf, v_buf, table[:, where.group], positions)
+            else:
+                state = comps[where.component]
+                assert not isinstance(state, torch.Tensor), "checked: a state's pages"
+                attn = self._linear(q, k, v, k_buf, state, where.group, start_pos)
+            x = self._residual_mlp(layer, x, attn)
         return self._logits(x[-1:] if last_only else x)
 
     def prefill_reference(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Dense causal forward of ``token_ids`` from position 0, no pool: float32 ``(T, V)``.
 
         The correctness yardstick for :meth:`forward`; it keeps K and V in the
-        model dtype, never rounding them through a pool.
+        model dtype, never rounding them through a pool (window layers mask the
+        window; linear layers run from the zero state).
         """
-        ids = self._check_tokens(token_ids)
+        ids = check_tokens(self.config, self.device, token_ids)
         positions = torch.arange(ids.numel(), device=self.device)
         cos, sin = self._rope(positions)
         x = self.embed.index_select(0, ids)
-        for layer in self.layers:
-            q, k, v = self._qkv(layer, x, cos, sin)
-            x = self._finish_layer(layer, x, q, k, v, None)
+        cfg = self.config
+        for layer, where in zip(self.layers, self._slots, strict=True):
+            if where.kind == "linear":
+                q, k, v = self._qkv_linear(layer, x)
+                zero = torch.zeros(cfg.num_kv_heads, cfg.state_dim, cfg.head_dim,
+                                   device=self.device)
+                out, _, _ = recur(q.float(), k.float(), v.float(), zero, self._decay, 0)
+                attn = out.reshape(len(ids), -1).to(cfg.torch_dtype)
+            else:
+                q, k, v = self._qkv(layer, x, cos, sin)
+                window = where.kind == "window"
+                attn = self._attend(
+                    q, k, v, window_mask(positions, positions, cfg.window_tokens) if window else None)
+            x = self._residual_mlp(layer, x, attn)
         return self._logits(x)
 
     __call__ = forward
-
-    # --- validation ----------------------------------------------------------
-
-    def _check_tokens(self, token_ids: object) -> torch.Tensor:
-        if not isinstance(token_ids, torch.Tensor):
-            raise TypeError(f"token_ids: expected an int64 tensor, got {type(token_ids).__name__}")
-        if token_ids.dtype != torch.int64:
-            raise TypeError(f"token_ids: expected dtype torch.int64, got {token_ids.dtype}")
-        if token_ids.dim() != 1 or token_ids.numel() == 0:
-            raise ValueError(
-                f"token_ids: expected a non-empty 1-D tensor, got shape {tuple(token_ids.shape)}"
-            )
-        vocab = self.config.vocab_size
-        bad = token_ids[(token_ids < 0) | (token_ids >= vocab)]
-        if bad.numel():
-            raise ValueError(
-                f"token id {int(bad[0])} is outside the vocabulary [0, {vocab}) "
-                f"of model {self.config.name!r}"
-            )
-        return token_ids.to(self.device)
-
-    def _check_pool(self, pool: DevicePool) -> int:
-        cfg = self.config
-        kv = getattr(pool, "kv", None)
-        if not isinstance(kv, KVConfig):
-            raise TypeError(f"pool: expected a DevicePool, got {type(pool).__name__}")
-        want = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-        got = (kv.num_layers, kv.num_kv_heads, kv.head_dim)
-        if want != got:
-            raise ValueError(
-                f"pool: expected KV shape (num_layers, num_kv_heads, head_dim)={want} "
-                f"of model {cfg.name!r}, got {got}"
-            )
-        if pool.k_buffers[0].device != self.device:
-            raise ValueError(
-                f"pool: expected device {self.device}, got {pool.k_buffers[0].device}"
-            )
-        return kv.page_size
-
-    def _check_page_table(
-        self, page_table: object, total_len: int, page_size: int, num_pages: int
-    ) -> torch.Tensor:
-        if not isinstance(page_table, torch.Tensor) or page_table.dtype != torch.int64:
-            got = page_table.dtype if isinstance(page_table, torch.Tensor) else type(page_table)
-            raise TypeError(f"page_table: expected an int64 tensor, got {got}")
-        if page_table.dim() != 1:
-            raise ValueError(
-                f"page_table: expected a 1-D tensor, got shape {tuple(page_table.shape)}"
-            )
-        needed = -(-total_len // page_size)
-        if page_table.numel() < needed:
-            raise ValueError(
-                f"page_table: expected >= {needed} pages to cover {total_len} positions "
-                f"(page_size {page_size}), got {page_table.numel()}"
-            )
-        pages = page_table[:needed]
-        lo, hi = int(pages.min()), int(pages.max())
-        if lo < 0 or hi >= num_pages:
-            raise ValueError(
-                f"page_table: expected page ids in [0, {num_pages}), got min {lo}, max {hi}"
-            )
-        return pages.to(self.device)
 
     # --- building blocks -----------------------------------------------------
 
@@ -336,6 +324,17 @@ class Model:
         v = (h @ layer.wv).view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         return self._apply_rope(q, cos, sin), self._apply_rope(k, cos, sin), v
 
+    def _qkv_linear(
+        self, layer: _Layer, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A linear layer's q (T, H, N) (scaled by N ** -0.5), k (T, KVH, N), v (T, KVH, D)."""
+        cfg = self.config
+        h = self._rms_norm(x, layer.attn_norm)
+        n = x.shape[0]
+        q = (h @ layer.wq).view(n, cfg.num_heads, cfg.state_dim) * cfg.state_dim ** -0.5
+        k = (h @ layer.wk).view(n, cfg.num_kv_heads, cfg.state_dim)
+        return q, k, (h @ layer.wv).view(n, cfg.num_kv_heads, cfg.head_dim)
+
     def _write_and_gather(
         self,
         buf: torch.Tensor,
@@ -343,28 +342,68 @@ class Model:
         new_rows: torch.Tensor,
         prefix_pages: torch.Tensor,
         start_pos: int,
+        first: int = 0,
     ) -> torch.Tensor:
-        """Store ``new`` (T, KVH, D) at its pool rows; return (start_pos+T, KVH, D) K or V."""
+        """Store ``new`` (T, KVH, D) at its pool rows; return K or V of positions
+        ``[first, start_pos + T)``: (start_pos + T - first, KVH, D). ``prefix_pages`` are
+        the pages of ``[first, start_pos)``, the first one holding position ``first``."""
         num_pages, page_size = buf.shape[0], buf.shape[1]
         stored = new.to(buf.dtype).contiguous()
         as_rows(buf, num_pages * page_size).index_copy_(0, new_rows, as_rows(stored, len(stored)))
-        if not start_pos:
+        if first == start_pos:
             return stored.to(self.config.torch_dtype)
         # Whole pages in one gather; the last prefix page may hold new tokens too,
         # hence the slice to start_pos.
-        prefix = buf.index_select(0, prefix_pages).flatten(0, 1)[:start_pos]
+        skip = first % page_size
+        prefix = buf.index_select(0, prefix_pages).flatten(0, 1)[skip : skip + start_pos - first]
         return torch.cat((prefix, stored)).to(self.config.torch_dtype)
 
-    def _finish_layer(
-        self,
-        layer: _Layer,
-        x: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        mask: torch.Tensor | None,
+    def _window(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor,
+        v_buf: torch.Tensor, table: torch.Tensor, positions: torch.Tensor,
     ) -> torch.Tensor:
-        """Attention of q (T, H, D) over k, v (L, KVH, D), then the MLP; returns (T, hidden)."""
+        """A window layer: write k, v through its page ``table`` and attend to the window."""
+        page_size, window = k_buf.shape[1], self.config.window_tokens
+        start, end = int(positions[0]), int(positions[-1]) + 1
+        table = table.to(self.device)
+        first = max(0, start - window + 1)
+        pages = table[first // page_size : -(-end // page_size)]
+        if bool((pages < 0).any()):
+            raise ValueError(
+                f"components: a window page of positions [{first}, {end}) is missing "
+                f"(-1 in the window page table)")
+        new_rows = table[positions // page_size] * page_size + positions % page_size
+        prefix = pages[: -(-start // page_size) - first // page_size]
+        k_all = self._write_and_gather(k_buf, k, new_rows, prefix, start, first)
+        v_all = self._write_and_gather(v_buf, v, new_rows, prefix, start, first)
+        keys = torch.arange(first, end, device=self.device)
+        return self._attend(q, k_all, v_all, window_mask(positions, keys, window))
+
+    def _linear(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor,
+        state: StateIO, group: int, start: int,
+    ) -> torch.Tensor:
+        """A linear layer: its state from ``state.read`` (zeros if none), the new state to
+        ``state.write`` and the checkpoints asked for; the state ``(N, KVH, D)`` takes the
+        first ``N`` token rows of a page's K."""
+        cfg = self.config
+        n = cfg.state_dim
+        if state.read is not None:
+            before = k_buf[int(state.read[group]), :n].permute(1, 0, 2).float()  # (KVH, N, D)
+        else:
+            before = torch.zeros(cfg.num_kv_heads, n, cfg.head_dim, device=self.device)
+        out, after, saved = recur(q.float(), k.float(), v.float(), before, self._decay, start,
+                                  state.checkpoints.keys())
+        assert state.write is not None, "checked: a running state"
+        for page, value in [(state.write, after)] + [
+                (state.checkpoints[p], s) for p, s in saved.items()]:
+            k_buf[int(page[group]), :n] = value.permute(1, 0, 2).to(k_buf.dtype)
+        return out.reshape(q.shape[0], -1).to(cfg.torch_dtype)
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Attention of q (T, H, D) over k, v (L, KVH, D): (T, H*D); no mask: causal."""
         cfg = self.config
         q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # (1, heads, len, D)
         is_causal = mask is None and q.shape[0] == k.shape[0] and q.shape[0] > 1
@@ -378,7 +417,10 @@ class Model:
                 q4, k4.repeat_interleave(group, 1), v4.repeat_interleave(group, 1),
                 attn_mask=mask, is_causal=is_causal,
             )
-        attn = attn.squeeze(0).transpose(0, 1).reshape(x.shape[0], -1)  # (T, H*D)
+        return attn.squeeze(0).transpose(0, 1).reshape(q.shape[0], -1)  # (T, H*D)
+
+    def _residual_mlp(self, layer: _Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The layer's output projection and MLP around the mixer's output: (T, hidden)."""
         x = x + attn @ layer.wo
         h = self._rms_norm(x, layer.mlp_norm)
         return x + (F.silu(h @ layer.w_gate) * (h @ layer.w_up)) @ layer.w_down

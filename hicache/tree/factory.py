@@ -53,14 +53,12 @@ def make_tree(
     from hicache.native import build as jit
     from hicache.tree.native import NativeRadixTree
 
-    if components:
-        # The C++ tree takes components in a later step of this change.
-        if kind == "native":
-            raise ValueError("components: the native tree does not take components yet")
-        return HybridRadixTree(page_size, eviction, on_split=on_split, components=components)
     if kind == "auto":
         result = jit._load()
         if result.module is None:
             _warn_fallback(result.reason)
+            if components:
+                return HybridRadixTree(page_size, eviction, on_split=on_split,
+                                       components=components)
             return RadixTree(page_size, eviction, on_split=on_split)
-    return NativeRadixTree(page_size, eviction, on_split=on_split)
+    return NativeRadixTree(page_size, eviction, on_split=on_split, components=components)

@@ -8,6 +8,13 @@ from both. Knows nothing of the trees' structure.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hicache.checks import check_page_count
+
 MAX_PAGE_SIZE = 2**24  # far above any real page; keeps every size inside C++'s int64
 # What the backup hook may call besides reads (hicache/tree/python/__init__.py docstring).
 _BACKUP_MAY = "host_lock, host_unlock, attach_host, set_io_status and evict_host"
@@ -59,3 +66,38 @@ def check_tier(tier: object, op: str) -> str:
     if tier not in ("device", "host"):
         raise ValueError(f"{op}: expected tier 'device' or 'host', got {tier!r}")
     return str(tier)
+
+
+def check_component_pages(
+    components: Any, widths: Sequence[int], num_pages: int
+) -> list[torch.Tensor | None]:
+    """``components`` of an insert, checked: one entry per component (``widths`` gives
+    each one's ids per page), each None or ``num_pages * width`` int64 ids, ``-1`` or
+    ``>= 0``, a page's ids all given or all ``-1``. An empty sequence gives nothing."""
+    if isinstance(components, torch.Tensor) or not isinstance(components, Sequence):
+        raise TypeError(
+            f"components: expected a list or tuple (one entry per component), got "
+            f"{type(components).__name__}"
+        )
+    if not components:
+        return [None] * len(widths)
+    if len(components) != len(widths):
+        raise ValueError(
+            f"components: expected one entry per component of the tree ({len(widths)}), "
+            f"got {len(components)}"
+        )
+    out: list[torch.Tensor | None] = []
+    for c, (ids, width) in enumerate(zip(components, widths, strict=True)):
+        if ids is None:
+            out.append(None)
+            continue
+        name = f"components[{c}]"
+        check_page_count(name, ids, num_pages * width)
+        if ids.numel():
+            if int(ids.min()) < -1:
+                raise ValueError(f"{name}: expected page ids >= 0 or -1, got {int(ids.min())}")
+            given = (ids >= 0).view(num_pages, width)
+            if bool((given.any(1) != given.all(1)).any()):
+                raise ValueError(f"{name}: expected each page's {width} ids all given or all -1")
+        out.append(ids)
+    return out

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from hicache.checks import check_int, check_priority
+from hicache.components import ComponentSpec, check_components
 from hicache.config import EvictionPolicy
 from hicache.native.binding import TreeBinding
 from hicache.native.build import (  # noqa: F401  (re-exported: the tree's build status)
@@ -89,12 +90,16 @@ class NativeRadixTree(NativeComponents):
         page_size: int,
         eviction: EvictionPolicy | str = EvictionPolicy.LRU,
         on_split: Callable[[NativeNode, NativeNode], None] | None = None,
+        components: Sequence[ComponentSpec] = (),
     ) -> None:
         check_page_size(page_size)
         policy = EvictionPolicy(eviction)
         self.eviction = policy
         self.page_size = page_size
-        self._impl: TreeBinding = load_native().Tree(page_size, policy.value)
+        # Hybrid models (docs/design.md, "Hybrid models: components"); () for a single kind.
+        self.components = check_components(components)
+        kinds = [(s.is_window, s.width, s.window_pages(page_size)) for s in self.components]
+        self._impl: TreeBinding = load_native().Tree(page_size, policy.value, kinds)
         self._proxies: dict[int, NativeNode] = {}
         self._prune_at = 256  # prune proxies of removed nodes when the cache grows past this
         self._on_split: Callable[[NativeNode, NativeNode], None] | None = None
@@ -222,6 +227,8 @@ class NativeRadixTree(NativeComponents):
     def match_prefix(self, tokens: TokenLike, namespace: str | None = None) -> MatchResult:
         """Longest cached prefix of ``tokens`` (whole pages); see :meth:`RadixTree.match_prefix`."""
         arg = tokens if readable_in_place(tokens) else token_key(tokens, self.page_size)
+        if self.components:
+            return self._match_components(arg, namespace)
         device_len, host_len, last_device, last = self._impl.match(arg, namespace)
         proxies = self._proxies
         return MatchResult(
@@ -236,6 +243,8 @@ class NativeRadixTree(NativeComponents):
         """:meth:`match_prefix` for a key already made by :func:`hicache.tree.token_key`."""
         if type(key) is not bytes:
             key = check_key(key, 4 * self.page_size)
+        if self.components:
+            return self._match_components(key, namespace)
         device_len, host_len, last_device, last = self._impl.match(key, namespace)
         node = self._node
         return MatchResult(device_len, host_len, node(last_device), node(last),
@@ -250,6 +259,8 @@ class NativeRadixTree(NativeComponents):
         The tree keeps a copy of ``device_indices`` (it owns what it stores), as the
         Python tree does.
         """
+        if self.components:
+            return self._insert_components(tokens, device_indices, namespace, components, host=False)
         if components:
             self._check_component_pages(components)
         arg = tokens if readable_in_place(tokens) else token_key(tokens, self.page_size)
@@ -261,6 +272,8 @@ class NativeRadixTree(NativeComponents):
         *, components: Sequence[torch.Tensor | None] = (),
     ) -> InsertResult:
         """:meth:`insert` for a key already made by :func:`hicache.tree.token_key`."""
+        if self.components:
+            return self._insert_components(key, device_indices, namespace, components, host=False)
         if components:
             self._check_component_pages(components)
         if type(key) is not bytes:
@@ -273,6 +286,8 @@ class NativeRadixTree(NativeComponents):
         *, components: Sequence[torch.Tensor | None] = (),
     ) -> InsertResult:
         """Cache ``tokens`` whose KV sits only in host pages; see :meth:`RadixTree.insert_host`."""
+        if self.components:
+            return self._insert_components(tokens, host_indices, namespace, components, host=True)
         if components:
             self._check_component_pages(components)
         num_cached, last = self._impl.insert_host(self._tokens(tokens), host_indices, namespace)
@@ -281,10 +296,6 @@ class NativeRadixTree(NativeComponents):
     def probe_key(self, key: bytes, namespace: str | None = None) -> int:
         """Tokens of ``key`` cached in any tier; read-only (no split, no hit, no access)."""
         return self._impl.probe(_probe_key_bytes(key, namespace, self.page_size), namespace)
-
-    def probe_hit_key(self, key: bytes, namespace: str | None = None) -> int:
-        """Tokens of ``key`` a match would serve; see :meth:`RadixTree.probe_hit_key`."""
-        return self.probe_key(key, namespace)
 
     def probe_path(self, key: bytes, namespace: str | None = None) -> list[NativeNode]:
         """The nodes holding the cached prefix of ``key``; see :meth:`RadixTree.probe_path`."""

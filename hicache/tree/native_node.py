@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from hicache.components import ComponentSpec
 from hicache.native.binding import TreeBinding
 from hicache.tree.guards import check_component, check_tier
 from hicache.tree.types import IOStatus, Tier
@@ -28,6 +29,9 @@ class NodeOwner(Protocol):
 
     @property
     def _impl(self) -> TreeBinding: ...
+
+    @property
+    def components(self) -> tuple[ComponentSpec, ...]: ...
 
     def _node(self, handle: int) -> NativeNode: ...
 
@@ -126,8 +130,8 @@ class NativeNode:
     def component_pages(self, c: int, tier: Tier) -> torch.Tensor | None:
         """Component ``c``'s page ids in ``tier``; see :meth:`hicache.tree.TreeNode.component_pages`."""
         check_tier(tier, "component_pages")
-        check_component(c, 0, "component_pages")
-        return None
+        check_component(c, len(self._tree.components), "component_pages")
+        return self._tree._impl.component_pages(self._h, c, tier == "host")
 
     def __repr__(self) -> str:
         try:

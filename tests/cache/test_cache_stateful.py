@@ -85,6 +85,7 @@ def loads_landed(h) -> bool:
 
 class CacheMachine(RuleBasedStateMachine):
     TREE = "python"
+    KV = KV  # a hybrid layout in tests/cache/test_components_stateful.py
 
     def __init__(self) -> None:
         super().__init__()
@@ -99,7 +100,8 @@ class CacheMachine(RuleBasedStateMachine):
     )
     def setup(self, policy, device_pages, host_pages, load_threshold):
         cfg = CacheConfig(
-            KV, device_tokens=device_pages * P, host_tokens=host_pages * P, executor="manual",
+            self.KV, device_tokens=device_pages * P, host_tokens=host_pages * P,
+            executor="manual",
             host_reserve_nbytes=0, write_policy=policy, load_threshold_tokens=load_threshold,
             tree=self.TREE,
         )
@@ -166,15 +168,15 @@ class CacheMachine(RuleBasedStateMachine):
         old_len = len(req.tokens)
         tokens = req.tokens + more
         covered = h.prefix_len + h.num_owned_pages * P
-        if covered < len(tokens) and self._alloc(h, len(tokens) - covered) is None:
+        req.tokens = tokens  # (what _alloc asks checkpoints for)
+        if covered < len(tokens) and self._alloc(h, len(tokens) - covered, req) is None:
+            req.tokens = tokens[:old_len]
             return
-        req.tokens = tokens
         req.inserted = False
         if h.prefix_len + h.num_owned_pages * P < len(tokens):
             req.written = 0  # this alloc applied a failed load: recompute from prefix_len
             return
-        kvcheck.write_kv(self.cache.device_pool, h.page_table(), tokens, old_len, len(tokens),
-                         req.ns)  # only the new positions: the rest is written already
+        self._write(req, old_len, len(tokens))  # only the new positions
         req.mark_written()
         req.inserted = False
         self._insert(req)
@@ -192,16 +194,36 @@ class CacheMachine(RuleBasedStateMachine):
         else:
             self._insert(req)
 
-    def _alloc(self, h, num_tokens: int):
+    def _marks(self, req: Request | None, h, num_tokens: int) -> list[int]:
+        """The checkpoints an alloc asks for (hybrid models' state components)."""
+        return []
+
+    def _write(self, req: Request, start: int, end: int) -> None:
+        """The model's forward: write positions ``[start, end)`` through the page table."""
+        kvcheck.write_kv(self.cache.device_pool, req.h.page_table(), req.tokens, start, end,
+                         req.ns)
+
+    def _verify(self, req: Request, end: int) -> None:
+        """What a request whose loads landed reads: exactly its sequence's KV up to ``end``."""
+        bad = kvcheck.verify_kv(self.cache.device_pool, req.h.page_table(), req.tokens, end,
+                                req.ns)
+        assert bad == [], f"request {req.tokens} ({req.ns}) reads wrong KV at {bad}"
+
+    def _alloc(self, h, num_tokens: int, req: Request | None = None):
         """``cache.alloc``, checking liveness: with nothing in flight (and no write-back
         backup to wait for), it succeeds exactly when free + unlocked pages cover it."""
         cache = self.cache
+        marks = self._marks(req, h, num_tokens)
         need = -(-num_tokens // P)
+        if h._components is not None:  # hybrid models: component pages come with them
+            need += h._components.extra_pages(need, [m for m in marks if m not in {
+                p for cps in h._components.checkpoints.values() for p in cps}])
         exact = not self.executor.pending() and self.policy != "write_back"
-        room = cache.device_allocator.num_free_pages + cache.tree.device_evictable_tokens // P
+        room = (cache.device_allocator.num_free_pages + cache.tree.device_evictable_tokens // P
+                + cache.tree.device_component_evictable_pages)
         before = cache.stats()
         prefix = h.prefix_len
-        pages = cache.alloc(h, num_tokens)
+        pages = cache.alloc(h, num_tokens, checkpoints=marks)
         if exact and h.prefix_len == prefix:
             assert (pages is not None) == (need <= room), (
                 f"alloc of {need} pages: {pages is not None}, but free + evictable = {room}"
@@ -224,12 +246,11 @@ class CacheMachine(RuleBasedStateMachine):
             return True
         covered = h.prefix_len + h.num_owned_pages * P
         missing = len(req.tokens) - covered
-        if missing > 0 and self._alloc(h, missing) is None:
+        if missing > 0 and self._alloc(h, missing, req) is None:
             return False  # out of device pages: a normal outcome
         if h.prefix_len + h.num_owned_pages * P < len(req.tokens):
             return False  # a failed load cut the prefix back meanwhile: allocate again later
-        kvcheck.write_kv(self.cache.device_pool, h.page_table(), req.tokens, h.prefix_len,
-                         len(req.tokens), req.ns)
+        self._write(req, h.prefix_len, len(req.tokens))
         req.mark_written()
         return True
 
@@ -313,14 +334,10 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.check_integrity()
         assert kvcheck.verify_cache(self.cache) == []
         for req in self.live:
-            h = req.h
-            if loads_landed(h):
+            if loads_landed(req.h):
                 # the whole sequence once written (the page table the model used), else
                 # the prefix
-                end = req.kv_len()
-                bad = kvcheck.verify_kv(self.cache.device_pool, h.page_table(), req.tokens, end,
-                                        req.ns)
-                assert bad == [], f"request {req.tokens} ({req.ns}) reads wrong KV at {bad}"
+                self._verify(req, req.kv_len())
 
     def _drain(self) -> None:
         """Land every transfer, including retries that applying a failure submits."""

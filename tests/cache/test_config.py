@@ -17,6 +17,7 @@ from optional import available
 
 from hicache import CacheConfig, HiCache, KVConfig
 from hicache.cache import tiers as tiers_module
+from hicache.components import ComponentSpec
 from hicache.config import EvictionPolicy, PrefetchPolicy, WritePolicy
 from hicache.configfile import apply_env
 
@@ -270,6 +271,10 @@ ENV_CASES = {
     "kv.head_dim": ("8", 8, {}),
     "kv.dtype": ("bfloat16", torch.bfloat16, {}),
     "kv.page_size": ("8", 8, {}),
+    "kv.components": ("window:64x2,state", (ComponentSpec("window", 64, 2), ComponentSpec("state")),
+                      {}),
+    "component_device_fraction": ("0.5", 0.5, {}),
+    "component_host_fraction": ("0.25", 0.25, {}),
 }
 
 
@@ -369,7 +374,8 @@ def _build(field: str, value) -> None:
 
 
 def test_number_fields_are_found():
-    floats = {"host_ratio", "host_gb", "prefetch_timeout_s", "max_pinned_fraction"}
+    floats = {"host_ratio", "host_gb", "prefetch_timeout_s", "max_pinned_fraction",
+              "component_device_fraction", "component_host_fraction"}
     assert set(NUMBER_FIELDS) - set(INT_FIELDS) == floats
     assert len(INT_FIELDS) == 7 + 4  # 7 of CacheConfig (sizes, thresholds), 4 of KVConfig
 

@@ -37,6 +37,22 @@ def test_demo_prints_table_and_conclusion(capsys):
     assert "fewer tokens computed" in conclusion
 
 
+def test_demo_runs_a_hybrid_model_with_identical_tokens(capsys):
+    """tiny-hybrid: window and linear layers beside full attention; every configuration
+    generates what the uncached one does, and the cache serves hits."""
+    workload = ["--preset", "tiny-hybrid", *TINY_WORKLOAD[2:]]
+    assert cli.main(["demo", *workload, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["preset"] == "tiny-hybrid" and result["identical_tokens"]
+    configs = result["configs"]
+    assert configs["device"]["computed_tokens"] < configs["none"]["computed_tokens"]
+
+
+def test_demo_refuses_a_page_too_small_for_a_hybrid_state(capsys):
+    assert cli.main(["demo", "--preset", "tiny-hybrid", *TINY_WORKLOAD[2:], "--page-size", "4"]) == 2
+    assert "--page-size: page_size: a linear layer's state takes 8" in capsys.readouterr().err
+
+
 def test_demo_requests_option_shrinks_the_run(capsys):
     assert cli.main(["demo", *TINY_WORKLOAD, "--requests", "4"]) == 0
     out = capsys.readouterr().out

@@ -24,6 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from optional import skip_unless
 from tree_observation import FORMS, as_form, host_takeable_by_definition, snapshot
 
+from hicache.components import ComponentSpec
 from hicache.native import build as jit
 from hicache.tree import IOStatus, RadixTree, factory, native, token_key
 from hicache.tree.protocol import RadixTreeLike
@@ -302,6 +303,147 @@ POLICY_MACHINES = {"lru": PythonVsNative, "lfu": PythonVsNativeLFU} | {
     name: type(f"PythonVsNative{name.upper()}", (PythonVsNative,), {"eviction": name})
     for name in ("fifo", "mru", "filo", "priority", "slru")
 }
+
+
+class HybridPythonVsNative(PythonVsNative):
+    """The same rules over hybrid trees, plus the component calls; every component's
+    data and stamps, counters and results must agree too."""
+
+    specs: tuple = ()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.py = factory.make_tree("python", P, self.eviction, self._recorder("py"), self.specs)
+        self.nat = factory.make_tree("native", P, self.eviction, self._recorder("nat"), self.specs)
+        self.py.enable_events()
+        self.nat.enable_events()
+        self.next_component = 50_000
+
+    def component_ids(self, num_pages: int, c: int, holes: int) -> torch.Tensor:
+        """Ids along a key for component ``c``: every page given but each ``holes``-th."""
+        width = self.specs[c].width
+        ids = torch.arange(self.next_component, self.next_component + num_pages * width)
+        self.next_component += num_pages * width
+        ids = ids.view(num_pages, width)
+        if holes:
+            ids[::holes] = -1
+        return ids.reshape(-1)
+
+    def given(self, num_pages: int, mask: int, holes: int) -> list:
+        return [self.component_ids(num_pages, c, holes) if mask >> c & 1 else None
+                for c in range(len(self.specs))]
+
+    @rule(tokens=tokens_st, ns=st.sampled_from(NAMESPACES), mask=st.integers(0, 7),
+          holes=st.sampled_from([0, 0, 2, 3]), host=st.booleans())
+    def insert_components(self, tokens, ns, mask, holes, host):
+        num_pages = len(tokens) // P
+        given = self.given(num_pages, mask, holes)
+        key = token_key(tokens, P)
+        tier = "host" if host else "device"
+        gaps = [(self.py.component_gaps(key, c, tier, ns), self.nat.component_gaps(key, c, tier, ns))
+                for c in range(len(self.specs))]
+        for a, b in gaps:
+            assert a.tolist() == b.tolist()
+        ids = self.pages(num_pages) + (60_000 if host else 0)
+        op = "insert_host" if host else "insert"
+        ra = outcome(getattr(self.py, op), tokens, ids.clone(), ns,
+                     components=[None if g is None else g.clone() for g in given])
+        rb = outcome(getattr(self.nat, op), tokens, ids.clone(), ns,
+                     components=[None if g is None else g.clone() for g in given])
+        assert ra[0] == rb[0] and (ra[0] == "ok" or ra[1] is rb[1]), (ra, rb)
+        if ra[0] == "ok":
+            assert ra[1].num_cached_tokens == rb[1].num_cached_tokens
+            assert ra[1].unused_pages.tolist() == rb[1].unused_pages.tolist()
+            self.remember([ra[1].last_node], [rb[1].last_node])
+
+    @rule(tokens=tokens_st, ns=st.sampled_from(NAMESPACES))
+    def match_components(self, tokens, ns):
+        key = token_key(tokens, P)
+        assert self.py.probe_hit_key(key, ns) == self.nat.probe_hit_key(key, ns)
+        ma, mb = self.py.match_key(key, ns), self.nat.match_key(key, ns)
+        assert (ma.device_len, ma.host_len, ma.full_len) == (mb.device_len, mb.host_len, mb.full_len)
+        self.remember([ma.last_device_node, ma.last_node], [mb.last_device_node, mb.last_node])
+
+    @precondition(lambda self: self.pairs)
+    @rule(i=st.integers(0, 100), c=st.integers(0, 2), host=st.booleans(),
+          op=st.sampled_from(["attach", "detach", "table"]))
+    def component_call(self, i, c, host, op):
+        a, b = self.pick(i)
+        if b not in self.live():
+            return
+        c %= len(self.specs)
+        tier = "host" if host else "device"
+        if op == "attach":
+            spec = self.specs[c]
+            n = a.num_tokens // P * spec.width if spec.is_window else spec.width
+            ids = self.component_ids(1, 0, 0)[:0]  # advance nothing; fresh ids below
+            ids = torch.arange(self.next_component, self.next_component + n)
+            self.next_component += n
+            ra, rb = self.both("attach_component", i, c, tier, ids)
+        elif op == "detach":
+            ra, rb = self.both("detach_component", i, c, tier)
+            if ra[0] == "ok":
+                assert ra[1].tolist() == rb[1].tolist()
+        else:
+            ra, rb = self.both("component_table", i, c, tier)
+            if ra[0] == "ok":
+                assert ra[1].tolist() == rb[1].tolist()
+
+    @rule(c=st.integers(0, 2), host=st.booleans(), num=st.integers(0, 8))
+    def evict_component(self, c, host, num):
+        c %= len(self.specs)
+        tier = "host" if host else "device"
+        ra = self.py.evict_component(c, tier, num)
+        rb = self.nat.evict_component(c, tier, num)
+        assert ra.page_ids.tolist() == rb.page_ids.tolist()
+        assert ra.num_evicted_tokens == rb.num_evicted_tokens == 0
+
+    @rule()
+    def evict_all_takeable_host(self):
+        """Host eviction takes exactly the takeable full tokens and component pages."""
+        takeable = self.py.host_takeable_tokens
+        pages = self.py.host_component_takeable_pages
+        ra = self.py.evict_host(takeable + P * pages + 2 * P)
+        rb = self.nat.evict_host(takeable + P * pages + 2 * P)
+        assert ra.page_ids.tolist() == rb.page_ids.tolist()
+        assert ra.num_evicted_tokens == rb.num_evicted_tokens == takeable
+        assert len(ra.page_ids) == takeable // P + pages
+        assert self.nat.host_takeable_tokens == self.nat.host_component_takeable_pages == 0
+
+    @invariant()
+    def same_components(self):
+        for tier in ("device", "host"):
+            for c in range(len(self.specs)):
+                assert self.py.num_component_pages(c, tier) == self.nat.num_component_pages(c, tier)
+        assert (self.py.device_component_evictable_pages, self.py.host_component_takeable_pages) == (
+            self.nat.device_component_evictable_pages, self.nat.host_component_takeable_pages)
+
+
+WINDOW = ComponentSpec("window", window_tokens=3)  # 1 page
+WIDE_WINDOW = ComponentSpec("window", window_tokens=6, width=2)  # 3 pages, 2 ids each
+STATE = ComponentSpec("state")
+HYBRID_MACHINES = {
+    f"{name}-{policy}": type(f"Hybrid_{name}_{policy}", (HybridPythonVsNative,),
+                             {"eviction": policy, "specs": specs})
+    for name, specs, policy in (
+        ("window", (WINDOW,), "lru"),
+        ("state", (STATE,), "lfu"),
+        ("window+state", (WIDE_WINDOW, STATE), "lru"),
+        ("two-windows+state", (WINDOW, STATE, WIDE_WINDOW), "priority"),
+        ("window+state", (WIDE_WINDOW, STATE), "slru"),
+    )
+}
+
+
+@pytest.mark.parametrize("machine", list(HYBRID_MACHINES.values()), ids=list(HYBRID_MACHINES))
+def test_native_matches_python_with_components(machine):
+    machine.TestCase.settings = settings(
+        max_examples=50,
+        stateful_step_count=40,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    machine.TestCase().runTest()
 
 
 @pytest.mark.parametrize("machine", list(POLICY_MACHINES.values()), ids=list(POLICY_MACHINES))

@@ -24,7 +24,8 @@ import torch
 from optional import skip_unless
 from tree_observation import snapshot
 
-from hicache.tree import IOStatus, RadixTree, native, token_key
+from hicache.components import ComponentSpec
+from hicache.tree import IOStatus, make_tree, token_key
 
 pytestmark = skip_unless("native")
 
@@ -106,17 +107,48 @@ def call(fn, *args):
         return "raise", type(exc).__name__, str(exc)
 
 
+def _component_ids(node, specs, c: int, step: int) -> torch.Tensor | None:
+    """Ids for component ``c`` of ``node`` (its pages' worth for a window, one checkpoint)."""
+    if node is None or not specs:
+        return None
+    spec = specs[c]
+    n = node.num_tokens // P * spec.width if spec.is_window else spec.width
+    return torch.arange(n) + 700_000 + 100 * step
+
+
 def _ids(node, base: int) -> torch.Tensor | None:
     """Page ids for every page of ``node`` (None without a node)."""
     return None if node is None else torch.arange(node.num_tokens // P) + base
 
 
-def run_seed(seed: int, steps: int) -> None:
+# Component sets a hybrid run draws from (hybrid models: docs/design.md).
+COMPONENT_SETS = (
+    (ComponentSpec("window", window_tokens=3),),
+    (ComponentSpec("state"),),
+    (ComponentSpec("window", window_tokens=6, width=2), ComponentSpec("state")),
+    (ComponentSpec("window", window_tokens=3), ComponentSpec("state", width=2),
+     ComponentSpec("window", window_tokens=8)),
+)
+
+
+def component_ids(rng: random.Random, spec: ComponentSpec, num_pages: int, base: int):
+    """A component's ids along a key (some pages not given), or None."""
+    if rng.random() < 0.2:
+        return None
+    ids = torch.arange(base, base + num_pages * spec.width).view(num_pages, spec.width)
+    for page in range(num_pages):
+        if rng.random() < (0.2 if spec.is_window else 0.5):
+            ids[page] = -1
+    return ids.reshape(-1)
+
+
+def run_seed(seed: int, steps: int, hybrid: bool = False) -> None:
     rng = random.Random(seed)
     policy = rng.choice(POLICIES)
+    specs = rng.choice(COMPONENT_SETS) if hybrid else ()
     hook_rng = random.Random(seed + 1).getstate()
-    py = Side(RadixTree(P, policy), hook_rng)
-    nat = Side(native.NativeRadixTree(P, policy), hook_rng)
+    py = Side(make_tree("python", P, policy, components=specs), hook_rng)
+    nat = Side(make_tree("native", P, policy, components=specs), hook_rng)
     seen: list[tuple] = []  # (python node, native node), stale ones included
     locked: list[tuple] = []  # pairs locked once per entry (unlock takes only these)
     next_page = 0
@@ -135,6 +167,7 @@ def run_seed(seed: int, steps: int) -> None:
             ["match", "insert", "insert", "insert_host", "probe", "lock", "unlock", "host_lock",
              "host_unlock", "io", "attach_host", "attach_device", "detach_host", "detach_device",
              "evict_device", "evict_device", "evict_host", "priority", "path", "indices"]
+            + (["attach_c", "detach_c", "table", "probe_hit", "gaps", "evict_c"] if specs else [])
         )
         if op == "unlock" and not op_unlock and pick is not None and pick[0].lock_ref:
             op = "lock"  # unlocking a node this run did not lock breaks the lock counts
@@ -142,7 +175,7 @@ def run_seed(seed: int, steps: int) -> None:
             op = "unlock"
         if op in ("lock", "unlock", "host_lock", "host_unlock", "io", "attach_host",
                   "attach_device", "detach_host", "detach_device", "priority", "path",
-                  "indices") and pick is None:
+                  "indices", "attach_c", "detach_c", "table") and pick is None:
             op = "insert"
         ns = rng.choice(NAMESPACES)
         toks = tokens()
@@ -152,14 +185,26 @@ def run_seed(seed: int, steps: int) -> None:
         num = rng.randrange(0, 12)
         drop = rng.random() < 0.5
         backup_kind = rng.choice(["none", "decline", "back_up", "mixed", "raise"])
+        c = rng.randrange(len(specs)) if specs else 0
+        tier = rng.choice(["device", "host"])
+        given = [component_ids(rng, spec, len(toks) // P, 400_000 + 1000 * step + 100 * i)
+                 for i, spec in enumerate(specs)]
+        kw = {"components": given} if specs else {}
         outs = []
         for side, node in ((py, pick and pick[0]), (nat, pick and pick[1])):
             t = side.tree
             n = node
             fn, *args = {
                 "match": (t.match_prefix, toks, ns),
-                "insert": (t.insert, toks, pages, ns),
-                "insert_host": (t.insert_host, toks, pages + 50_000, ns),
+                "insert": (lambda *a, t=t, kw=kw: t.insert(*a, **kw), toks, pages, ns),
+                "insert_host": (lambda *a, t=t, kw=kw: t.insert_host(*a, **kw), toks, pages + 50_000,
+                                ns),
+                "attach_c": (t.attach_component, n, c, tier, _component_ids(n, specs, c, step)),
+                "detach_c": (t.detach_component, n, c, tier),
+                "table": (t.component_table, n, c, tier),
+                "probe_hit": (t.probe_hit_key, token_key(toks, P), ns),
+                "gaps": (t.component_gaps, token_key(toks, P), c, tier, ns),
+                "evict_c": (t.evict_component, c, tier, num),
                 "probe": (t.probe_path, token_key(toks, P), ns),
                 "lock": (t.lock, n),
                 "unlock": (t.unlock, n),
@@ -202,7 +247,7 @@ def test_fuzz_native_against_python():
     seed = 0
     start = time.monotonic()
     while True:
-        run_seed(seed, steps=150)
+        run_seed(seed, steps=150, hybrid=seed % 2 == 1)
         seed += 1
         if budget <= 0 and seed >= 8:
             break

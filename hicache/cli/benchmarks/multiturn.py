@@ -198,8 +198,10 @@ def prepare(args: argparse.Namespace) -> tuple[list[Request], int, int, int]:
     if not trace:
         raise UsageError("workload: expected at least one request, got none")
     requests = to_requests(trace)
+    with user_input("--page-size"):  # a hybrid model's state must fit a page
+        kv = preset(args.preset).kv_config(args.page_size)
     ws, device_tokens, host_tokens = capacities(
-        trace, requests, args.page_size, args.device_tokens, args.host_tokens
+        trace, requests, args.page_size, args.device_tokens, args.host_tokens, kv=kv
     )
     return requests, ws, device_tokens, host_tokens
 

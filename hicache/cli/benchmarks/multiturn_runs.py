@@ -19,7 +19,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hicache.sim.engine import Engine, GenerateResult
+from hicache.config import KVConfig
+from hicache.sim.engine import Engine, GenerateResult, request_pages
 from hicache.sim.model import Model
 from hicache.sim.traces import Request as TraceRequest
 from hicache.sim.traces import trace_stats
@@ -83,10 +84,13 @@ def to_requests(trace: Sequence[TraceRequest]) -> list[Request]:
     return [Request(np.asarray(r.prompt, dtype=np.int64), len(r.output)) for r in trace]
 
 
-def max_request_tokens(requests: Sequence[Request], page_size: int) -> int:
-    """KV tokens of the largest request, rounded up to whole pages."""
+def max_request_tokens(requests: Sequence[Request], page_size: int,
+                       kv: KVConfig | None = None) -> int:
+    """Device tokens (pages x page size) of the largest request: its KV rounded up to
+    whole pages, and for a hybrid model's ``kv`` its component pages too."""
     longest = max(len(r.prompt) + r.max_new_tokens - 1 for r in requests)
-    return -(-longest // page_size) * page_size
+    num_pages = -(-longest // page_size)
+    return (num_pages if kv is None else request_pages(kv, num_pages)) * page_size
 
 
 def capacities(
@@ -95,13 +99,19 @@ def capacities(
     page_size: int,
     device_tokens: int | None = None,
     host_tokens: int | None = None,
+    kv: KVConfig | None = None,
 ) -> tuple[int, int, int]:
     """(working set, device, host) in tokens; defaults: device = 25% of the working set
-    (at least the largest request), host = 2x the working set (it never evicts)."""
+    (at least the largest request; for a hybrid model's ``kv`` twice the largest
+    request with its component pages: a request's window pages cover all it computes,
+    and the prefix it starts from stays locked), host = 2x the working set (it never
+    evicts)."""
     ws = trace_stats(trace, page_size).working_set_tokens
     if device_tokens is None:
-        device_tokens = max(ws // 4 // page_size * page_size,
-                            max_request_tokens(requests, page_size))
+        largest = max_request_tokens(requests, page_size, kv)
+        if kv is not None and kv.component_specs:
+            largest *= 2
+        device_tokens = max(ws // 4 // page_size * page_size, largest)
     if host_tokens is None:
         host_tokens = max(2 * ws, device_tokens)
     return ws, device_tokens, host_tokens
@@ -178,7 +188,9 @@ def run_configs(
     never hits. ``metrics`` (a :class:`hicache.metrics.CacheMetrics`) exports each
     configuration's cache under its name, updated after every request.
     """
-    warm = Engine(model, "none", max_request_tokens(requests[:1], page_size), page_size=page_size)
+    warm = Engine(model, "none", max_request_tokens(requests[:1], page_size,
+                                                    model.kv_config(page_size)),
+                  page_size=page_size)
     warm.generate(requests[0].prompt, requests[0].max_new_tokens)
     warm.close()
     out: dict[str, ConfigResult] = {}

@@ -327,6 +327,20 @@ py::tuple evict_result(const hicache::EvictOut& out) {
   return py::make_tuple(out.pages, out.num_evicted_tokens, out.num_backup_tokens);
 }
 
+// One run per component of the tree (None: nothing given); the wrapper has checked
+// them (hicache/tree/guards.py check_component_pages).
+std::vector<IndexRun> component_runs(const RadixTree& tree, const py::list& given) {
+  std::vector<IndexRun> runs(tree.components().size());
+  if (given.empty()) return runs;
+  if (given.size() != runs.size()) {
+    throw hicache::ValueError("components: expected one entry per component of the tree");
+  }
+  for (std::size_t c = 0; c < runs.size(); ++c) {
+    if (!given[c].is_none()) runs[c] = read_pages(given[c], "components");
+  }
+  return runs;
+}
+
 std::vector<NodeHandle> handles(const std::vector<TreeNode*>& nodes) {
   std::vector<NodeHandle> result;
   result.reserve(nodes.size());
@@ -367,8 +381,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
 
   py::class_<RadixTree>(m, "Tree")
-      .def(py::init([](std::int64_t page_size, const std::string& eviction) {
+      .def(py::init([](std::int64_t page_size, const std::string& eviction,
+                       const std::vector<std::tuple<bool, std::int64_t, std::int64_t>>& components) {
         using hicache::EvictionPolicy;
+        std::vector<hicache::ComponentKind> kinds;
+        for (const auto& [window, width, window_pages] : components) {
+          kinds.push_back({window, width, window_pages});
+        }
         static const std::pair<const char*, EvictionPolicy> kPolicies[] = {
             {"lru", EvictionPolicy::LRU},   {"lfu", EvictionPolicy::LFU},
             {"fifo", EvictionPolicy::FIFO}, {"mru", EvictionPolicy::MRU},
@@ -376,18 +395,91 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             {"slru", EvictionPolicy::SLRU},
         };
         for (const auto& [name, policy] : kPolicies) {
-          if (eviction == name) return std::make_unique<RadixTree>(page_size, policy);
+          if (eviction == name) return std::make_unique<RadixTree>(page_size, policy, kinds);
         }
         throw hicache::ValueError(
             "eviction: expected one of lru, lfu, fifo, mru, filo, priority, slru, got '" +
             eviction + "'");
-      }))
+      }), py::arg("page_size"), py::arg("eviction"),
+           py::arg("components") = std::vector<std::tuple<bool, std::int64_t, std::int64_t>>{})
       .def_readwrite("num_nodes", &RadixTree::num_nodes)
       .def_readwrite("device_evictable_tokens", &RadixTree::device_evictable_tokens)
       .def_readwrite("device_protected_tokens", &RadixTree::device_protected_tokens)
       .def_readwrite("host_evictable_tokens", &RadixTree::host_evictable_tokens)
       .def_readwrite("host_protected_tokens", &RadixTree::host_protected_tokens)
       .def_readwrite("host_takeable_tokens", &RadixTree::host_takeable_tokens)
+      .def_readwrite("device_component_evictable_pages",
+                     &RadixTree::device_component_evictable_pages)
+      .def_readwrite("host_component_takeable_pages", &RadixTree::host_component_takeable_pages)
+      // --- Components (hybrid trees; the wrapper checks component indices and tiers).
+      .def("num_component_pages",
+           [](RadixTree& t, std::size_t c, bool host) { TreeLock guard(t);
+             return t.num_component_pages(c, host);
+           })
+      .def("match_full",
+           [](RadixTree& t, py::handle tokens, py::handle ns) { TreeLock guard(t);
+             Key key;
+             read_key(tokens, t.page_size(), key);
+             const auto m = t.match(key.span, ns_of(t, ns));
+             return py::make_tuple(m.device_len, m.host_len, out(m.last_device), out(m.last),
+                                   m.full_len);
+           })
+      .def("insert_components",
+           [](RadixTree& t, py::handle tokens, py::handle device_indices, py::handle ns,
+              const py::list& given) { TreeLock guard(t);
+             Key key;
+             read_key(tokens, t.page_size(), key);
+             const IndexRun pages = read_pages(device_indices, "device_indices", key, t);
+             const auto [r, unused] =
+                 t.insert_components(key.span, pages, ns_of(t, ns), component_runs(t, given));
+             return py::make_tuple(r.num_cached_tokens, out(r.last), unused);
+           })
+      .def("insert_host_components",
+           [](RadixTree& t, py::handle tokens, py::handle host_indices, py::handle ns,
+              const py::list& given) { TreeLock guard(t);
+             Key key;
+             read_key(tokens, t.page_size(), key);
+             const IndexRun pages = read_pages(host_indices, "host_indices", key, t);
+             const auto [r, unused] =
+                 t.insert_host_components(key.span, pages, ns_of(t, ns), component_runs(t, given));
+             return py::make_tuple(r.num_cached_tokens, out(r.last), unused);
+           })
+      .def("probe_hit",
+           [](RadixTree& t, py::handle tokens, py::handle ns) { TreeLock guard(t);
+             Key key;
+             read_key(tokens, t.page_size(), key);
+             return t.probe_hit(key.span, existing_ns(t, ns));
+           })
+      .def("attach_component",
+           [](RadixTree& t, NodeHandle h, std::size_t c, bool host, py::handle pages) {
+             TreeLock guard(t);
+             TreeNode* node = node_of(t, h, "attach_component");
+             t.attach_component(node, c, host, read_pages(pages, "pages", /*copy=*/true));
+           })
+      .def("detach_component",
+           [](RadixTree& t, NodeHandle h, std::size_t c, bool host) { TreeLock guard(t);
+             return t.detach_component(node_of(t, h, "detach_component"), c, host);
+           })
+      .def("evict_component",
+           [](RadixTree& t, std::size_t c, bool host, std::int64_t num_pages) { TreeLock guard(t);
+             return evict_result(t.evict_component(c, host, num_pages));
+           })
+      .def("component_table",
+           [](RadixTree& t, NodeHandle h, std::size_t c, bool host) { TreeLock guard(t);
+             return t.component_table(node_of(t, h, "component_table"), c, host);
+           })
+      .def("component_pages",
+           [](RadixTree& t, NodeHandle h, std::size_t c, bool host) { TreeLock guard(t);
+             const TreeNode* node = readable_node(t, h, "component_pages");
+             if (!node->comps) return py::object(py::none());
+             return maybe_tensor(node->comps[c].in(host));
+           })
+      .def("component_stamps",
+           [](RadixTree& t, NodeHandle h, std::size_t c) { TreeLock guard(t);
+             const TreeNode* node = readable_node(t, h, "component_stamps");
+             const hicache::ComponentRecord& r = node->comps[c];
+             return py::make_tuple(r.last_access, r.hit_count, r.created);
+           })
       .def("set_on_split",
            [](RadixTree& t, py::object fn) { TreeLock guard(t);
              if (fn.is_none()) {

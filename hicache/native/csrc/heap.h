@@ -40,6 +40,9 @@ class CandidateHeap {
     std::push_heap(entries_.begin(), entries_.end(), later);
   }
 
+  // The smallest entry (the heap is not empty).
+  const HeapEntry& top() const { return entries_.front(); }
+
   HeapEntry pop() {
     std::pop_heap(entries_.begin(), entries_.end(), later);
     HeapEntry e = entries_.back();

@@ -129,6 +129,27 @@ struct IndexRun {
   }
 };
 
+// One component's data on one node (hybrid models: components.h, and
+// hicache/tree/python/node.py ComponentRecord): its page ids in each tier (a window
+// component: `width` ids per page of the node; a state component: the `width` ids
+// of the checkpoint at the node's end), its own access stamps (refreshed only when
+// a hit reads it), its heap seqs, and for a window component the children holding
+// it in each tier.
+struct ComponentRecord {
+  IndexRun device;
+  IndexRun host;
+  std::int64_t last_access = 0;  // tree clock tick of the last hit that read it (or its attach)
+  std::int64_t hit_count = 0;    // hits that read it
+  std::int64_t created = 0;      // tree clock tick it was attached at
+  std::uint64_t dev_seq = 0;     // seq of its newest device-heap entry
+  std::uint64_t host_seq = 0;    // seq of its newest host-heap entry
+  std::uint32_t dev_children = 0;   // children holding this (window) component on the device
+  std::uint32_t host_children = 0;  // ... in host memory
+
+  const IndexRun& in(bool host_tier) const { return host_tier ? host : device; }
+  IndexRun& in(bool host_tier) { return host_tier ? host : device; }
+};
+
 struct TreeNode {
   using ChildMap = std::unordered_map<PageKey, std::unique_ptr<TreeNode>, PageKeyHash>;
 
@@ -172,6 +193,9 @@ struct TreeNode {
   // eviction touches.
   std::int64_t created = 0;   // tree clock tick of the insert that created it
   std::int64_t priority = 0;  // largest priority a match or insert gave it
+  // One record per component of a hybrid tree (roots included); null in a
+  // single-kind tree.
+  std::unique_ptr<ComponentRecord[]> comps;
 
   bool on_device() const { return device.defined(); }
   bool on_host() const { return host.defined(); }

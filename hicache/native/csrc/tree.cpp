@@ -70,11 +70,14 @@ std::size_t malloc_bytes(std::size_t n) {
 
 }  // namespace
 
-RadixTree::RadixTree(std::int64_t page_size, EvictionPolicy policy)
-    : page_size_(page_size), policy_(policy) {
+RadixTree::RadixTree(std::int64_t page_size, EvictionPolicy policy,
+                     std::vector<ComponentKind> components)
+    : page_size_(page_size), policy_(policy), comps_(std::move(components)) {
   if (page_size <= 0 || page_size > kMaxPageSize) {
     throw ValueError("page_size: expected an int in [1, 2**24], got " + std::to_string(page_size));
   }
+  for (auto& heaps : comp_heaps_) heaps.resize(comps_.size());
+  comp_counts_.assign(comps_.size(), {0, 0});
 }
 
 void RadixTree::check_reentry(const char* op, bool backup_may) const {
@@ -101,6 +104,7 @@ std::uint32_t RadixTree::namespace_index(const std::optional<std::string>& ns) {
   root->device = IndexRun{empty, 0, 0};
   root->host = IndexRun{empty, 0, 0};
   root->lock_ref = 1;  // roots are never evicted
+  if (has_components()) make_records(root.get());
   roots_.push_back(std::move(root));
   ns_names_.push_back(ns);
   if (ns) {
@@ -155,6 +159,7 @@ TreeNode* RadixTree::new_child(TreeNode* parent, TokenRun tokens) {
   TreeNode* node = owned.get();
   node->tokens = std::move(tokens);
   node->created = clock_;
+  if (has_components()) make_records(node);
   by_handle_.emplace(id, node);
   parent->children.emplace(node->first_page(page_size_), std::move(owned));
   link_last(parent, node);
@@ -218,7 +223,8 @@ MatchOut RadixTree::match(token_span key, std::uint32_t ns) {
   // child, which holds its host copy back.
   refresh(last_device);
   if (node != last_device) refresh(node);
-  return {device_len, host_len, last_device, node};
+  const MatchOut full{device_len, host_len, last_device, node, device_len + host_len};
+  return has_components() ? serve(full, ns) : full;
 }
 
 TreeNode* RadixTree::split(TreeNode* node, std::int64_t num_pages) {
@@ -266,6 +272,7 @@ TreeNode* RadixTree::split(TreeNode* node, std::int64_t num_pages) {
     prefix->num_host_children = 1;
     prefix->num_busy_host_children = host_busy(node) ? 1 : 0;
   }
+  if (has_components()) split_components(prefix, node, num_pages);
   if (on_split) {
     HookScope hook(*this, Hook::Split);
     // A copy: the hook may replace on_split while it runs.
@@ -397,10 +404,12 @@ std::int64_t RadixTree::probe(token_span key, std::optional<std::uint32_t> ns,
 void RadixTree::lock(TreeNode* node) {
   check_reentry("lock");
   if (!node->on_device()) throw ValueError("lock: expected a device-resident node, got " + node->repr());
+  const bool comps = has_components();
   for (; node->parent != nullptr; node = node->parent) {
     if (node->lock_ref == 0) {
       device_evictable_tokens -= node->num_tokens();
       device_protected_tokens += node->num_tokens();
+      if (comps) device_component_evictable_pages -= component_pages_on(node, false);
     }
     node->lock_ref += 1;
   }
@@ -415,15 +424,21 @@ void RadixTree::unlock(TreeNode* node) {
     }
   }
   TreeNode* deepest = node;
+  std::vector<TreeNode*> unlocked;  // components: nodes whose last lock goes
   for (; node->parent != nullptr; node = node->parent) {
     node->lock_ref -= 1;
     if (node->lock_ref == 0) {
       device_protected_tokens -= node->num_tokens();
       device_evictable_tokens += node->num_tokens();
+      if (has_components()) unlocked.push_back(node);
     }
   }
   // Ancestors have a device child on the path: only the deepest can be a candidate.
   refresh(deepest);
+  for (TreeNode* n : unlocked) {  // their component data is evictable again
+    device_component_evictable_pages += component_pages_on(n, false);
+    refresh_records(n);
+  }
 }
 
 void RadixTree::host_lock(TreeNode* node) {
@@ -432,12 +447,14 @@ void RadixTree::host_lock(TreeNode* node) {
     throw ValueError("host_lock: expected a non-root node with a host copy, got " + node->repr());
   }
   const bool was_busy = host_busy(node);
+  const bool was_free = host_free(node);
   if (node->host_lock_ref == 0) {
     host_evictable_tokens -= node->num_tokens();
     host_protected_tokens += node->num_tokens();
   }
   node->host_lock_ref += 1;
   host_changed(node, true, was_busy);
+  if (has_components()) host_free_changed(node, was_free);
 }
 
 void RadixTree::host_unlock(TreeNode* node) {
@@ -446,6 +463,7 @@ void RadixTree::host_unlock(TreeNode* node) {
     throw ValueError("host_unlock: node " + std::to_string(node->id) + " is not host-locked");
   }
   const bool was_busy = host_busy(node);
+  const bool was_free = host_free(node);
   node->host_lock_ref -= 1;
   if (node->host_lock_ref == 0) {
     host_protected_tokens -= node->num_tokens();
@@ -453,6 +471,7 @@ void RadixTree::host_unlock(TreeNode* node) {
     host_changed(node, true, was_busy);
     refresh(node);
   }
+  if (has_components()) host_free_changed(node, was_free);
 }
 
 void RadixTree::raise_priority(TreeNode* node, std::int64_t priority) {
@@ -474,9 +493,11 @@ void RadixTree::set_io_status(TreeNode* node, IOStatus status) {
     throw ValueError("set_io_status: IO in flight needs both copies, got " + node->repr());
   }
   const bool was_busy = host_busy(node);
+  const bool was_free = host_free(node);
   node->io_status = status;
   host_changed(node, node->on_host(), was_busy);
   if (status == IOStatus::None) refresh(node);
+  if (has_components()) host_free_changed(node, was_free);
 }
 
 void RadixTree::attach_device(TreeNode* node, const IndexRun& pages) {
@@ -508,7 +529,8 @@ at::Tensor RadixTree::detach_device(TreeNode* node) {
     throw ValueError("detach_device: a child is still on the device");
   }
   if (events_on_) log_event(false, true, node);
-  at::Tensor pages = node->device.tensor();
+  const bool was_free = host_free(node);
+  IndexRun pages = node->device;
   node->device.reset();
   node->parent->num_device_children -= 1;
   const bool was_busy = host_busy(node);
@@ -517,7 +539,11 @@ at::Tensor RadixTree::detach_device(TreeNode* node) {
   device_evictable_tokens -= node->num_tokens();
   refresh(node);
   refresh(node->parent);
-  return pages;
+  if (!has_components()) return pages.tensor();
+  host_free_changed(node, was_free);  // its IO status went back to none
+  std::vector<IndexRun> runs{pages};
+  drop_components(node, false, runs);
+  return runs.size() == 1 ? pages.tensor() : concat(runs);
 }
 
 void RadixTree::attach_host(TreeNode* node, const IndexRun& pages) {
@@ -545,13 +571,18 @@ at::Tensor RadixTree::detach_host(TreeNode* node) {
   }
   if (events_on_) log_event(false, false, node);
   const bool was_busy = host_busy(node);
-  at::Tensor pages = node->host.tensor();
+  const bool was_free = host_free(node);
+  IndexRun pages = node->host;
   node->host.reset();
   node->io_status = IOStatus::None;
   host_evictable_tokens -= node->num_tokens();
   host_changed(node, true, was_busy);
   refresh(node);
-  return pages;
+  if (!has_components()) return pages.tensor();
+  host_free_changed(node, was_free);
+  std::vector<IndexRun> runs{pages};
+  drop_components(node, true, runs);
+  return runs.size() == 1 ? pages.tensor() : concat(runs);
 }
 
 void RadixTree::merge_host_chain(TreeNode* node) {
@@ -560,6 +591,10 @@ void RadixTree::merge_host_chain(TreeNode* node) {
     return;
   }
   TreeNode* child = node->first_child;
+  if (has_components() &&
+      (component_pages_on(node, true) != 0 || component_pages_on(child, true) != 0)) {
+    return;  // a window tail or a checkpoint sits at node's end
+  }
   if (child->on_device() || child->host_lock_ref != 0 || child->io_status != IOStatus::None) {
     return;
   }
@@ -589,6 +624,12 @@ void RadixTree::merge_host_chain(TreeNode* node) {
   node->last_access = std::max(node->last_access, child->last_access);
   node->created = std::min(node->created, child->created);
   node->priority = std::max(node->priority, child->priority);
+  if (has_components()) {  // child's children are node's now (neither holds component data)
+    for (std::size_t c = 0; c < comps_.size(); ++c) {
+      node->comps[c].dev_children = child->comps[c].dev_children;
+      node->comps[c].host_children = child->comps[c].host_children;
+    }
+  }
   child->parent = nullptr;
   --num_nodes;
   by_handle_.erase(child->handle);
@@ -720,6 +761,7 @@ TreeNode* RadixTree::pop_host() {
 void RadixTree::refresh(TreeNode* node) {
   if (const int rank = device_rank(node); rank >= 0) push_device(node, rank);
   if (const int rank = host_rank(node); rank >= 0) push_host(node, rank);
+  if (has_components()) refresh_records(node);
 }
 
 void RadixTree::refresh_inner_host(TreeNode* node) {
@@ -757,10 +799,12 @@ void RadixTree::host_changed(TreeNode* node, bool was_on_host, bool was_busy) {
 
 void RadixTree::maybe_compact() {
   const std::int64_t limit = 4 * num_nodes + 1024;
-  if (static_cast<std::int64_t>(device_heap_.size()) > limit ||
-      static_cast<std::int64_t>(host_heap_.size()) > limit) {
-    compact();
+  bool over = static_cast<std::int64_t>(device_heap_.size()) > limit ||
+              static_cast<std::int64_t>(host_heap_.size()) > limit;
+  for (const auto& heaps : comp_heaps_) {
+    for (const auto& heap : heaps) over = over || static_cast<std::int64_t>(heap.size()) > limit;
   }
+  if (over) compact();
 }
 
 void RadixTree::compact() {
@@ -781,6 +825,7 @@ void RadixTree::compact() {
     }
   }
   host_heap_.rebuild(std::move(fresh));
+  if (has_components()) compact_components(all);
 }
 
 // Always a new tensor (one run too): what the tree returns is the caller's, and
@@ -808,64 +853,73 @@ EvictOut RadixTree::evict_device(std::int64_t num_tokens, const BackupHook* back
   if (num_tokens < 0) throw ValueError("num_tokens: expected >= 0, got " + std::to_string(num_tokens));
   OpScope scope(*this);
   std::int64_t need = num_tokens / page_size_ + (num_tokens % page_size_ != 0);
-  std::vector<IndexRun> freed;
-  std::int64_t num_freed = 0;
-  std::int64_t num_backup = 0;
-  std::vector<TreeNode*> skipped;
+  if (has_components()) return evict_device_hybrid(need, backup);
+  EvictTally tally;
   TreeNode* node = nullptr;
   try {
     while (need > 0) {
       node = pop_device();
       if (node == nullptr) break;
-      if (!node->on_host() && node->first_child != nullptr && backup == nullptr) {
-        skipped.push_back(node);
-        continue;
-      }
-      std::int64_t num_pages = node->device.num_pages;
-      if (num_pages > need) {
-        split(node, num_pages - need);
-        num_pages = need;
-      }
-      if (node->on_host()) {
-        if (events_on_) log_event(false, true, node);
-        freed.push_back(node->device);
-        node->device.reset();
-        node->parent->num_device_children -= 1;
-        device_evictable_tokens -= node->num_tokens();
-        num_freed += node->num_tokens();
-        merge_host_chain(node);
-        refresh(node);
-        refresh(node->parent);
-      } else if (backup != nullptr && call_backup(*backup, node)) {
-        num_backup += node->num_tokens();
-      } else if (node->first_child == nullptr && !node->on_host() &&
-                 node->io_status == IOStatus::None && node->parent != nullptr) {
-        // (A backup hook that declined may have given the node a host copy or IO
-        // in flight: then it is skipped like a node with children.)
-        if (events_on_) log_event(false, true, node);
-        freed.push_back(node->device);
-        device_evictable_tokens -= node->num_tokens();
-        num_freed += node->num_tokens();
-        node->device.reset();
-        node->parent->num_device_children -= 1;
-        remove(node);
-      } else {
-        skipped.push_back(node);
-        continue;
-      }
-      need -= num_pages;
+      need -= evict_device_node(node, need, backup, tally);
     }
   } catch (...) {
     // A hook raised: the node it was running for and the skipped ones get
     // their heap entries back, so the tree stays consistent.
-    for (TreeNode* n : skipped) refresh(n);
+    for (TreeNode* n : tally.skipped) refresh(n);
     if (node != nullptr && node->parent != nullptr) refresh(node);
     throw;
   }
-  for (TreeNode* n : skipped) push_device(n, 0);
+  for (TreeNode* n : tally.skipped) push_device(n, 0);
   maybe_compact();
-  at::Tensor pages = freed.empty() ? at::empty({0}, at::kLong) : concat(freed);
-  return {pages, num_freed, num_backup};
+  return tally_result(tally);
+}
+
+std::int64_t RadixTree::evict_device_node(TreeNode* node, std::int64_t need,
+                                          const BackupHook* backup, EvictTally& tally) {
+  if (!node->on_host() && node->first_child != nullptr && backup == nullptr) {
+    tally.skipped.push_back(node);
+    return 0;
+  }
+  std::int64_t num_pages = node->device.num_pages;
+  if (num_pages > need) {
+    split(node, num_pages - need);
+    num_pages = need;
+  }
+  if (node->on_host()) {
+    if (events_on_) log_event(false, true, node);
+    tally.freed.push_back(node->device);
+    node->device.reset();
+    node->parent->num_device_children -= 1;
+    device_evictable_tokens -= node->num_tokens();
+    tally.num_freed += node->num_tokens();
+    if (has_components()) num_pages += drop_components(node, false, tally.freed);
+    merge_host_chain(node);
+    refresh(node);
+    refresh(node->parent);
+  } else if (backup != nullptr && call_backup(*backup, node)) {
+    tally.num_backup += node->num_tokens();
+  } else if (node->first_child == nullptr && !node->on_host() &&
+             node->io_status == IOStatus::None && node->parent != nullptr) {
+    // (A backup hook that declined may have given the node a host copy or IO
+    // in flight: then it is skipped like a node with children.)
+    if (events_on_) log_event(false, true, node);
+    tally.freed.push_back(node->device);
+    device_evictable_tokens -= node->num_tokens();
+    tally.num_freed += node->num_tokens();
+    node->device.reset();
+    node->parent->num_device_children -= 1;
+    if (has_components()) num_pages += drop_components(node, false, tally.freed);
+    remove(node);
+  } else {
+    tally.skipped.push_back(node);
+    return 0;
+  }
+  return num_pages;
+}
+
+EvictOut RadixTree::tally_result(EvictTally& tally) const {
+  at::Tensor pages = tally.freed.empty() ? at::empty({0}, at::kLong) : concat(tally.freed);
+  return {pages, tally.num_freed, tally.num_backup};
 }
 
 EvictOut RadixTree::evict_host(std::int64_t num_tokens, bool drop_device_resident) {
@@ -873,8 +927,8 @@ EvictOut RadixTree::evict_host(std::int64_t num_tokens, bool drop_device_residen
   if (num_tokens < 0) throw ValueError("num_tokens: expected >= 0, got " + std::to_string(num_tokens));
   OpScope scope(*this);
   std::int64_t need = num_tokens / page_size_ + (num_tokens % page_size_ != 0);
-  std::vector<IndexRun> freed;
-  std::int64_t num_freed = 0;
+  if (has_components()) return evict_host_hybrid(need, drop_device_resident);
+  EvictTally tally;
   while (need > 0) {
     TreeNode* node = pop_host();
     if (node == nullptr) break;
@@ -882,31 +936,35 @@ EvictOut RadixTree::evict_host(std::int64_t num_tokens, bool drop_device_residen
       push_host(node, 1);
       break;
     }
-    std::int64_t num_pages = node->host.num_pages;
-    if (num_pages > need) {
-      try {
-        split(node, num_pages - need);
-      } catch (...) {
-        refresh(node);  // an on_split hook raised: node keeps its heap entry
-        throw;
-      }
-      num_pages = need;
-    }
-    if (events_on_) log_event(false, false, node);
-    freed.push_back(node->host);
-    node->host.reset();
-    host_evictable_tokens -= node->num_tokens();
-    host_changed(node, true, false);  // a candidate is never busy
-    num_freed += node->num_tokens();
-    if (!node->on_device()) {
-      remove(node);
-    } else {
-      refresh(node);
-    }
-    need -= num_pages;
+    need -= evict_host_node(node, need, tally);
   }
-  at::Tensor pages = freed.empty() ? at::empty({0}, at::kLong) : concat(freed);
-  return {pages, num_freed, 0};
+  return tally_result(tally);
+}
+
+std::int64_t RadixTree::evict_host_node(TreeNode* node, std::int64_t need, EvictTally& tally) {
+  std::int64_t num_pages = node->host.num_pages;
+  if (num_pages > need) {
+    try {
+      split(node, num_pages - need);
+    } catch (...) {
+      refresh(node);  // an on_split hook raised: node keeps its heap entry
+      throw;
+    }
+    num_pages = need;
+  }
+  if (events_on_) log_event(false, false, node);
+  tally.freed.push_back(node->host);
+  node->host.reset();
+  host_evictable_tokens -= node->num_tokens();
+  host_changed(node, true, false);  // a candidate is never busy
+  tally.num_freed += node->num_tokens();
+  if (has_components()) num_pages += drop_components(node, true, tally.freed);
+  if (!node->on_device()) {
+    remove(node);
+  } else {
+    refresh(node);
+  }
+  return num_pages;
 }
 
 // ---------------------------------------------------------------- KV events
@@ -970,6 +1028,7 @@ at::Tensor RadixTree::device_indices_of(TreeNode* node, const IndexRun* extra) c
 
 std::vector<TreeNode*> RadixTree::path_missing_host(TreeNode* node,
                                                     std::int64_t min_hit_count) const {
+  if (has_components()) return path_missing_host_hybrid(node, min_hit_count);
   std::vector<TreeNode*> path;
   for (; node->parent != nullptr; node = node->parent) {
     if (node->on_device() && !node->on_host() && node->io_status == IOStatus::None &&
@@ -988,7 +1047,8 @@ std::vector<TreeNode*> RadixTree::host_only_path(TreeNode* last,
     if (n->parent == nullptr) {
       throw ValueError("host_only_path: last_device_node is not an ancestor of last_node");
     }
-    path.push_back(n);
+    // (a hybrid match's host part may start below device nodes: those are not loaded)
+    if (!has_components() || !n->on_device()) path.push_back(n);
   }
   std::reverse(path.begin(), path.end());
   return path;
@@ -1116,7 +1176,7 @@ std::string RadixTree::check_integrity() const {
       return std::string("a ") + (pages == &dev_pages ? "device" : "host") + " page is held twice";
     }
   }
-  return "";
+  return has_components() ? check_components() : "";
 }
 
 std::size_t RadixTree::memory_bytes() const {
@@ -1141,7 +1201,15 @@ std::size_t RadixTree::memory_bytes() const {
     if (node->tokens.storage && token_storages.insert(node->tokens.storage.get()).second) {
       total += malloc_bytes(2 * sizeof(void*) + node->tokens.storage_len * sizeof(token_t));
     }
-    for (const IndexRun* idx : {&node->device, &node->host}) {
+    std::vector<const IndexRun*> runs{&node->device, &node->host};
+    if (node->comps) {
+      total += malloc_bytes(comps_.size() * sizeof(ComponentRecord));
+      for (std::size_t c = 0; c < comps_.size(); ++c) {
+        runs.push_back(&node->comps[c].device);
+        runs.push_back(&node->comps[c].host);
+      }
+    }
+    for (const IndexRun* idx : runs) {
       if (!idx->defined()) continue;
       if (tensor_impls.insert(idx->base.unsafeGetTensorImpl()).second) {
         total += malloc_bytes(sizeof(c10::TensorImpl));

@@ -22,6 +22,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <array>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -32,6 +33,7 @@
 #include <vector>
 
 #include "common.h"
+#include "components.h"
 #include "heap.h"
 #include "node.h"
 
@@ -42,6 +44,7 @@ struct MatchOut {
   std::int64_t host_len;    // tokens after those whose KV is only in host memory
   TreeNode* last_device;    // deepest matched node on the device (a root if none)
   TreeNode* last;           // deepest matched node
+  std::int64_t full_len;    // the full-attention match (more than the two above: components)
 };
 
 struct InsertOut {
@@ -76,7 +79,9 @@ class RadixTree {
   // The hook running now, if any (the innermost one).
   enum class Hook : std::uint8_t { None, Split, Backup };
 
-  RadixTree(std::int64_t page_size, EvictionPolicy policy);
+  // `components`: a hybrid tree's components (components.h), empty for a single-kind tree.
+  RadixTree(std::int64_t page_size, EvictionPolicy policy,
+            std::vector<ComponentKind> components = {});
   RadixTree(const RadixTree&) = delete;
   RadixTree& operator=(const RadixTree&) = delete;
 
@@ -147,6 +152,30 @@ class RadixTree {
   // (parent hash, page hashes) of a node's pages (hashed from the root).
   std::pair<std::optional<std::uint64_t>, std::vector<std::uint64_t>> node_hashes(TreeNode* node);
 
+  // --- Components (components.cpp; hicache/tree/python/hybrid*.py, the reference).
+  const std::vector<ComponentKind>& components() const { return comps_; }
+  bool has_components() const { return !comps_.empty(); }
+  // insert / insert_host, then each component keeps the given ids at the hit ends
+  // (one run per component, undefined: none given, -1: a page not given); returns
+  // the given ids not taken.
+  std::pair<InsertOut, at::Tensor> insert_components(token_span key, const IndexRun& pages,
+                                                     std::uint32_t ns,
+                                                     const std::vector<IndexRun>& given);
+  std::pair<InsertOut, at::Tensor> insert_host_components(token_span key, const IndexRun& pages,
+                                                          std::uint32_t ns,
+                                                          const std::vector<IndexRun>& given);
+  // Tokens of key a match would serve, read-only.
+  std::int64_t probe_hit(token_span key, std::optional<std::uint32_t> ns) const;
+  void attach_component(TreeNode* node, std::size_t c, bool host, const IndexRun& pages);
+  at::Tensor detach_component(TreeNode* node, std::size_t c, bool host);
+  // Component c's data only, in its heap's order, until num_pages ids are freed.
+  EvictOut evict_component(std::size_t c, bool host, std::int64_t num_pages);
+  // Component c's ids in a tier along the path root..node, per token page (-1: none).
+  at::Tensor component_table(TreeNode* node, std::size_t c, bool host) const;
+  std::int64_t num_component_pages(std::size_t c, bool host) const {
+    return comp_counts_[c][host ? 1 : 0];
+  }
+
   // "" if every invariant holds, else the first violation (Python asserts on it).
   std::string check_integrity() const;
   // Bytes the tree holds: nodes, maps, heaps, token storage and index storage
@@ -162,6 +191,9 @@ class RadixTree {
   // On host and not busy (TreeNode::num_busy_host_children): exactly the host
   // tokens evict_host can take, leaf by leaf, while nothing else changes.
   std::int64_t host_takeable_tokens = 0;
+  // Component page ids on unlocked device nodes; those evict_host can take now.
+  std::int64_t device_component_evictable_pages = 0;
+  std::int64_t host_component_takeable_pages = 0;
 
   SplitHook on_split;
 
@@ -204,6 +236,59 @@ class RadixTree {
 
   at::Tensor concat(const std::vector<IndexRun>& runs) const;
   void log_event(bool stored, bool device, TreeNode* node);
+  std::string check_components() const;  // the components' invariants (components.cpp)
+
+  // What one eviction call gave up so far (hicache/tree/python/eviction.py EvictTally).
+  struct EvictTally {
+    std::vector<IndexRun> freed;
+    std::int64_t num_freed = 0;
+    std::int64_t num_backup = 0;
+    std::vector<TreeNode*> skipped;
+  };
+  // One eviction step on a popped candidate; the pages it counts against `need`.
+  std::int64_t evict_device_node(TreeNode* node, std::int64_t need, const BackupHook* backup,
+                                 EvictTally& tally);
+  std::int64_t evict_host_node(TreeNode* node, std::int64_t need, EvictTally& tally);
+  EvictOut tally_result(EvictTally& tally) const;
+
+  // --- Components' bookkeeping (components.cpp).
+  struct PathStep {
+    TreeNode* node;
+    std::int64_t num_pages;  // its pages on the path
+    bool inside;             // the path ends inside it (the prefix of a split there)
+  };
+  void make_records(TreeNode* node);
+  void set_data(TreeNode* node, std::size_t c, bool host, IndexRun ids);
+  // Cascade: the node's full copy left a tier; its component data goes too (appended).
+  std::int64_t drop_components(TreeNode* node, bool host, std::vector<IndexRun>& freed);
+  std::int64_t component_pages_on(const TreeNode* node, bool host) const;
+  void split_components(TreeNode* prefix, TreeNode* suffix, std::int64_t num_pages);
+  int record_rank(const TreeNode* node, std::size_t c, bool host) const;
+  bool unusable(const TreeNode* node, std::size_t c, bool host) const;
+  HeapEntry record_entry(const TreeNode* node, std::size_t c, int rank, std::uint64_t seq) const;
+  void push_record(TreeNode* node, std::size_t c, bool host);
+  void refresh_records(TreeNode* node);
+  void touch(TreeNode* node, std::size_t c);
+  static bool host_free(const TreeNode* node) {
+    return node->host_lock_ref == 0 && node->io_status == IOStatus::None;
+  }
+  void host_free_changed(TreeNode* node, bool was_free);
+  std::pair<int, int> servable(const std::vector<PathStep>& path, std::size_t num_device) const;
+  MatchOut serve(const MatchOut& full, std::uint32_t ns);
+  void touch_hit(const std::vector<PathStep>& path, int i);
+  at::Tensor adopt(TreeNode* last, const std::vector<IndexRun>& given, bool host);
+  std::vector<TreeNode*> path_of(TreeNode* node) const;  // non-root nodes, root side first
+  // The heaps' tops: the best live candidate, stale entries above it dropped.
+  std::optional<HeapEntry> peek_device();
+  std::optional<HeapEntry> peek_host();
+  std::optional<std::pair<HeapEntry, std::size_t>> best_component(bool host);
+  bool peek_record(std::size_t c, bool host);  // drops stale tops; true if a candidate is left
+  std::int64_t evict_record(std::size_t c, bool host, EvictTally& tally);
+  EvictOut evict_device_hybrid(std::int64_t need, const BackupHook* backup);
+  EvictOut evict_host_hybrid(std::int64_t need, bool drop_device_resident);
+  std::vector<TreeNode*> path_missing_host_hybrid(TreeNode* node,
+                                                  std::int64_t min_hit_count) const;
+  void compact_components(const std::vector<TreeNode*>& all);
 
   std::int64_t page_size_;
   EvictionPolicy policy_;
@@ -226,6 +311,9 @@ class RadixTree {
   at::Tensor empty_roots_indices_;
   bool events_on_ = false;
   std::vector<RawEvent> events_;
+  std::vector<ComponentKind> comps_;  // empty: a single-kind tree
+  std::vector<CandidateHeap> comp_heaps_[2];  // per tier (device, host), per component
+  std::vector<std::array<std::int64_t, 2>> comp_counts_;  // page ids held: device, host
 };
 
 // Marks a hook running (restores the outer state however the hook returns).

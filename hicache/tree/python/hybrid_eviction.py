@@ -24,11 +24,12 @@ from collections.abc import Callable
 import torch
 
 from hicache.checks import check_int
+from hicache.tree.guards import check_component, check_tier
 from hicache.tree.python.eviction import EvictTally
 from hicache.tree.python.hybrid_paths import HybridPaths
 from hicache.tree.python.hybrid_records import data_of
 from hicache.tree.python.node import ComponentRecord, TreeNode
-from hicache.tree.types import EvictResult, IOStatus
+from hicache.tree.types import EvictResult, IOStatus, Tier
 
 
 class HybridEviction(HybridPaths):
@@ -143,6 +144,18 @@ class HybridEviction(HybridPaths):
         self._set_data(rec.node, c, tier, None)
         tally.freed.append(ids)
         return ids.shape[0]
+
+    def evict_component(self, c: int, tier: Tier, num_pages: int) -> EvictResult:
+        """Evict component ``c``'s data in ``tier`` only, in its heap's order (rank -1
+        first), until at least ``num_pages`` page ids are freed or none is left."""
+        check_tier(tier, "evict_component")
+        check_component(c, len(self.components), "evict_component")
+        need = check_int("num_pages", num_pages)
+        self._refuse_reentry("evict_component", backup_may=True)
+        tally = EvictTally()
+        while need > 0 and self._comp_heaps[tier][c].peek(self._rank_fns[tier][c]) is not None:
+            need -= self._evict_record(c, tier, tally)
+        return tally.result()
 
     def evict_device(
         self, num_tokens: int, backup: Callable[[TreeNode], bool] | None = None

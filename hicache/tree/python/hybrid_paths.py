@@ -24,8 +24,10 @@ from collections.abc import Sequence
 import torch
 
 from hicache.checks import check_page_count, check_page_tensor
-from hicache.tree.guards import check_component, check_key, check_tier
+from hicache.tree.guards import check_component, check_component_pages, check_key, check_tier
+from hicache.tree.protocol import RadixTreeLike
 from hicache.tree.python.hybrid_records import HybridRecords, data_of
+from hicache.tree.python.kinds import KindLogic
 from hicache.tree.python.node import EMPTY_PAGES, TreeNode, copy_pages
 from hicache.tree.types import (
     NO_PAGES,
@@ -46,11 +48,12 @@ class HybridPaths(HybridRecords):
 
     # ------------------------------------------------------------ serving
     def _servable(self, entries: Sequence[PathEntry], num_device: int) -> tuple[int, int]:
-        """The deepest servable node ends of a path: (in the device part, with the host part).
+        """The deepest servable node ends of a path: (in the device part, in all of it).
 
         ``entries`` root side first, the first ``num_device`` on the device. Indices,
-        -1 for the root. The host part counts only when the device part is servable
-        to its end.
+        -1 for the root. An end in the host part is read in each node's view: the
+        device nodes above it lend their device data (a window reaching into them),
+        the host-only nodes their host data.
         """
         logic = self._logic
         carry_device = [0] * len(logic)
@@ -78,9 +81,7 @@ class HybridPaths(HybridRecords):
                 best_device = i
             elif not on_device and ok_view:
                 best_host = i
-        if best_device == num_device - 1 and best_host > best_device:
-            return best_device, best_host
-        return best_device, best_device
+        return best_device, max(best_device, best_host)
 
     def match_key(self, key: bytes, namespace: str | None = None) -> MatchResult:
         """:meth:`RadixTree.match_key`, cut back to what every component serves.
@@ -123,6 +124,11 @@ class HybridPaths(HybridRecords):
                 self._touch(node.components[c], c)
                 need -= num_pages
                 j -= 1
+
+    def host_only_path(self, result: MatchResult) -> list[TreeNode]:
+        """The host-only nodes of a match, root side first (a hybrid match's host part may
+        start below device nodes its hit reads nothing of: those are not loaded)."""
+        return [n for n in super().host_only_path(result) if n.device_indices is None]
 
     def probe_hit_key(self, key: bytes, namespace: str | None = None) -> int:
         """Tokens of ``key`` a match would serve (``device_len + host_len``), read-only."""
@@ -170,36 +176,7 @@ class HybridPaths(HybridRecords):
     def _given_components(
         self, components: Sequence[torch.Tensor | None], num_pages: int
     ) -> list[torch.Tensor | None]:
-        """``components`` checked: one entry per component, each None or ids along the key."""
-        if isinstance(components, torch.Tensor) or not isinstance(components, Sequence):
-            raise TypeError(
-                f"components: expected a list or tuple (one entry per component), got "
-                f"{type(components).__name__}"
-            )
-        if not components:
-            return [None] * len(self._logic)
-        if len(components) != len(self._logic):
-            raise ValueError(
-                f"components: expected one entry per component of the tree "
-                f"({len(self._logic)}), got {len(components)}"
-            )
-        out: list[torch.Tensor | None] = []
-        for c, (ids, lg) in enumerate(zip(components, self._logic, strict=True)):
-            if ids is None:
-                out.append(None)
-                continue
-            name = f"components[{c}]"
-            check_page_count(name, ids, num_pages * lg.width)
-            if ids.numel():
-                if int(ids.min()) < -1:
-                    raise ValueError(f"{name}: expected page ids >= 0 or -1, got {int(ids.min())}")
-                given = (ids >= 0).view(num_pages, lg.width)
-                if bool((given.any(1) != given.all(1)).any()):
-                    raise ValueError(
-                        f"{name}: expected each page's {lg.width} ids all given or all -1"
-                    )
-            out.append(ids)
-        return out
+        return check_component_pages(components, [lg.width for lg in self._logic], num_pages)
 
     def _hit_ends(self, path: Sequence[TreeNode], created: int) -> list[TreeNode]:
         """The nodes of an inserted path whose ends are hit ends (module docstring).
@@ -292,47 +269,7 @@ class HybridPaths(HybridRecords):
         check_tier(tier, "component_gaps")
         check_component(c, len(self.components), "component_gaps")
         key = check_key(key, self._key_nbytes_per_page)
-        pnb = self._key_nbytes_per_page
-        num_pages = len(key) // pnb
-        gaps = torch.zeros(num_pages, dtype=torch.bool)
-        if not num_pages:
-            return gaps
-        cached = self._probe(key, namespace, None) // self.page_size
-        lg = self._logic[c]
-        # The path an insert of key leaves, as (start, end, lacks c there, is a hit end):
-        # the existing nodes (the last one split at ``cached`` if it runs past it), then
-        # the new leaf. Hit ends as :meth:`_hit_ends` finds them after the insert.
-        spans: list[tuple[int, int, bool, bool]] = []
-        start = 0
-        for node in self.probe_path(key, namespace):
-            if start >= cached:
-                break
-            num = len(node.key) // pnb
-            end = min(start + num, cached)
-            inside = end < start + num
-            assert node.components is not None, "records on every node"
-            holds = data_of(node.components[c], tier) is not None
-            if inside:
-                holds = lg.split_prefix_holds(holds)
-            copy = tier == "device" or node.host_indices is not None
-            leaf_below = end == cached < num_pages  # the new leaf hangs from this end
-            kids = (1 if inside else len(node.children)) + int(leaf_below)
-            spans.append((start, end, copy and not holds, end == num_pages or leaf_below or kids > 1))
-            start = end
-        if cached < num_pages:
-            spans.append((cached, num_pages, True, True))
-        for k, (_, end, _, hit) in enumerate(spans):
-            if not hit:
-                continue
-            first = lg.kept_start(0, end)
-            low = end - 1 if first is None else first
-            j = k
-            while j >= 0 and spans[j][1] > low:
-                span_start, span_end, lacking, _ = spans[j]
-                if lacking:
-                    gaps[max(span_start, low) : span_end] = True
-                j -= 1
-        return gaps
+        return gaps_along(self, self._logic[c], key, c, tier, namespace)
 
     # ------------------------------------------------------------ one record
     def attach_component(self, node: TreeNode, c: int, tier: Tier, pages: torch.Tensor) -> None:
@@ -381,3 +318,51 @@ class HybridPaths(HybridRecords):
             )
         self._set_data(node, c, tier, None)
         return ids
+
+
+def gaps_along(
+    tree: RadixTreeLike, lg: KindLogic, key: bytes, c: int, tier: Tier, namespace: str | None
+) -> torch.Tensor:
+    """:meth:`HybridPaths.component_gaps` over any tree's reads (the native tree's too).
+
+    The path an insert of ``key`` leaves: the cached nodes (the last one split where
+    the key leaves it), then the new leaf; its hit ends as :meth:`HybridPaths._hit_ends`
+    finds them after the insert; then each hit end's kept pages where the node there
+    lacks ``c`` in ``tier`` (and, for ``"host"``, has a host copy).
+    """
+    P = tree.page_size
+    num_pages = len(key) // (4 * P)
+    gaps = torch.zeros(num_pages, dtype=torch.bool)
+    if not num_pages:
+        return gaps
+    cached = tree.probe_key(key, namespace) // P
+    spans: list[tuple[int, int, bool, bool]] = []  # (start, end, lacks c there, hit end)
+    start = 0
+    for node in tree.probe_path(key, namespace):
+        if start >= cached:
+            break
+        num = node.num_tokens // P
+        end = min(start + num, cached)
+        inside = end < start + num
+        holds = node.component_pages(c, tier) is not None
+        if inside:
+            holds = lg.split_prefix_holds(holds)
+        copy = tier == "device" or node.host_indices is not None
+        leaf_below = end == cached < num_pages  # the new leaf hangs from this end
+        kids = (1 if inside else len(node.children)) + int(leaf_below)
+        spans.append((start, end, copy and not holds, end == num_pages or leaf_below or kids > 1))
+        start = end
+    if cached < num_pages:
+        spans.append((cached, num_pages, True, True))
+    for k, (_, end, _, hit) in enumerate(spans):
+        if not hit:
+            continue
+        first = lg.kept_start(0, end)
+        low = end - 1 if first is None else first
+        j = k
+        while j >= 0 and spans[j][1] > low:
+            span_start, span_end, lacking, _ = spans[j]
+            if lacking:
+                gaps[max(span_start, low) : span_end] = True
+            j -= 1
+    return gaps

@@ -16,7 +16,7 @@ from hicache.tree.guards import check_component, check_key, check_tier
 from hicache.tree.python.eviction import Eviction
 from hicache.tree.python.integrity import IntegrityCheck
 from hicache.tree.python.node import EMPTY_PAGES, TreeNode
-from hicache.tree.types import IOStatus, MatchResult, Tier
+from hicache.tree.types import EvictResult, IOStatus, MatchResult, Tier
 
 
 class RadixTree(Eviction, IntegrityCheck):
@@ -111,6 +111,12 @@ class RadixTree(Eviction, IntegrityCheck):
         check_tier(tier, "detach_component")
         check_component(c, len(self.components), "detach_component")
         return EMPTY_PAGES
+
+    def evict_component(self, c: int, tier: Tier, num_pages: int) -> EvictResult:
+        """Evict component ``c``'s data in ``tier`` only (a per-component budget)."""
+        check_tier(tier, "evict_component")
+        check_component(c, len(self.components), "evict_component")
+        return EvictResult(EMPTY_PAGES, 0, 0)
 
     def path_to(self, node: TreeNode) -> list[TreeNode]:
         """Non-root nodes from the root down to ``node``."""

@@ -180,7 +180,7 @@ class HybridVsModel(RuleBasedStateMachine):
         assert self.tree.num_component_pages(1, "device") == len(self.state)
 
 
-@pytest.mark.parametrize("kind", [k for k in TREE_KINDS if k == "python"])
+@pytest.mark.parametrize("kind", TREE_KINDS)
 def test_hybrid_tree_matches_reference_model(kind):
     machine = type(f"HybridVsModel_{kind}", (HybridVsModel,), {"kind": kind})
     machine.TestCase.settings = settings(
@@ -190,7 +190,7 @@ def test_hybrid_tree_matches_reference_model(kind):
     machine.TestCase().runTest()
 
 
-@pytest.mark.parametrize("kind", [k for k in TREE_KINDS if k == "python"])
+@pytest.mark.parametrize("kind", TREE_KINDS)
 def test_hybrid_tree_random_walks_match_reference_model(kind):
     """The same machine driven by seeded random walks: Hypothesis prefers short runs, and
     a missing window page needs a key, its next turn, a dropped component and a match."""

@@ -20,7 +20,7 @@ WINDOW = ComponentSpec("window", window_tokens=5)  # w = ceil(4 / 2) = 2 pages
 STATE = ComponentSpec("state")
 
 
-@pytest.fixture(params=[k for k in TREE_KINDS if k == "python"])
+@pytest.fixture(params=TREE_KINDS)
 def hybrid(request):
     """``hybrid(*specs, eviction="lru")``: a tree of the parametrized kind with components."""
 
@@ -240,11 +240,34 @@ def test_a_host_hit_is_read_in_each_nodes_tier(hybrid):
     assert (m.device_len, m.host_len, m.full_len) == (6, 2, 8)
     assert tree.host_only_path(m) == [leaf]
     assert tree.component_table(leaf, 0, "host").tolist() == [-1, -1, -1, 1100]
-    # Without top's device window the device part is not servable to its end (no end
-    # before it is either): no host part.
+    # Without top's device window no end serves: not the leaf's (its window reads top's
+    # device pages; a host hit loads host-only nodes only), nor top's, nor the one before.
     tree.detach_component(top, 0, "device")
     m = tree.match_prefix(seq(4) + [9999])
     assert (m.device_len, m.host_len, m.full_len) == (0, 0, 8)
+    tree.check_integrity()
+
+
+def test_a_host_hit_loads_only_host_only_nodes_below_device_nodes_serving_nothing(hybrid):
+    tree = hybrid(WINDOW, STATE)
+    stem = tree.insert(seq(4), ids(0, 4), components=[ids(100, 4), checkpoints(4, {8: 500})])
+    leaf = tree.insert(seq(8), ids(10, 8), components=[ids(200, 8), checkpoints(8, {16: 600})])
+    stem, leaf = stem.last_node, leaf.last_node  # [4, 8) and [12, 16) hold window and state
+    for node, base in [(n, 1000 + 10 * i) for i, n in enumerate(tree.path_to(leaf))]:
+        tree.attach_host(node, ids(base, node.num_tokens // P))
+        for c in (0, 1):
+            device = node.component_pages(c, "device")
+            if device is not None:
+                tree.attach_component(node, c, "host", ids(base + 5 + 2 * c, device.shape[0]))
+    tree.detach_device(leaf)  # the leaf goes host-only, its components with it
+    tree.evict_component(1, "device", 1)  # the stem's device checkpoint goes
+    m = tree.match_prefix(seq(8) + [7])
+    # No end on the device serves now; the leaf's end does, from host memory: a load of
+    # the leaf alone (the window before 16 lies within it).
+    assert (m.device_len, m.host_len, m.full_len) == (0, 16, 16)
+    assert m.last_device_node is tree.root() and m.last_node is leaf
+    assert tree.host_only_path(m) == [leaf]
+    assert tree.probe_hit_key(token_key(seq(8), P)) == 16
     tree.check_integrity()
 
 
@@ -281,6 +304,21 @@ def test_a_tail_hits_passed_by_goes_before_a_fresh_leaf(hybrid):
     res = tree.evict_device(2)
     assert res.page_ids.tolist() == [102, 103]  # turn 1's tail: no hit read it since
     assert res.num_evicted_tokens == 0 and tree.num_nodes == 4
+    tree.check_integrity()
+
+
+def test_evict_component_takes_one_components_data_in_order(hybrid):
+    tree = hybrid(WINDOW, STATE)
+    for first in (0, 100, 200):  # three keys, inserted in this order
+        tree.insert(seq(2, first), ids(first, 2), components=[ids(first + 50, 2),
+                                                              checkpoints(2, {4: first + 90})])
+    tree.match_prefix(seq(2, 0) + [7])  # the first key's hit reads its window and checkpoint
+    res = tree.evict_component(1, "device", 2)  # the state only, least recently read first
+    assert res.page_ids.tolist() == [190, 290] and res.num_evicted_tokens == 0
+    assert tree.num_component_pages(0, "device") == 6 and tree.device_tokens == 12
+    assert tree.evict_component(1, "host", 5).page_ids.tolist() == []
+    with pytest.raises(ValueError, match="tier"):
+        tree.evict_component(0, "disk", 1)
     tree.check_integrity()
 
 

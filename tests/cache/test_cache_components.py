@@ -1,0 +1,189 @@
+"""HiCache over a hybrid KV layout (kv.components): a request's window and state pages,
+what insert hands the tree, loads and backups that move component pages with full pages
+(bitwise), failures, budgets, and exact page accounting, on both trees.
+
+Layout: 2 layers per page (the full-attention layers), page size 2; a window component
+of 3 tokens (1 page before a hit) and a state component of width 2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kv_layouts import TREE_KINDS
+from leak_checks import assert_quiescent, finish_transfers
+
+from hicache.cache import HiCache
+from hicache.components import ComponentSpec
+from hicache.config import CacheConfig, KVConfig
+
+P = 2
+SPECS = (ComponentSpec("window", window_tokens=3), ComponentSpec("state", width=2))
+KV = KVConfig(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_size=P,
+              components=SPECS)
+W, S = 0, 1  # component indices
+TREE = "python"
+
+
+@pytest.fixture(autouse=True, params=TREE_KINDS)
+def _tree_kind(request):
+    global TREE
+    TREE = request.param
+
+
+def make(device_tokens=40, host_tokens=80, executor="thread", **kw) -> HiCache:
+    kw.setdefault("tree", TREE)
+    return HiCache(CacheConfig(KV, device_tokens=device_tokens, host_tokens=host_tokens,
+                               executor=executor, **kw))
+
+
+def fill(cache: HiCache, page: int, value: float) -> None:
+    """Write ``value`` (+ the layer) into every slot of device page ``page``."""
+    for layer in range(KV.num_layers):
+        rows = torch.full((P, 1, 4), float(value + layer))
+        cache.device_pool.write_pages(layer, torch.tensor([page]), rows, -rows)
+
+
+def read(cache: HiCache, page: int) -> float:
+    k, _ = cache.device_pool.read_pages(0, torch.tensor([page]))
+    return float(k[0, 0, 0])
+
+
+def window_value(tokens: list[int], page: int) -> float:
+    """What a request writes into its window page for page ``page`` of ``tokens``."""
+    return 10_000 + 100 * page + sum(tokens[: (page + 1) * P])
+
+
+def state_value(tokens: list[int], length: int, group: int) -> float:
+    """The recurrent state after ``length`` tokens, in state group ``group``."""
+    return 50_000 + 7 * length + 1000 * group + sum(tokens[:length])
+
+
+def serve(cache: HiCache, tokens: list[int], *, check: bool = True):
+    """One request: check the prefix's window page and checkpoint bitwise, write its own,
+    insert with a checkpoint at the inserted length and at the full match."""
+    h = cache.match(tokens + [0])  # the last token is always computed
+    h.wait()
+    n = h.prefix_len
+    if check and n:
+        table = h.window_table(W)
+        assert read(cache, int(table[n // P - 1, 0])) == window_value(tokens, n // P - 1)
+        state = h.state_pages(S)
+        for g in range(2):
+            assert read(cache, int(state.read[g])) == state_value(tokens, n, g)
+    end = len(tokens) // P * P
+    marks = {pos for pos in (end, h.full_len) if n < pos <= end}
+    assert cache.alloc(h, len(tokens) - n, checkpoints=marks) is not None
+    table = h.window_table(W)
+    for page in range(n // P, end // P):
+        fill(cache, int(table[page, 0]), window_value(tokens, page))
+    state = h.state_pages(S)
+    for pos, ids in state.checkpoints.items():
+        for g in range(2):
+            fill(cache, int(ids[g]), state_value(tokens, pos, g))
+    cache.insert(h, tokens)
+    cache.release(h)
+    return n, h.full_len
+
+
+A = [1, 1, 2, 2, 3, 3, 4, 4]  # 4 pages
+B = [1, 1, 2, 2, 5, 5, 6, 6]  # shares 2 pages with A
+
+
+def test_insert_keeps_the_window_tail_and_checkpoints_with_exact_pages():
+    cache = make(host_tokens=None)
+    assert serve(cache, A) == (0, 0)
+    tree = cache.tree
+    # 4 full pages; the window keeps 1 page (the last); the state one checkpoint (2 ids)
+    assert tree.device_tokens == 8
+    assert tree.num_component_pages(W, "device") == 1
+    assert tree.num_component_pages(S, "device") == 2
+    assert cache.device_allocator.num_used_pages == 4 + 1 + 2
+    assert serve(cache, A) == (8, 8)  # a hit at A's end: its window page and checkpoint
+    assert_quiescent(cache)
+    cache.close()
+
+
+def test_a_branch_becomes_a_hit_once_its_checkpoint_is_inserted():
+    cache = make(host_tokens=None)
+    serve(cache, A)
+    assert serve(cache, B) == (0, 4)  # full match of 4 tokens, no checkpoint there
+    assert serve(cache, A[:4] + [9, 9]) == (4, 4)  # the branch point has its checkpoint now
+    assert_quiescent(cache)
+    cache.close()
+
+
+@pytest.mark.parametrize("executor", ["thread", "manual"])
+def test_evicted_to_host_and_loaded_back_with_component_pages_bitwise(executor):
+    cache = make(device_tokens=32, host_tokens=64, executor=executor)  # 16 device pages
+    serve(cache, A)
+    finish_transfers(cache)
+    tree = cache.tree
+    assert tree.host_tokens == 8  # write-through: full pages and components backed up
+    assert tree.num_component_pages(W, "host") == 1 and tree.num_component_pages(S, "host") == 2
+    # 6 full pages, 6 window pages, a state and a checkpoint: all 16 device pages, so A
+    # (4 full pages, 1 window page, a checkpoint: 7) goes host-only
+    serve(cache, [7] * 12, check=False)
+    finish_transfers(cache)
+    assert tree.device_tokens == 12
+    h = cache.match(A + [0])
+    assert h.host_len > 0 and h.device_len + h.host_len == 8
+    finish_transfers(cache)
+    h.wait()
+    table = h.window_table(W)
+    assert read(cache, int(table[3, 0])) == window_value(A, 3)
+    state = h.state_pages(S)
+    assert [read(cache, int(state.read[g])) for g in range(2)] == [
+        state_value(A, 8, g) for g in range(2)]
+    cache.release(h)
+    assert cache.stats()["loads"] == 1
+    assert_quiescent(cache)
+    cache.close()
+
+
+def test_bookkeeping_cache_accounts_component_pages_exactly():
+    cache = HiCache(CacheConfig(KV, device_tokens=40, host_tokens=48, allocate_kv=False,
+                                tree=TREE))
+    assert cache.lifecycle == "python"
+    for tokens in (A, B, [3] * 10, A[:6] + [8, 8]):
+        h = cache.match(tokens + [0])
+        marks = {len(tokens) // P * P}
+        assert cache.alloc(h, len(tokens) - h.prefix_len, checkpoints=marks) is not None
+        cache.insert(h, tokens)
+        cache.release(h)
+        cache.check_integrity()
+    s = cache.stats()
+    assert s["device_pages_used"] == (cache.tree.device_tokens // P + sum(
+        cache.tree.num_component_pages(c, "device") for c in (W, S)))
+    cache.close()
+
+
+def test_checkpoints_are_checked():
+    cache = make(host_tokens=None)
+    h = cache.match(A + [0])
+    with pytest.raises(ValueError, match="multiples of 2"):
+        cache.alloc(h, 8, checkpoints={3})
+    with pytest.raises(ValueError, match=r"in \(0, 8\]"):
+        cache.alloc(h, 8, checkpoints={10})
+    with pytest.raises(TypeError, match="checkpoints"):
+        cache.alloc(h, 8, checkpoints=8)
+    assert h.state_pages(S) == (None, None, {})  # nothing matched, nothing allocated
+    with pytest.raises(ValueError, match="not a window"):
+        h.window_table(S)
+    assert cache.alloc(h, 8, checkpoints={8}) is not None
+    assert set(h.state_pages(S).checkpoints) == {8}
+    cache.release(h)
+    assert_quiescent(cache)
+    cache.close()
+
+
+def test_a_budget_keeps_each_component_within_its_share_of_a_tier():
+    cache = make(device_tokens=40, host_tokens=80, component_host_fraction=0.05)
+    for first in range(5):
+        serve(cache, [first + 10] * 8, check=False)
+        finish_transfers(cache)
+    cap = int(0.05 * 40)  # host pages: 40
+    for c in (W, S):
+        assert cache.tree.num_component_pages(c, "host") <= cap
+    assert_quiescent(cache)
+    cache.close()

@@ -1,0 +1,109 @@
+"""Engine over a hybrid model (tiny-hybrid: window, full and linear layers): every cached
+mode generates what the uncached one does, under eviction, reloads and failed loads.
+
+The same sessions as tests/sim/test_engine.py (two shared system prompts, three turns);
+the device pool is twice as large as there, since a hybrid request also owns its window
+pages and its state. Tolerances as there: the linear layers' recurrence runs in chunks
+from a checkpoint instead of from the start, which changes float32 rounding only.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_engine import MAX_NEW_TOKENS, PAGE_SIZE, assert_same_outputs, run_sessions
+
+from hicache.sim.engine import Engine, GenerateResult
+from hicache.sim.model import Model, preset
+
+DEVICE_TOKENS = 1024  # hybrid requests take about twice the pages: still evicts
+HOST_TOKENS = 16384
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def hybrid() -> Model:
+    return Model(preset("tiny-hybrid"), seed=0)
+
+
+def make(model: Model, mode: str, **kwargs) -> Engine:
+    if mode == "hierarchical":
+        kwargs.setdefault("host_tokens", HOST_TOKENS)
+    return Engine(model, mode, DEVICE_TOKENS, page_size=PAGE_SIZE, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def reference(hybrid) -> list[GenerateResult]:
+    with make(hybrid, "none") as engine:
+        return run_sessions(engine)
+
+
+@pytest.mark.parametrize("mode", ["device", "hierarchical"])
+def test_cached_modes_match_no_cache(hybrid, reference, mode):
+    with make(hybrid, mode) as engine:
+        results = run_sessions(engine)
+        stats = engine.stats()
+    assert_same_outputs(results, reference)
+    assert stats["device_evicted_tokens"] > 0, "workload too small: the device never evicted"
+    # A later turn starts from the checkpoint the earlier one inserted; a session
+    # branching off a shared system prompt from the checkpoint its first branch inserted.
+    assert stats["device_hit_tokens"] > 0
+    if mode == "hierarchical":
+        assert stats["host_hit_tokens"] > 0 and stats["loads"] > 0
+        assert stats["host_component_pages"] > 0
+    for r, ref in zip(results, reference, strict=True):
+        assert r.device_hit_tokens + r.host_hit_tokens + r.computed_tokens == ref.computed_tokens
+    assert sum(r.host_hit_tokens for r in results) == stats["host_hit_tokens"]
+
+
+def test_hybrid_requests_hit_less_than_full_matches_but_never_serve_wrong_kv(hybrid, reference):
+    """What the cache serves is cut to what every component can: a full-attention match
+    of a system prompt without a checkpoint at its end serves nothing the first time."""
+    with make(hybrid, "device") as engine:
+        results = run_sessions(engine, num_sessions=4, num_turns=1)
+    assert [r.device_hit_tokens for r in results] == [0, 0, 0, 0]  # no branch point yet
+    with make(hybrid, "device") as engine:
+        results = run_sessions(engine, num_sessions=6, num_turns=1)
+    assert [r.device_hit_tokens for r in results][4:] == [160, 160]  # now there is
+
+
+@pytest.mark.parametrize("fail_layer", [0, 1])
+def test_failed_load_is_recomputed(hybrid, reference, fail_layer):
+    """Every other load fails at ``fail_layer``: the request is cut back to an end every
+    component serves and recomputed from there, with the same outputs."""
+    with make(hybrid, "hierarchical") as engine:
+        copier = engine.cache.transfers.executor._copier
+        real_load = copier.load
+        calls = {"n": 0}
+
+        def flaky_load(host_ids, device_ids, first, last):
+            if first == fail_layer:
+                calls["n"] += 1
+                if calls["n"] % 2 == 1:
+                    raise OSError("injected load failure")
+            return real_load(host_ids, device_ids, first, last)
+
+        copier.load = flaky_load
+        results = run_sessions(engine)
+        stats = engine.stats()
+    assert_same_outputs(results, reference)
+    assert stats["loads_failed"] > 0
+    assert sum(r.num_load_failures for r in results) > 0
+
+
+@pytest.mark.parametrize("prompt_len", [1, 15, 16, 17, 33, 70])
+def test_short_and_page_aligned_prompts(hybrid, prompt_len):
+    """The last prompt token is always computed; the second run starts from the
+    checkpoint the first inserted (the prompt's whole pages, up to the last token)."""
+    prompt = list(range(7, 7 + prompt_len))
+    outputs = {}
+    for mode in ("none", "device", "hierarchical"):
+        with make(hybrid, mode) as engine:
+            first = engine.generate(prompt, MAX_NEW_TOKENS)
+            again = engine.generate(prompt, MAX_NEW_TOKENS)
+            engine.check_integrity()
+        assert first.tokens == again.tokens
+        if mode != "none":
+            assert again.device_hit_tokens == (prompt_len - 1) // PAGE_SIZE * PAGE_SIZE
+        outputs[mode] = first.tokens
+    assert outputs["none"] == outputs["device"] == outputs["hierarchical"]
