@@ -107,3 +107,37 @@ def test_short_and_page_aligned_prompts(hybrid, prompt_len):
             assert again.device_hit_tokens == (prompt_len - 1) // PAGE_SIZE * PAGE_SIZE
         outputs[mode] = first.tokens
     assert outputs["none"] == outputs["device"] == outputs["hierarchical"]
+
+
+# A hit at 16 (a checkpoint there) whose full-attention match reaches 32 (no checkpoint):
+# P1 caches [0, 16), P2 [0, 48) with a checkpoint at 48, P3 shares 40 tokens with P2.
+P1 = list(range(7, 27))
+P2 = P1[:16] + list(range(100, 127))
+P3 = P2[:40] + list(range(300, 319))  # 59 tokens: 4 pages with its output
+Q = list(range(500, 517))  # one page cached: a page, a window page, a checkpoint
+
+
+@pytest.fixture(scope="module")
+def p3_reference(hybrid) -> list[int]:
+    with make(hybrid, "none") as engine:
+        return engine.generate(P3, MAX_NEW_TOKENS).tokens
+
+
+@pytest.mark.parametrize(("pool_pages", "pinned", "hit"), [(11, False, 16), (13, True, 0)])
+def test_a_hit_that_leaves_too_few_pages_gives_up_the_extra_checkpoint_then_the_hit(
+        hybrid, p3_reference, pool_pages, pinned, hit):
+    """P3's hit at 16 holds a page, a window page and a checkpoint; its 3 pages beyond
+    take 3 pages, 3 window pages, a state and checkpoints at 64 and at its full match
+    (32): 12 pages. With 11 (what request_pages counts for 4 pages) it drops the
+    checkpoint at 32 and keeps the hit. With 13 of which a pin on Q holds 3, 11 are too
+    many: it computes from the start (10 pages). Same tokens as uncached every time."""
+    with Engine(hybrid, "device", pool_pages * PAGE_SIZE, page_size=PAGE_SIZE) as engine:
+        for prompt in (P1, P2, Q) if pinned else (P1, P2):
+            engine.generate(prompt, MAX_NEW_TOKENS)
+        if pinned:
+            assert engine.cache.pin(Q[:16]) == 16
+        result = engine.generate(P3, MAX_NEW_TOKENS)
+        engine.check_integrity()
+    assert result.tokens == p3_reference
+    assert (result.device_hit_tokens, result.computed_tokens) == (hit, len(P3) - hit)
+
