@@ -133,6 +133,8 @@ _NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is availab
     pytest.param(["transfer", "--device", "cuda"], "CUDA is not available here", marks=_NO_CUDA),
     (["recompute", "--tokens", "17"], "--tokens: expected positive multiples of the page size"),
     (["recompute", "--dtype", "int4"], "dtype: expected one of"),
+    (["recompute", "--preset", "tiny-hybrid", "--page-size", "4", "--tokens", "16"],
+     "--page-size: page_size: a linear layer's state takes 8"),
     pytest.param(["recompute", "--device", "cuda:0"], "CUDA is not available", marks=_NO_CUDA),
     (["multiturn", "--requests", "0"], "--requests: expected an integer > 0"),
     (["multiturn", "--sessions", "0"], "--sessions: expected an integer > 0"),
