@@ -111,6 +111,9 @@ def test_trace_user_errors(argv, expected, small_trace, capsys):
      "request, 107 tokens), got 1"),
     (["--fault-rate", "2"], "--fault-rate: expected a probability in [0, 1], got 2"),
     (["--max-delay-ms", "-1"], "--max-delay-ms: expected a number >= 0"),
+    (["--components", "window"], "components: expected 'window:TOKENS[xWIDTH]'"),
+    (["--components", "window:9,state", "--device-pages", "56"], "--device-pages: expected "
+     "at least 57 (the pages of the longest request, 107 tokens), got 56"),
 ])
 def test_stress_user_errors(argv, expected, capsys):
     assert_user_error(["stress", *argv], capsys, expected)
