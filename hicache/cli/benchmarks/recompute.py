@@ -130,7 +130,8 @@ def _device_pages(kv: KVConfig, num_pages: int) -> int:
 def _prefix(kv: KVConfig, ids: torch.Tensor, num_pages: int) -> _Prefix:
     """Split ``ids`` (:func:`_device_pages` of them) into a prefix's pages."""
     full = ids[:num_pages]
-    kept, comps, dense, off = [full], [], num_pages, num_pages
+    kept, dense, off = [full], num_pages, num_pages
+    comps: list[torch.Tensor | StatePages] = []
     for spec in kv.component_specs:
         if spec.is_window:
             table = ids[off : off + spec.width * num_pages].view(num_pages, spec.width)
