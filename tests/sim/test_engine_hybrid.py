@@ -1,5 +1,6 @@
 """Engine over a hybrid model (tiny-hybrid: window, full and linear layers): every cached
-mode generates what the uncached one does, under eviction, reloads and failed loads.
+mode generates what the uncached one does, under eviction, reloads and failed loads,
+on both trees.
 
 The same sessions as tests/sim/test_engine.py (two shared system prompts, three turns);
 the device pool is twice as large as there, since a hybrid request also owns its window
@@ -9,9 +10,13 @@ from a checkpoint instead of from the start, which changes float32 rounding only
 
 from __future__ import annotations
 
+import functools
+
 import pytest
+from kv_layouts import TREE_KINDS
 from test_engine import MAX_NEW_TOKENS, PAGE_SIZE, assert_same_outputs, run_sessions
 
+from hicache.sim import engine as engine_module
 from hicache.sim.engine import Engine, GenerateResult
 from hicache.sim.model import Model, preset
 
@@ -32,6 +37,14 @@ def make(model: Model, mode: str, **kwargs) -> Engine:
     return Engine(model, mode, DEVICE_TOKENS, page_size=PAGE_SIZE, **kwargs)
 
 
+@pytest.fixture(params=TREE_KINDS)
+def tree(request, monkeypatch) -> str:
+    """The engine's cache on this tree (the engine itself takes the default, auto)."""
+    config = functools.partial(engine_module.CacheConfig, tree=request.param)
+    monkeypatch.setattr(engine_module, "CacheConfig", config)
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def reference(hybrid) -> list[GenerateResult]:
     with make(hybrid, "none") as engine:
@@ -39,8 +52,9 @@ def reference(hybrid) -> list[GenerateResult]:
 
 
 @pytest.mark.parametrize("mode", ["device", "hierarchical"])
-def test_cached_modes_match_no_cache(hybrid, reference, mode):
+def test_cached_modes_match_no_cache(hybrid, reference, mode, tree):
     with make(hybrid, mode) as engine:
+        assert engine.cache.config.tree == tree
         results = run_sessions(engine)
         stats = engine.stats()
     assert_same_outputs(results, reference)
@@ -68,7 +82,7 @@ def test_hybrid_requests_hit_less_than_full_matches_but_never_serve_wrong_kv(hyb
 
 
 @pytest.mark.parametrize("fail_layer", [0, 1])
-def test_failed_load_is_recomputed(hybrid, reference, fail_layer):
+def test_failed_load_is_recomputed(hybrid, reference, fail_layer, tree):
     """Every other load fails at ``fail_layer``: the request is cut back to an end every
     component serves and recomputed from there, with the same outputs."""
     with make(hybrid, "hierarchical") as engine:
