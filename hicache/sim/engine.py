@@ -410,7 +410,7 @@ class Engine:
         if num_pages <= 0:
             return True
         tries: list[list[int]] = [[]]
-        if self._specs:
+        if any(not spec.is_window for spec in self._specs):
             end = seq_len // self.page_size * self.page_size
             marks = [p for p in sorted({end, h.full_len}) if prefix_len < p <= end]
             # Without the checkpoint at the full match, a hit needs no more pages than

@@ -199,8 +199,8 @@ class StressRun:
     def _marks(self, req: _Request, missing: int) -> list[int]:
         """The checkpoints a hybrid request asks for: at the length its insert caches and
         at its full-attention match, within what this alloc gives it."""
-        if not self.specs:
-            return []
+        if all(spec.is_window for spec in self.specs):
+            return []  # (no state component: nothing to checkpoint)
         h, P = req.h, self.P
         high = h.prefix_len + P * (h.num_owned_pages + -(-missing // P))
         end = len(req.tokens) // P * P

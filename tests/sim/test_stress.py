@@ -107,6 +107,13 @@ def test_stress_over_a_hybrid_layout_finds_nothing(capsys):
     assert report["verified_component_reads"] > 0
 
 
+def test_stress_over_window_components_alone(capsys):
+    """Two windows, no state: nothing to checkpoint, window pages verified."""
+    report = stress(capsys, "--seconds", "3", "--seed", "2", "--components", "window:5,window:17")
+    assert_clean(report)
+    assert report["requests"] > 0 and report["verified_component_reads"] > 0
+
+
 def test_stress_over_a_hybrid_layout_catches_a_wrong_checkpoint(monkeypatch):
     """The component checks can fail: checkpoints never written read as corrupt."""
     monkeypatch.setattr("hicache.sim.kvcheck.write_state", lambda *args: None)
