@@ -18,7 +18,11 @@ if TYPE_CHECKING:
     from hicache.integrations.vllm.scheduler.prefetch import Prefetcher
     from hicache.integrations.vllm.scheduler.requests import RequestState
     from hicache.integrations.vllm.scheduler.stats import SchedulerStats
-    from hicache.integrations.vllm.scheduler.third_tier import StorageKeys, StorageProbe
+    from hicache.integrations.vllm.scheduler.third_tier import (
+        NoReads,
+        StorageKeys,
+        StorageProbe,
+    )
     from hicache.memory import PageAllocator
     from hicache.storage import StorageBackend
     from hicache.tree.protocol import RadixTreeLike
@@ -39,7 +43,7 @@ class HalfInspection:
     _early_saves: list[SaveOp]
     _gap_saves: list[SaveOp]
     _storage_keys: StorageKeys
-    _probe: StorageProbe | None
+    _probe: StorageProbe | NoReads | None  # NoReads: a kv_producer's
     storage: StorageBackend | None
 
     def close(self) -> None:
