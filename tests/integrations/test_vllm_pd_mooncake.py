@@ -70,7 +70,9 @@ class ToyProxy:
                     break
             except OSError:
                 pass
-            assert self.proc.poll() is None and time.monotonic() < deadline, "proxy down"
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError("the toy proxy did not answer its health check")
             time.sleep(0.2)
 
     def complete(self, tokens: list[int]) -> dict:
@@ -97,11 +99,11 @@ def cluster(tmp_path_factory):
         # store call with an error at once (then asks the master again)
         spec = f"{master.spec}&segment_nbytes=0&retry_after_s=0.5"
         common = {"host_tokens": 4096, "storage": spec}
-        servers = [
-            Server(root, model, "prefill", connector_config(common, "kv_producer"), PD_ARGS),
-            Server(root, model, "decode", connector_config(
-                {**common, "save_decode": True, "prefetch_threshold_tokens": 0},
-                "kv_consumer"), PD_ARGS)]
+        servers.append(
+            Server(root, model, "prefill", connector_config(common, "kv_producer"), PD_ARGS))
+        servers.append(Server(root, model, "decode", connector_config(
+            {**common, "save_decode": True, "prefetch_threshold_tokens": 0},
+            "kv_consumer"), PD_ARGS))
         start_all(servers)
         proxy = ToyProxy(*servers, open(root / "proxy.log", "w"))
         yield master, servers[0], servers[1], proxy

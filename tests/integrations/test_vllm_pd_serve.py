@@ -58,16 +58,21 @@ def pd(tmp_path_factory):
     model = str(make_model(root / "model", max_len=1024))
     store = root / "store"
     extra = {"host_tokens": 4096, "storage": f"file:{store}"}
-    prefill = Server(root, model, "prefill", connector_config(extra, "kv_producer"), PD_ARGS,
-                     env={"HICACHE_FAULTS": "write_delay_ms=20"})
-    decode = Server(root, model, "decode", connector_config(extra, "kv_consumer"), PD_ARGS)
-    start_all([prefill, decode])
-    proxy = Proxy(prefill.url, decode.url)
-    try:
+    servers: list[Server] = []
+    proxy = None
+    try:  # every server started is stopped, whatever fails after it started
+        servers.append(Server(root, model, "prefill", connector_config(extra, "kv_producer"),
+                              PD_ARGS, env={"HICACHE_FAULTS": "write_delay_ms=20"}))
+        servers.append(Server(root, model, "decode", connector_config(extra, "kv_consumer"),
+                              PD_ARGS))
+        start_all(servers)
+        prefill, decode = servers
+        proxy = Proxy(prefill.url, decode.url)
         yield prefill, decode, proxy, store
     finally:
-        proxy.close()
-        for s in (prefill, decode):
+        if proxy is not None:
+            proxy.close()
+        for s in servers:
             s.stop()
 
 
