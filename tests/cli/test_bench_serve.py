@@ -26,7 +26,7 @@ from hicache.cli.benchmarks.serve_report import (
     same_outputs,
     summarize,
 )
-from hicache.cli.benchmarks.serve_server import ServerSpec, parse_metrics
+from hicache.cli.benchmarks.serve_server import ServerSpec, parse_metrics, terminate_as_interrupt
 from hicache.cli.benchmarks.serve_soak import Sample, fault_counts, longest_gap, verdict
 from hicache.cli.benchmarks.serve_workload import Workload, unique_prompts
 
@@ -106,6 +106,18 @@ def test_rates_are_sorted_with_inf_last():
 ])
 def test_soak_bad_arguments_exit_2_with_one_line(capsys, everything_installed, argv, expected):
     assert expected in _usage_error(capsys, "soak", argv)
+
+
+def test_a_sigterm_stops_a_bench_as_ctrl_c_does():
+    """Its servers run in their own process groups, out of a signal's reach: a SIGTERM to
+    the bench (``timeout``, a cancelled job) must unwind it, so that it stops them."""
+    import os
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt), terminate_as_interrupt():
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_server_spec_command_and_environment(monkeypatch):

@@ -36,28 +36,24 @@ instance's (checked per request). Ends with one JSON line.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.metadata
 import importlib.util
 import json
 import math
 import os
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 
 import numpy as np
 
 from hicache.cli.benchmarks import standalone_main
-from hicache.cli.benchmarks.serve_server import stop_process_group
+from hicache.cli.benchmarks.serve_server import stop_process_group, terminate_as_interrupt
 from hicache.cli.benchmarks.vllm_plan import PRESETS, UsageError, make_random_model
 
 CONNECTOR = {"kv_connector": "HiCacheConnector",
@@ -324,27 +320,8 @@ def run(args: argparse.Namespace) -> int:
     out = sys.stderr if args.json else sys.stdout
     workdir = args.keep or tempfile.mkdtemp(prefix="hicache-bench-pd-")
     os.makedirs(workdir, exist_ok=True)
-    with _terminate_as_interrupt():  # a SIGTERM stops the servers (their own sessions)
+    with terminate_as_interrupt():  # a SIGTERM stops the servers (their own sessions)
         return _run(args, out, workdir)
-
-
-@contextlib.contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM (``timeout``, a CI job cancelled) raises ``KeyboardInterrupt`` in the main
-    thread, as Ctrl-C does: the ``finally`` blocks stop every server, whose process
-    groups no signal to this process reaches."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum, frame) -> None:
-        raise KeyboardInterrupt
-
-    before = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, before)
 
 
 def _run(args: argparse.Namespace, out, workdir: str) -> int:

@@ -65,7 +65,7 @@ from hicache.cli.args import (
 from hicache.cli.benchmarks import standalone_main
 from hicache.cli.benchmarks.serve_report import rate_value
 from hicache.cli.benchmarks.serve_runs import BASELINE, measure, report, start_targets
-from hicache.cli.benchmarks.serve_server import CONNECTOR_MODULE, ServerSpec
+from hicache.cli.benchmarks.serve_server import CONNECTOR_MODULE, ServerSpec, terminate_as_interrupt
 from hicache.cli.benchmarks.serve_workload import Workload
 from hicache.cli.benchmarks.vllm import installed
 from hicache.cli.benchmarks.vllm_plan import PRESETS, ModelShape, make_random_model, model_shape_of
@@ -234,6 +234,11 @@ def server_specs(args: argparse.Namespace, configs: list[str], shape: ModelShape
 
 
 def run(args: argparse.Namespace) -> int:
+    with terminate_as_interrupt():  # a SIGTERM stops the servers (their own sessions)
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     configs, urls, rates = _check_args(args)
     out = sys.stderr if args.json else sys.stdout
     shape = PRESETS[args.preset or DEFAULT_PRESET]

@@ -17,15 +17,17 @@ and its Prometheus samples (:func:`parse_metrics`), the figures a soak watches.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 CONNECTOR_MODULE = "hicache.integrations.vllm"
@@ -234,3 +236,22 @@ def stop_process_group(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (``timeout``, a CI job cancelled) raises ``KeyboardInterrupt`` in the main
+    thread, as Ctrl-C does: the ``finally`` blocks stop every server, whose process
+    groups no signal to this process reaches (``hicache bench serve``, ``soak``, ``pd``)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame) -> None:
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)

@@ -57,6 +57,7 @@ from hicache.cli.benchmarks.serve_server import (
     get_metrics,
     reset_caches,
     served_model,
+    terminate_as_interrupt,
     tree_rss,
 )
 from hicache.cli.benchmarks.serve_workload import Workload, unique_prompts
@@ -253,6 +254,11 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    with terminate_as_interrupt():  # a SIGTERM stops the servers (their own sessions)
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     _check(args)
     out = sys.stderr if args.json else sys.stdout
     try:
