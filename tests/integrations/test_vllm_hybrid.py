@@ -243,6 +243,31 @@ def test_random_multi_turn_workload_with_failures(kind, async_scheduling):
     e.close()
 
 
+@pytest.mark.parametrize("kind", ["window", "state"])
+def test_a_fresh_engine_is_served_components_from_the_file_tier(kind, tmp_path):
+    """The third tier stores component pages by key like full pages: a second engine on
+    the same ``file:`` directory, its host tier empty, loads the prefix with its window
+    tail (or state checkpoint) read from storage."""
+    storage = {"storage": f"file:{tmp_path}", "prefetch_policy": "sync"}
+    prompt = _prompt(12, 100)
+    first = _engine(kind, extra=storage)
+    first.add("a", prompt, max_tokens=1)
+    first.run()
+    first.quiesce()
+    first.check()
+    first.close()
+    second = _engine(kind, extra=storage)
+    follow = prompt + _prompt(13, 20)
+    second.add("b", follow, max_tokens=3)
+    second.run()
+    second.check()
+    c = second.connector.scheduler_half.counters
+    assert c.storage_hit_tokens == 96 and c.host_hit_tokens == 0
+    assert (c.window_pages_loaded if kind == "window" else c.state_pages_loaded) > 0
+    assert second.outputs["b"] == _outputs(follow, 3)
+    second.close()
+
+
 def test_kv_events_and_metrics_name_each_pages_group():
     """A host page of a sliding-window group is announced under its group, with the
     group's kind and window; a reset removes every page under its own group; the
@@ -290,6 +315,7 @@ def test_connector_starts_on_a_hybrid_config_and_refuses_what_it_cannot_serve():
             kv_connector_module_path="hicache.integrations.vllm", kv_connector_extra_config=extra)
         vllm_config = SimpleNamespace(
             kv_transfer_config=transfer, cache_config=SimpleNamespace(block_size=16),
+            device_config=SimpleNamespace(device_type="cpu"),
             model_config=SimpleNamespace(model="tiny", revision=None, dtype=torch.float32),
             parallel_config=SimpleNamespace(tensor_parallel_size=1))
         return HiCacheConnector(vllm_config, KVConnectorRole.WORKER, config)
