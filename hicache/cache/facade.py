@@ -159,9 +159,8 @@ class HiCache:
             h.load_error = None  # e.g. a retried load_back landed
         return not failed
 
-    def alloc(
-        self, h: PrefixHandle, num_tokens: int, *, checkpoints: Collection[int] = ()
-    ) -> torch.Tensor | None:
+    def alloc(self, h: PrefixHandle, num_tokens: int, *,
+              checkpoints: Collection[int] = ()) -> torch.Tensor | None:
         """Allocate device pages for ``num_tokens`` more tokens of ``h``'s sequence.
 
         The new pages continue ``h.page_table()``. Evicts if needed; returns
@@ -222,9 +221,8 @@ class HiCache:
         self._check_handle(h)
         self._lifecycle.release(h)
         h._new_pages = []
-        if h._components is not None:
-            for pages in h._components.release():
-                self.device_allocator.free(pages)
+        for pages in h._components.release() if h._components is not None else ():
+            self.device_allocator.free(pages)
         h.released = True
         self._live.discard(h)
         self.poll()

@@ -89,11 +89,21 @@ class Loads:
                 tree.host_lock(node)
         num_comps = self._num_components
         extra = load_extra_pages(nodes, num_comps) if num_comps else 0
+        # A hybrid hit may start loading below device nodes whose own ends serve nothing
+        # (their component data left the device): h locks only the path above them, and
+        # the eviction below must not take their device copy.
+        anchor = nodes[0].parent
+        assert anchor is not None, "a load into a root"
+        hold = anchor is not result.last_device_node
+        if hold:
+            tree.lock(anchor)
         self.setting_up = True
         try:
             pages = self._space.alloc_device(num_pages + extra)
         finally:
             self.setting_up = False
+            if hold:
+                tree.unlock(anchor)
         if h._lock_node is not result.last_device_node:
             # Eviction polls: a failed load applied meanwhile cut ``h`` back above these
             # nodes (their parent may have lost its device copy). Load nothing.
@@ -123,6 +133,9 @@ class Loads:
         tree.lock(nodes[-1])
         tree.unlock(h._lock_node)
         h._lock_node = nodes[-1]
+        if hold and self._inflight.num_loading_nodes:
+            # h reads those device nodes too: another request's load may be filling them.
+            self._inflight.wait_for_loads_on_path(h, anchor)
         h._prefix_pages = None
         h.prefix_len = result.device_len + result.host_len
         self._counters.loads += 1

@@ -28,6 +28,7 @@ from hicache.cli.args import (
     user_input,
 )
 from hicache.config import EvictionPolicy
+from hicache.sim.engine import request_pages
 from hicache.sim.stress import StressOptions, StressRun, longest_request_tokens
 
 _D = StressOptions()  # the defaults
@@ -62,6 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a conversation longer than this starts over")
     parser.add_argument("--verify-every", type=positive_int, default=_D.verify_every,
                         help="verify every readable page of the cache each N steps")
+    parser.add_argument("--components", default=_D.components, metavar="SPEC",
+                        help="a hybrid model's layout: window and state components beside "
+                        "full attention, e.g. 'window:9,state' (a window of 9 tokens, a "
+                        "recurrent state); every window page and checkpoint is verified too "
+                        "(default: none)")
     add_metrics_port(parser)
 
 
@@ -73,8 +79,11 @@ def options(args: argparse.Namespace) -> StressOptions:
 def check_args(args: argparse.Namespace) -> None:
     """Refuse a run that cannot test anything (every request would be aborted)."""
     with user_input():  # StressOptions names the option it refuses
-        longest = longest_request_tokens(options(args))
-    need = -(-longest // args.page_size)
+        opts = options(args)
+        longest = longest_request_tokens(opts)
+        kv = opts.kv_config()
+    # (a hybrid request also owns its window pages, its state and two checkpoints)
+    need = request_pages(kv, -(-longest // args.page_size))
     if args.device_pages < need:
         raise UsageError(
             f"--device-pages: expected at least {need} (the pages of the longest request, "

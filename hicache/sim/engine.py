@@ -37,7 +37,10 @@ full attention) runs the same way: the cache hands the request its window pages
 and its state (``h.window_table``, ``h.state_pages``); the engine asks ``alloc`` for
 state checkpoints at the inserted length and at the full-attention match
 (``h.full_len``), which the insert gives the tree, so the next turn, and the next
-request branching there, start from a checkpoint.
+request branching there, start from a checkpoint. A hybrid hit holds more than its
+full pages (its window tails and checkpoint): where the pool cannot hold the rest
+beside it, the request gives up the checkpoint at the full match, then the hit
+(and computes from the start).
 
 This module does not know the radix tree, the pools' layout or how transfers
 move bytes: it talks to the cache through its public lifecycle only.
@@ -346,7 +349,13 @@ class Engine:
         try:
             while True:
                 prefix_len = h.prefix_len
-                self._alloc(h, seq_len)
+                if not self._alloc(h, seq_len):
+                    # The prefix h locks (a hybrid model's window tails and checkpoint
+                    # with it) leaves too few pages for the rest: compute from the start.
+                    held, h = h, cache.match(prompt[:0], namespace)
+                    cache.release(held)
+                    device_len = 0
+                    continue
                 # A failed load cuts h.prefix_len back (and frees h's pages) when a
                 # call made for h applies it: this alloc, or finish_loads.
                 if h.prefix_len < prefix_len:
@@ -385,24 +394,41 @@ class Engine:
             num_failures, logits,
         )
 
-    def _alloc(self, h: PrefixHandle, seq_len: int) -> None:
+    def _alloc(self, h: PrefixHandle, seq_len: int) -> bool:
         """Make ``h`` own the pages its sequence needs past ``h.prefix_len``; a hybrid
         model's request also its state checkpoints at the length the insert will cache
-        and at the full-attention match."""
-        num_pages = -(-(seq_len - h.prefix_len) // self.page_size) - h.num_owned_pages
-        assert self.cache is not None, "a handle comes from the engine's cache"
-        marks = []
-        if self._specs:
+        and at the full-attention match (that one only where the pool has room for it).
+
+        False: the pool cannot supply them beside the prefix ``h`` holds (a hybrid
+        prefix holds its window tails and checkpoint too: the caller computes from the
+        start). True also when a failed load cut ``h`` back meanwhile (the caller
+        allocates again). Raises ``ValueError`` for an empty prefix."""
+        prefix_len = h.prefix_len
+        num_pages = -(-(seq_len - prefix_len) // self.page_size) - h.num_owned_pages
+        cache = self.cache
+        assert cache is not None, "a handle comes from the engine's cache"
+        if num_pages <= 0:
+            return True
+        tries: list[list[int]] = [[]]
+        if any(not spec.is_window for spec in self._specs):
             end = seq_len // self.page_size * self.page_size
-            marks = [p for p in {end, h.full_len} if h.prefix_len < p <= end]
-        if num_pages > 0 and self.cache.alloc(
-                h, num_pages * self.page_size, checkpoints=marks) is None:
-            raise ValueError(
-                f"request needs {-(-seq_len // self.page_size)} device pages "
-                f"({seq_len} tokens, page_size {self.page_size}); after evicting everything "
-                f"evictable the pool of {self.num_device_pages} pages could not supply "
-                f"{num_pages} new ones: raise device_tokens"
-            )
+            marks = [p for p in sorted({end, h.full_len}) if prefix_len < p <= end]
+            # Without the checkpoint at the full match, a hit needs no more pages than
+            # request_pages counts.
+            tries = [marks, [end]] if len(marks) > 1 else [marks]
+        for marks in tries:
+            if cache.alloc(h, num_pages * self.page_size, checkpoints=marks) is not None:
+                return True
+            if h.prefix_len != prefix_len:
+                return True
+        if prefix_len:
+            return False
+        raise ValueError(
+            f"request needs {-(-seq_len // self.page_size)} device pages "
+            f"({seq_len} tokens, page_size {self.page_size}); after evicting everything "
+            f"evictable the pool of {self.num_device_pages} pages could not supply "
+            f"{num_pages} new ones: raise device_tokens"
+        )
 
     def _decode(
         self, first_logits: torch.Tensor, first_token: int, pages: torch.Tensor,

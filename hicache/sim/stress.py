@@ -9,6 +9,12 @@ wait for loads, allocate, compute, insert, release). Every request writes real K
 after its loads, its whole sequence after insert, and periodically every readable
 page of the cache.
 
+With ``components`` (a hybrid model's layout, :mod:`hicache.components`, e.g.
+``"window:9,state"``) every request also writes its window pages and the state
+checkpoints it asks for (at its inserted length and at its full-attention match), as
+a hybrid model's forward does, and every read checks the window pages a hit reads
+and the checkpoint it starts from; the periodic check covers every component page.
+
 ``evictions_blocked_by_io`` in the report counts device evictions held back by IO
 in flight (:class:`~hicache.sim.faults.EvictionProbe`). The ``hicache stress``
 command around :class:`StressRun` is :mod:`hicache.cli.stress`.
@@ -23,6 +29,7 @@ from dataclasses import dataclass
 
 from hicache.cache import HiCache, PrefixHandle
 from hicache.checks import check_fraction, check_int, check_positive_number, check_seconds
+from hicache.components import describe_components, parse_components
 from hicache.config import CacheConfig, KVConfig
 from hicache.sim import kvcheck
 from hicache.sim.faults import EvictionProbe, FaultyCopier, install_copier
@@ -45,6 +52,7 @@ class StressOptions:
     conversations: int = 24  # conversations the requests continue, in three namespaces
     max_tokens: int = 96  # a conversation longer than this starts over
     verify_every: int = 25  # verify every readable page of the cache each N steps
+    components: str = ""  # a hybrid model's window and state components ("": none)
 
     def __post_init__(self) -> None:
         # The bounds of the command line's options (write_policy and eviction are
@@ -56,6 +64,16 @@ class StressOptions:
             check_int(name, getattr(self, name), minimum=1)
         check_fraction("fault_rate", self.fault_rate)
         check_seconds("max_delay_ms", self.max_delay_ms)
+        if not isinstance(self.components, str):
+            raise TypeError(
+                f"components: expected a text like 'window:9,state', got "
+                f"{type(self.components).__name__}")
+        parse_components(self.components)
+
+    def kv_config(self) -> KVConfig:
+        """The KV layout the run's cache holds."""
+        return KVConfig(num_layers=4, num_kv_heads=2, head_dim=16, dtype="float16",
+                        page_size=self.page_size, components=self.components)
 
 
 class _Request:
@@ -82,9 +100,9 @@ class StressRun:
         self.args = args
         self.metrics = metrics  # a hicache.metrics.CacheMetrics, or None
         self.rng = random.Random(args.seed)
-        kv = KVConfig(num_layers=4, num_kv_heads=2, head_dim=16, dtype="float16",
-                      page_size=args.page_size)
+        kv = args.kv_config()
         self.P = kv.page_size
+        self.specs = kv.component_specs
         cfg = CacheConfig(
             kv, device_tokens=args.device_pages * self.P, host_tokens=args.host_pages * self.P,
             executor="thread", host_reserve_nbytes=0, write_policy=args.write_policy,
@@ -102,7 +120,7 @@ class StressRun:
         self.systems = [self._tokens(self.rng.randrange(2, 6) * self.P) for _ in range(3)]
         self.histories: list[list[int]] = [[] for _ in range(args.conversations)]
         self.counts = dict(requests=0, aborted=0, corruptions=0, invariant_violations=0,
-                           errors=0, verified_tokens=0)
+                           errors=0, verified_tokens=0, verified_component_reads=0)
         self.error_lines: list[str] = []
         self.first_traceback: str | None = None  # of the first unexpected error, for stderr
 
@@ -128,6 +146,65 @@ class StressRun:
         if bad:
             self.counts["corruptions"] += 1
             self._note(f"corrupt KV read by a request at positions {bad[:8]}")
+        if self.specs:
+            for line in self._verify_components(req, end):
+                self.counts["corruptions"] += 1
+                self._note(line)
+
+    def _verify_components(self, req: _Request, end: int) -> list[str]:
+        """What of the request's window pages up to ``end`` (from the window before its
+        prefix's end on: what its first computed token reads) and its checkpoints
+        differs from the expected: one line each."""
+        h, pool, P = req.h, self.cache.device_pool, self.P
+        assert pool is not None, "a stress run's cache holds KV"
+        out = []
+        for c, spec in enumerate(self.specs):
+            if spec.is_window:
+                table = h.window_table(c)
+                lo = max(0, h.prefix_len // P - spec.window_pages(P)) * P
+                if not bool((table[lo // P : -(-end // P)] >= 0).all()):
+                    out.append(f"a window page of component {c} in [{lo}, {end}) is missing")
+                    continue
+                bad = kvcheck.verify_window(pool, table, req.tokens, lo, end, req.ns, c)
+                self.counts["verified_component_reads"] += -(-end // P) - lo // P
+                if bad:
+                    out.append(f"corrupt window KV of component {c} at positions {bad[:8]}")
+                continue
+            state = h.state_pages(c)
+            if h.prefix_len and state.read is None:
+                out.append(f"no checkpoint of component {c} at the prefix's end")
+            elif state.read is not None:
+                self.counts["verified_component_reads"] += 1
+                if not kvcheck.verify_state(pool, state.read, req.tokens, h.prefix_len,
+                                            req.ns, c):
+                    out.append(f"a wrong checkpoint of component {c} at {h.prefix_len}")
+            for pos, ids in state.checkpoints.items():
+                if pos <= end and not kvcheck.verify_state(pool, ids, req.tokens, pos, req.ns, c):
+                    out.append(f"a wrong checkpoint of component {c} written at {pos}")
+        return out
+
+    def _write(self, req: _Request) -> None:
+        """Write the request's KV past its prefix (and its window pages and checkpoints)."""
+        h, pool = req.h, self.cache.device_pool
+        assert pool is not None, "a stress run's cache holds KV"
+        start, end = h.prefix_len, len(req.tokens)
+        kvcheck.write_kv(pool, h.page_table(), req.tokens, start, end, req.ns)
+        for c, spec in enumerate(self.specs):
+            if spec.is_window:
+                kvcheck.write_window(pool, h.window_table(c), req.tokens, start, end, req.ns, c)
+                continue
+            for pos, ids in h.state_pages(c).checkpoints.items():
+                kvcheck.write_state(pool, ids, req.tokens, pos, req.ns, c)
+
+    def _marks(self, req: _Request, missing: int) -> list[int]:
+        """The checkpoints a hybrid request asks for: at the length its insert caches and
+        at its full-attention match, within what this alloc gives it."""
+        if all(spec.is_window for spec in self.specs):
+            return []  # (no state component: nothing to checkpoint)
+        h, P = req.h, self.P
+        high = h.prefix_len + P * (h.num_owned_pages + -(-missing // P))
+        end = len(req.tokens) // P * P
+        return sorted(p for p in {end, h.full_len} if h.prefix_len < p <= min(end, high))
 
     def _advance(self, req: _Request) -> None:
         cache, h = self.cache, req.h
@@ -136,7 +213,8 @@ class StressRun:
             self._verify(req, h.prefix_len)
             prefix_len = h.prefix_len
             missing = len(req.tokens) - prefix_len - h.num_owned_pages * self.P
-            if missing > 0 and cache.alloc(h, missing) is None:
+            if missing > 0 and cache.alloc(
+                    h, missing, checkpoints=self._marks(req, missing)) is None:
                 req.tries += 1
                 if req.tries > 3:  # the others hold the pool: give up, as a scheduler would
                     self._finish(req, aborted=True)
@@ -145,10 +223,7 @@ class StressRun:
                 h.prefix_len + h.num_owned_pages * self.P < len(req.tokens)
             ):
                 return  # cut back by a failure applied during alloc: allocate again
-            pool = cache.device_pool
-            assert pool is not None, "a stress run's cache holds KV"
-            kvcheck.write_kv(pool, h.page_table(), req.tokens, h.prefix_len, len(req.tokens),
-                             req.ns)
+            self._write(req)
             req.stage = 1
         elif req.stage == 1:
             cache.insert(h, req.tokens)
@@ -223,9 +298,11 @@ class StressRun:
         self._check(full=True)
         s = cache.stats()
         P = self.P
-        leaked = abs(s["device_pages_used"] - s["device_cached_tokens"] // P) + abs(
-            s["host_pages_used"] - s["host_cached_tokens"] // P
-        )
+        # (a hybrid model's component pages share the tiers' page space)
+        leaked = sum(
+            abs(s[f"{t}_pages_used"] - s[f"{t}_cached_tokens"] // P
+                - s.get(f"{t}_component_pages", 0))
+            for t in ("device", "host"))
         if self.metrics is not None:
             self.metrics.untrack("stress")
         cache.close()
@@ -247,11 +324,14 @@ class StressRun:
             "device_evicted_tokens": s["device_evicted_tokens"],
             "host_evicted_tokens": s["host_evicted_tokens"],
             "verified_tokens": self.counts["verified_tokens"],
+            # hybrid layouts: window pages and checkpoints a request read, verified
+            "verified_component_reads": self.counts["verified_component_reads"],
             "steps": steps,
             "seconds": self.args.seconds,
             "seed": self.args.seed,
             "write_policy": self.args.write_policy,
             "eviction": self.args.eviction,
+            "components": describe_components(self.specs),
             "first_problems": self.error_lines,
         }
 

@@ -187,3 +187,87 @@ def test_a_budget_keeps_each_component_within_its_share_of_a_tier():
         assert cache.tree.num_component_pages(c, "host") <= cap
     assert_quiescent(cache)
     cache.close()
+
+
+def _device_nodes(cache: HiCache) -> list[tuple[int, int]]:
+    """The device-resident nodes as (start, end) token ranges, in path order."""
+    out, todo = [], [(cache.tree.root(), 0)]
+    while todo:
+        node, start = todo.pop()
+        for child in node.children.values():
+            end = start + child.num_tokens
+            if child.on_device:
+                out.append((start, end))
+            todo.append((child, end))
+    return sorted(out)
+
+
+def serve_end_only(cache: HiCache, tokens: list[int]) -> None:
+    """Compute ``tokens`` whole (no KV check) with a checkpoint at their end only."""
+    h = cache.match(tokens + [0])
+    assert cache.alloc(h, len(tokens) - h.prefix_len, checkpoints={len(tokens)}) is not None
+    cache.insert(h, tokens)
+    cache.release(h)
+    finish_transfers(cache)
+
+
+def test_a_load_below_device_nodes_that_serve_nothing_keeps_them_on_the_device():
+    """A's hit (12 tokens) is host-only from 6 on, below device nodes [0, 4) and [4, 6)
+    whose ends serve nothing (no checkpoint at 4 or 6): the handle locks none of them
+    (it locks the root). The load's device room must not evict them (the loaded nodes
+    would hang from a node off the device): with only them to evict, it is refused."""
+    cache = make(device_tokens=34, host_tokens=128)  # 17 device pages
+    a = [1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6]
+    serve(cache, a)  # 6 full pages, the window's last page, a checkpoint at 12: 9 pages
+    finish_transfers(cache)
+    cache.release(cache.match(a[:4] + [9, 9]))  # splits A at 4
+    c1 = cache.match([50] * 9)
+    assert cache.alloc(c1, 8) is not None  # 10 pages: [10, 12) goes host-only
+    c2 = cache.match([60] * 3)
+    assert cache.alloc(c2, 2) is not None  # 4 pages: [6, 10) goes host-only
+    cache.release(c2)
+    tree = cache.tree
+    assert _device_nodes(cache) == [(0, 4), (4, 6)]
+    assert cache.device_allocator.num_free_pages == 4
+    cache.check_integrity()
+    # the load needs 3 full pages, the window page and the checkpoint: 6 > 4 free
+    h = cache.match(a + [0])
+    assert (h.device_len, h.host_len, h.prefix_len) == (0, 12, 0)
+    assert cache.stats()["loads_refused_no_space"] == 1
+    assert _device_nodes(cache) == [(0, 4), (4, 6)] and tree.device_tokens == 6
+    cache.check_integrity()
+    cache.release(h)
+    cache.release(c1)
+    assert serve(cache, a)[0] == 12  # with room, the load goes through (KV checked)
+    assert_quiescent(cache)
+    cache.close()
+
+
+def test_a_load_below_device_nodes_another_load_fills_waits_for_that_load():
+    """B's hit (10 tokens) loads [4, 10) below [0, 4), which A's load (still in flight)
+    fills and whose end serves nothing (no checkpoint at 4): B reads [0, 4) too, so it
+    waits for A's load, and when that fails B is cut back with A."""
+    cache = make(device_tokens=40, host_tokens=128, executor="manual")
+    a = [1, 1, 2, 2, 3, 3, 4, 4]
+    b = [1, 1, 2, 2, 7, 7, 8, 8, 9, 9]
+    serve_end_only(cache, a)
+    serve_end_only(cache, b)  # A and B share [0, 4); no checkpoint at 4
+    h = cache.match([])
+    assert cache.alloc(h, 18) is not None  # all 20 device pages: both go host-only
+    cache.release(h)
+    finish_transfers(cache)
+    assert _device_nodes(cache) == []
+    ha = cache.match(a + [0])
+    (load_a,) = cache.transfers.executor.pending()
+    hb = cache.match(b + [0])
+    assert (hb.device_len, hb.host_len, hb.prefix_len) == (0, 10, 10)
+    (load_b,) = [t for t in cache.transfers.executor.pending() if t is not load_a]
+    assert cache.transfers.executor.complete(load_b)
+    cache.transfers.executor.fail(load_a, RuntimeError("injected"))
+    assert not cache.finish_loads(hb)  # [0, 4) holds garbage: B recomputes from 0
+    assert hb.prefix_len == 0
+    assert not cache.finish_loads(ha) and ha.prefix_len == 0
+    cache.release(ha)
+    cache.release(hb)
+    assert_quiescent(cache)
+    cache.close()

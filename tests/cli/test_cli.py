@@ -111,6 +111,9 @@ def test_trace_user_errors(argv, expected, small_trace, capsys):
      "request, 107 tokens), got 1"),
     (["--fault-rate", "2"], "--fault-rate: expected a probability in [0, 1], got 2"),
     (["--max-delay-ms", "-1"], "--max-delay-ms: expected a number >= 0"),
+    (["--components", "window"], "components: expected 'window:TOKENS[xWIDTH]'"),
+    (["--components", "window:9,state", "--device-pages", "56"], "--device-pages: expected "
+     "at least 57 (the pages of the longest request, 107 tokens), got 56"),
 ])
 def test_stress_user_errors(argv, expected, capsys):
     assert_user_error(["stress", *argv], capsys, expected)
@@ -133,6 +136,8 @@ _NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is availab
     pytest.param(["transfer", "--device", "cuda"], "CUDA is not available here", marks=_NO_CUDA),
     (["recompute", "--tokens", "17"], "--tokens: expected positive multiples of the page size"),
     (["recompute", "--dtype", "int4"], "dtype: expected one of"),
+    (["recompute", "--preset", "tiny-hybrid", "--page-size", "4", "--tokens", "16"],
+     "--page-size: page_size: a linear layer's state takes 8"),
     pytest.param(["recompute", "--device", "cuda:0"], "CUDA is not available", marks=_NO_CUDA),
     (["multiturn", "--requests", "0"], "--requests: expected an integer > 0"),
     (["multiturn", "--sessions", "0"], "--sessions: expected an integer > 0"),

@@ -107,6 +107,20 @@ def test_bench_multiturn_json(capsys):
     assert result["device_tokens"] < result["working_set_tokens"]
 
 
+def test_bench_multiturn_runs_a_hybrid_model(capsys):
+    """tiny-hybrid at the default sizing (device = the largest request with its window
+    pages and state, under the working set): the device tier evicts, the host tier
+    serves hits with their window tails and checkpoints, and every configuration
+    generates the same tokens (run_configs raises otherwise)."""
+    workload = ["--preset", "tiny-hybrid", *TINY_WORKLOAD[2:]]
+    assert cli.main(["bench", "multiturn", *workload, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["device_tokens"] < result["working_set_tokens"]
+    none, device, hier = (result["configs"][n] for n in ("none", "device", "hierarchical"))
+    assert device["device_evicted_tokens"] > 0 and hier["host_hit_ratio"] > 0
+    assert hier["computed_tokens"] < device["computed_tokens"] < none["computed_tokens"]
+
+
 def test_bench_multiturn_trace_file(tmp_path, capsys):
     from hicache.sim.traces import write_trace
     from hicache.sim.workloads import generate

@@ -149,6 +149,18 @@ def test_identity_ids_replace_only_the_pages_with_inputs():
     assert not np.array_equal(identity_ids(other, pages, 1, 2, B), ids[B:2 * B])
 
 
+def test_a_pages_digest_tells_where_each_extra_key_ends():
+    """Two items on one page, or one item whose fields happen to spell a second key:
+    the same fields in a row, two different pages' inputs, two digests."""
+    from hicache.integrations.vllm.scheduler.inputs import page_digest
+
+    two = page_digest([("mm", "x"), ("mm", "y")])
+    one = page_digest([("mm", "x", "mm", "y")])
+    assert two is not None and one is not None and two != one
+    assert page_digest([("lora", "a")]) is None  # namespace kinds: not the page's
+    assert page_digest([("mm", "x"), ("mm", "y")]) == two
+
+
 # ---- under vLLM's scheduler -----------------------------------------------------------
 
 

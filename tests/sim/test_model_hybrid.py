@@ -7,6 +7,8 @@ checkpoint sums the same terms in another order (~1e-6).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -143,3 +145,18 @@ def test_recurrence_checkpoints_are_the_states_of_a_shorter_run() -> None:
     torch.testing.assert_close(saved[100], at_100, atol=1e-5, rtol=1e-5)
     resumed, _, _ = recur(q[100:], k[100:], v[100:], at_100, decay, 100)
     torch.testing.assert_close(resumed, out[100:], atol=1e-5, rtol=1e-5)
+
+
+def test_recompute_bench_reloads_the_window_tail_and_the_checkpoint(capsys) -> None:
+    """tiny-hybrid, page 16 (window 24: a hit reads 2 window pages before it): a reload of
+    n pages moves n full pages, min(2, n) window pages and one checkpoint; storing every
+    window page would take n + n + 1. The bench checks the reloaded pages equal the
+    recomputed ones."""
+    from hicache.cli.benchmarks.recompute import main
+
+    argv = ["--preset", "tiny-hybrid", "--tokens", "16,64", "--repeats", "1",
+            "--reload-repeats", "2", "--json"]
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    page = preset("tiny-hybrid").kv_config(16).page_nbytes
+    assert [(r["nbytes"] // page, r["dense_nbytes"] // page) for r in rows] == [(3, 3), (7, 9)]

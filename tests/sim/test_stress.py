@@ -97,6 +97,32 @@ def test_stress_reports_an_unexpected_error_with_its_traceback(capsys, monkeypat
     assert err.rstrip().endswith("error: RuntimeError: boom"), err  # then the problem lines
 
 
+def test_stress_over_a_hybrid_layout_finds_nothing(capsys):
+    """Window and state components: every window page and checkpoint a request reads
+    is verified too, through loads, backups, faults and evictions."""
+    report = stress(capsys, "--seconds", "6", "--seed", "1", "--components", "window:9,state")
+    assert_clean(report)
+    assert report["components"] == "window:9,state"
+    assert report["loads"] > 0 and report["backups"] > 0 and report["faults_injected"] > 0
+    assert report["verified_component_reads"] > 0
+
+
+def test_stress_over_window_components_alone(capsys):
+    """Two windows, no state: nothing to checkpoint, window pages verified."""
+    report = stress(capsys, "--seconds", "3", "--seed", "2", "--components", "window:5,window:17")
+    assert_clean(report)
+    assert report["requests"] > 0 and report["verified_component_reads"] > 0
+
+
+def test_stress_over_a_hybrid_layout_catches_a_wrong_checkpoint(monkeypatch):
+    """The component checks can fail: checkpoints never written read as corrupt."""
+    monkeypatch.setattr("hicache.sim.kvcheck.write_state", lambda *args: None)
+    report = StressRun(StressOptions(seconds=1, seed=2, fault_rate=0,
+                                     components="window:9,state")).run()
+    assert report["corruptions"] > 0
+    assert any("checkpoint" in line for line in report["first_problems"])
+
+
 @pytest.mark.slow
 def test_stress_soak_ten_minutes(capsys):
     report = stress(capsys, "--seconds", "600", "--seed", "1")
@@ -113,6 +139,8 @@ def test_stress_soak_ten_minutes(capsys):
     ("verify_every", True, TypeError, "verify_every: expected int, got bool"),
     ("fault_rate", 1.5, ValueError, r"fault_rate: expected a fraction in \[0, 1\], got 1.5"),
     ("max_delay_ms", float("nan"), ValueError, "max_delay_ms: expected a finite number >= 0"),
+    ("components", "window", ValueError, "components: expected 'window:TOKENS"),
+    ("components", ("state",), TypeError, "components: expected a text like 'window:9,state'"),
 ])
 def test_stress_options_refuse_bad_values(field, value, error, message):
     """StressOptions is the harness's entry point without the command line: the same

@@ -102,15 +102,13 @@ def capacities(
     kv: KVConfig | None = None,
 ) -> tuple[int, int, int]:
     """(working set, device, host) in tokens; defaults: device = 25% of the working set
-    (at least the largest request; for a hybrid model's ``kv`` twice the largest
-    request with its component pages: a request's window pages cover all it computes,
-    and the prefix it starts from stays locked), host = 2x the working set (it never
-    evicts)."""
+    (at least the largest request, for a hybrid model's ``kv`` with its component
+    pages: a request's window pages cover all it computes; the engine fits a hit's
+    locked prefix beside them or computes from the start), host = 2x the working set
+    (it never evicts)."""
     ws = trace_stats(trace, page_size).working_set_tokens
     if device_tokens is None:
         largest = max_request_tokens(requests, page_size, kv)
-        if kv is not None and kv.component_specs:
-            largest *= 2
         device_tokens = max(ws // 4 // page_size * page_size, largest)
     if host_tokens is None:
         host_tokens = max(2 * ws, device_tokens)

@@ -11,6 +11,13 @@ For each prefix length, in one run on one machine:
   reloads, the best a load of them can do; ``fraction`` = copy time / reload
   time. On the CPU both run single-threaded (see the comment in ``measure``).
 
+A hybrid preset (``tiny-hybrid``, ``small-hybrid``) recomputes its window and linear
+layers too (window pages for every page, the state and its checkpoint at the prefix's
+end), and a reload moves what a host hit needs: the full pages, each window
+component's tail (its last ``ceil((W-1)/page_size)`` pages) and the checkpoint.
+``nbytes`` is what a reload moves, ``dense_nbytes`` what storing every window page
+would (equal for single-kind models; the table shows both in MB for a hybrid preset).
+
 Medians over ``--repeats`` after one warm-up. On a CPU the "device" pool is host
 memory too, so reload is a memory-to-memory copy while recompute runs on two
 cores: the ratio is far above a GPU's. The analytic ESTIMATE for full
@@ -26,14 +33,17 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import psutil
 import torch
 
+from hicache.cache.request_components import StatePages
 from hicache.cli import args as cliargs
 from hicache.cli.args import UsageError, add_json, nonneg_int, positive_int, user_input
 from hicache.cli.benchmarks import standalone_main
-from hicache.config import resolve_dtype
+from hicache.components import describe_components
+from hicache.config import KVConfig, resolve_dtype
 from hicache.memory import DevicePool, HostPool
 from hicache.sim.costmodel import DEFAULT_MFU, GPUS, estimate_table, kv_bytes_per_token
 from hicache.sim.model import PRESET_NAMES, Model, preset
@@ -102,6 +112,43 @@ def _interleaved_median_s(
     return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
 
 
+class _Prefix(NamedTuple):
+    """One prefix's device pages: what the forward computes into, what a hit reloads."""
+
+    full: torch.Tensor  # the full-attention pages (the forward's page table)
+    components: list[torch.Tensor | StatePages]  # hybrid: the forward's components
+    kept: torch.Tensor  # the pages a host hit reloads (every page for single-kind)
+    dense: int  # pages if every window page were kept
+
+
+def _device_pages(kv: KVConfig, num_pages: int) -> int:
+    """Device pages one prefix of ``num_pages`` pages computes into."""
+    return num_pages + sum(s.width * (num_pages if s.is_window else 2)
+                           for s in kv.component_specs)
+
+
+def _prefix(kv: KVConfig, ids: torch.Tensor, num_pages: int) -> _Prefix:
+    """Split ``ids`` (:func:`_device_pages` of them) into a prefix's pages."""
+    full = ids[:num_pages]
+    kept, dense, off = [full], num_pages, num_pages
+    comps: list[torch.Tensor | StatePages] = []
+    for spec in kv.component_specs:
+        if spec.is_window:
+            table = ids[off : off + spec.width * num_pages].view(num_pages, spec.width)
+            off += spec.width * num_pages
+            tail = min(spec.window_pages(kv.page_size), num_pages)
+            comps.append(table)
+            kept.append(table[num_pages - tail :].reshape(-1))
+            dense += spec.width * num_pages
+        else:
+            state, checkpoint = ids[off : off + spec.width], ids[off + spec.width :][: spec.width]
+            off += 2 * spec.width
+            comps.append(StatePages(None, state, {num_pages * kv.page_size: checkpoint}))
+            kept.append(checkpoint)
+            dense += spec.width
+    return _Prefix(full, comps, torch.cat(kept), dense)
+
+
 def _estimates(tokens: list[int]) -> dict:
     rows = [e._asdict() for n in tokens for e in estimate_table(n)]
     return {
@@ -119,7 +166,7 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     token_counts = _parse_tokens(args.tokens, page_size)
     device = torch.device(args.device)
     kv = cfg.kv_config(page_size)
-    max_pages = max(token_counts) // page_size
+    max_pages = _device_pages(kv, max(token_counts) // page_size)
     gen = torch.Generator().manual_seed(args.seed)
 
     model = Model(cfg, device=args.device, seed=args.seed)
@@ -129,31 +176,38 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     # Scattered ids on both tiers: a real allocator never hands out one contiguous run.
     device_perm = torch.randperm(2 * max_pages, generator=gen)
     host_perm = torch.randperm(max_pages, generator=gen)
+    components = (f", components {describe_components(kv.component_specs)}"
+                  if kv.component_specs else "")
     prompt = torch.randint(0, cfg.vocab_size, (max(token_counts),), generator=gen)
 
     log(f"preset {cfg.name} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-        f"{cfg.torch_dtype}), page size {page_size}, KV {kv.token_nbytes} bytes/token, "
+        f"{cfg.torch_dtype}), page size {page_size}, KV {kv.token_nbytes} bytes/token"
+        f"{components}, "
         f"device {device}, executor {args.executor}, {torch.get_num_threads()} threads, "
         f"load average {psutil.getloadavg()[0]:.1f}")
     header = (f"{'tokens':>7} {'recompute_ms':>13} {'reload_ms':>10} {'ratio':>8} "
-              f"{'copy_ms':>9} {'reload_GB/s':>12} {'copy_GB/s':>10} {'fraction':>9}")
+              f"{'copy_ms':>9} {'reload_GB/s':>12} {'copy_GB/s':>10} {'fraction':>9}"
+              + (f" {'reload_MB':>10} {'dense_MB':>9}" if components else ""))
     log(header)
     rows, copy_gbps = [], 0.0
     for num_tokens in token_counts:
         num_pages = num_tokens // page_size
-        nbytes = num_pages * kv.page_nbytes
-        src_pages, dst_pages = device_perm[:num_pages], device_perm[max_pages:][:num_pages]
-        host_pages = host_perm[:num_pages]
+        prefix = _prefix(kv, device_perm[: _device_pages(kv, num_pages)], num_pages)
+        src_pages = prefix.kept
+        dst_pages = device_perm[max_pages:][: len(src_pages)]
+        host_pages = host_perm[: len(src_pages)]
+        nbytes = len(src_pages) * kv.page_nbytes
         ids = prompt[:num_tokens]
 
         recompute_s = _median_s(
-            lambda: model.forward(ids, src_pages, 0, device_pool, last_only=True),  # noqa: B023
+            lambda: model.forward(ids, prefix.full, 0, device_pool, last_only=True,  # noqa: B023
+                                  components=prefix.components or None),  # noqa: B023
             args.repeats, device,
         )
         backup = engine.backup(src_pages, host_pages)
         backup.wait()
         if backup.error is not None:
-            raise RuntimeError(f"backup of {num_pages} pages failed") from backup.error
+            raise RuntimeError(f"backup of {len(src_pages)} pages failed") from backup.error
 
         def reload(host_pages=host_pages, dst_pages=dst_pages) -> None:
             handle = engine.load(host_pages, dst_pages)
@@ -178,7 +232,7 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
         finally:
             torch.set_num_threads(num_threads)
         engine.poll()
-        for layer in range(cfg.num_layers):
+        for layer in range(kv.num_layers):
             for buf in device_pool.layer(layer):
                 assert torch.equal(buf[src_pages], buf[dst_pages]), (
                     f"reloaded KV differs from the recomputed KV at layer {layer}"
@@ -190,6 +244,7 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
             "reload_ms": reload_s * 1e3,
             "ratio": recompute_s / reload_s,
             "nbytes": nbytes,
+            "dense_nbytes": prefix.dense * kv.page_nbytes,
             "copy_ms": copy_s * 1e3,
             "reload_gbps": nbytes / reload_s / 1e9,
             "copy_gbps": copy_gbps,
@@ -198,7 +253,8 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
         rows.append(row)
         log(f"{num_tokens:>7} {row['recompute_ms']:>13.2f} {row['reload_ms']:>10.3f} "
             f"{row['ratio']:>8.1f} {row['copy_ms']:>9.3f} {row['reload_gbps']:>12.2f} "
-            f"{row['copy_gbps']:>10.2f} {row['fraction']:>9.0%}")
+            f"{row['copy_gbps']:>10.2f} {row['fraction']:>9.0%}"
+            + (f" {nbytes / 1e6:>10.2f} {row['dense_nbytes'] / 1e6:>9.2f}" if components else ""))
     engine.close()
 
     estimate = _estimates(token_counts)
@@ -233,6 +289,8 @@ def run(args: argparse.Namespace) -> int:
     if args.dtype is not None:
         with user_input("--dtype"):
             resolve_dtype(args.dtype)
+    with user_input("--page-size"):  # a hybrid model's state must fit a page
+        preset(args.preset).kv_config(args.page_size)
     torch.manual_seed(args.seed)
     result = measure(args, log=(lambda _line: None) if args.json else print)
     print(json.dumps(result))

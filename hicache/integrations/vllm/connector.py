@@ -41,18 +41,13 @@ from hicache.integrations.vllm.common.config import ConnectorConfig
 from hicache.integrations.vllm.common.groups import KVGroups
 from hicache.integrations.vllm.common.identity import layout_planes, storage_identity
 from hicache.integrations.vllm.common.keys import rank_salt
-from hicache.integrations.vllm.common.params import (
-    ERROR_KEY,
-    RequestControl,
-    check_cache_salt,
-    parse_request_control,
-    tree_namespace,
-)
+from hicache.integrations.vllm.common.params import ERROR_KEY, RequestControl
 from hicache.integrations.vllm.common.plan import StepPlan
 from hicache.integrations.vllm.common.tp import check_parallelism, vllm_rank_group
 from hicache.integrations.vllm.metadata import HiCacheConnectorMetadata, HiCacheWorkerMetadata
 from hicache.integrations.vllm.roles import ConnectorRoles
 from hicache.integrations.vllm.scheduled import scheduled_requests
+from hicache.integrations.vllm.scheduler.control import resolve_request
 from hicache.integrations.vllm.scheduler.half import SchedulerHalf
 from hicache.integrations.vllm.scheduler.inputs import InputReader
 from hicache.integrations.vllm.scheduler.pool_hooks import EvictionHook
@@ -168,10 +163,8 @@ class HiCacheConnector(ConnectorRoles, KVConnectorBase_V1, SupportsHMA):
 
         if not self.hc_config.storage:
             return None
-        return make_storage(
-            self.hc_config.storage, page_nbytes=self.page_nbytes,
-            secret=self.hc_config.storage_secret, **self.hc_config.storage_options,
-        )
+        return make_storage(self.hc_config.storage, page_nbytes=self.page_nbytes,
+                            secret=self.hc_config.storage_secret, **self.hc_config.storage_options)
 
     # ============================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -189,18 +182,16 @@ class HiCacheConnector(ConnectorRoles, KVConnectorBase_V1, SupportsHMA):
         if self._events_on and backend is not None:
             self.worker_half.write_reports = ([], [])  # for the third tier's events
         if self.worker_half.layout.page_nbytes != self.page_nbytes:
-            raise ValueError(
-                f"HiCacheConnector: registered KV holds {self.worker_half.layout.page_nbytes} "
-                f"bytes per block, the KV cache spec says {self.page_nbytes}"
-            )
+            raise ValueError(f"HiCacheConnector: registered KV holds "
+                             f"{self.worker_half.layout.page_nbytes} bytes per block, the KV "
+                             f"cache spec says {self.page_nbytes}")
         planes = layout_planes(self._vllm_config)  # a shared third tier must not mix layouts
         if backend is not None and self.worker_half.layout.planes_per_layer != planes:
             raise ValueError(f"HiCacheConnector: expected {planes} plane(s) per layer and block "
                              f"(the storage identity), got {self.worker_half.layout.fingerprint()}")
 
     def _plan(self) -> StepPlan | None:
-        meta = self._connector_metadata
-        return meta if isinstance(meta, StepPlan) else None
+        return self._connector_metadata if isinstance(self._connector_metadata, StepPlan) else None
 
     @_timed
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
@@ -332,26 +323,9 @@ class HiCacheConnector(ConnectorRoles, KVConnectorBase_V1, SupportsHMA):
         known = self._controls.get(request.request_id)
         if known is not None:
             return known[1]
-        salt = getattr(request, "cache_salt", None)
-        control = self._role_control(
-            parse_request_control(getattr(request, "kv_transfer_params", None)))
-        salt_error = check_cache_salt(salt)
-        if control.error is None and salt_error is not None:
-            control = control._replace(skip_load=True, skip_save=True, error=salt_error)
-        inputs = self._inputs.read(request, self.block_size)  # LoRA, multimodal, embeddings
-        if inputs.refused is not None:  # fail closed (logged once per kind): never a guess
-            control = control._replace(skip_load=True, skip_save=True)
-            if self.scheduler_half is not None:
-                self.scheduler_half.counters.unkeyed_requests += 1
-        namespace = tree_namespace(salt, control, inputs.adapter)
-        if control.error is not None:
-            _log.warning("hicache: request %s served without hicache: %s",
-                         request.request_id, control.error)
+        control, namespace = resolve_request(request, self._role_control, self._inputs,
+                                             self.block_size, self.scheduler_half)
         self._controls[request.request_id] = (control, namespace)
-        if (not control.is_default or inputs.pages) and self.scheduler_half is not None:
-            self.scheduler_half.set_control(request.request_id, request.all_token_ids,
-                                            namespace, control, request.num_prompt_tokens,
-                                            inputs.pages)
         return namespace
 
     @_timed_scheduler
@@ -461,8 +435,7 @@ class HiCacheConnector(ConnectorRoles, KVConnectorBase_V1, SupportsHMA):
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """The host tier's and the third tier's ``BlockStored`` / ``BlockRemoved`` events
-        since the last call (vLLM publishes them with its own; see
-        :mod:`~hicache.integrations.vllm.scheduler.kv_events`, :mod:`~hicache.integrations.vllm.scheduler.tier_events`)."""
+        since the last call (published with vLLM's: :mod:`.scheduler.kv_events`, :mod:`.scheduler.tier_events`)."""
         if self._events is None:
             return ()
         return self._events.take() + (self._tier_events.take() if self._tier_events else [])

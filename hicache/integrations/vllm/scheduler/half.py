@@ -363,39 +363,6 @@ class SchedulerHalf(HalfInspection):
         if save is not None:
             self._early_saves.append(save)  # pinned until that plan is built
 
-    def reset(self) -> bool:
-        """Drop every cached host page (vLLM's ``reset_prefix_cache(reset_connector=True)``,
-        which RL frameworks call after a weight update).
-
-        With a third tier and ``storage_epoch_on_reset``, the tier's epoch is bumped too:
-        pages stored before miss from now on, here and in every process that opens the
-        tier afterwards (see docs/storage.md). Pages pinned by a step being planned (or by
-        a save sent with the next plan) stay; returns False then, or when the tier could
-        not be reached.
-        """
-        # Saves not sent yet (a finished request's last blocks, vLLM's hit copied in)
-        # would keep their pages pinned, and the pages of the old weights cached.
-        for op in self._early_saves + self._gap_saves:
-            self._bad.update(op.host_pages)  # never filled: gone with the eviction below
-        self._early_saves, self._gap_saves = [], []
-        self.saves.forget_all()
-        self.pins.unpin_all()
-        if self.prefetch is not None:
-            self.prefetch.reset()
-        num = self.tree.host_tokens
-        if num:  # evict_host counts page ids: component pages too (held only beside full ones)
-            self._evict_host(num + (self.page_size * self.components.num_host_pages()
-                                    if self.components is not None else 0))
-        for st in self._reqs.values():
-            st.num_checked_pages = 0
-        ok = self.tree.host_tokens == 0
-        if self.storage is not None and self.config.storage_epoch_on_reset:
-            if not self._storage_keys.bump_epoch(self.storage):
-                return False
-            for st in self._reqs.values():
-                st.keys = []  # rebuilt under the new epoch
-        return ok
-
     # ------------------------------------------------------------- internals
     def _key(self, st: RequestState, num_pages: int) -> bytes:
         return st.tree_key(num_pages, self.page_size)

@@ -112,6 +112,7 @@ def page_digest(extra_keys: Sequence[Any]) -> bytes | None:
         if kind not in POSITION_KINDS:
             raise UnkeyedInput(kind)
         h = h or hashlib.sha256()
+        h.update(len(key).to_bytes(8, "little"))  # where one key ends and the next begins
         for value in key:
             h.update(_encode(kind, value))
     return None if h is None else h.digest()

@@ -1,4 +1,5 @@
-"""What the scheduler half shows of itself (counters, occupancy, invariants), and its close.
+"""What the scheduler half shows of itself (counters, occupancy, invariants), its reset
+and its close.
 
 :class:`HalfInspection` is a part of :class:`~hicache.integrations.vllm.scheduler.half.SchedulerHalf`
 (a mixin over its state, declared below), kept here so that the half's module reads
@@ -13,12 +14,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from hicache.integrations.vllm.common.config import ConnectorConfig
     from hicache.integrations.vllm.common.plan import SaveOp
+    from hicache.integrations.vllm.scheduler.bad_pages import BadPages
     from hicache.integrations.vllm.scheduler.components import ComponentPages
     from hicache.integrations.vllm.scheduler.pins import StepPins
     from hicache.integrations.vllm.scheduler.prefetch import Prefetcher
     from hicache.integrations.vllm.scheduler.requests import RequestState
+    from hicache.integrations.vllm.scheduler.saves import Saves
     from hicache.integrations.vllm.scheduler.stats import SchedulerStats
-    from hicache.integrations.vllm.scheduler.third_tier import StorageKeys, StorageProbe
+    from hicache.integrations.vllm.scheduler.third_tier import NoReads, StorageKeys, StorageProbe
     from hicache.memory import PageAllocator
     from hicache.storage import StorageBackend
     from hicache.tree.protocol import RadixTreeLike
@@ -39,8 +42,45 @@ class HalfInspection:
     _early_saves: list[SaveOp]
     _gap_saves: list[SaveOp]
     _storage_keys: StorageKeys
-    _probe: StorageProbe | None
+    _probe: StorageProbe | NoReads | None
     storage: StorageBackend | None
+    saves: Saves
+    _bad: BadPages
+
+    def _evict_host(self, num_tokens: int) -> None: ...  # the half's own
+
+    def reset(self) -> bool:
+        """Drop every cached host page (vLLM's ``reset_prefix_cache(reset_connector=True)``,
+        which RL frameworks call after a weight update).
+
+        With a third tier and ``storage_epoch_on_reset``, the tier's epoch is bumped too:
+        pages stored before miss from now on, here and in every process that opens the
+        tier afterwards (see docs/storage.md). Pages pinned by a step being planned (or by
+        a save sent with the next plan) stay; returns False then, or when the tier could
+        not be reached.
+        """
+        # Saves not sent yet (a finished request's last blocks, vLLM's hit copied in)
+        # would keep their pages pinned, and the pages of the old weights cached.
+        for op in self._early_saves + self._gap_saves:
+            self._bad.update(op.host_pages)  # never filled: gone with the eviction below
+        self._early_saves, self._gap_saves = [], []
+        self.saves.forget_all()
+        self.pins.unpin_all()
+        if self.prefetch is not None:
+            self.prefetch.reset()
+        num = self.tree.host_tokens
+        if num:  # evict_host counts page ids: component pages too (held only beside full ones)
+            self._evict_host(num + (self.page_size * self.components.num_host_pages()
+                                    if self.components is not None else 0))
+        for st in self._reqs.values():
+            st.num_checked_pages = 0
+        ok = self.tree.host_tokens == 0
+        if self.storage is not None and self.config.storage_epoch_on_reset:
+            if not self._storage_keys.bump_epoch(self.storage):
+                return False
+            for st in self._reqs.values():
+                st.keys = []  # rebuilt under the new epoch
+        return ok
 
     def close(self) -> None:
         """Stop the storage probe's thread and close the backend (idempotent)."""
