@@ -502,7 +502,7 @@ def failing_loads(async_scheduling: bool, **engines: Any) -> type[ConnectorMachi
 class HybridMachine(ConnectorMachine):
     """The same on a hybrid model (vllm_sched_hybrid.py): a full-attention group beside
     one or two sliding-window groups or a Mamba "align" mode group, drawn from the
-    example's seed; write_through (what hybrid models take), third-tier hits read in
+    example's seed, on the Python or the C++ tree; write_through (what hybrid models take), third-tier hits read in
     the step. Every wrong read is a violation (hybrid loads fail per request)."""
 
     def _engine(self, **kwargs):
@@ -511,9 +511,8 @@ class HybridMachine(ConnectorMachine):
         rng = random.Random(kwargs["seed"])
         kind = rng.choice(["window", "state"])
         others = rng.choice([1, 2]) if kind == "window" else 1
-        # (tree "auto": the C++ tree takes no components yet, the Python one then serves)
-        kwargs["extra"].update(write_policy="write_through", prefetch_policy="sync",
-                               tree="auto")
+        # (the tree drawn, Python or C++: both take components)
+        kwargs["extra"].update(write_policy="write_through", prefetch_policy="sync")
         # vLLM's other groups need blocks of their own beside the prompt's (a window's
         # and a prefill chunk's, a state's two): one request must always fit
         kwargs["num_blocks"] += 10 * others

@@ -120,10 +120,14 @@ def test_overlaid_layers_are_copied_once_per_region():
 
 
 # -------------------------------------------------------- scheduler level
-def _engine(kind: str, **kw):
+# Every scheduler-level scenario runs on both trees (both take components).
+TREES = pytest.mark.parametrize("tree", ["python", "native"])
+
+
+def _engine(kind: str, tree: str, **kw):
     from vllm_sched_hybrid import hybrid_engine
 
-    extra = {"host_tokens": kw.pop("host_pages", 32) * 16, **kw.pop("extra", {})}
+    extra = {"host_tokens": kw.pop("host_pages", 32) * 16, "tree": tree, **kw.pop("extra", {})}
     return hybrid_engine(kind=kind, extra=extra, num_blocks=kw.pop("num_blocks", 24), **kw)
 
 
@@ -140,11 +144,12 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_window_tail_is_saved_and_loaded_not_every_window_page(async_scheduling):
+@TREES
+def test_window_tail_is_saved_and_loaded_not_every_window_page(async_scheduling, tree):
     """A 100-token prompt (6 whole pages), window 40 (3 pages before a hit): the host
     tier keeps the full pages and, per window group, the tail at each saved end; after
     vLLM forgets, the same prompt and more loads all of it, asynchronously."""
-    e = _engine("window", num_others=2, async_scheduling=async_scheduling)
+    e = _engine("window", tree, num_others=2, async_scheduling=async_scheduling)
     half = e.connector.scheduler_half
     prompt = _prompt(1, 100)
     e.add("a", prompt, max_tokens=1)
@@ -166,8 +171,9 @@ def test_window_tail_is_saved_and_loaded_not_every_window_page(async_scheduling)
     e.close()
 
 
-def test_state_checkpoint_at_each_saved_end_serves_a_hit():
-    e = _engine("state")
+@TREES
+def test_state_checkpoint_at_each_saved_end_serves_a_hit(tree):
+    e = _engine("state", tree)
     half = e.connector.scheduler_half
     prompt = _prompt(3, 100)
     e.add("a", prompt, max_tokens=1)
@@ -185,11 +191,12 @@ def test_state_checkpoint_at_each_saved_end_serves_a_hit():
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 @pytest.mark.parametrize("kind", ["window", "state"])
-def test_a_failed_load_fails_its_request_never_a_block(kind, policy):
+@TREES
+def test_a_failed_load_fails_its_request_never_a_block(kind, policy, tree):
     """vLLM raises on block-level load errors with several groups: a hybrid load that
     fails is reported per request (failed_recving); vLLM recomputes the request (or
     fails it), and nothing wrong is read."""
-    e = _engine(kind, policy=policy)
+    e = _engine(kind, tree, policy=policy)
     prompt = _prompt(5, 100)
     e.add("a", prompt, max_tokens=1)
     e.run()
@@ -208,11 +215,12 @@ def test_a_failed_load_fails_its_request_never_a_block(kind, policy):
 
 @pytest.mark.parametrize("kind", ["window", "state"])
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_random_multi_turn_workload_with_failures(kind, async_scheduling):
+@TREES
+def test_random_multi_turn_workload_with_failures(kind, async_scheduling, tree):
     """Conversations sharing a system prompt, some turns after vLLM dropped its cached
     blocks (hits from the host tier), loads and saves failing at random: no wrong read,
     every host page right, every request served (recompute policy)."""
-    e = _engine(kind, async_scheduling=async_scheduling, host_pages=48, num_blocks=20,
+    e = _engine(kind, tree, async_scheduling=async_scheduling, host_pages=48, num_blocks=20,
                 seed=7)
     rng = random.Random(8)
     system = _prompt(9, 40)
@@ -243,13 +251,40 @@ def test_random_multi_turn_workload_with_failures(kind, async_scheduling):
     e.close()
 
 
-def test_kv_events_and_metrics_name_each_pages_group():
+@pytest.mark.parametrize("kind", ["window", "state"])
+@TREES
+def test_a_fresh_engine_is_served_components_from_the_file_tier(kind, tree, tmp_path):
+    """The third tier stores component pages by key like full pages: a second engine on
+    the same ``file:`` directory, its host tier empty, loads the prefix with its window
+    tail (or state checkpoint) read from storage."""
+    storage = {"storage": f"file:{tmp_path}", "prefetch_policy": "sync"}
+    prompt = _prompt(12, 100)
+    first = _engine(kind, tree, extra=storage)
+    first.add("a", prompt, max_tokens=1)
+    first.run()
+    first.quiesce()
+    first.check()
+    first.close()
+    second = _engine(kind, tree, extra=storage)
+    follow = prompt + _prompt(13, 20)
+    second.add("b", follow, max_tokens=3)
+    second.run()
+    second.check()
+    c = second.connector.scheduler_half.counters
+    assert c.storage_hit_tokens == 96 and c.host_hit_tokens == 0
+    assert (c.window_pages_loaded if kind == "window" else c.state_pages_loaded) > 0
+    assert second.outputs["b"] == _outputs(follow, 3)
+    second.close()
+
+
+@TREES
+def test_kv_events_and_metrics_name_each_pages_group(tree):
     """A host page of a sliding-window group is announced under its group, with the
     group's kind and window; a reset removes every page under its own group; the
     scheduler's stats count component pages per kind."""
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-    e = _engine("window", kv_events={"enable_kv_cache_events": True, "publisher": "null"})
+    e = _engine("window", tree, kv_events={"enable_kv_cache_events": True, "publisher": "null"})
     seen: list = []
     take = e.connector.take_events
     e.connector.take_events = lambda: seen.extend(events := list(take())) or events
@@ -290,6 +325,7 @@ def test_connector_starts_on_a_hybrid_config_and_refuses_what_it_cannot_serve():
             kv_connector_module_path="hicache.integrations.vllm", kv_connector_extra_config=extra)
         vllm_config = SimpleNamespace(
             kv_transfer_config=transfer, cache_config=SimpleNamespace(block_size=16),
+            device_config=SimpleNamespace(device_type="cpu"),
             model_config=SimpleNamespace(model="tiny", revision=None, dtype=torch.float32),
             parallel_config=SimpleNamespace(tensor_parallel_size=1))
         return HiCacheConnector(vllm_config, KVConnectorRole.WORKER, config)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import vllm_sched
-from vllm_sched import POISON, B, D, Engine, H, prefix_values
+from vllm_sched import POISON, B, D, Engine, H
 
 from hicache.tree import token_key
 
@@ -131,7 +131,7 @@ class HybridEngine(Engine):
         whole block's state, expected value)."""
         if done == 0:
             return []
-        values = prefix_values(self._tokens(rid, done))
+        values = self._expected(rid, 0, done)
         out = []
         for g, table in enumerate(self.gtables[rid]):
             kind = self.group_kind(g)
@@ -170,7 +170,7 @@ class HybridEngine(Engine):
     def _compute(self, rid: str, done: int, num: int) -> bool:
         ok = not self._wrong_blocks(rid, done)
         end = done + num
-        values = prefix_values(self._tokens(rid, end))
+        values = self._expected(rid, 0, end)
         changed = False
         for g, table in enumerate(self.gtables[rid]):
             if self.group_kind(g) == "state":
@@ -193,7 +193,11 @@ class HybridEngine(Engine):
     # ----------------------------------------------------------------- checks
     def host_page_errors(self) -> list[str]:
         """Host pages the scheduler's tree holds, full and component ones (not known bad),
-        whose content is not the KV (or state) of their prefix."""
+        whose content is not the KV (or state) of their prefix.
+
+        A node's prefix is read off a request whose tree key runs through it (its KV
+        depends on the request's inputs: images, embeddings, adapter); every node holding
+        host pages must lie on one."""
         half = self.connector.scheduler_half
         comps = half.components
         pool = self.worker.worker_half.host_pool
@@ -203,53 +207,62 @@ class HybridEngine(Engine):
         def page_row(page: int) -> torch.Tensor:
             return pool.buffer[page].reshape(H, B, 2 * D)
 
-        prefixes = self._node_prefixes()
-        for node, tokens in prefixes.items():
-            values = prefix_values(tokens)
-            start = len(tokens) // B - node.num_tokens // B  # the node's first page
-            pages = node.host_indices.tolist() if node.host_indices is not None else []
-            for i, page in enumerate(pages):
-                p = start + i
-                want = self._value(self.FULL, values[p * B:(p + 1) * B])
-                if page not in bad and not np.array_equal(page_row(page)[0, :, 0].double().numpy(),
-                                                          want):
-                    errors.append(f"full page {page} (page {p}) holds wrong KV")
-            for c, members in enumerate(comps.members):
-                ids = node.component_pages(c, "host")
-                if ids is None:
+        checked: set[int] = set()  # node ids
+        for namespace, key, values in zip(self.namespaces, self.tree_keys, self.values,
+                                          strict=True):
+            if key is None:
+                continue
+            held = half.tree.probe_key(key, namespace)  # tokens of the key the tree holds
+            end = 0  # tokens from the root to the node's end
+            for node in half.tree.probe_path(key, namespace):
+                start, end = end, end + node.num_tokens
+                if end > held:  # the node runs past this key, or leaves it: another covers it
+                    break
+                if node.id in checked:
                     continue
-                ids = ids.tolist()
-                width = len(members)
-                for k, page in enumerate(ids):
-                    group = members[k % width].group_id
-                    if page in bad:
-                        continue
-                    if self.group_kind(group) == "state":
-                        want = self._value(group, values[len(tokens) - 1:len(tokens)])[0]
-                        got = page_row(page)[0, 0, 0].item()
-                        if got != want:
-                            errors.append(f"state page {page} of group {group} at "
-                                          f"{len(tokens)} tokens holds {got}, not {want}")
-                        continue
-                    p = start + k // width
-                    want = self._value(group, values[p * B:(p + 1) * B])
-                    if not np.array_equal(page_row(page)[0, :, 0].double().numpy(), want):
-                        errors.append(f"window page {page} of group {group} (page {p}) "
-                                      "holds wrong KV")
+                checked.add(node.id)
+                errors += self._node_errors(node, start // B, end, values, bad, page_row)
+        for node in half.tree.nodes():
+            held = node.host_indices is not None and node.host_indices.numel() > 0
+            if node.parent is not None and node.id not in checked and held:
+                errors.append(f"node {node.id} lies on no request's key: not checked")
         return errors
 
-    def _node_prefixes(self) -> dict:
-        """Every node of the scheduler's tree -> the tokens from its root to its end."""
-        tree = self.connector.scheduler_half.tree
-        out: dict = {}
-        for node in tree.nodes():
-            path = []
-            n = node
-            while n is not None and n.parent is not None:
-                path.append(n)
-                n = n.parent
-            out[node] = [int(t) for m in reversed(path) for t in m.tokens()]
-        return out
+    def _node_errors(self, node, first: int, end: int, values: np.ndarray, bad: set[int],
+                     page_row) -> list[str]:
+        """Errors of one node's host pages: its pages from page ``first``, its prefix
+        ``end`` tokens long, ``values`` the KV of a sequence through it."""
+        comps = self.connector.scheduler_half.components
+        errors: list[str] = []
+        pages = node.host_indices.tolist() if node.host_indices is not None else []
+        for i, page in enumerate(pages):
+            p = first + i
+            want = self._value(self.FULL, values[p * B:(p + 1) * B])
+            if page not in bad and not np.array_equal(page_row(page)[0, :, 0].double().numpy(),
+                                                      want):
+                errors.append(f"full page {page} (page {p}) holds wrong KV")
+        for c, members in enumerate(comps.members):
+            ids = node.component_pages(c, "host")
+            if ids is None:
+                continue
+            width = len(members)
+            for k, page in enumerate(ids.tolist()):
+                group = members[k % width].group_id
+                if page in bad:
+                    continue
+                if self.group_kind(group) == "state":
+                    want = self._value(group, values[end - 1:end])[0]
+                    got = page_row(page)[0, 0, 0].item()
+                    if got != want:
+                        errors.append(f"state page {page} of group {group} at "
+                                      f"{end} tokens holds {got}, not {want}")
+                    continue
+                p = first + k // width
+                want = self._value(group, values[p * B:(p + 1) * B])
+                if not np.array_equal(page_row(page)[0, :, 0].double().numpy(), want):
+                    errors.append(f"window page {page} of group {group} (page {p}) "
+                                  "holds wrong KV")
+        return errors
 
     def served_pages(self, tokens: list[int], namespace: str | None = None) -> int:
         """Pages of ``tokens`` the host tier would serve (every component agreeing)."""

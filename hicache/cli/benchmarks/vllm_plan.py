@@ -73,11 +73,11 @@ PRESETS: dict[str, ModelShape] = {
     "small": ModelShape(4, 512, 8, 8, 1408, 32000),
     "medium": ModelShape(8, 768, 12, 12, 2048, 32000),
     # Gemma-3's pattern, 5 sliding-window layers to 1 full-attention layer, "small"'s
-    # width. The window, 64 tokens, is well under the agentic prompts (768-1,408 tokens)
-    # and half of what an agentic turn adds (128 tokens): the host tier keeps a window's
-    # tail at each prompt's end, so what it saves grows with the tokens between two
-    # ends over the window (docs/benchmarks.md).
-    "hybrid": ModelShape(6, 512, 8, 8, 1408, 32000, sliding_window=64, full_every=6),
+    # width. Gemma-3's window is 1,024 tokens for contexts of 32k-128k; here prompts are
+    # 768-1,408 tokens and the window 32, in the same proportion. The host tier keeps a
+    # window's tail at each prompt's end: what it saves grows with the tokens between
+    # two ends (an agentic turn adds 128) over the window (docs/benchmarks.md).
+    "hybrid": ModelShape(6, 512, 8, 8, 1408, 32000, sliding_window=32, full_every=6),
 }
 DEFAULT_PRESET = "medium"
 

@@ -66,6 +66,7 @@ class ComponentPages:
             self.members.append(states)
         self.specs = tuple(specs)
         self._bad: set[int] = set()  # component pages reported bad, not yet detached
+        self._with_states: set[str] = set()  # requests given states for this step
 
     # ---------------------------------------------------------------- lookups
     def hit_pages(self, key: bytes, namespace: str | None, limit: int | None = None) -> int:
@@ -128,13 +129,14 @@ class ComponentPages:
                 del mine[page]
         node = tree.probe_path(key, ns)[-1]
         tables_c = [tree.component_table(node, c, HOST).tolist() for c in range(len(self.specs))]
-        num_stored = len(op.storage_keys)
+        num_stored, ok = len(op.storage_keys), True
         for c, slot, i, block in reads:
             ids = tables_c[c]
             index = i * len(self.members[c]) + slot
             page = ids[index] if index < len(ids) else -1
             if page < 0:
-                return False
+                ok = False  # the load fails, but the pages the tree took are still read
+                continue
             self._count(c, "loaded")
             if page in mine:  # read from the third tier first: last in the op
                 self._announce(op.req_id, c, slot, i, page)
@@ -145,7 +147,7 @@ class ComponentPages:
                 at = len(op.host_pages) - num_stored
                 op.block_ids.insert(at, block)
                 op.host_pages.insert(at, page)
-        return True
+        return ok
 
     # ------------------------------------------------------------------ saves
     def save(self, req_id: str, st: RequestState, end: int, op: SaveOp | None) -> SaveOp | None:
@@ -256,12 +258,16 @@ class ComponentPages:
             st = self._half._reqs.get(req_id)
             for group, block, boundary in entries if st is not None else ():
                 st.states.setdefault(boundary, {})[group] = block
+                self._with_states.add(req_id)
 
     def planned(self) -> None:
         """The step's plan is built and its pins released: vLLM's state hand-over held
         for that step's forward only, and bad pages on nodes pinned until now go."""
-        for st in self._half._reqs.values():
-            st.states.clear()
+        for req_id in self._with_states:
+            st = self._half._reqs.get(req_id)
+            if st is not None:
+                st.states.clear()
+        self._with_states.clear()
         if self._bad:
             self.mark_bad(())
 
