@@ -8,7 +8,8 @@ machine hits them alike; medians are quoted. Only cache and allocator calls are
 timed; each system gets the trace in the form it wants (SGLang: lists of ints,
 hicache: int32 arrays), converted beforehand.
 
-Needs SGLang installed into .bench-deps (see bench/README.md).
+Needs SGLang installed into .bench-deps (see bench/README.md), except with
+``--without-sglang`` (hicache's trees only: the native / Python tree figure).
 
     .venv/bin/python bench/replay_vs_sglang.py TRACE --page-size 16 --device-tokens 500000
 """
@@ -37,23 +38,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--deps-dir", default=sglang_baseline._DEFAULT_DEPS_DIR)
     parser.add_argument("--trees", default="python,native", help="hicache tree kinds to run")
+    parser.add_argument("--without-sglang", action="store_true",
+                        help="run hicache's trees only (speedups then against the first tree)")
     args = parser.parse_args(argv)
 
-    sgl = sglang_baseline.import_sglang(args.deps_dir)
-    sgl_requests = sglang_baseline.prepare(args.trace, args.page_size)
     hc_requests = prepare_requests(args.trace, args.page_size)
     kinds = [k for k in args.trees.split(",") if k]
-
-    def run_sglang():
-        r = sglang_baseline.replay(sgl, sgl_requests, args.page_size, args.device_tokens, "lru")
-        return r.req_per_s, r.hit_ratio
 
     def run_hicache(kind):
         tree = make_tree(kind, args.page_size, "lru")
         r = replay_device(hc_requests, args.page_size, args.device_tokens, tree=tree)
         return r.req_per_s, r.hit_ratio
 
-    systems = {"sglang-0.5.23": run_sglang}
+    systems = {}
+    if not args.without_sglang:
+        sgl = sglang_baseline.import_sglang(args.deps_dir)
+        sgl_requests = sglang_baseline.prepare(args.trace, args.page_size)
+
+        def run_sglang():
+            r = sglang_baseline.replay(sgl, sgl_requests, args.page_size, args.device_tokens, "lru")
+            return r.req_per_s, r.hit_ratio
+
+        systems["sglang-0.5.23"] = run_sglang
     for kind in kinds:
         systems[f"hicache-{kind}"] = lambda kind=kind: run_hicache(kind)
     for fn in systems.values():  # warm-up: imports, JIT build, allocator first touch
@@ -65,8 +71,10 @@ def main(argv: list[str] | None = None) -> int:
             rps, hit[name] = fn()
             samples[name].append(rps)
 
-    base = statistics.median(samples["sglang-0.5.23"])
-    print(f"{'system':<16}{'median req/s':>14}{'min':>9}{'max':>9}{'x sglang':>10}{'hit ratio':>11}")
+    base_name = next(iter(systems))
+    base = statistics.median(samples[base_name])
+    label = "x sglang" if base_name.startswith("sglang") else f"x {kinds[0]}"
+    print(f"{'system':<16}{'median req/s':>14}{'min':>9}{'max':>9}{label:>10}{'hit ratio':>11}")
     rows = {}
     for name, xs in samples.items():
         med = statistics.median(xs)

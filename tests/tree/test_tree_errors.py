@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from optional import skip_unless
+from tree_observation import snapshot
 
 from hicache.tree import IOStatus, RadixTree, native, token_key
 
@@ -111,3 +112,90 @@ def test_surrogate_namespace_message():
         )
         assert tree.probe_key(token_key([5, 5], 2), SURROGATE) == 0
         assert tree.num_nodes == 0
+
+
+# Token ids read in place (int32 arrays and tensors): the native tree checks them
+# after walking the tree, skipping the prefix it matched (stored tokens are valid
+# ids). A bad id anywhere must still raise as an eager check would: the same error,
+# before anything changes (no node, no namespace root, no clock tick).
+def _i32(values: list[int]) -> np.ndarray:
+    return np.array(values, dtype=np.int32)
+
+
+def _store_bad_key(t):
+    t.insert_key(_i32([1, 1, -4, 4]).tobytes(), torch.tensor([0, 7]))  # bytes: stored unchecked
+
+
+def _bad_match_from_split_hook(t):
+    seen = []
+
+    def hook(prefix, suffix):
+        try:
+            t.match_prefix(_i32([1, 1, -1, 1]))
+        except Exception as exc:  # noqa: BLE001 - the type is what is compared
+            seen.append((type(exc).__name__, str(exc)))
+
+    t.on_split = hook
+    t.match_prefix([1, 1])
+    t.on_split = None
+    return seen
+
+
+IN_PLACE_CASES = {
+    "match_bad_id_after_cached_prefix": lambda t: t.match_prefix(_i32([1, 1, 2, 2, 7, -7])),
+    "match_bad_id_in_partial_page": lambda t: t.match_prefix(
+        torch.tensor([1, 1, 2, 2, -1], dtype=torch.int32)
+    ),
+    "match_bad_id_first": lambda t: t.match_prefix(_i32([-1, 1, 2, 2])),
+    "match_bad_id_new_namespace": lambda t: t.match_prefix(_i32([5, -5]), "fresh"),
+    "insert_bad_id_after_cached_prefix": lambda t: t.insert(
+        _i32([1, 1, 2, 2, 5, -5]), torch.tensor([0, 1, 9])
+    ),
+    "insert_bad_id_in_partial_page": lambda t: t.insert(
+        torch.tensor([1, 1, 5, 5, -2], dtype=torch.int32), torch.tensor([0, 9])
+    ),
+    "insert_bad_id_and_bad_pages": lambda t: t.insert(_i32([1, 1, -5, 5]), torch.tensor([0])),
+    "insert_bad_id_new_namespace": lambda t: t.insert(_i32([1, 1, 5, -5]), torch.tensor([8, 9]), "fresh"),
+    "insert_bad_id_bad_namespace": lambda t: t.insert(_i32([1, 1, 5, -5]), torch.tensor([8, 9]), 3),
+    "stored_bad_key_then_match": (_store_bad_key, lambda t: t.match_prefix(_i32([1, 1, -4, 4, 9]))),
+    "stored_bad_key_then_insert": (
+        _store_bad_key, lambda t: t.insert(_i32([1, 1, -4, 4, 9, 9]), torch.tensor([0, 7, 8]))
+    ),
+    "bad_match_from_split_hook": _bad_match_from_split_hook,
+    "match_ok": lambda t: t.match_prefix(_i32([1, 1, 2, 2, 7])).device_len,
+}
+
+
+@pytest.mark.parametrize("case", sorted(IN_PLACE_CASES))
+def test_ids_read_in_place_are_checked_before_any_change(case):
+    trees = (RadixTree(2), native.NativeRadixTree(2))
+    results, after = [], []
+    for tree in trees:
+        tree.insert([1, 1, 2, 2, 3, 3], torch.tensor([0, 1, 2]))
+        tree.insert([1, 1, 2, 2, 4, 4], torch.tensor([0, 1, 3]))  # a split: [1, 1, 2, 2] ends a node
+        setup, call = IN_PLACE_CASES[case] if isinstance(IN_PLACE_CASES[case], tuple) else (
+            None, IN_PLACE_CASES[case]
+        )
+        if setup is not None:
+            setup(tree)
+        before = snapshot(tree)
+        nat_bytes = tree.memory_bytes() if isinstance(tree, native.NativeRadixTree) else None
+        try:
+            results.append(("ok", call(tree)))
+        except Exception as exc:  # noqa: BLE001 - the type is what is compared
+            results.append((type(exc).__name__, str(exc)))
+            assert snapshot(tree) == before  # raised before changing anything
+            if nat_bytes is not None:
+                assert tree.memory_bytes() == nat_bytes  # no namespace root made either
+        tree.check_integrity()
+        # The clock and the node ids went on alike: a later insert leaves equal trees.
+        tree.insert([1, 1, 6, 6], torch.tensor([0, 4]), "fresh")
+        after.append(snapshot(tree))
+    assert results[0] == results[1]
+    assert after[0] == after[1]
+    if case == "bad_match_from_split_hook":
+        assert results[0][1] == [
+            ("ValueError", "tokens: expected ids in [0, 2147483647], got -1")
+        ]
+    elif not case.endswith("_ok"):
+        assert results[0][0] == "ValueError", results[0]

@@ -67,21 +67,24 @@ std::string shape_repr(const Sizes& sizes) {
 std::string layout_name(py::handle tensor) { return py::str(tensor.attr("layout")); }
 
 // The whole-page tokens of one call, and whatever keeps their memory alive.
+// `unchecked`: all the caller's ids (partial page included) when read_key left
+// them to the tree's match or insert to check (RadixTree::match); empty when
+// they are checked (or bytes, which are never checked).
 struct Key {
   hicache::token_span span;
+  hicache::token_span unchecked;
   at::Tensor holder;
   std::vector<token_t> scratch;
   std::optional<py::buffer_info> buffer;
+
+  // Check the ids left unchecked now (the tree will not).
+  void check() {
+    hicache::check_ids(unchecked.data(), unchecked.size());
+    unchecked = {};
+  }
 };
 
-void check_ids(const token_t* data, std::size_t n) {
-  std::uint32_t acc = 0;  // a negative id sets the sign bit
-  for (std::size_t i = 0; i < n; ++i) acc |= static_cast<std::uint32_t>(data[i]);
-  if (acc >> 31) {
-    throw hicache::ValueError("tokens: expected ids in [0, " + std::to_string(kMaxToken) +
-                              "], got " + std::to_string(*std::min_element(data, data + n)));
-  }
-}
+using hicache::check_ids;
 
 // Checks all `count` ids (the trailing partial page's too: a bad id there is the
 // same caller mistake) and keeps the first n (whole pages).
@@ -111,7 +114,9 @@ void narrow_ids(const char* base, std::ptrdiff_t stride_bytes, std::size_t count
 
 // Accepts an int32/int64 1-D CPU tensor, an int32/int64 1-D buffer (numpy), or
 // bytes already made by hicache.tree.token_key. Only whole pages are kept.
-void read_key(py::handle obj, std::int64_t page_size, Key& key) {
+// With `lazy`, ids read in place are left in key.unchecked for the tree's match
+// or insert (the only callers that pass it) instead of being checked here.
+void read_key(py::handle obj, std::int64_t page_size, Key& key, bool lazy = false) {
   const auto whole = [page_size](std::int64_t n) {
     return static_cast<std::size_t>(n / page_size * page_size);
   };
@@ -139,8 +144,13 @@ void read_key(py::handle obj, std::int64_t page_size, Key& key) {
     const auto stride = t.stride(0) * static_cast<std::int64_t>(t.element_size());
     const char* base = static_cast<const char*>(t.const_data_ptr());
     if (dtype == at::kInt && (t.stride(0) == 1 || count <= 1)) {
-      check_ids(reinterpret_cast<const token_t*>(base), count);
-      key.span = {reinterpret_cast<const token_t*>(base), n};
+      const auto* ids = reinterpret_cast<const token_t*>(base);
+      if (lazy) {
+        key.unchecked = {ids, count};
+      } else {
+        check_ids(ids, count);
+      }
+      key.span = {ids, n};
       key.holder = std::move(t);
     } else if (dtype == at::kInt) {
       narrow_ids<std::int32_t>(base, stride, count, n, key);
@@ -182,8 +192,13 @@ void read_key(py::handle obj, std::int64_t page_size, Key& key) {
       const bool direct = info.strides[0] == 4 &&
                           reinterpret_cast<std::uintptr_t>(base) % alignof(token_t) == 0;
       if (direct) {
-        check_ids(reinterpret_cast<const token_t*>(base), count);
-        key.span = {reinterpret_cast<const token_t*>(base), n};
+        const auto* ids = reinterpret_cast<const token_t*>(base);
+        if (lazy) {
+          key.unchecked = {ids, count};
+        } else {
+          check_ids(ids, count);
+        }
+        key.span = {ids, n};
       } else {
         narrow_ids<std::int32_t>(base, info.strides[0], count, n, key);
       }
@@ -243,8 +258,10 @@ IndexRun read_pages(py::handle obj, const char* name, bool copy = false) {
 }
 
 // read_pages, plus the insert check: one page id per whole page of the key.
-IndexRun read_pages(py::handle obj, const char* name, const Key& key, const RadixTree& tree) {
-  IndexRun pages = read_pages(obj, name, /*copy=*/true);
+// Without `copy`, the caller's tensor: for RadixTree::insert with `borrowed`.
+IndexRun read_pages(py::handle obj, const char* name, const Key& key, const RadixTree& tree,
+                    bool copy = true) {
+  IndexRun pages = read_pages(obj, name, copy);
   const auto num_pages = static_cast<std::int64_t>(key.span.size()) / tree.page_size();
   if (pages.num_pages != num_pages) {
     throw hicache::ValueError(std::string(name) + ": expected one page id per whole page (" +
@@ -286,6 +303,18 @@ std::optional<std::uint32_t> existing_ns(const RadixTree& tree, py::handle ns) {
   std::optional<std::string> name = utf8(ns);
   if (!name) return std::nullopt;
   return tree.find_namespace(*name);
+}
+
+// ns_of for a call whose key may hold unchecked ids (read_key's `lazy`). The tree
+// checks them before it changes anything, but not before creating a namespace's
+// root or refusing a call from inside a hook: then they are checked here first,
+// so that every error comes in the order of an eager check.
+std::uint32_t ns_of_lazy(RadixTree& tree, py::handle ns, Key& key) {
+  if (!key.unchecked.empty() && !tree.in_hook()) {
+    if (const std::optional<std::uint32_t> index = existing_ns(tree, ns)) return *index;
+  }
+  key.check();
+  return ns_of(tree, ns);
 }
 
 TreeNode* node_of(const RadixTree& tree, NodeHandle handle, const char* op) {
@@ -496,16 +525,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("match",
            [](RadixTree& t, py::handle tokens, py::handle ns) { TreeLock guard(t);
              Key key;
-             read_key(tokens, t.page_size(), key);
-             const auto m = t.match(key.span, ns_of(t, ns));
+             read_key(tokens, t.page_size(), key, /*lazy=*/true);
+             const std::uint32_t index = ns_of_lazy(t, ns, key);
+             const auto m = t.match(key.span, index, key.unchecked);
              return py::make_tuple(m.device_len, m.host_len, out(m.last_device), out(m.last));
            })
       .def("insert",
            [](RadixTree& t, py::handle tokens, py::handle device_indices, py::handle ns) { TreeLock guard(t);
              Key key;
-             read_key(tokens, t.page_size(), key);
-             const IndexRun pages = read_pages(device_indices, "device_indices", key, t);
-             const auto r = t.insert(key.span, pages, ns_of(t, ns));
+             read_key(tokens, t.page_size(), key, /*lazy=*/true);
+             IndexRun pages;
+             try {  // the tree copies what it keeps of them (borrowed)
+               pages = read_pages(device_indices, "device_indices", key, t, /*copy=*/false);
+             } catch (...) {
+               key.check();  // bad tokens are reported first
+               throw;
+             }
+             const std::uint32_t index = ns_of_lazy(t, ns, key);
+             const auto r = t.insert(key.span, pages, index, key.unchecked, /*borrowed=*/true);
              return py::make_tuple(r.num_cached_tokens, out(r.last));
            })
       .def("insert_host",
@@ -712,7 +749,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                throw hicache::ValueError("num_pages: expected >= 0, got " + std::to_string(n));
              }
              if (n > f.list.num_free()) return py::none();
-             at::Tensor out = at::empty({n}, at::kLong);
+             at::Tensor out = hicache::new_page_tensor(n);
              f.list.alloc(n, out.data_ptr<hicache::page_id_t>());
              return py::cast(out);
            })

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -64,6 +65,25 @@ struct TypeError : std::runtime_error {
 struct ReentryError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
+
+// The largest token id; a valid id lies in [0, kMaxTokenId].
+inline constexpr token_t kMaxTokenId = std::numeric_limits<token_t>::max();
+
+// True if every id lies in [0, 2**31): none has the sign bit (one vectorized pass).
+inline bool ids_valid(const token_t* data, std::size_t n) {
+  std::uint32_t acc = 0;
+  for (std::size_t i = 0; i < n; ++i) acc |= static_cast<std::uint32_t>(data[i]);
+  return (acc >> 31) == 0;
+}
+
+// Raise ValueError unless every id lies in [0, 2**31) (the words of hicache.tree.token_key's
+// range check, with the smallest id).
+inline void check_ids(const token_t* data, std::size_t n) {
+  if (!ids_valid(data, n)) {
+    throw ValueError("tokens: expected ids in [0, " + std::to_string(kMaxTokenId) + "], got " +
+                     std::to_string(*std::min_element(data, data + n)));
+  }
+}
 
 // The largest page size (tokens per page) a tree takes: far above any real one,
 // and small enough that every size computed from it (bytes of a page of int32

@@ -90,7 +90,7 @@ std::optional<at::Tensor> Lifecycle::alloc_device(std::int64_t num_pages) {
     }
   }
   if (num_pages > device_.num_free()) return std::nullopt;
-  at::Tensor pages = at::empty({num_pages}, at::kLong);
+  at::Tensor pages = new_page_tensor(num_pages);
   device_.alloc(num_pages, pages.data_ptr<page_id_t>());
   return pages;
 }
@@ -153,7 +153,7 @@ std::optional<at::Tensor> Lifecycle::alloc_host(std::int64_t num_pages) {
     }
   }
   if (num_pages > host_.num_free()) return std::nullopt;
-  at::Tensor pages = at::empty({num_pages}, at::kLong);
+  at::Tensor pages = new_page_tensor(num_pages);
   host_.alloc(num_pages, pages.data_ptr<page_id_t>());
   return pages;
 }

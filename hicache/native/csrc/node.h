@@ -8,9 +8,11 @@
 // Knows nothing of the tree's invariants or of eviction order (tree.h).
 #pragma once
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <string>
@@ -71,6 +73,13 @@ struct TokenRun {
   }
 };
 
+// A new 1-D int64 CPU tensor of n page ids, uninitialized (the caller fills it):
+// at::empty's result, made without a trip through the dispatcher (the tree makes
+// one or more per call; no dispatch mode or device applies to them).
+inline at::Tensor new_page_tensor(std::int64_t n) {
+  return at::Tensor(at::detail::empty_cpu({n}, at::kLong));
+}
+
 // A window [offset, offset + num_pages) over a 1-D contiguous int64 CPU tensor,
 // or "no copy in this tier" when `base` is undefined.
 struct IndexRun {
@@ -95,8 +104,16 @@ struct IndexRun {
   IndexRun owned() const {
     const auto bytes = static_cast<std::size_t>(num_pages) * sizeof(page_id_t);
     if (!defined() || base.storage().nbytes() <= 2 * bytes) return *this;
-    at::Tensor copy = at::empty({num_pages}, at::kLong);
-    std::copy(data(), data() + num_pages, static_cast<page_id_t*>(copy.data_ptr()));
+    return copied();
+  }
+
+  // A copy of this window (defined) in a tensor of its own: for windows of a
+  // caller's tensor, which the tree must not keep.
+  IndexRun copied() const {
+    at::Tensor copy = new_page_tensor(num_pages);
+    if (num_pages != 0) {  // an empty tensor's data pointer may be null
+      std::memcpy(copy.data_ptr(), data(), static_cast<std::size_t>(num_pages) * sizeof(page_id_t));
+    }
     return IndexRun{std::move(copy), 0, num_pages};
   }
 
@@ -115,7 +132,7 @@ struct IndexRun {
         a.offset + a.num_pages == b.offset) {
       return IndexRun{a.base, a.offset, a.num_pages + b.num_pages};
     }
-    at::Tensor both = at::empty({a.num_pages + b.num_pages}, at::kLong);
+    at::Tensor both = new_page_tensor(a.num_pages + b.num_pages);
     auto* dst = static_cast<page_id_t*>(both.data_ptr());
     std::copy(a.data(), a.data() + a.num_pages, dst);
     std::copy(b.data(), b.data() + b.num_pages, dst + a.num_pages);

@@ -158,6 +158,9 @@ TreeNode* RadixTree::new_child(TreeNode* parent, TokenRun tokens) {
   auto owned = std::make_unique<TreeNode>(id, id, parent, parent->ns);
   TreeNode* node = owned.get();
   node->tokens = std::move(tokens);
+  if (stored_ids_valid_ && !ids_valid(node->tokens.data, node->tokens.len)) {
+    stored_ids_valid_ = false;
+  }
   node->created = clock_;
   if (has_components()) make_records(node);
   by_handle_.emplace(id, node);
@@ -178,29 +181,58 @@ std::int64_t RadixTree::common_pages(token_span child, token_span rest) const {
   return static_cast<std::int64_t>(in_rest - rest.begin()) / page_size_;
 }
 
-MatchOut RadixTree::match(token_span key, std::uint32_t ns) {
-  check_reentry("match");
-  OpScope scope(*this);
-  TreeNode* node = root(ns);
-  const std::int64_t clock = ++clock_;
+void RadixTree::walk(TreeNode* node, token_span key, Walk& w) const {
   const auto ps = static_cast<std::size_t>(page_size_);
   std::size_t off = 0;
   const std::size_t n = key.size();
+  while (off < n) {
+    const auto it = node->children.find(PageKey{key.data() + off, ps});
+    if (it == node->children.end()) break;
+    TreeNode* child = it->second.get();
+    const std::int64_t pages = common_pages(child->tokens.span(), key.subspan(off));
+    w.path.push_back(child);
+    if (static_cast<std::size_t>(pages) * ps < child->tokens.len) {
+      // The key ends or differs inside child (its first page matched: pages >= 1).
+      // After the split there, the prefix's only child starts with the page that
+      // differs, so the walk ends here.
+      w.split_pages = pages;
+      off += static_cast<std::size_t>(pages) * ps;
+      break;
+    }
+    node = child;
+    off += child->tokens.len;
+  }
+  w.matched = off;
+}
+
+void RadixTree::check_unchecked(token_span unchecked, std::size_t matched) const {
+  if (unchecked.empty()) return;
+  const std::size_t from = stored_ids_valid_ ? std::min(matched, unchecked.size()) : 0;
+  if (!ids_valid(unchecked.data() + from, unchecked.size() - from)) {
+    check_ids(unchecked.data(), unchecked.size());  // raises, naming the smallest of all
+  }
+}
+
+MatchOut RadixTree::match(token_span key, std::uint32_t ns, token_span unchecked) {
+  check_reentry("match");
+  OpScope scope(*this);
+  TreeNode* node = root(ns);
+  // Walk first (read-only), check the caller's ids, then change the tree along
+  // the walk: the same changes, in the same order, as one pass would make.
+  Walk w;
+  walk(node, key, w);
+  check_unchecked(unchecked, w.matched);
+  const std::int64_t clock = ++clock_;
   std::int64_t device_len = 0;
   std::int64_t host_len = 0;
   TreeNode* last_device = node;
   try {
-    while (off < n) {
-      const auto it = node->children.find(PageKey{key.data() + off, ps});
-      if (it == node->children.end()) break;
-      TreeNode* child = it->second.get();
-      const token_span rest = key.subspan(off);
-      const std::int64_t pages = common_pages(child->tokens.span(), rest);
-      if (static_cast<std::size_t>(pages) * ps < child->tokens.len) child = split(child, pages);
+    for (std::size_t i = 0; i < w.path.size(); ++i) {
+      TreeNode* child = w.path[i];
+      if (i + 1 == w.path.size() && w.split_pages != 0) child = split(child, w.split_pages);
       if (node->on_host() && node->num_host_children == 0) refresh_inner_host(node);
       node = child;
       const auto len = static_cast<std::int64_t>(node->tokens.len);
-      off += node->tokens.len;
       node->hit_count += 1;
       node->last_access = clock;
       if (node->on_device()) {
@@ -283,28 +315,55 @@ TreeNode* RadixTree::split(TreeNode* node, std::int64_t num_pages) {
 }
 
 // ------------------------------------------------------------------ insert
-InsertOut RadixTree::insert(token_span key, const IndexRun& pages, std::uint32_t ns) {
+InsertOut RadixTree::insert(token_span key, const IndexRun& pages, std::uint32_t ns,
+                            token_span unchecked, bool borrowed) {
   check_reentry("insert");
   OpScope scope(*this);
   TreeNode* node = root(ns);
-  const std::int64_t clock = ++clock_;
   const auto ps = static_cast<std::size_t>(page_size_);
-  std::size_t off = 0;
   const std::size_t n = key.size();
+  // Walk first (read-only) and check the caller's ids, as match does.
+  Walk w;
+  walk(node, key, w);
+  check_unchecked(unchecked, w.matched);
+  // What the insert keeps of the caller's tokens and pages, taken before any
+  // hook runs: the host-only nodes on the path adopt their windows of `pages`,
+  // a new leaf takes the rest.
+  const auto keep = [&pages, borrowed, ps](std::size_t first_token, std::size_t num_tokens) {
+    const IndexRun run = pages.slice(static_cast<std::int64_t>(first_token / ps),
+                                     static_cast<std::int64_t>(num_tokens / ps));
+    return borrowed ? run.copied() : run.owned();
+  };
+  c10::SmallVector<IndexRun, 4> adopted;
+  std::size_t at = 0;
+  for (std::size_t i = 0; i < w.path.size(); ++i) {
+    const TreeNode* child = w.path[i];
+    const std::size_t len = i + 1 == w.path.size() && w.split_pages != 0
+                                ? static_cast<std::size_t>(w.split_pages) * ps
+                                : child->tokens.len;
+    if (!child->on_device()) adopted.push_back(keep(at, len));
+    at += len;
+  }
+  TokenRun rest_tokens;
+  IndexRun rest_pages;
+  if (w.matched < n) {
+    rest_tokens = TokenRun::copy_of(key.subspan(w.matched));
+    rest_pages = keep(w.matched, n - w.matched);
+  }
+  const std::int64_t clock = ++clock_;
+  std::size_t off = 0;
   std::int64_t num_cached = 0;
+  std::size_t next_adopted = 0;
   try {
-    while (off < n) {
-      const auto it = node->children.find(PageKey{key.data() + off, ps});
-      if (it == node->children.end()) break;
-      TreeNode* child = it->second.get();
-      const std::int64_t common = common_pages(child->tokens.span(), key.subspan(off));
-      if (static_cast<std::size_t>(common) * ps < child->tokens.len) child = split(child, common);
+    for (std::size_t i = 0; i < w.path.size(); ++i) {
+      TreeNode* child = w.path[i];
+      if (i + 1 == w.path.size() && w.split_pages != 0) child = split(child, w.split_pages);
       if (node->on_host() && node->num_host_children == 0) refresh_inner_host(node);
       node = child;
       node->last_access = clock;
       const auto len = static_cast<std::int64_t>(node->tokens.len);
       if (!node->on_device()) {  // host-only: adopt the caller's pages
-        attach_device(node, pages.slice(static_cast<std::int64_t>(off / ps), len / page_size_));
+        attach_device(node, adopted[next_adopted++]);
       } else if (num_cached == static_cast<std::int64_t>(off)) {
         num_cached += len;
       }
@@ -318,11 +377,8 @@ InsertOut RadixTree::insert(token_span key, const IndexRun& pages, std::uint32_t
     TreeNode* parent = node;
     // Touched above and now above a device-only leaf: an inner host candidate.
     if (parent->on_host() && parent->num_host_children == 0) refresh_inner_host(parent);
-    node = new_child(parent, TokenRun::copy_of(key.subspan(off)));
-    node->device = pages
-                       .slice(static_cast<std::int64_t>(off / ps),
-                              static_cast<std::int64_t>((n - off) / ps))
-                       .owned();
+    node = new_child(parent, std::move(rest_tokens));
+    node->device = std::move(rest_pages);
     parent->num_device_children += 1;
     node->last_access = clock;
     device_evictable_tokens += node->num_tokens();
@@ -833,7 +889,7 @@ void RadixTree::compact() {
 at::Tensor RadixTree::concat(const std::vector<IndexRun>& runs) const {
   std::int64_t total = 0;
   for (const auto& r : runs) total += r.num_pages;
-  at::Tensor out = at::empty({total}, at::kLong);
+  at::Tensor out = new_page_tensor(total);
   auto* dst = static_cast<page_id_t*>(out.data_ptr());
   for (const auto& r : runs) {
     if (r.num_pages == 0) continue;  // an empty tensor's data pointer may be null
@@ -918,7 +974,7 @@ std::int64_t RadixTree::evict_device_node(TreeNode* node, std::int64_t need,
 }
 
 EvictOut RadixTree::tally_result(EvictTally& tally) const {
-  at::Tensor pages = tally.freed.empty() ? at::empty({0}, at::kLong) : concat(tally.freed);
+  at::Tensor pages = tally.freed.empty() ? new_page_tensor(0) : concat(tally.freed);
   return {pages, tally.num_freed, tally.num_backup};
 }
 
@@ -1012,18 +1068,27 @@ void RadixTree::log_event(bool stored, bool device, TreeNode* node) {
 
 // ----------------------------------------------------------------- queries
 at::Tensor RadixTree::device_indices_of(TreeNode* node, const IndexRun* extra) const {
-  std::vector<IndexRun> parts;
-  if (extra != nullptr && extra->num_pages != 0) parts.push_back(*extra);
-  for (; node->parent != nullptr; node = node->parent) {
-    if (!node->on_device()) {
-      throw ValueError("device_indices_of: node " + std::to_string(node->id) +
+  // Two walks up the path (it is short): count and check, then fill from the end.
+  const std::int64_t num_extra = extra != nullptr ? extra->num_pages : 0;
+  std::int64_t total = num_extra;
+  for (const TreeNode* n = node; n->parent != nullptr; n = n->parent) {
+    if (!n->on_device()) {
+      throw ValueError("device_indices_of: node " + std::to_string(n->id) +
                        " is not on the device");
     }
-    parts.push_back(node->device);
+    total += n->device.num_pages;
   }
-  if (parts.empty()) return at::empty({0}, at::kLong);
-  std::reverse(parts.begin(), parts.end());
-  return concat(parts);
+  at::Tensor out = new_page_tensor(total);
+  if (total == 0) return out;  // an empty tensor's data pointer may be null
+  page_id_t* end = static_cast<page_id_t*>(out.data_ptr()) + total;
+  const auto put = [&end](const IndexRun& run) {
+    if (run.num_pages == 0) return;
+    end -= run.num_pages;
+    std::memcpy(end, run.data(), static_cast<std::size_t>(run.num_pages) * sizeof(page_id_t));
+  };
+  if (num_extra != 0) put(*extra);
+  for (const TreeNode* n = node; n->parent != nullptr; n = n->parent) put(n->device);
+  return out;
 }
 
 std::vector<TreeNode*> RadixTree::path_missing_host(TreeNode* node,

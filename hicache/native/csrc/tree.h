@@ -21,6 +21,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/SmallVector.h>
 
 #include <array>
 #include <functional>
@@ -92,6 +93,7 @@ class RadixTree {
   // those with `backup_may` (see the header comment). The words are those of
   // hicache/tree/guards.py reentry_message.
   void check_reentry(const char* op, bool backup_may = false) const;
+  bool in_hook() const { return hook_ != Hook::None; }
   // Held by the binding around every call (see the header comment).
   std::recursive_mutex& op_mutex() const { return op_mutex_; }
 
@@ -110,8 +112,17 @@ class RadixTree {
   void release_detached(const std::vector<NodeHandle>& keep);
   std::size_t num_detached() const { return detached_.size(); }
 
-  MatchOut match(token_span key, std::uint32_t ns);
-  InsertOut insert(token_span key, const IndexRun& pages, std::uint32_t ns);
+  // `unchecked` (match, insert): the caller's whole token array (the key, then
+  // any partial page) when its ids were not checked yet; the call checks them
+  // (ValueError, check_ids) after walking the tree and before changing anything,
+  // and skips the matched prefix when every token the tree stores is a valid id
+  // (that prefix equals stored tokens): the matched tokens are read once.
+  MatchOut match(token_span key, std::uint32_t ns, token_span unchecked = {});
+  // `borrowed`: `pages` is the caller's tensor, which the tree must not keep
+  // (the windows it keeps are copied, before any hook runs); else the tree
+  // keeps windows of it (IndexRun::owned).
+  InsertOut insert(token_span key, const IndexRun& pages, std::uint32_t ns,
+                   token_span unchecked = {}, bool borrowed = false);
   // Pages that arrive only in host memory (a third tier): the uncached rest
   // becomes one host-only leaf; num_cached_tokens counts both tiers.
   InsertOut insert_host(token_span key, const IndexRun& pages, std::uint32_t ns);
@@ -212,6 +223,18 @@ class RadixTree {
   // conversation chain is one node.
   void merge_host_chain(TreeNode* node);
   std::int64_t common_pages(token_span child, token_span rest) const;
+  // Where a key's walk down from `from` ends, read-only: the nodes it enters
+  // (root side first) and the tokens it matches. When the key ends or differs
+  // inside the last node, split_pages > 0: where match and insert split it
+  // (nothing below it can match then).
+  struct Walk {
+    c10::SmallVector<TreeNode*, 64> path;
+    std::int64_t split_pages = 0;
+    std::size_t matched = 0;
+  };
+  void walk(TreeNode* from, token_span key, Walk& w) const;
+  // match's and insert's check of their `unchecked` ids (see match).
+  void check_unchecked(token_span unchecked, std::size_t matched) const;
 
   int device_rank(const TreeNode* node) const;
   int host_rank(const TreeNode* node) const;
@@ -312,6 +335,9 @@ class RadixTree {
   bool events_on_ = false;
   std::vector<RawEvent> events_;
   std::vector<ComponentKind> comps_;  // empty: a single-kind tree
+  // False once a stored token is not a valid id (a key given as bytes is stored
+  // unchecked, as the Python tree stores it): check_unchecked then checks all.
+  bool stored_ids_valid_ = true;
   std::vector<CandidateHeap> comp_heaps_[2];  // per tier (device, host), per component
   std::vector<std::array<std::int64_t, 2>> comp_counts_;  // page ids held: device, host
 };
