@@ -609,6 +609,59 @@ def test_third_tier_serves_a_fresh_process(make_vllm, tmp_path, layout, executor
     fresh.quiesce()
 
 
+def test_per_request_loads_never_report_block_errors(make_vllm):
+    """Hybrid models load per request: a failed load fails its request when the step
+    ends (take_finished_loads), never as block errors, even when vLLM asks for those
+    before the step's end (speculative decoding defers wait_for_save): with several
+    KV groups vLLM raises on block errors."""
+    from hicache.integrations.vllm.common.plan import LoadOp, StepPlan
+
+    w = make_vllm().worker
+    w.per_request_loads = True
+    plan = StepPlan(loads=[LoadOp("r", [], [], failed_block_ids=[0, 1])])
+    w.begin_step(plan)
+    w.start_loads(plan)
+    assert w.load_errors() == set()  # asked first
+    w.end_step(plan)
+    assert w.take_finished_loads() == (set(), {"r"})
+    assert w.load_errors() == set()
+
+
+def test_a_step_saving_a_gap_and_new_pages_writes_the_new_ones_to_storage(make_vllm, tmp_path):
+    """A fresh host tier, vLLM's own hit of 2 pages and a third-tier hit of 2 more: the
+    2 pages of vLLM's hit are copied into the host tier from vLLM's blocks (the tier
+    holds them already: no key), and the request's 2 new pages are saved with keys, in
+    the same step. Only the new pages are written to storage, and they are."""
+    storage = f"file:{tmp_path}"
+    first = make_vllm(storage=storage, executor="sync")
+    prompt = seq(16)
+    first.add("a", prompt + [1])
+    first.step()
+    first.finish("a")
+    first.step()
+    first.quiesce()
+    m = make_vllm(storage=storage, executor="sync")
+    longer = prompt + seq(8, 100) + [1]
+    assert m.add("b", longer, own=8) == 8  # pages 2 and 3 from storage
+    plan = m.step()
+    assert [len(op.storage_keys) for op in plan.saves] == [0, 2]  # the gap, the new pages
+    m.quiesce()
+    assert m.loaded_ok("b") and not m.last_errors
+    page = m.worker.host_pool.page_nbytes
+    assert m.worker.counters.storage_errors == 0
+    assert m.worker.counters.storage_write_bytes == 2 * page
+    m.finish("b")
+    m.step()
+    m.quiesce()
+    fresh = make_vllm(storage=storage, executor="sync")  # every page from storage now
+    assert fresh.add("c", longer) == 24
+    fresh.step()
+    assert fresh.loaded_ok("c") and not fresh.last_errors
+    fresh.finish("c")
+    fresh.step()
+    fresh.quiesce()
+
+
 @pytest.mark.parametrize("tree", ["python", "auto"])
 def test_third_tier_hit_is_promised_only_with_host_room(make_vllm, tmp_path, tree):
     """Storage pages are promised only when host pages can be found to read them into:

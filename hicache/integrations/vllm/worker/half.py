@@ -278,6 +278,7 @@ class WorkerHalf(WorkerThirdTier):
         host_ids: list[int] = []
         block_ids: list[int] = []
         keys: list[str] = []
+        write_pages: list[int] = []
         req_ids: set[str] = set()
         busy: set[int] = set()
         if self.storage is not None and (self._saves or self._quarantine):
@@ -293,13 +294,15 @@ class WorkerHalf(WorkerThirdTier):
                 continue
             host_ids += op.host_pages
             block_ids += op.block_ids
-            keys += op.storage_keys
+            if op.storage_keys:  # none: pages the tier holds (a gap below a storage hit)
+                keys += op.storage_keys
+                write_pages += op.host_pages
             req_ids.add(op.req_id)
         if not host_ids:
             return
         self._wait_pages(host_ids)
         handle = self.transfers.backup(id_tensor(block_ids), id_tensor(host_ids))
-        self._saves.append(SaveRecord(handle, req_ids, block_ids, host_ids, keys))
+        self._saves.append(SaveRecord(handle, req_ids, block_ids, host_ids, keys, write_pages))
         self._poll()
 
     def _poison(self, block_ids) -> None:
@@ -331,7 +334,12 @@ class WorkerHalf(WorkerThirdTier):
         return self._poisoned.take_new()
 
     def load_errors(self) -> set[int]:
-        """Block ids whose load failed since the last call (vLLM recomputes them)."""
+        """Block ids whose load failed since the last call (vLLM recomputes them). None
+        with per-request loads (hybrid models): those fail their request at the step's
+        end, also where vLLM asks for block errors first (speculative decoding defers
+        ``wait_for_save``), and with several KV groups vLLM cannot take block errors."""
+        if self.per_request_loads:
+            return set()
         errors, self._errors = self._errors, set()
         return errors
 
@@ -393,7 +401,7 @@ class WorkerHalf(WorkerThirdTier):
                 from hicache.storage.worker import StorageJob
 
                 rec.job = self.storage.submit(
-                    StorageJob("write", self._salted(rec.keys), id_tensor(rec.host_pages))
+                    StorageJob("write", self._salted(rec.keys), id_tensor(rec.write_pages))
                 )
             else:
                 self._saves.remove(rec)

@@ -42,9 +42,13 @@ CHUNK_PAGES = 8
 class SaveRecord:
     """A save in flight (or its storage write-behind) and what it touches."""
 
-    __slots__ = ("handle", "job", "req_ids", "blocks", "pages", "host_pages", "keys", "since")
+    __slots__ = ("handle", "job", "req_ids", "blocks", "pages", "host_pages", "keys",
+                 "write_pages", "since")
 
-    def __init__(self, handle: Transfer | None, req_ids, block_ids, host_pages, keys) -> None:
+    def __init__(self, handle: Transfer | None, req_ids, block_ids, host_pages, keys,
+                 write_pages=None) -> None:
+        """``write_pages``: the host pages written to storage, one per key (default: all
+        ``host_pages``); a save of pages the tier holds already has none."""
         self.since = time.monotonic()  # submitted
         self.handle = handle  # the Transfer of the copy, None once it landed
         self.job: StorageJob | None = None  # writes the pages to storage once the save landed
@@ -53,6 +57,7 @@ class SaveRecord:
         self.host_pages = host_pages
         self.pages = set(host_pages)
         self.keys = keys
+        self.write_pages = host_pages if write_pages is None else write_pages
 
     @property
     def writing(self) -> bool:
