@@ -44,9 +44,10 @@ def make(sched, tmp_path, engines):
     return engine
 
 
-def _prefill(p, rid: str, prompt: list[int]) -> dict:
-    """The prefill instance's answer (one token), as the proxy gets it: its params."""
-    p.add(rid, prompt, max_tokens=1, kv_transfer_params=dict(REMOTE_DECODE))
+def _prefill(p, rid: str, prompt: list[int], **inputs) -> dict:
+    """The prefill instance's answer (one token), as the proxy gets it: its params.
+    ``inputs``: the request's other inputs (``mm``, ``lora``: vllm_sched's ``add``)."""
+    p.add(rid, prompt, max_tokens=1, kv_transfer_params=dict(REMOTE_DECODE), **inputs)
     for _ in range(50):
         if rid in p.finished_ids:
             break
@@ -108,6 +109,31 @@ def test_decode_waits_for_the_handed_off_pages_and_computes_one_page_at_most(
     assert c.handoff_wait_seconds > 0
     assert c.saved_tokens == 0 and _stored_pages(tmp_path) == 5  # the consumer wrote nothing
     assert p.connector.scheduler_half.counters.handoff_offered_tokens == 5 * B
+    p.check()
+    d.check()
+
+
+def test_an_image_requests_pages_are_handed_off_keyed_by_the_image(sched, tmp_path, make):
+    """A prefill instance hands off the pages it saved, keyed as it saved them: pages an
+    image covers by the image (docs/vllm.md, "A page's identity"). The decode request
+    with the same image is served every whole page but the one holding the last token;
+    one with another image is told the pages are not its own and computes them."""
+    B = sched.B
+    p = make("kv_producer")
+    d = make("kv_consumer")
+    prompt = sched.random_prompt(4, 5 * B + 3)
+    image = [("image-1", B + 2, 2 * B)]  # pages 1 to 3
+    params = _prefill(p, "r", prompt, mm=image)
+    assert params["hicache"]["handoff"]["pages"] == 5
+    p.run()
+    d.add("r", prompt, max_tokens=DECODE_TOKENS, kv_transfer_params=params, mm=image)
+    d.run()
+    c = d.connector.scheduler_half.counters
+    assert c.handoff_served == 1 and c.storage_hit_tokens == _whole(len(prompt), B)
+    d.add("s", prompt, max_tokens=DECODE_TOKENS, kv_transfer_params=params,
+          mm=[("image-2", B + 2, 2 * B)])
+    d.run()
+    assert c.handoff_identity == 1 and c.handoff_served == 1
     p.check()
     d.check()
 

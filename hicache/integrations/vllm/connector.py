@@ -1,19 +1,17 @@
 """``HiCacheConnector``: vLLM's v1 KV connector API over the two halves.
 
-vLLM builds one connector in the scheduler process (role SCHEDULER) and one in
-every worker (role WORKER). This class only translates vLLM's objects into the
-halves' plain arguments: :class:`~hicache.integrations.vllm.scheduler.half.SchedulerHalf`
-decides, :class:`~hicache.integrations.vllm.worker.half.WorkerHalf` copies. Enable
-it with::
+vLLM builds one connector in the scheduler process and one in every worker. This
+class translates vLLM's objects into the halves' plain arguments: the scheduler half
+(:mod:`.scheduler.half`) decides, the worker half (:mod:`.worker.half`) copies::
 
     --kv-transfer-config '{"kv_connector": "HiCacheConnector",
         "kv_connector_module_path": "hicache.integrations.vllm", "kv_role": "kv_both",
         "kv_connector_extra_config": {"host_gb": 64, "storage": "file:/var/cache/hicache"}}'
 
-Loads are synchronous to the step that needs them (they land layer by layer
-while the model runs); saves are asynchronous. A finished request's blocks are
-freed at once: its last saves run at the start of the next step, before any
-load or forward of that step. See docs/vllm.md.
+Loads land layer by layer in the step that needs them (a hybrid model's: per
+request, asynchronously); saves are asynchronous. A finished request's blocks are
+freed at once (its last saves run before the next step's loads and forward) unless
+it is handed off to a decode instance. See docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -417,14 +415,15 @@ class HiCacheConnector(ConnectorRoles, KVConnectorBase_V1, SupportsHMA):
         handoff = None
         if self.scheduler_half is not None:
             self._requests[request.request_id] = request  # its last saves are announced
-            self.scheduler_half.request_finished(
+            st = self.scheduler_half.request_finished(
                 request.request_id, request.num_computed_tokens,
                 block_ids[self.groups.full] if block_ids else None,
                 group_block_ids=block_ids if self.groups.hybrid else None,
             )
             self.scheduler_half.handoffs.request_finished(request.request_id)
-            if control is not None:
-                handoff = self._hand_off(request, control, namespace)
+            if control is not None:  # its pages keyed as they were saved (inputs)
+                handoff = self._hand_off(request, control, namespace,
+                                         st.inputs if st is not None else None)
         self._requests.pop(request.request_id, None)
         # Never delays the free for a save: the last blocks are saved before the next
         # forward can write a block vLLM hands out again (see StepPlan.early_saves). A

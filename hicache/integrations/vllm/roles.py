@@ -29,6 +29,8 @@ from hicache.integrations.vllm.common.handoff import HANDOFF_KEY, asks_remote_de
 from hicache.integrations.vllm.common.params import PARAMS_KEY, RequestControl
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -72,8 +74,9 @@ class ConnectorRoles:
         return control
 
     # ---------------------------------------------------------- scheduler side
-    def _hand_off(self, request: Request, control: RequestControl,
-                  namespace: str | None) -> tuple[bool, dict[str, Any] | None] | None:
+    def _hand_off(self, request: Request, control: RequestControl, namespace: str | None,
+                  inputs: Mapping[int, bytes] | None = None,
+                  ) -> tuple[bool, dict[str, Any] | None] | None:
         """A finished prefill request asking for a remote decode: its hand-off params, and
         whether vLLM holds its blocks until the workers' writes of them ended. None when
         the request is not handed off (no third tier, a consumer, aborted, ...)."""
@@ -87,7 +90,7 @@ class ConnectorRoles:
                                           RequestStatus.FINISHED_LENGTH_CAPPED)):
             return None
         handoff = half.handoffs.offer(request.request_id, request.all_token_ids,
-                                      request.num_prompt_tokens, namespace)
+                                      request.num_prompt_tokens, namespace, inputs)
         params: dict[str, Any] = {HANDOFF_KEY: handoff.to_params()}
         if control.namespace is not None:  # the decode request's pages are the same tenant's
             params["namespace"] = control.namespace

@@ -160,6 +160,8 @@ class ComponentPages:
         step completes would cost ``cdiv(W - 1, block_size)`` pages per group for ends
         no prompt comes back to (a chat's next turn continues from the request's end);
         a state checkpoint costs one page per group, and vLLM offers it only once."""
+        if st.skip_save:  # its control, or a consumer's role: nothing of it is saved
+            return op
         P = self._half.page_size
         ends = {k // P for k in st.states if k % P == 0 and 0 < k // P <= st.num_checked_pages}
         for e in sorted(ends | ({end} if end > 0 else set())):

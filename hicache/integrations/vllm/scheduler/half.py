@@ -340,8 +340,8 @@ class SchedulerHalf(HalfInspection):
         self, req_id: str, num_computed_tokens: int | None = None,
         block_ids: Sequence[int] | None = None,
         group_block_ids: Sequence[Sequence[int]] | None = None,
-    ) -> None:
-        """Forget the request.
+    ) -> RequestState | None:
+        """Forget the request; returns its state (None: it had none here).
 
         With ``num_computed_tokens`` and ``block_ids`` (vLLM's at finish), the blocks
         completed in the last steps, whose tokens were not all known when those steps
@@ -353,7 +353,7 @@ class SchedulerHalf(HalfInspection):
         if self.prefetch is not None:
             self.prefetch.request_finished(req_id)
         if st is None or num_computed_tokens is None or block_ids is None:
-            return
+            return st
         st.block_ids = list(block_ids)
         if group_block_ids is not None:
             st.follow_tables(group_block_ids, True)
@@ -362,6 +362,7 @@ class SchedulerHalf(HalfInspection):
             save = self.components.save(req_id, st, st.num_checked_pages, save)
         if save is not None:
             self._early_saves.append(save)  # pinned until that plan is built
+        return st
 
     # ------------------------------------------------------------- internals
     def _key(self, st: RequestState, num_pages: int) -> bytes:

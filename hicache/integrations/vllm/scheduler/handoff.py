@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,18 +74,23 @@ class Handoffs:
         self._new_held: list[str] = []  # for the next plan
 
     # ------------------------------------------------------------- prefill
-    def offer(self, req_id: str, token_ids, num_prompt_tokens: int,
-              namespace: str | None) -> Handoff:
+    def offer(self, req_id: str, token_ids, num_prompt_tokens: int, namespace: str | None,
+              inputs: Mapping[int, bytes] | None = None) -> Handoff:
         """What a finished prefill request hands off: the leading whole prompt pages the
-        host tier holds (none past a bad one). Call after the request's last saves were
+        host tier holds (none past a bad one), keyed with the ``inputs`` its pages
+        depend on besides their tokens (:mod:`.inputs`), and on a hybrid model up to
+        the last end every component serves. Call after the request's last saves were
         planned; with any page, the request is held from now on (vLLM keeps its blocks
         until the workers name it, :meth:`take_held`, :meth:`sent`)."""
         half = self._half
         P = half.page_size
         st = RequestState(token_ids, namespace)
+        st.inputs = inputs or {}
         num_pages = min(num_prompt_tokens, len(token_ids)) // P
         key = half._key(st, num_pages)
-        cached = half.tree.probe_key(key, namespace) // P
+        comps = half.components
+        cached = (comps.hit_pages(key, namespace) if comps is not None
+                  else half.tree.probe_key(key, namespace) // P)
         pages = half._first_bad(st, key, cached)
         if pages:
             self._held[req_id] = self._clock()

@@ -72,6 +72,8 @@ class HalfInspection:
         if num:  # evict_host counts page ids: component pages too (held only beside full ones)
             self._evict_host(num + (self.page_size * self.components.num_host_pages()
                                     if self.components is not None else 0))
+        if self.components is not None:  # bad component pages just freed: forgotten
+            self.components.mark_bad(())
         for st in self._reqs.values():
             st.num_checked_pages = 0
         ok = self.tree.host_tokens == 0
