@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 
@@ -22,3 +24,13 @@ def engines():
     yield started
     while started:
         started.pop().close()
+
+
+@pytest.fixture(autouse=True)
+def _no_engine_outlives_its_test():
+    """Every ``vllm_sched.Engine`` a test made is closed after it, closed by the test or
+    not: threads left behind would pile up over the suite."""
+    yield
+    module = sys.modules.get("vllm_sched")
+    if module is not None:
+        module.close_all()

@@ -185,6 +185,17 @@ class Violation:
         return f"step {self.step}: {self.what}"
 
 
+_OPEN: dict[int, Engine] = {}  # engines made and not closed yet, by id
+
+
+def close_all() -> None:
+    """Close every engine not closed yet (tests/integrations/conftest.py does, after each
+    test): their copy and storage threads end with the test that started them."""
+    for engine in list(_OPEN.values()):
+        engine.close()
+    _OPEN.clear()
+
+
 @dataclass
 class Engine:
     """One vLLM scheduler and one worker connector, stepped by hand."""
@@ -286,6 +297,7 @@ class Engine:
             self.worker = self.worker_api = HiCacheConnector(
                 self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
         self.faults = Faults(self.seed)
+        _OPEN[id(self)] = self
         cfg = self.worker.hc_config
         backend = self.worker._open_storage()
         self.worker.worker_half = WorkerHalf(
@@ -631,6 +643,7 @@ class Engine:
                     bad_host_pages=bad, prefetch={op: {0: v} for op, v in progress.items()})))
 
     def close(self) -> None:
+        _OPEN.pop(id(self), None)
         self.worker_api.shutdown()
         self.scheduler.connector.shutdown()
 
