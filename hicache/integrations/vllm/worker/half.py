@@ -334,10 +334,10 @@ class WorkerHalf(WorkerThirdTier):
         return self._poisoned.take_new()
 
     def load_errors(self) -> set[int]:
-        """Block ids whose load failed since the last call (vLLM recomputes them). None
-        with per-request loads (hybrid models): those fail their request at the step's
-        end, also where vLLM asks for block errors first (speculative decoding defers
-        ``wait_for_save``), and with several KV groups vLLM cannot take block errors."""
+        """Block ids whose load failed since the last call (vLLM recomputes them). Always
+        empty with per-request loads (hybrid models): a failed one fails its request at
+        the step's end, also where vLLM asks for block errors first (speculative decoding
+        defers ``wait_for_save``); with several KV groups vLLM raises on block errors."""
         if self.per_request_loads:
             return set()
         errors, self._errors = self._errors, set()
