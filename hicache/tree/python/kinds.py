@@ -11,13 +11,16 @@ No tree state lives here.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 
 from hicache.components import ComponentSpec
 
 
-class KindLogic:
-    """The hooks of one component of one tree (its spec at the tree's page size)."""
+class KindLogic(ABC):
+    """The hooks of one component of one tree (its spec at the tree's page size); each
+    kind implements the abstract ones."""
 
     is_window = False
 
@@ -26,16 +29,19 @@ class KindLogic:
         self.width = spec.width  # page ids per token page (window) or per checkpoint (state)
         self.window_pages = spec.window_pages(page_size)  # w: pages a hit reads (0: a state)
 
+    @abstractmethod
     def num_ids(self, num_pages: int) -> int:
         """Page ids a node of ``num_pages`` pages holds when it holds this component."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def split(
         self, ids: torch.Tensor, num_prefix_pages: int
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """A node's ids cut after ``num_prefix_pages`` pages: (the prefix's, the suffix's)."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def serves(self, carry: int, holds: bool, num_pages: int, depth_pages: int) -> tuple[int, bool]:
         """Walking a path root side first: can a hit end at this node's end?
 
@@ -44,23 +50,26 @@ class KindLogic:
         the pages from the root to this node's end. Returns the new carry and the
         answer.
         """
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def kept_start(self, start_page: int, end_page: int) -> int | None:
         """First page of an inserted node ``[start, end)`` whose ids the tree keeps
         (a node boundary is made there), or None when it keeps the checkpoint at
         ``end`` only."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def given(self, ids: torch.Tensor, start_page: int, end_page: int) -> torch.Tensor | None:
         """What a caller's ids along a key give a node ``[start, end)``, or None if not all."""
-        raise NotImplementedError
+        ...
 
     def reads_parent(self, num_pages: int) -> bool:
         """True when a hit at the end of a node this long also reads its parent's data."""
         return False
 
+    @abstractmethod
     def split_prefix_holds(self, holds: bool) -> bool:
         """Whether the prefix a split cuts off a node holds the component (given the node's)."""
-        raise NotImplementedError
+        ...
 
