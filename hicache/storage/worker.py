@@ -12,6 +12,8 @@ the tree, locks, allocation — the cache pins and frees around each job.
 
 from __future__ import annotations
 
+import logging
+import os
 import queue
 import threading
 import time
@@ -22,6 +24,8 @@ import torch
 
 from hicache.memory import HostPool
 from hicache.storage import StorageBackend
+
+_log = logging.getLogger("hicache.storage")
 
 # KV events of one node a write covers: (namespace, parent hash, page hashes).
 EventPages = tuple[str | None, int | None, list[int]]
@@ -63,7 +67,11 @@ class StorageJob:
 class StorageTier:
     """Background reads and writes of host pages to one backend."""
 
-    def __init__(self, backend: StorageBackend, host_pool: HostPool) -> None:
+    def __init__(self, backend: StorageBackend, host_pool: HostPool, *,
+                 cpus: frozenset[int] | None = None) -> None:
+        """``cpus``: the CPUs the two threads run on (Linux affinity); None: wherever the
+        creating thread may run. A thread the system refuses to move there stays where
+        it started (logged): the tier works anywhere, only slower."""
         self.backend = backend
         self.host_pool = host_pool
         backend.register_memory(host_pool.buffer)
@@ -79,6 +87,13 @@ class StorageTier:
         ]
         for t in self._threads:
             t.start()
+            if cpus is not None:
+                try:
+                    os.sched_setaffinity(t.native_id, cpus)
+                except OSError as e:
+                    _log.warning("hicache storage: thread %s stays on CPUs %s, not %s (%s)",
+                                 t.name, sorted(os.sched_getaffinity(t.native_id)),
+                                 sorted(cpus), e)
         self.num_in_flight = 0
 
     def submit(self, job: StorageJob) -> StorageJob:

@@ -53,6 +53,28 @@ def thread_masks() -> list[set[int]]:
     return masks
 
 
+def io_cpus(spare: frozenset[int] | None = None, *,
+            sysfs: Path = SYSFS) -> frozenset[int] | None:
+    """Where background IO threads (third-tier reads and writes) belong: the ``spare``
+    CPUs where there are any (default: :func:`spare_cpus`), else every online CPU on
+    the NUMA nodes of the compute cores (the kernel leaves out those outside the
+    process's cpuset). A thread started by a compute thread inherits its one core and
+    waits behind it there; vLLM's CPU worker also spins on that core between steps.
+    None where affinity cannot be read or set: leave the threads as they are."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    spare = spare_cpus(sysfs=sysfs) if spare is None else spare
+    if spare:
+        return frozenset(spare)
+    masks = thread_masks()
+    cpus = _read(sysfs / "cpu" / "online") or set().union(*masks)
+    own = bound_cpus(masks)
+    nodes = [n for n in (_read(p / "cpulist") for p in (sysfs / "node").glob("node[0-9]*")) if n]
+    if own and len(nodes) > 1:
+        cpus &= set().union(*(n for n in nodes if n & own))
+    return frozenset(cpus) or None
+
+
 def spare_cpus(own: set[int] | None = None, *, sysfs: Path = SYSFS) -> frozenset[int]:
     """The online CPUs on the NUMA nodes of ``own`` that are neither in ``own`` nor SMT
     siblings of a CPU in it. ``own`` defaults to the cores this process's compute

@@ -197,6 +197,23 @@ def test_copy_cpus_pin_the_copy_threads_and_a_refused_set_is_an_error(make_vllm,
     m2.check()
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux affinity and 2 CPUs")
+def test_storage_threads_leave_the_model_runners_core(make_vllm, tmp_path):
+    """vLLM binds the model runner's thread to one core before the connector starts its
+    threads; the third tier's threads run on every CPU instead (no spare core here),
+    not behind that thread (which, in vLLM, spins there between steps)."""
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})
+    try:
+        m = make_vllm(storage=f"file:{tmp_path}", executor="sync")
+    finally:
+        os.sched_setaffinity(0, allowed)
+    threads = m.worker.storage._threads
+    assert [os.sched_getaffinity(t.native_id) for t in threads] == [allowed, allowed]
+    m.check()
+
+
 def test_worker_host_pool_is_mapped_in_at_start(make_vllm, monkeypatch):
     """Prefaulted at construction: the first save into a page pays no page fault then."""
     import hicache.integrations.vllm.worker.half as worker_module

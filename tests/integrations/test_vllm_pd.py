@@ -257,11 +257,27 @@ def test_roles_a_consumer_saves_with_save_decode_a_producer_reads_when_asked(
         e.check()
 
 
-def test_an_idle_engine_keeps_stepping_until_its_writes_landed(sched, tmp_path, make):
+def test_an_idle_engine_keeps_stepping_until_its_writes_landed(sched, tmp_path, make,
+                                                               monkeypatch):
     """A request's last writes land without a next request: the scheduler has pending
-    push work (vLLM keeps stepping) until every worker's third-tier writes ended."""
+    push work (vLLM keeps stepping) until every worker's third-tier writes ended. Each
+    such step, computing nothing, waits for a storage job (without the GIL), at most
+    ``IDLE_STEP_IO_WAIT_S``; a step that computes never does."""
+    import threading
+
+    from hicache.integrations.vllm.roles import IDLE_STEP_IO_WAIT_S
+
     B = sched.B
     e = make("kv_both")
+    half = e.worker.worker_half
+    waits: list[tuple[int, float, bool]] = []  # (tokens the step computes, bound, job done)
+
+    def yield_to_storage(timeout_s: float) -> None:
+        type(half).yield_to_storage(half, timeout_s)
+        waits.append((e.last_num_scheduled, timeout_s,
+                       all(rec.job.done.is_set() for rec in half._saves if rec.writing)))
+
+    monkeypatch.setattr(half, "yield_to_storage", yield_to_storage)
     e.faults.write_gate.clear()
     e.add("r", sched.random_prompt(8, 3 * B + 4), max_tokens=2)
     for _ in range(20):
@@ -269,7 +285,13 @@ def test_an_idle_engine_keeps_stepping_until_its_writes_landed(sched, tmp_path, 
     e.update_held()
     assert "r" in e.finished_ids and not e.scheduler.has_unfinished_requests()
     assert e.connector.has_pending_push_work() and e.scheduler.has_requests()
-    e.faults.write_gate.set()
+    assert waits and {w[:2] for w in waits} == {(0, IDLE_STEP_IO_WAIT_S)}
+    assert not any(done for *_, done in waits)  # the gate holds the write: bounded waits
+    assert len(waits) == 20 - 2  # not the two steps that computed
+    # A wait long enough ends with the write: the step returns once the job ended.
+    threading.Timer(0.05, e.faults.write_gate.set).start()
+    half.yield_to_storage(60.0)
+    assert waits[-1] == (0, 60.0, True)
     e.run()
     assert not e.connector.has_pending_push_work() and not e.scheduler.has_requests()
     assert _stored_pages(tmp_path) == 3

@@ -421,3 +421,33 @@ def test_storage_sizes_of_the_wrong_type_raise_type_error(tmp_path):
         FileStorage(tmp_path, page_nbytes=64, capacity_nbytes=1.5)
     with pytest.raises(TypeError, match="page_size: expected int, got float"):
         extend_keys(root_key(None, FP, MID), [1, 2], 1.0)
+
+
+# ---- the storage tier's threads -----------------------------------------------------
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux affinity")
+def test_tier_threads_run_on_the_cpus_given_and_stay_put_where_refused(tmp_path, caplog):
+    from hicache.memory import HostPool
+    from hicache.storage.worker import StorageJob, StorageTier
+
+    kv = KVConfig(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4)
+    pool = HostPool(kv, 2)
+    cpu = max(os.sched_getaffinity(0))
+    tier = StorageTier(make_storage(f"file:{tmp_path / 'a'}", page_nbytes=pool.page_nbytes),
+                       pool, cpus=frozenset({cpu}))
+    assert [os.sched_getaffinity(t.native_id) for t in tier._threads] == [{cpu}, {cpu}]
+    tier.close()
+    # No such CPU: each thread says so and stays where it started; the tier still works.
+    where = os.sched_getaffinity(0)
+    with caplog.at_level("WARNING", logger="hicache.storage"):
+        tier = StorageTier(make_storage(f"file:{tmp_path / 'b'}", page_nbytes=pool.page_nbytes),
+                           pool, cpus=frozenset({4095}))
+    assert [r.getMessage().split(" stays")[0] for r in caplog.records] == [
+        "hicache storage: thread hicache-storage-write",
+        "hicache storage: thread hicache-storage-read"]
+    assert [os.sched_getaffinity(t.native_id) for t in tier._threads] == [where, where]
+    job = tier.submit(StorageJob("write", keys_for(1), torch.tensor([0])))
+    assert job.done.wait(30) and job.error is None and job.num_done == 1
+    assert tier.poll() == [job]
+    tier.close()

@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from hicache.transfer.affinity import bound_cpus, parse_cpu_list, spare_cpus, thread_masks
+from hicache.transfer.affinity import (
+    bound_cpus,
+    io_cpus,
+    parse_cpu_list,
+    spare_cpus,
+    thread_masks,
+)
 
 
 def fake_sysfs(root: Path, online: str, nodes: list[str], siblings: dict[int, str]) -> Path:
@@ -68,3 +74,17 @@ def test_thread_masks_of_this_process():
     masks = thread_masks()
     assert os.sched_getaffinity(0) in masks
     assert len(masks) >= threading.active_count()
+
+
+def test_io_threads_go_to_the_spare_cpus_or_to_every_cpu_of_the_compute_nodes(tmp_path):
+    # 4 cores on 2 NUMA nodes; the compute threads are bound to core 0 (node 0).
+    sysfs = fake_sysfs(tmp_path, "0-3", ["0-1", "2-3"], {c: str(c) for c in range(4)})
+    assert io_cpus(frozenset({1}), sysfs=sysfs) == {1}
+    if not hasattr(os, "sched_setaffinity"):
+        assert io_cpus(frozenset(), sysfs=sysfs) is None
+        return
+    own = bound_cpus(thread_masks())
+    expected = {0, 1} if own <= {0, 1} else {2, 3} if own <= {2, 3} else {0, 1, 2, 3}
+    assert io_cpus(frozenset(), sysfs=sysfs) == expected
+    # Topology unreadable: wherever this process's threads may run.
+    assert io_cpus(frozenset(), sysfs=tmp_path / "none") == set().union(*thread_masks())

@@ -147,8 +147,7 @@ class HiCacheConnector(ConnectorRoles, KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        # wait_for_layer_load runs inside attention: a full CUDA graph would replay
-        # without it and read blocks a load has not written yet.
+        # wait_for_layer_load runs in attention: a full CUDA graph would skip it.
         return True
 
     @property
@@ -220,8 +219,12 @@ class HiCacheConnector(ConnectorRoles, KVConnectorBase_V1, SupportsHMA):
         # the whole forward by the compute fence. Nothing to do per layer.
         return
 
+    def wait_for_save(self) -> None:  # once per step; untimed: a step that computes
+        self._end_step()  # nothing then waits for the storage threads (roles.py)
+        self._yield_when_idle(self._plan())
+
     @_timed
-    def wait_for_save(self) -> None:  # once per step
+    def _end_step(self) -> None:
         plan = self._plan()
         if self.worker_half is not None:
             self.worker_half.counters.steps += 1
@@ -361,8 +364,7 @@ class HiCacheConnector(ConnectorRoles, KVConnectorBase_V1, SupportsHMA):
     def get_external_cache_hit_sources(self, request: Request,
                                        num_external_tokens: int) -> dict[CacheHitSource, int]:
         host, disk = self._hit_sources.pop(request.request_id, (num_external_tokens, 0))
-        out = {CacheHitSource.HOST: host, CacheHitSource.DISK: disk}
-        return {k: v for k, v in out.items() if v}
+        return {k: v for k, v in ((CacheHitSource.HOST, host), (CacheHitSource.DISK, disk)) if v}
 
     @_timed_scheduler
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -397,9 +399,8 @@ class HiCacheConnector(ConnectorRoles, KVConnectorBase_V1, SupportsHMA):
             if meta.prefetch and self.scheduler_half.prefetch is not None:
                 self.scheduler_half.prefetch.progress(meta.prefetch)  # after: frees pages
             if meta.poisoned_blocks and self._block_pool is not None:
-                # No later request may hit them in vLLM's prefix cache: a request that
-                # still holds one is recomputed by vLLM (a load error) or was computed
-                # over one (its saves were dropped); the block itself is not freed.
+                # No later request may hit them in vLLM's prefix cache (one holding a block
+                # is recomputed, or its saves were dropped); the blocks are not freed.
                 hook = self._eviction_hook
                 with hook.paused() if hook is not None else contextlib.nullcontext():
                     self._block_pool.evict_blocks(meta.poisoned_blocks)

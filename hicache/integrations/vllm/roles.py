@@ -42,6 +42,9 @@ if TYPE_CHECKING:
     from hicache.integrations.vllm.worker.half import WorkerHalf
 
 PRODUCER, CONSUMER, BOTH = "kv_producer", "kv_consumer", "kv_both"
+# A step that computes nothing waits at most this long for a storage job to end
+# (:meth:`ConnectorRoles._yield_when_idle`): a request arriving then starts this much later.
+IDLE_STEP_IO_WAIT_S = 0.01
 REPORT_EVERY_SAMPLES = 16  # cost samples ride along with other reports, or this many
 
 
@@ -121,6 +124,15 @@ class ConnectorRoles:
             half.prefetch.costs.observe(meta.forwards, meta.reads)
 
     # ------------------------------------------------------------- worker side
+    def _yield_when_idle(self, plan: StepPlan | None) -> None:
+        """A step that computes and loads nothing (vLLM steps an idle engine while there
+        is push work) lets the storage threads run: it waits for one of their jobs, at
+        most ``IDLE_STEP_IO_WAIT_S`` (why: ``WorkerThirdTier.yield_to_storage``, in
+        :mod:`~hicache.integrations.vllm.worker.third_tier`)."""
+        if self.worker_half is not None and plan is not None and not (
+                plan.computes or plan.loads):
+            self.worker_half.yield_to_storage(IDLE_STEP_IO_WAIT_S)
+
     def _push_report(self, plan: StepPlan | None, reporting: bool) -> dict[str, Any]:
         """Fields of this step's worker metadata: writes in flight (when the count
         changed) and, with a cost-decided prefetch, the forward's and reads' costs (sent

@@ -57,6 +57,7 @@ from hicache.integrations.vllm.worker.transfers import build_transfers
 from hicache.integrations.vllm.worker.wrong_kv import PoisonedBlocks
 from hicache.memory import HostPool
 from hicache.transfer import Transfer
+from hicache.transfer.affinity import io_cpus
 
 _log = logging.getLogger(__name__)
 
@@ -100,7 +101,8 @@ class WorkerHalf(WorkerThirdTier):
         if storage_backend is not None:
             from hicache.storage.worker import StorageTier
 
-            self.storage = StorageTier(storage_backend, self.host_pool)
+            self.storage = StorageTier(storage_backend, self.host_pool, cpus=io_cpus(
+                getattr(self.transfers.executor, "cpus", None) or frozenset()))
         self._key_salt = key_salt
         self._ranks = rank_group
         # Third-tier writes that ended (stored, not stored), for the KV cache events

@@ -212,6 +212,10 @@ class PrefetchReader:
         """Ops whose reads have not all ended (ended ones may await their report)."""
         return sum(not r.finished for r in self._reads.values())
 
+    def jobs_in_flight(self) -> list[StorageJob]:
+        """The submitted reads not yet ended."""
+        return list(self._jobs)
+
     def busy_pages(self) -> set[int]:
         """Host pages an op may still write (its reads submitted or waiting)."""
         return {p for r in self._reads.values() if not r.finished for p in r.op.host_pages}

@@ -107,6 +107,25 @@ class WorkerThirdTier:
             # would hold this step up to the deadline again, so it is cancelled.
             cancel = self._store_stalled
 
+    def yield_to_storage(self, timeout_s: float) -> None:
+        """On a step that computes and loads nothing: block (without the GIL) until one of
+        the storage jobs in flight ends, at most ``timeout_s``.
+
+        Between steps vLLM's worker waits for the next one in a loop that yields the CPU
+        (``sched_yield``) but holds the GIL nearly all the time, and an engine that steps
+        only for hicache's background work (a handed-off request's writes, a prefetch)
+        steps back to back: the storage threads then barely run (a 0.2 s write took
+        over 2 s on 2 cores, and the decode instance stopped waiting for it). Such a
+        step has nothing else to do; a request arriving meanwhile starts at most
+        ``timeout_s`` later."""
+        jobs = [rec.job for rec in self._saves if rec.writing]
+        jobs += self._reads_in_flight
+        if self.prefetch is not None:
+            jobs += self.prefetch.jobs_in_flight()
+        job = next((j for j in jobs if not j.done.is_set()), None)
+        if job is not None:
+            job.done.wait(timeout_s)
+
     def _cancel_writes(self, pages: set[int]) -> None:
         """Cancel the storage writes of ``pages``' content that have not started."""
         if self.storage is not None:
