@@ -894,6 +894,24 @@ def test_host_hit_load_does_not_wait_for_storage_writes(make_vllm, tmp_path):
     m.quiesce()
 
 
+def test_closing_over_a_hung_store_waits_at_most_its_timeout(tmp_path, caplog):
+    """vLLM's shutdown closes the worker half: a third-tier write that hangs is waited
+    for at most ``timeout_s``, named, and left behind (the threads still stop)."""
+    m = MiniVllm(storage=f"file:{tmp_path}")
+    gate = _Gate(m.worker.storage.backend, reads=False, writes=True)
+    m.worker.storage.backend = gate
+    m.add("a", seq(8) + [1])
+    m.step()
+    m.finish("a")
+    m.step()
+    threading.Timer(1.0, gate.open.set).start()  # then the tier's threads can stop
+    with caplog.at_level("WARNING", logger="hicache.integrations.vllm.worker"):
+        m.worker.close(timeout_s=0.05)
+    assert "hicache worker: closing with 1 copies still in flight" in caplog.text
+    assert not any(t.is_alive() for t in m.worker.storage._threads)
+    m.sched.close()
+
+
 def test_storage_read_cancels_queued_writes_of_its_pages(make_vllm, tmp_path):
     """Host pages reused for a storage read while their old content still waits to be
     written behind: the queued write is cancelled, the read does not wait for it."""

@@ -421,7 +421,7 @@ class WorkerHalf(WorkerThirdTier):
         deadline = time.monotonic() + timeout_s
         while self.num_in_flight:
             for rec in list(self._saves):
-                rec.wait()
+                rec.wait(max(0.0, deadline - time.monotonic()))
             if self._load is not None:
                 self._load.wait()
             for job in self._reads_in_flight:
@@ -433,10 +433,14 @@ class WorkerHalf(WorkerThirdTier):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.num_in_flight} copies still in flight")
 
-    def close(self) -> None:
-        """Let what is in flight land, then stop the copy threads and the storage tier."""
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Let what is in flight land (a hung store: at most ``timeout_s``, then left
+        behind), then stop the copy threads and the storage tier."""
         if self.transfers.executor_name != "manual":
-            self.drain()
+            try:
+                self.drain(timeout_s)
+            except TimeoutError as e:
+                _log.warning("hicache worker: closing with %s", e)
         self.transfers.close()
         if self.storage is not None:
             self.storage.close()

@@ -64,11 +64,13 @@ class SaveRecord:
         """Its storage write is queued or running."""
         return self.job is not None and not self.job.cancelled
 
-    def wait(self) -> None:
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Until the copy landed and its storage write ended (the write: at most
+        ``timeout_s``)."""
         if self.handle is not None:
             self.handle.wait()
         if self.job is not None and not self.job.cancelled:
-            self.job.done.wait()
+            self.job.done.wait(timeout_s)
 
 
 def free_for_read(host_pages: list[int], saves: list[SaveRecord], quarantine: set[int],
