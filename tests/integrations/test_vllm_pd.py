@@ -209,6 +209,30 @@ def test_pages_keyed_for_another_instance_are_not_waited_for(sched, tmp_path, ma
     d.check()
 
 
+def test_a_reset_while_waiting_ends_the_wait_counted_as_epoch(sched, tmp_path, make):
+    """The decode instance's caches are reset (its tier's epoch bumped) while a request
+    waits for handed-off pages: keyed under the old epoch, they can never be served, so
+    the request stops waiting at its next lookup and computes them (reason ``epoch``)."""
+    B = sched.B
+    p = make("kv_producer")
+    d = make("kv_consumer", extra={"handoff_timeout_s": 60.0})
+    prompt = sched.random_prompt(6, 3 * B + 5)
+    p.faults.write_gate.clear()
+    params = _prefill(p, "r", prompt)
+    d.add("r", prompt, max_tokens=DECODE_TOKENS, kv_transfer_params=params)
+    d.step()
+    assert d.scheduler.requests["r"].num_computed_tokens == 0  # waiting
+    assert d.connector.reset_cache()
+    d.run(max_idle_s=30.0)
+    assert d.outputs["r"] == sched.extend(prompt, DECODE_TOKENS)[len(prompt):]
+    c = d.connector.scheduler_half.counters
+    assert (c.handoff_epoch, c.handoff_timeout, c.handoff_served) == (1, 0, 0)
+    p.faults.write_gate.set()
+    p.run()
+    p.check()
+    d.check()
+
+
 def test_a_hand_off_under_a_namespace_travels_with_it(sched, tmp_path, make):
     """The prefill request's hicache namespace comes back in its params: the decode
     request (given only those params) keys its pages the same way and is served."""

@@ -129,6 +129,8 @@ class Handoffs:
             w.waiting = w.reason is None and w.wanted > start
         if not w.waiting:
             return False
+        if handoff.epoch != self._half.epoch:  # a reset here meanwhile: never ours now
+            return self._stop(w, now, "epoch")
         if now < w.next_probe:
             return True
         ready = self._stored(st, start, w.wanted)
