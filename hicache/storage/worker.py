@@ -87,13 +87,13 @@ class StorageTier:
         ]
         for t in self._threads:
             t.start()
-            if cpus is not None:
+            tid = t.native_id
+            if cpus is not None and tid is not None:
                 try:
-                    os.sched_setaffinity(t.native_id, cpus)
+                    os.sched_setaffinity(tid, cpus)
                 except OSError as e:
                     _log.warning("hicache storage: thread %s stays on CPUs %s, not %s (%s)",
-                                 t.name, sorted(os.sched_getaffinity(t.native_id)),
-                                 sorted(cpus), e)
+                                 t.name, sorted(os.sched_getaffinity(tid)), sorted(cpus), e)
         self.num_in_flight = 0
 
     def submit(self, job: StorageJob) -> StorageJob:

@@ -118,7 +118,7 @@ class WorkerThirdTier:
         over 2 s on 2 cores, and the decode instance stopped waiting for it). Such a
         step has nothing else to do; a request arriving meanwhile starts at most
         ``timeout_s`` later."""
-        jobs = [rec.job for rec in self._saves if rec.writing]
+        jobs = [rec.job for rec in self._saves if rec.job is not None and rec.writing]
         jobs += self._reads_in_flight
         if self.prefetch is not None:
             jobs += self.prefetch.jobs_in_flight()
