@@ -52,10 +52,13 @@ DEFAULT_MFU = 0.5
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: str | torch.dtype | None = None) -> int:
-    """Bytes of K plus V of one token over all layers (KV dtype defaults to the model's)."""
+    """Bytes of K plus V of one token over the layers that keep KV per token: every layer
+    but a hybrid model's linear ones, which keep a state instead (KV dtype defaults to the
+    model's). A window layer counts: each token has K and V there, only fewer are kept."""
     kv_dtype = cfg.torch_dtype if dtype is None else resolve_dtype(dtype)
     itemsize = torch.empty((), dtype=kv_dtype).element_size()
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+    layers = cfg.num_layers - sum(kind == "linear" for kind in cfg.layer_kinds)
+    return 2 * layers * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
 def layer_params(cfg: ModelConfig) -> int:

@@ -277,6 +277,8 @@ def test_costmodel_matches_known_llama3_numbers() -> None:
     assert kv_bytes_per_token(l8, "float32") == 256 * 1024
     tiny = preset("tiny")
     assert kv_bytes_per_token(tiny) == tiny.kv_config(PAGE_SIZE).token_nbytes
+    # A hybrid's linear layers keep no KV per token: 4 of tiny-hybrid's 6 layers do.
+    assert kv_bytes_per_token(preset("tiny-hybrid")) == 2 * 4 * 2 * 16 * 4
     # ~2 x non-embedding params (~7.0e9 for 8B) per token at short context.
     assert 1.35e10 < prefill_flops_per_token(l8, 1) < 1.45e10
     assert prefill_flops(l8, 10) == sum(prefill_flops_per_token(l8, p + 1) for p in range(10))
