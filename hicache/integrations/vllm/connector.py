@@ -220,11 +220,11 @@ class HiCacheConnector(ConnectorRoles, KVConnectorBase_V1, SupportsHMA):
         return
 
     def wait_for_save(self) -> None:  # once per step; untimed: a step that computes
-        self._end_step()  # nothing then waits for the storage threads (roles.py)
+        self._wait_for_save()  # nothing then waits for the storage threads (roles.py)
         self._yield_when_idle(self._plan())
 
     @_timed
-    def _end_step(self) -> None:
+    def _wait_for_save(self) -> None:
         plan = self._plan()
         if self.worker_half is not None:
             self.worker_half.counters.steps += 1
