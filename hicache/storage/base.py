@@ -183,6 +183,7 @@ class StorageBackend(ABC):
         self._auth = authenticator_for(secret)
         self._counter_lock = threading.Lock()
         self._counts = dict.fromkeys(StorageCounters._fields, 0)
+        self._local = threading.local()  # per calling thread: unauthentic values found
         self._closed = False
 
     # ---- public API -------------------------------------------------------------
@@ -285,6 +286,11 @@ class StorageBackend(ABC):
         with self._counter_lock:
             return StorageCounters(**self._counts)
 
+    def thread_unauthentic_values(self) -> int:
+        """The ``num_unauthentic_values`` found by this thread's calls: a reader's own
+        count, apart from those another thread's writes find (and replace) meanwhile."""
+        return getattr(self._local, "unauthentic", 0)
+
     def close(self) -> None:
         """Release the backend; idempotent. Later ops raise :class:`StorageError`."""
         if self._closed:
@@ -362,6 +368,9 @@ class StorageBackend(ABC):
         with self._counter_lock:
             for name, delta in deltas.items():
                 self._counts[name] += delta
+        if deltas.get("num_unauthentic_values"):
+            self._local.unauthentic = (self.thread_unauthentic_values()
+                                       + deltas["num_unauthentic_values"])
 
     # ---- internals --------------------------------------------------------------
 

@@ -137,13 +137,14 @@ class StorageTier:
                 if job.kind == "write":
                     job.num_done = self.backend.set(job.keys, views)
                 else:
-                    # This thread is the tier's only reader: the counter's change is ours.
-                    before = self.backend.counters().num_unauthentic_values
+                    # This thread's own count: the write thread's replacements of
+                    # unauthentic values are not this read's.
+                    before = self.backend.thread_unauthentic_values()
                     try:
                         job.num_done = self.backend.get_into(job.keys, views)
                     finally:
                         job.num_unauthentic = (
-                            self.backend.counters().num_unauthentic_values - before
+                            self.backend.thread_unauthentic_values() - before
                         )
             except _Cancelled:
                 pass

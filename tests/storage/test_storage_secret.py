@@ -83,6 +83,25 @@ def test_planted_values_are_a_clean_miss_and_the_owners_still_hit(tmp_path, atta
     assert victim.get(theirs) == owner_pages
 
 
+def test_a_thread_counts_the_unauthentic_values_it_found_itself(tmp_path):
+    """The storage tier's read thread attributes to a read only what that read refused:
+    the write thread replacing planted values at the same time counts in the backend's
+    total, not in the reader's own count (it made a prefetch report 4 refused pages, not
+    3, when a write overlapped it)."""
+    import threading
+
+    plant(tmp_path, keys_of(A), OTHER)
+    victim = FileStorage(tmp_path, page_nbytes=PAGE, secret=SECRET)
+    writer = threading.Thread(target=victim.set, args=(keys_of(A)[1:], [bytes(PAGE)] * 3))
+    writer.start()  # finds and replaces 3 planted values, in its own thread
+    writer.join()
+    assert victim.counters().num_unauthentic_values == 3
+    assert victim.thread_unauthentic_values() == 0  # none found by this thread
+    assert victim.get(keys_of(A)) == []  # page 0 is still the planted one: refused here
+    assert victim.thread_unauthentic_values() == 1
+    assert victim.counters().num_unauthentic_values == 4
+
+
 def test_a_forgery_with_a_valid_checksum_is_unauthentic_not_corrupt(tmp_path):
     owner = FileStorage(tmp_path, page_nbytes=PAGE, secret=SECRET)
     key = keys_of(A)[0]
