@@ -11,6 +11,7 @@ does (:mod:`hicache.tree.guards`), then relays to the binding. A single-kind tre
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,11 +32,9 @@ class NativeComponents:
     _impl: TreeBinding
     components: tuple[ComponentSpec, ...] = ()
 
-    def _node(self, handle: int) -> NativeNode:
-        raise NotImplementedError  # NativeRadixTree's
-
-    def _handle(self, node: object, op: str) -> int:
-        raise NotImplementedError  # NativeRadixTree's
+    if TYPE_CHECKING:  # NativeRadixTree's
+        def _node(self, handle: int) -> NativeNode: ...
+        def _handle(self, node: object, op: str) -> int: ...
 
     @property
     def device_component_evictable_pages(self) -> int:
