@@ -69,9 +69,8 @@ def io_cpus(spare: frozenset[int] | None = None, *,
     masks = thread_masks()
     cpus = _read(sysfs / "cpu" / "online") or set().union(*masks)
     own = bound_cpus(masks)
-    nodes = [n for n in (_read(p / "cpulist") for p in (sysfs / "node").glob("node[0-9]*")) if n]
-    if own and len(nodes) > 1:
-        cpus &= set().union(*(n for n in nodes if n & own))
+    if own:
+        cpus = _on_nodes_of(own, cpus, sysfs)
     return frozenset(cpus) or None
 
 
@@ -96,14 +95,20 @@ def spare_cpus(own: set[int] | None = None, *, sysfs: Path = SYSFS) -> frozenset
     online = _read(sysfs / "cpu" / "online")
     if not online:
         return frozenset()
-    spare = online - own
-    nodes = [_read(p / "cpulist") for p in sorted((sysfs / "node").glob("node[0-9]*"))]
-    nodes = [n for n in nodes if n]
-    if len(nodes) > 1:  # other NUMA nodes compute for other workers
-        spare &= set().union(*(n for n in nodes if n & own))
+    spare = _on_nodes_of(own, online - own, sysfs)
     for cpu in own:
         spare -= _read(sysfs / "cpu" / f"cpu{cpu}" / "topology" / "thread_siblings_list")
     return frozenset(spare)
+
+
+def _on_nodes_of(own: set[int], cpus: set[int], sysfs: Path) -> set[int]:
+    """``cpus`` on the NUMA nodes of ``own`` (all of them with one node or none readable:
+    other nodes compute for other workers)."""
+    nodes = [_read(p / "cpulist") for p in sorted((sysfs / "node").glob("node[0-9]*"))]
+    nodes = [n for n in nodes if n]
+    if len(nodes) > 1:
+        cpus = cpus & set().union(*(n for n in nodes if n & own))
+    return cpus
 
 
 def _read(path: Path) -> set[int]:
