@@ -10,8 +10,13 @@ CPU topology (``/sys/devices/system``) and knows nothing of transfers.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
+
+_log = logging.getLogger(__name__)
 
 SYSFS = Path("/sys/devices/system")
 
@@ -72,6 +77,31 @@ def io_cpus(spare: frozenset[int] | None = None, *,
     if own:
         cpus = _on_nodes_of(own, cpus, sysfs)
     return frozenset(cpus) or None
+
+
+@contextlib.contextmanager
+def threads_start_on(cpus: frozenset[int] | None) -> Iterator[None]:
+    """Inside, threads the calling thread starts (Python's, or a native library's own
+    pools) are started on ``cpus``: a new thread inherits its creator's affinity, so the
+    calling thread is moved there meanwhile and put back after. A storage client opened
+    by vLLM's model runner would otherwise start its threads on the one core the runner
+    is bound to (and spins on between steps). Nothing changes for None, or where the
+    affinity cannot be set (logged)."""
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as e:
+        _log.warning("hicache: threads started here stay on CPUs %s, not %s (%s)",
+                     sorted(before), sorted(cpus), e)
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def spare_cpus(own: set[int] | None = None, *, sysfs: Path = SYSFS) -> frozenset[int]:

@@ -9,6 +9,7 @@ and the whole path in test_vllm_connector_e2e.py. Skipped without vLLM unless
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -81,6 +82,7 @@ def _output(new=(), cached=(), num_tokens=None):
             resumed_req_ids=set(), num_computed_tokens=[done for _, done in cached],
         ),
         num_scheduled_tokens=num_tokens or {},
+        total_num_scheduled_tokens=sum((num_tokens or {}).values()),
     )
 
 
@@ -271,5 +273,41 @@ def test_a_layout_unlike_the_identitys_is_refused_with_a_third_tier(tmp_path):
     with pytest.raises(ValueError, match="expected 1 plane\\(s\\) per layer and block"):
         _connectors({"host_tokens": 256, "storage": f"file:{tmp_path}"}, "cpu", split=True)
     sched, worker, _ = _connectors({"host_tokens": 256}, "cpu", split=True)
+    worker.shutdown()
+    sched.shutdown()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux affinity and 2 CPUs")
+def test_a_storage_clients_own_threads_start_off_the_model_runners_core(
+        tmp_path, monkeypatch):
+    """A client library's threads started while the tier is opened (Mooncake's client
+    starts dozens) inherit the affinity of the thread opening it: on the model runner's
+    one core, a Mooncake put waited there ~10 s at a time behind the spinning runners of
+    two vLLM servers. They start on the spare core here (where the copy threads go, or
+    every CPU where none is spare); the runner's thread is put back."""
+    import threading
+
+    import hicache.storage as storage_module
+
+    opened = storage_module.make_storage
+    seen: list[set[int]] = []
+
+    def client_with_a_thread(*args, **kwargs):
+        t = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))
+        t.start()
+        t.join()
+        return opened(*args, **kwargs)
+
+    monkeypatch.setattr(storage_module, "make_storage", client_with_a_thread)
+    allowed = os.sched_getaffinity(0)
+    runner = {min(allowed)}
+    os.sched_setaffinity(0, runner)
+    try:
+        sched, worker, _ = _connectors({"storage": f"file:{tmp_path}"})
+        after = os.sched_getaffinity(0)
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert (seen[-1], after) == (allowed - runner, runner)  # seen[-1]: the worker's
     worker.shutdown()
     sched.shutdown()

@@ -14,6 +14,7 @@ from hicache.transfer.affinity import (
     parse_cpu_list,
     spare_cpus,
     thread_masks,
+    threads_start_on,
 )
 
 
@@ -88,3 +89,32 @@ def test_io_threads_go_to_the_spare_cpus_or_to_every_cpu_of_the_compute_nodes(tm
     assert io_cpus(frozenset(), sysfs=sysfs) == expected
     # Topology unreadable: wherever this process's threads may run.
     assert io_cpus(frozenset(), sysfs=tmp_path / "none") == set().union(*thread_masks())
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux affinity and 2 CPUs")
+def test_threads_started_inside_start_on_the_cpus_and_the_caller_is_put_back(caplog):
+    allowed = os.sched_getaffinity(0)
+    first, last = min(allowed), max(allowed)
+    seen: list[set[int]] = []
+
+    def start_one() -> None:
+        t = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))
+        t.start()
+        t.join()
+
+    os.sched_setaffinity(0, {first})
+    try:
+        with threads_start_on(frozenset({last})):
+            start_one()
+        inside_none = os.sched_getaffinity(0)
+        with threads_start_on(None):  # nothing known: nothing changes
+            start_one()
+        with threads_start_on(frozenset({4095})):  # refused by the kernel: logged, unchanged
+            start_one()
+        after = os.sched_getaffinity(0)
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert seen == [{last}, {first}, {first}]
+    assert inside_none == after == {first}
+    assert "not [4095]" in caplog.text

@@ -51,6 +51,7 @@ from hicache.integrations.vllm.scheduler.inputs import InputReader
 from hicache.integrations.vllm.scheduler.pool_hooks import EvictionHook
 from hicache.integrations.vllm.stats import HiCacheConnectorStats, SchedulerReport
 from hicache.integrations.vllm.worker.half import WorkerHalf
+from hicache.transfer.affinity import io_cpus, threads_start_on
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -112,8 +113,7 @@ class HiCacheConnector(ConnectorRoles, KVConnectorBase_V1, SupportsHMA):
         self._worker_clock = HookClock()  # the worker side's time per hook, and the forward
         self._block_pool: BlockPool | None = None  # vLLM's (scheduler side)
         self._eviction_hook: EvictionHook | None = None  # vLLM's evictions -> write_back
-        # Per request: (its control, its namespace in hicache's tiers); see params.py
-        self._controls: dict[str, tuple[RequestControl, str | None]] = {}
+        self._controls: dict[str, tuple[RequestControl, str | None]] = {}  # + namespace
         self._inputs = InputReader()  # what the KV depends on besides the tokens
         self._events: HostTierEvents | None = None  # the host tier's KV cache events, when on
         self._tier_events: StorageTierEvents | None = None  # the third tier's, when on
@@ -155,13 +155,15 @@ class HiCacheConnector(ConnectorRoles, KVConnectorBase_V1, SupportsHMA):
         return False  # a cache: a dropped save is a later miss, not lost KV
 
     def _open_storage(self) -> StorageBackend | None:
-        """The configured third tier, opened (None: none configured)."""
+        """The configured third tier, opened (None: none configured); a client's own
+        threads start off the model runner's core (``threads_start_on``)."""
         from hicache.storage import make_storage
 
         if not self.hc_config.storage:
             return None
-        return make_storage(self.hc_config.storage, page_nbytes=self.page_nbytes,
-                            secret=self.hc_config.storage_secret, **self.hc_config.storage_options)
+        with threads_start_on(io_cpus()):
+            return make_storage(self.hc_config.storage, page_nbytes=self.page_nbytes,
+                                secret=self.hc_config.storage_secret, **self.hc_config.storage_options)
 
     # ============================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -214,10 +216,8 @@ class HiCacheConnector(ConnectorRoles, KVConnectorBase_V1, SupportsHMA):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
-        # Saves are submitted once per step in wait_for_save: one transfer of every
-        # layer's completed blocks moves long runs, and on CUDA it is ordered after
-        # the whole forward by the compute fence. Nothing to do per layer.
-        return
+        """Nothing per layer: saves go once per step (wait_for_save), one transfer of
+        every layer's blocks, ordered after the whole forward by the compute fence."""
 
     def wait_for_save(self) -> None:  # once per step; untimed: a step that computes
         self._wait_for_save()  # nothing then waits for the storage threads (roles.py)
