@@ -29,7 +29,7 @@ import time
 import pytest
 from optional import need
 from optional_vllm import VLLM_REQUIRED, vllm_available
-from pd_serving import PD_ARGS, PROMPT_LENGTHS, REFERENCE
+from pd_serving import PD_ARGS, PROMPT_LENGTHS, REFERENCE, own_cores
 from prom_check import sample
 from vllm_servers import (
     OUT_TOKENS,
@@ -99,11 +99,12 @@ def cluster(tmp_path_factory):
         # store call with an error at once (then asks the master again)
         spec = f"{master.spec}&segment_nbytes=0&retry_after_s=0.5"
         common = {"host_tokens": 4096, "storage": spec}
-        servers.append(
-            Server(root, model, "prefill", connector_config(common, "kv_producer"), PD_ARGS))
+        cores = own_cores()
+        servers.append(Server(root, model, "prefill", connector_config(common, "kv_producer"),
+                              PD_ARGS, env=cores[0]))
         servers.append(Server(root, model, "decode", connector_config(
             {**common, "save_decode": True, "prefetch_threshold_tokens": 0},
-            "kv_consumer"), PD_ARGS))
+            "kv_consumer"), PD_ARGS, env=cores[1]))
         start_all(servers)
         proxy = ToyProxy(*servers, open(root / "proxy.log", "w"))
         yield master, servers[0], servers[1], proxy
@@ -119,6 +120,13 @@ def _reference(prefill: Server, tokens: list[int]) -> list[int]:
     return prefill.completion(tokens, kv_transfer_params=REFERENCE)["choices"][0]["token_ids"]
 
 
+def _why(decode: Server, prefill: Server) -> str:
+    """A failed hit's message: the decode's hand-off outcomes and what the servers' logs
+    say of hicache."""
+    return "\n".join([f"hand-offs: {_outcomes(decode)}", decode.hicache_warnings(),
+                      prefill.hicache_warnings()])
+
+
 def _outcomes(decode: Server) -> dict[str, float]:
     text = decode.metrics()
     return {o: sample(text, "vllm:hicache_handoff_requests_total", outcome=o)
@@ -132,7 +140,7 @@ def test_decode_asked_at_once_through_the_toy_proxy_and_after_a_gap(cluster):
     for p, want in zip(prompts, expected, strict=True):
         out = proxy.complete(p)
         assert out["choices"][0]["token_ids"] == want
-        assert cached_tokens(out) == hit_able(len(p))
+        assert cached_tokens(out) == hit_able(len(p)), _why(decode, prefill)
     assert _outcomes(decode)["served"] == 6
     for i, n in enumerate((347, 590)):  # asked 2 s after the prefill answered
         p = prompt(550 + i, n)
@@ -142,7 +150,7 @@ def test_decode_asked_at_once_through_the_toy_proxy_and_after_a_gap(cluster):
         time.sleep(2)
         out = decode.completion(p, kv_transfer_params=answer["kv_transfer_params"])
         assert out["choices"][0]["token_ids"] == want
-        assert cached_tokens(out) == hit_able(n)
+        assert cached_tokens(out) == hit_able(n), _why(decode, prefill)
     assert _outcomes(decode)["served"] == 8
 
 
@@ -183,8 +191,8 @@ def test_the_master_killed_and_restarted_under_20_requests(cluster):
         assert out["choices"][0]["token_ids"] == want, f"request {i}"
         cached.append(cached_tokens(out))
     after = _outcomes(decode)
-    assert cached[:5] == [hit_able(len(p)) for p in prompts[:5]]
-    assert cached[-5:] == [hit_able(len(p)) for p in prompts[-5:]]  # hits are back
+    assert cached[:5] == [hit_able(len(p)) for p in prompts[:5]], _why(decode, prefill)
+    assert cached[-5:] == [hit_able(len(p)) for p in prompts[-5:]], _why(decode, prefill)
     assert after["served"] - before["served"] >= 10
     assert after["store"] + after["timeout"] > before["store"] + before["timeout"]
 

@@ -25,7 +25,7 @@ import time
 
 import pytest
 from optional_vllm import VLLM_REQUIRED, vllm_available
-from pd_serving import PD_ARGS, PROMPT_LENGTHS, REFERENCE, Proxy, whole_pages
+from pd_serving import PD_ARGS, PROMPT_LENGTHS, REFERENCE, Proxy, own_cores, whole_pages
 from vllm_servers import (
     OUT_TOKENS,
     Server,
@@ -61,10 +61,11 @@ def pd(tmp_path_factory):
     servers: list[Server] = []
     proxy = None
     try:  # every server started is stopped, whatever fails after it started
+        cores = own_cores()
         servers.append(Server(root, model, "prefill", connector_config(extra, "kv_producer"),
-                              PD_ARGS, env={"HICACHE_FAULTS": "write_delay_ms=20"}))
+                              PD_ARGS, env={"HICACHE_FAULTS": "write_delay_ms=20", **cores[0]}))
         servers.append(Server(root, model, "decode", connector_config(extra, "kv_consumer"),
-                              PD_ARGS))
+                              PD_ARGS, env=cores[1]))
         start_all(servers)
         prefill, decode = servers
         proxy = Proxy(prefill.url, decode.url)
@@ -79,6 +80,11 @@ def pd(tmp_path_factory):
 def _reference(prefill: Server, tokens: list[int]) -> list[int]:
     out = prefill.completion(tokens, kv_transfer_params=REFERENCE)
     return out["choices"][0]["token_ids"]
+
+
+def _why(what: str, *servers: Server) -> str:
+    """A failed hit's message: what failed and what the servers' logs say of hicache."""
+    return "\n".join([what, *(s.hicache_warnings() for s in servers)])
 
 
 def _wait_for_pages(store, num_pages: int) -> None:
@@ -103,7 +109,7 @@ def test_decode_asked_at_once_is_served_every_page_with_vllms_outputs(pd):
         handoff = proxy.handed_off[-1]["hicache"]["handoff"]
         assert handoff["pages"] == whole_pages(len(p)), handoff
         # The decode computed the last page's tokens at most: one page and one token.
-        assert cached_tokens(out) == hit_able(len(p)), f"prompt {i}"
+        assert cached_tokens(out) == hit_able(len(p)), _why(f"prompt {i}", prefill, decode)
     text = decode.metrics()
     from prom_check import sample
 
@@ -126,7 +132,7 @@ def test_decode_asked_after_a_gap_and_the_consumer_writes_nothing(pd):
         _wait_for_pages(store, before + whole_pages(n))  # the gap: every page landed
         out = decode.completion(p, kv_transfer_params=answer["kv_transfer_params"])
         assert out["choices"][0]["token_ids"] == want
-        assert cached_tokens(out) == hit_able(n)
+        assert cached_tokens(out) == hit_able(n), _why(f"prompt {n}", prefill, decode)
     # The consumer computes a prompt of its own: nothing of it is written.
     before = _pages(store)
     other = prompt(300, 400)

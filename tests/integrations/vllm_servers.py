@@ -77,14 +77,24 @@ class Server:
         else:
             cmd[i + 1] = json.dumps(transfer)
         self.cmd = cmd
-        full_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1",
-                        VLLM_SERVER_DEV_MODE="1", **(env or {}))
+        # hicache's warnings in the log (hicache_warnings: why a hit did not happen)
+        full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+                    "VLLM_SERVER_DEV_MODE": "1", "HICACHE_LOG_LEVEL": "WARNING", **(env or {})}
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                          env=full_env, start_new_session=True)
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-6000:]
+
+    def hicache_warnings(self, last: int = 20) -> str:
+        """The last ``last`` lines of its log where hicache warns or fails (for a failed
+        assertion's message: why a hit did not happen)."""
+        lines = [line for line in self.log.read_text(errors="replace").splitlines()
+                 if "hicache" in line and "non-default args" not in line
+                 and any(w in line for w in ("WARN", "ERROR", "Error", "hicache:",
+                                             "hicache worker", "hicache faults"))]
+        return f"{self.name}'s hicache warnings:\n" + "\n".join(lines[-last:])
 
     def wait_ready(self, timeout: float) -> None:
         try:

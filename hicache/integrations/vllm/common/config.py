@@ -151,8 +151,10 @@ class ConnectorConfig:
     producer_reads_storage: bool = False
     # A request handed off by a prefill instance (its kv_transfer_params name the pages
     # the prefill stored, see scheduler/handoff.py) waits at most this long for exactly
-    # those pages to land in the third tier, then computes what did not come.
-    handoff_timeout_s: float = 2.0
+    # those pages to land in the third tier, then computes what did not come. They land
+    # in tens of ms; the default covers the prefill's own storage_timeout_s (after which
+    # it gives its writes up) twice over, for a loaded or stalled machine.
+    handoff_timeout_s: float = 10.0
     # reset_prefix_cache(reset_connector=True) bumps the third tier's epoch (its pages of
     # the old weights miss from then on, for every process sharing the tier)
     storage_epoch_on_reset: bool = True
