@@ -112,7 +112,9 @@ class _Server:
     """One vLLM OpenAI server in a child process, its log in ``workdir``."""
 
     def __init__(self, name: str, model: str, transfer: dict, args: argparse.Namespace,
-                 workdir: str) -> None:
+                 workdir: str, core: int | None = None) -> None:
+        """``core``: the CPU its model runner is bound to (two servers on one machine:
+        one each; left to itself vLLM's CPU worker of each binds the first core)."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -130,6 +132,8 @@ class _Server:
                "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(transfer)]
         env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="WARNING")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        if core is not None:
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(core))
         self.log_path = os.path.join(workdir, f"{name}.log")
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -249,10 +253,14 @@ def run_pd(model: str, prompts: list[list[int]], cross: list[list[int]], args,
     host_tokens = 2 * sum(len(p) + args.output_tokens for p in prompts + cross)
     storage = args.storage or f"file:{os.path.join(workdir, 'tier')}"
     extra = {"host_tokens": host_tokens, "storage": storage}
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    cores = (cpus[0], cpus[-1]) if len(cpus) > 1 else (None, None)  # a core each
     prefill = _Server("prefill", model, {**CONNECTOR, "kv_role": "kv_producer",
-                                         "kv_connector_extra_config": extra}, args, workdir)
+                                         "kv_connector_extra_config": extra}, args, workdir,
+                      cores[0])
     decode = _Server("decode", model, {**CONNECTOR, "kv_role": "kv_consumer",
-                                       "kv_connector_extra_config": extra}, args, workdir)
+                                       "kv_connector_extra_config": extra}, args, workdir,
+                     cores[1])
     _start([prefill, decode], args.startup_timeout)
     try:
         for s in (prefill, decode):
