@@ -14,7 +14,6 @@ params, so a test can read what was handed off.
 from __future__ import annotations
 
 import json
-import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -28,18 +27,6 @@ REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False,
 PD_ARGS = [*CPU_ARGS[:CPU_ARGS.index("--max-model-len")], "--max-model-len", "1024",
            "--num-gpu-blocks-override", "48", "--max-num-seqs", "4"]
 REFERENCE = {"hicache": {"skip_load": True, "skip_save": True}}  # vLLM computes alone
-
-
-def own_cores() -> tuple[dict[str, str], dict[str, str]]:
-    """The prefill's and the decode's environment: each binds its model runner to a core
-    of its own, as instances sharing a machine are deployed (docs/vllm.md). Left to
-    itself each binds to the first core: there the decode's spinning while it waited
-    kept the prefill's write thread from the prefill's GIL, 6 of 60 hand-offs ~10 s."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if len(cpus) < 2:
-        return {}, {}
-    return ({"VLLM_CPU_OMP_THREADS_BIND": str(cpus[0])},
-            {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[-1])})
 PROMPT_LENGTHS = (300, 420, 530, 610, 700, 356)  # the issue's six prompts: 300-700 tokens
 
 
@@ -88,3 +75,17 @@ class Proxy:
 def whole_pages(n: int) -> int:
     """Whole pages of an ``n``-token prompt (what a prefill instance stores)."""
     return n // BLOCK
+
+
+def own_cores() -> tuple[dict[str, str], dict[str, str]]:
+    """The prefill's and the decode's environment: each binds its model runner to a core
+    of its own, as instances sharing a machine are deployed (docs/vllm.md), as
+    ``hicache bench pd`` does (``server_cores``)."""
+    from hicache.cli.benchmarks.pd import server_cores
+
+    prefill, decode = server_cores()
+    return _bind(prefill), _bind(decode)
+
+
+def _bind(core: int | None) -> dict[str, str]:
+    return {} if core is None else {"VLLM_CPU_OMP_THREADS_BIND": str(core)}
