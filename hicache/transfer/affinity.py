@@ -58,19 +58,17 @@ def thread_masks() -> list[set[int]]:
     return masks
 
 
-def io_cpus(spare: frozenset[int] | None = None, *,
-            sysfs: Path = SYSFS) -> frozenset[int] | None:
-    """Where background IO threads (third-tier reads and writes) belong: the ``spare``
-    CPUs where there are any (default: :func:`spare_cpus`), else every online CPU on
-    the NUMA nodes of the compute cores (the kernel leaves out those outside the
-    process's cpuset). A thread started by a compute thread inherits its one core and
-    waits behind it there; vLLM's CPU worker also spins on that core between steps.
+def io_cpus(*, sysfs: Path = SYSFS) -> frozenset[int] | None:
+    """Where background IO threads (third-tier reads and writes, a storage client's own)
+    belong: every online CPU on the NUMA nodes of the compute cores (the kernel leaves
+    out those outside the process's cpuset), for the OS to place. A thread started by
+    a compute thread inherits its one core and waits behind it there; vLLM's CPU worker
+    also spins on that core between steps. Not the spare cores alone: they may be
+    another instance's compute cores (two vLLM servers on 2 cores, each bound to one:
+    each one's IO threads would wait behind the other's spinning runner).
     None where affinity cannot be read or set: leave the threads as they are."""
     if not hasattr(os, "sched_setaffinity"):
         return None
-    spare = spare_cpus(sysfs=sysfs) if spare is None else spare
-    if spare:
-        return frozenset(spare)
     masks = thread_masks()
     cpus = _read(sysfs / "cpu" / "online") or set().union(*masks)
     own = bound_cpus(masks)

@@ -284,8 +284,8 @@ def test_a_storage_clients_own_threads_start_off_the_model_runners_core(
     """A client library's threads started while the tier is opened (Mooncake's client
     starts dozens) inherit the affinity of the thread opening it: on the model runner's
     one core, a Mooncake put waited there ~10 s at a time behind the spinning runners of
-    two vLLM servers. They start on the spare core here (where the copy threads go, or
-    every CPU where none is spare); the runner's thread is put back."""
+    two vLLM servers. They start on every CPU here (the spare one may be another
+    server's runner's); the runner's thread is put back."""
     import threading
 
     import hicache.storage as storage_module
@@ -308,6 +308,6 @@ def test_a_storage_clients_own_threads_start_off_the_model_runners_core(
         after = os.sched_getaffinity(0)
     finally:
         os.sched_setaffinity(0, allowed)
-    assert (seen[-1], after) == (allowed - runner, runner)  # seen[-1]: the worker's
+    assert (seen[-1], after) == (allowed, runner)  # seen[-1]: the worker's
     worker.shutdown()
     sched.shutdown()

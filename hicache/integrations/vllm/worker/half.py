@@ -101,8 +101,7 @@ class WorkerHalf(WorkerThirdTier):
         if storage_backend is not None:
             from hicache.storage.worker import StorageTier
 
-            self.storage = StorageTier(storage_backend, self.host_pool, cpus=io_cpus(
-                getattr(self.transfers.executor, "cpus", None) or frozenset()))
+            self.storage = StorageTier(storage_backend, self.host_pool, cpus=io_cpus())
         self._key_salt = key_salt
         self._ranks = rank_group
         # Third-tier writes that ended (stored, not stored), for the KV cache events
