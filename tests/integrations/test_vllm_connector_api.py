@@ -82,7 +82,6 @@ def _output(new=(), cached=(), num_tokens=None):
             resumed_req_ids=set(), num_computed_tokens=[done for _, done in cached],
         ),
         num_scheduled_tokens=num_tokens or {},
-        total_num_scheduled_tokens=sum((num_tokens or {}).values()),
     )
 
 
@@ -309,5 +308,6 @@ def test_a_storage_clients_own_threads_start_off_the_model_runners_core(
     finally:
         os.sched_setaffinity(0, allowed)
     assert (seen[-1], after) == (allowed, runner)  # seen[-1]: the worker's
+    sched.scheduler_half.check_integrity()
     worker.shutdown()
     sched.shutdown()

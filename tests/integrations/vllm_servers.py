@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import subprocess
 from pathlib import Path
 
@@ -90,10 +91,10 @@ class Server:
     def hicache_warnings(self, last: int = 20) -> str:
         """The last ``last`` lines of its log where hicache warns or fails (for a failed
         assertion's message: why a hit did not happen)."""
+        # hicache/logs.py's format: "<time> <logger> <LEVEL>: <message>"
+        record = re.compile(r" hicache(\.\w+)* (WARNING|ERROR|CRITICAL): ")
         lines = [line for line in self.log.read_text(errors="replace").splitlines()
-                 if "hicache" in line and "non-default args" not in line
-                 and any(w in line for w in ("WARN", "ERROR", "Error", "hicache:",
-                                             "hicache worker", "hicache faults"))]
+                 if record.search(line)]
         return f"{self.name}'s hicache warnings:\n" + "\n".join(lines[-last:])
 
     def wait_ready(self, timeout: float) -> None:
