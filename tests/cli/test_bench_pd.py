@@ -25,6 +25,19 @@ def test_bad_arguments_are_one_line_and_exit_2(args, message):
     assert len(lines) == 1 and lines[0].startswith(f"hicache bench pd: {message}"), proc.stderr
 
 
+@pytest.mark.parametrize("allowed, cores, expected", [
+    ({0, 1}, (0, 1), {"executor": "sync"}),  # no core left: copies between forwards
+    ({0, 1, 2, 3}, (0, 3), {"copy_cpus": [1, 2]}),  # never the other's runner core
+    ({5}, (None, None), {}),  # one CPU: vLLM's and the connector's own choice
+])
+def test_two_servers_copy_off_both_runner_cores(monkeypatch, allowed, cores, expected):
+    from hicache.cli.benchmarks import pd
+
+    monkeypatch.setattr(pd.os, "sched_getaffinity", lambda pid: set(allowed))
+    assert pd.server_cores() == cores
+    assert pd.server_copies(cores) == expected
+
+
 @pytest.mark.slow
 def test_a_small_run_hands_every_page_off(tmp_path):
     from optional_vllm import VLLM_REQUIRED, vllm_available

@@ -87,5 +87,13 @@ def own_cores() -> tuple[dict[str, str], dict[str, str]]:
     return _bind(prefill), _bind(decode)
 
 
+def own_copies() -> dict[str, object]:
+    """Both servers' copy settings (``kv_connector_extra_config``): their copy threads
+    off either server's model-runner core (``hicache bench pd``'s ``server_copies``)."""
+    from hicache.cli.benchmarks.pd import server_copies, server_cores
+
+    return server_copies(server_cores())
+
+
 def _bind(core: int | None) -> dict[str, str]:
     return {} if core is None else {"VLLM_CPU_OMP_THREADS_BIND": str(core)}

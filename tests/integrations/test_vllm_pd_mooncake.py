@@ -29,7 +29,7 @@ import time
 import pytest
 from optional import need
 from optional_vllm import VLLM_REQUIRED, vllm_available
-from pd_serving import PD_ARGS, PROMPT_LENGTHS, REFERENCE, own_cores
+from pd_serving import PD_ARGS, PROMPT_LENGTHS, REFERENCE, own_copies, own_cores
 from prom_check import sample
 from vllm_servers import (
     OUT_TOKENS,
@@ -98,7 +98,7 @@ def cluster(tmp_path_factory):
         # retry_after_s: how long an instance's client, after a failure, answers every
         # store call with an error at once (then asks the master again)
         spec = f"{master.spec}&segment_nbytes=0&retry_after_s=0.5"
-        common = {"host_tokens": 4096, "storage": spec}
+        common = {"host_tokens": 4096, "storage": spec, **own_copies()}
         cores = own_cores()
         servers.append(Server(root, model, "prefill", connector_config(common, "kv_producer"),
                               PD_ARGS, env=cores[0]))

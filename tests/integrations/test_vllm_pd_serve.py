@@ -25,7 +25,7 @@ import time
 
 import pytest
 from optional_vllm import VLLM_REQUIRED, vllm_available
-from pd_serving import PD_ARGS, PROMPT_LENGTHS, REFERENCE, Proxy, own_cores, whole_pages
+from pd_serving import PD_ARGS, PROMPT_LENGTHS, REFERENCE, Proxy, own_copies, own_cores, whole_pages
 from vllm_servers import (
     OUT_TOKENS,
     Server,
@@ -57,7 +57,7 @@ def pd(tmp_path_factory):
     root = tmp_path_factory.mktemp("pd")
     model = str(make_model(root / "model", max_len=1024))
     store = root / "store"
-    extra = {"host_tokens": 4096, "storage": f"file:{store}"}
+    extra = {"host_tokens": 4096, "storage": f"file:{store}", **own_copies()}
     servers: list[Server] = []
     proxy = None
     try:  # every server started is stopped, whatever fails after it started
