@@ -157,6 +157,41 @@ def test_decode_asked_after_the_writes_landed_does_not_wait(sched, tmp_path, mak
     d.check()
 
 
+def test_a_handed_off_read_is_waited_for_past_the_usual_prefetch_budget(sched, tmp_path,
+                                                                         make):
+    """The pages are stored, but the decode's read of them is slow: the request waits for
+    it past the budget of an ordinary prefetch (``prefetch_timeout_*``), up to
+    ``handoff_timeout_s``, and is served every page handed off; computing them is what a
+    decode instance is there not to do."""
+    B = sched.B
+    p = make("kv_producer")
+    d = make("kv_consumer", extra={"handoff_timeout_s": 60.0, "prefetch_timeout_base_s": 0.5,
+                                   "prefetch_timeout_per_ki_token_s": 0.0})
+    prompt = sched.random_prompt(4, 5 * B + 3)
+    params = _prefill(p, "r", prompt)
+    p.run()  # the writes landed
+    half = d.connector.scheduler_half
+    now = [100.0]
+    half.prefetch._clock = lambda: now[0]  # the read's budget, held by the test
+    d.faults.read_gate.clear()
+    d.add("r", prompt, max_tokens=DECODE_TOKENS, kv_transfer_params=params)
+    for _ in range(4):
+        d.step()
+    now[0] += 30.0  # 60 times the usual budget, half the hand-off's
+    for _ in range(4):
+        d.step()
+    req = d.scheduler.requests["r"]
+    assert req.num_computed_tokens == 0 and req in d.scheduler.waiting
+    d.faults.read_gate.set()
+    d.run()
+    assert d.outputs["r"] == sched.extend(prompt, DECODE_TOKENS)[len(prompt):]
+    c = half.counters
+    assert (c.handoff_served, c.handoff_short, c.handoff_timeout) == (1, 0, 0)
+    assert c.storage_hit_tokens == c.handoff_served_tokens == _whole(len(prompt), B)
+    p.check()
+    d.check()
+
+
 def test_pages_that_never_come_are_computed_after_the_timeout(sched, tmp_path, make):
     """The prefill's writes never land in time: the decode request stops waiting after
     handoff_timeout_s and computes its prompt (counted as a timeout); no load error."""
