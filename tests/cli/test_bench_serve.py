@@ -145,18 +145,18 @@ def test_server_spec_command_and_environment(monkeypatch):
     assert "--kv-transfer-config" not in alone.command(1)
 
 
-def test_server_specs_size_vllm_for_the_requests_in_flight(everything_installed):
+def test_server_specs_size_vllm_for_half_the_requests_in_flight(everything_installed):
     args = bs_args(["--clients", "4", "--rounds", "2", "--system-tokens", "32",
                     "--first-tokens", "64", "--turn-tokens", "16", "--max-tokens", "8",
-                    "--max-in-flight", "3", "--no-hit-tokens", "100", "--no-hit-max-tokens", "4"])
+                    "--max-in-flight", "5", "--no-hit-tokens", "100", "--no-hit-max-tokens", "4"])
     w = bs.workload_of(args, 1000)
     assert w.max_prompt_tokens == 32 + 64 + 8 + 16 and w.max_seq_tokens == 128
     specs = bs.server_specs(args, list(bs.CONFIG_NAMES), bs.PRESETS["tiny"], "/m", w, "/s")
     assert {s.max_model_len for s in specs.values()} == {128}
-    assert {s.num_blocks for s in specs.values()} == {3 * 4 + 1}
+    assert {s.num_blocks for s in specs.values()} == {2 * 4 + 1}  # 2 of 5 sequences
     assert specs["vllm"].connector is None
-    assert specs["vllm+host"].connector == {"host_tokens": (4 + 3) * 128}
-    assert specs["vllm+host+file"].connector == {"host_tokens": 256, "storage": "file:/s"}
+    assert specs["vllm+host"].connector == {"host_tokens": (4 + 5) * 128}
+    assert specs["vllm+host+file"].connector == {"host_tokens": 288, "storage": "file:/s"}
 
 
 # ----------------------------------------------------------------------------- workload
@@ -360,12 +360,22 @@ def test_summarize_throughputs_and_percentiles():
     assert s["input_throughput"] == 10.0 and s["output_throughput"] == 3.0
     assert s["cached_ratio"] == 0.5
     assert s["ttft_ms"]["p50"] == 200.0 and s["ttft_ms"]["max"] == 300.0
+    assert s["later_ttft_ms"]["p50"] is None  # every request was a conversation's first turn
     assert s["itl_ms"]["p50"] == 25.0 and s["itl_ms"]["p90"] == pytest.approx(37.0)
 
 
-def _point(p90: float, tput: float, itl: float = 10.0) -> dict:
-    return {"ttft_ms": {"p90": p90}, "itl_ms": {"p50": itl}, "input_throughput": tput,
-            "output_throughput": tput / 10}
+def test_later_turns_ttft_leaves_each_conversations_first_turn_out():
+    records = [_rec(3.0, [], key=(0, 0, 0)), _rec(2.0, [], key=(1, 0, 0)),
+               _rec(0.1, [], key=(0, 0, 1)), _rec(0.3, [], key=(1, 0, 1)),
+               _rec(0.2, [], key=(1, 0, 2)), _rec(9.0, [], key=(0, 0, 2), error="x")]
+    s = summarize(records)
+    assert s["ttft_ms"]["max"] == 3000.0
+    assert s["later_ttft_ms"]["p50"] == 200.0 and s["later_ttft_ms"]["max"] == 300.0
+
+
+def _point(p90: float, tput: float, itl: float = 10.0, later: float | None = None) -> dict:
+    return {"ttft_ms": {"p90": p90}, "later_ttft_ms": {"p90": later}, "itl_ms": {"p50": itl},
+            "input_throughput": tput, "output_throughput": tput / 10}
 
 
 def test_loaded_rates_are_those_at_3x_unloaded_lowest_first():
@@ -376,9 +386,10 @@ def test_loaded_rates_are_those_at_3x_unloaded_lowest_first():
 
 
 def test_compare_at_divides_by_vllm():
-    c = compare_at({"vllm": _point(1000, 100, 20), "vllm+host": _point(400, 150, 21)})
-    assert c == {"vllm+host": {"ttft_p90_ratio": 0.4, "itl_p50_ratio": 1.05,
-                               "input_throughput_ratio": 1.5, "output_throughput_ratio": 1.5}}
+    c = compare_at({"vllm": _point(1000, 100, 20, 800), "vllm+host": _point(400, 150, 21, 200)})
+    assert c == {"vllm+host": {"ttft_p90_ratio": 0.4, "later_ttft_p90_ratio": 0.25,
+                               "itl_p50_ratio": 1.05, "input_throughput_ratio": 1.5,
+                               "output_throughput_ratio": 1.5}}
 
 
 def test_median_run_takes_each_figure_s_median():

@@ -16,8 +16,9 @@ Configurations (each its own server, on the same random model and vLLM KV cache)
 The workload (:mod:`~hicache.cli.benchmarks.serve_workload`): ``--clients``
 conversations of ``--rounds`` turns, the agentic shape (a few shared system prompts,
 a long task, then tool results; every turn's prompt is the history and the server's
-replies so far). vLLM's KV cache holds the sequences of ``--max-in-flight`` requests,
-not every conversation, so vLLM alone recomputes what it evicted. Requests go out
+replies so far). vLLM's KV cache holds the longest sequences of half the
+``--max-in-flight`` requests, not every conversation: vLLM alone recomputes what it
+evicted, and under load requests queue for KV blocks, as on a busy server. Requests go out
 from a queue of ready turns at Poisson arrivals of the request rate, with at most
 ``--max-in-flight`` in flight (:mod:`~hicache.cli.benchmarks.serve_client`).
 
@@ -32,7 +33,8 @@ connector looks up, misses and saves every block; nothing is loaded); the connec
 time per step from its own counters on vLLM's ``/metrics``.
 
 Reported per configuration and rate: input and output tokens/s, TTFT and ITL p50 /
-p90 / p99, the share of prompt tokens the server reported cached, failed requests;
+p90 / p99, the TTFT p90 of the later turns (every turn after a conversation's first:
+those a KV cache can serve), the share of prompt tokens the server reported cached, failed requests;
 at the lowest rate where vLLM alone's TTFT p90 is at least 3x its unloaded TTFT p90,
 each configuration against vLLM alone; greedy replies compared turn by turn with
 vLLM alone's unloaded run. A table, ``--plot`` (TTFT p90 and input throughput against
@@ -98,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="user text (a tool result) of every later turn")
     parser.add_argument("--max-tokens", type=positive_int, default=16,
                         help="tokens generated per turn (greedy, ignore_eos)")
-    parser.add_argument("--max-in-flight", type=positive_int, default=8,
+    parser.add_argument("--max-in-flight", type=positive_int, default=16,
                         help="requests in flight at most (vLLM's --max-num-seqs too)")
     parser.add_argument("--request-rates", default="auto", metavar="auto|R,R,...",
                         help="requests/s of the sweep, 'inf' for as fast as the cap allows "
@@ -115,8 +117,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=positive_int, default=32,
                         help="vLLM block = hicache page, tokens (a multiple of 32 on CPU)")
     parser.add_argument("--vllm-blocks", type=positive_int, metavar="N",
-                        help="vLLM's KV cache in blocks (default: --max-in-flight longest "
-                             "sequences)")
+                        help="vLLM's KV cache in blocks (default: the longest sequences "
+                             "of half --max-in-flight)")
     parser.add_argument("--storage", metavar="SPEC",
                         help="third tier of vllm+host+file (default: file: a temporary dir)")
     parser.add_argument("--seed", type=int, default=0, help="workload, model and arrivals")
@@ -209,7 +211,7 @@ def server_specs(args: argparse.Namespace, configs: list[str], shape: ModelShape
     no_hit_len = args.no_hit_tokens + args.no_hit_max_tokens
     max_model_len = -(-max(workload.max_seq_tokens, no_hit_len) // B) * B
     seq_blocks = max_model_len // B
-    num_blocks = args.vllm_blocks or args.max_in_flight * seq_blocks + 1
+    num_blocks = args.vllm_blocks or max(1, args.max_in_flight // 2) * seq_blocks + 1
     if num_blocks < seq_blocks + 1:
         raise UsageError(f"--vllm-blocks: expected >= {seq_blocks + 1} (one {max_model_len}-"
                          f"token sequence in {B}-token blocks), got {num_blocks}")

@@ -3,8 +3,10 @@
 A run (one configuration at one request rate) is summarized by :func:`summarize`:
 input and output tokens per second over the run (first request sent to last reply),
 TTFT and inter-token latency percentiles (numpy's linear interpolation, as
-``vllm bench serve``), the share of prompt tokens the server reported cached, and the
-failed requests. :func:`loaded_rates` finds the request rates where vLLM alone is
+``vllm bench serve``), the TTFT percentiles of the later turns alone (every turn after
+a conversation's first: the turns a KV cache can serve; every conversation's first
+turn is computed in every configuration, and at ``inf`` they all start at once), the
+share of prompt tokens the server reported cached, and the failed requests. :func:`loaded_rates` finds the request rates where vLLM alone is
 loaded: its TTFT p90 at least ``factor`` times its unloaded TTFT p90 (one request at
 a time); :func:`compare_at` puts each configuration against vLLM alone at a rate. :func:`same_outputs` compares greedy replies turn by turn.
 
@@ -56,6 +58,7 @@ def summarize(records: Sequence[Record]) -> dict:
         "cached_ratio": round(sum(r.cached_tokens for r in ok) / prompt_tokens, 4)
         if prompt_tokens else 0.0,
         "ttft_ms": _pcts([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "later_ttft_ms": _pcts([r.ttft_s for r in ok if r.ttft_s is not None and r.round_no]),
         "itl_ms": _pcts([x for r in ok for x in r.itl_s]),
     }
 
@@ -91,8 +94,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def compare_at(runs: dict[str, dict], baseline: str = "vllm") -> dict[str, dict]:
-    """Each configuration's figures over the baseline's at one rate: TTFT p90 and ITL
-    p50 ratios (lower is better), input and output throughput ratios (higher is better)."""
+    """Each configuration's figures over the baseline's at one rate: TTFT p90 (of every
+    turn, and of the later turns), and ITL p50 ratios (lower is better), input and output
+    throughput ratios (higher is better)."""
     base = runs[baseline]
     out = {}
     for name, s in runs.items():
@@ -100,6 +104,8 @@ def compare_at(runs: dict[str, dict], baseline: str = "vllm") -> dict[str, dict]
             continue
         out[name] = {
             "ttft_p90_ratio": _ratio(s["ttft_ms"]["p90"], base["ttft_ms"]["p90"]),
+            "later_ttft_p90_ratio": _ratio(s.get("later_ttft_ms", {}).get("p90"),
+                                           base.get("later_ttft_ms", {}).get("p90")),
             "itl_p50_ratio": _ratio(s["itl_ms"]["p50"], base["itl_ms"]["p50"]),
             "input_throughput_ratio": _ratio(s["input_throughput"], base["input_throughput"]),
             "output_throughput_ratio": _ratio(s["output_throughput"],
@@ -118,7 +124,7 @@ def median_run(runs: Sequence[dict]) -> dict:
     for key in ("request_throughput", "input_throughput", "output_throughput", "duration_s",
                 "cached_ratio"):
         out[key] = med([r[key] for r in runs])
-    for key in ("ttft_ms", "itl_ms"):
+    for key in ("ttft_ms", "later_ttft_ms", "itl_ms"):
         out[key] = {k: med([r[key][k] for r in runs]) for k in runs[0][key]}
     out["num_failed"] = sum(r["num_failed"] for r in runs)
     out["num_requests"] = sum(r["num_requests"] for r in runs)
@@ -131,10 +137,11 @@ def _fmt(v: float | None, digits: int = 0) -> str:
 
 def sweep_table(sweeps: dict[str, dict[str, dict]], unloaded: dict[str, dict],
                 out: TextIO) -> None:
-    """One row per configuration and rate: throughputs, TTFT and ITL percentiles."""
+    """One row per configuration and rate: throughputs, TTFT (every turn's, and the
+    later turns' p90) and ITL percentiles."""
     head = (f"{'config':<18} {'rate':>6} {'req/s':>6} {'in tok/s':>9} {'out tok/s':>9} "
-            f"{'TTFT p50':>9} {'p90':>8} {'p99':>8} {'ITL p50':>8} {'p90':>7} {'p99':>7} "
-            f"{'cached':>7} {'fail':>4}")
+            f"{'TTFT p50':>9} {'p90':>8} {'p99':>8} {'later p90':>9} {'ITL p50':>8} {'p90':>7} "
+            f"{'p99':>7} {'cached':>7} {'fail':>4}")
     print(head, file=out)
     print("-" * len(head), file=out)
     for name, by_rate in sweeps.items():
@@ -145,7 +152,7 @@ def sweep_table(sweeps: dict[str, dict[str, dict]], unloaded: dict[str, dict],
             print(f"{name:<18} {rate:>6} {_fmt(s['request_throughput'], 2):>6} "
                   f"{_fmt(s['input_throughput']):>9} {_fmt(s['output_throughput'], 1):>9} "
                   f"{_fmt(t['p50']):>9} {_fmt(t['p90']):>8} {_fmt(t['p99']):>8} "
-                  f"{_fmt(i['p50'], 1):>8} {_fmt(i['p90'], 1):>7} {_fmt(i['p99'], 1):>7} "
+                  f"{_fmt(s['later_ttft_ms']['p90']):>9} {_fmt(i['p50'], 1):>8} {_fmt(i['p90'], 1):>7} {_fmt(i['p99'], 1):>7} "
                   f"{s['cached_ratio']:>7.2f} {s['num_failed']:>4}", file=out)
 
 

@@ -173,8 +173,9 @@ def report(args: argparse.Namespace, results: dict, header: dict, out: TextIO) -
     for rate in results["rates"]:
         for name, c in vs[rate].items():
             print(f"  {rate:>6} {'loaded' if rate in loaded else '      '} {name:<16} TTFT p90 "
-                  f"x{c['ttft_p90_ratio']}, ITL p50 x{c['itl_p50_ratio']}, input throughput "
-                  f"x{c['input_throughput_ratio']}", file=out)
+                  f"x{c['ttft_p90_ratio']} (later turns x{c['later_ttft_p90_ratio']}), ITL p50 "
+                  f"x{c['itl_p50_ratio']}, input throughput x{c['input_throughput_ratio']}",
+                  file=out)
     # Every run's greedy replies against vLLM alone's unloaded run (one request at a time).
     reference = results["unloaded"][BASELINE]
     outputs = {n: {"unloaded": same_outputs(reference, results["unloaded"][n]),
