@@ -18,8 +18,8 @@ conversations of ``--rounds`` turns, the agentic shape (a few shared system prom
 a long task, then tool results; every turn's prompt is the history and the server's
 replies so far). vLLM's KV cache holds the longest sequences of half the
 ``--max-in-flight`` requests, not every conversation: vLLM alone recomputes what it
-evicted, and under load requests queue for KV blocks, as on a busy server. Requests go out
-from a queue of ready turns at Poisson arrivals of the request rate, with at most
+evicted, and under load requests queue for KV blocks, as on a busy server. Requests go
+out from a queue of ready turns at Poisson arrivals of the request rate, with at most
 ``--max-in-flight`` in flight (:mod:`~hicache.cli.benchmarks.serve_client`).
 
 The runs, every one after a reset of the server's caches (vLLM's, the host tier, the
@@ -34,8 +34,8 @@ time per step from its own counters on vLLM's ``/metrics``.
 
 Reported per configuration and rate: input and output tokens/s, TTFT and ITL p50 /
 p90 / p99, the TTFT p90 of the later turns (every turn after a conversation's first:
-those a KV cache can serve), the share of prompt tokens the server reported cached, failed requests;
-at the lowest rate where vLLM alone's TTFT p90 is at least 3x its unloaded TTFT p90,
+those a KV cache can serve), the share of prompt tokens the server reported cached,
+failed requests; at the lowest rate where vLLM alone's TTFT p90 is at least 3x its unloaded TTFT p90,
 each configuration against vLLM alone; greedy replies compared turn by turn with
 vLLM alone's unloaded run. A table, ``--plot`` (TTFT p90 and input throughput against
 the rate), and one JSON line.

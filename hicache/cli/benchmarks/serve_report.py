@@ -6,9 +6,11 @@ TTFT and inter-token latency percentiles (numpy's linear interpolation, as
 ``vllm bench serve``), the TTFT percentiles of the later turns alone (every turn after
 a conversation's first: the turns a KV cache can serve; every conversation's first
 turn is computed in every configuration, and at ``inf`` they all start at once), the
-share of prompt tokens the server reported cached, and the failed requests. :func:`loaded_rates` finds the request rates where vLLM alone is
-loaded: its TTFT p90 at least ``factor`` times its unloaded TTFT p90 (one request at
-a time); :func:`compare_at` puts each configuration against vLLM alone at a rate. :func:`same_outputs` compares greedy replies turn by turn.
+share of prompt tokens the server reported cached, and the failed requests.
+:func:`loaded_rates` finds the request rates where vLLM alone is loaded: its TTFT p90
+at least ``factor`` times its unloaded TTFT p90 (one request at a time);
+:func:`compare_at` puts each configuration against vLLM alone at a rate;
+:func:`same_outputs` compares greedy replies turn by turn.
 
 This module knows nothing of HTTP or vLLM.
 """
@@ -152,7 +154,8 @@ def sweep_table(sweeps: dict[str, dict[str, dict]], unloaded: dict[str, dict],
             print(f"{name:<18} {rate:>6} {_fmt(s['request_throughput'], 2):>6} "
                   f"{_fmt(s['input_throughput']):>9} {_fmt(s['output_throughput'], 1):>9} "
                   f"{_fmt(t['p50']):>9} {_fmt(t['p90']):>8} {_fmt(t['p99']):>8} "
-                  f"{_fmt(s['later_ttft_ms']['p90']):>9} {_fmt(i['p50'], 1):>8} {_fmt(i['p90'], 1):>7} {_fmt(i['p99'], 1):>7} "
+                  f"{_fmt(s['later_ttft_ms']['p90']):>9} {_fmt(i['p50'], 1):>8} "
+                  f"{_fmt(i['p90'], 1):>7} {_fmt(i['p99'], 1):>7} "
                   f"{s['cached_ratio']:>7.2f} {s['num_failed']:>4}", file=out)
 
 

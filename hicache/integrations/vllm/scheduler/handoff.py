@@ -15,7 +15,8 @@ for a next request.
 (its lookup answers None, vLLM asks again next step) until the third tier holds
 exactly the pages handed off, at most ``handoff_timeout_s``, then is served them as
 any stored hit (a prefetch, whatever the prefetch threshold, waited for as long as the
-pages at least; or read in the step under ``prefetch_policy: sync``). Timeline of one request, the decode asked at once::
+pages at least; or read in the step under ``prefetch_policy: sync``). Timeline of one
+request, the decode asked at once::
 
     prefill   |-- forward --|answer|.. writes land ..|
     decode                         |lookup: None ... None|pages there|read|load|forward
