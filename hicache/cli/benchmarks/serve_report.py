@@ -106,8 +106,8 @@ def compare_at(runs: dict[str, dict], baseline: str = "vllm") -> dict[str, dict]
             continue
         out[name] = {
             "ttft_p90_ratio": _ratio(s["ttft_ms"]["p90"], base["ttft_ms"]["p90"]),
-            "later_ttft_p90_ratio": _ratio(s.get("later_ttft_ms", {}).get("p90"),
-                                           base.get("later_ttft_ms", {}).get("p90")),
+            "later_ttft_p90_ratio": _ratio(s["later_ttft_ms"]["p90"],
+                                           base["later_ttft_ms"]["p90"]),
             "itl_p50_ratio": _ratio(s["itl_ms"]["p50"], base["itl_ms"]["p50"]),
             "input_throughput_ratio": _ratio(s["input_throughput"], base["input_throughput"]),
             "output_throughput_ratio": _ratio(s["output_throughput"],

@@ -131,20 +131,19 @@ class Prefetcher:
         # is what the decode instance is there not to do: it waits as long for the read
         # as it may wait for the pages, under "timeout" (a read stalled past the usual
         # budget, 1.1 s for 16 pages, once in 300 hand-offs on 2 cores).
-        budget = (max(self.config.prefetch_budget_s(stored * P), self.config.handoff_timeout_s)
-                  if force else None)
         ok = self.start(req_id, namespace, key, host, keys[:stored],
-                        anchor=path[-1] if path else None, budget_s=budget)
+                        anchor=path[-1] if path else None,
+                        min_budget_s=self.config.handoff_timeout_s if force else 0.0)
         return stored if ok else 0
 
     def start(self, req_id: str, namespace: str | None, key: bytes, first: int,
               keys: list[str], *, anchor: TreeNode | None,
-              budget_s: float | None = None) -> bool:
+              min_budget_s: float = 0.0) -> bool:
         """Fetch the pages after the first ``first`` pages of ``key`` (the request's
         tree key; ``keys``: their storage keys). ``anchor``: the deepest node of the
-        host hit (None when it is empty), pinned from now on. ``budget_s``: how long the
-        request waits for it under "timeout" (default: the configured budget for its
-        tokens). False when host memory could not take them (nothing changed then)."""
+        host hit (None when it is empty), pinned from now on. Under "timeout" the request
+        waits for it the configured budget for its tokens, at least ``min_budget_s``.
+        False when host memory could not take them (nothing changed then)."""
         pin = [anchor] if anchor is not None else []
         for node in pin:
             self.tree.host_lock(node)  # before allocating: eviction must not take it
@@ -155,7 +154,7 @@ class Prefetcher:
             return False
         P = self.page_size
         end = first + len(keys)
-        budget = self.config.prefetch_budget_s(len(keys) * P) if budget_s is None else budget_s
+        budget = max(self.config.prefetch_budget_s(len(keys) * P), min_budget_s)
         f = Fetch(self._next_id, req_id, namespace, first, pages.tolist(),
                   key[: end * P * 4], self._clock() + budget, pinned=pin)
         self._next_id += 1
