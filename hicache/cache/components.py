@@ -80,7 +80,8 @@ def transfer_pairs(
     """The device and host page ids one transfer of ``nodes`` copies, in node order.
 
     Each node's full pages, then each component held in both tiers; a node in
-    ``parts`` moves only those components (a backup of component data alone).
+    ``parts`` moves only those components (a backup of component data alone). No
+    nodes (or nothing held in both tiers): two empty tensors.
     """
     device: list[torch.Tensor] = []
     host: list[torch.Tensor] = []
@@ -96,6 +97,9 @@ def transfer_pairs(
             if d is not None and h is not None:
                 device.append(d)
                 host.append(h)
+    if not device:  # (issue 45, case 4: a bookkeeping backup of the evicted leaf alone)
+        empty = torch.empty(0, dtype=torch.int64)
+        return empty, empty
     return torch.cat(device), torch.cat(host)
 
 

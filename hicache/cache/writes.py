@@ -126,16 +126,22 @@ class Writes:
             else:
                 full, comps, num_pages = True, [], node.num_tokens // self._page_size
             # Making room must not take the parent's host copy (a host-eviction
-            # candidate while its children have none): node's copy needs it.
-            guard = (parent.parent is not None
-                     and num_pages > self._space.host_allocator.num_free_pages)
-            if guard:
-                tree.host_lock(parent)
+            # candidate while its children have none): node's copy needs it. A backup
+            # of component data alone must not take node's own host copy either: the
+            # data is attached to it (issue 45, case 2).
+            guard: TreeNode | None = None
+            if num_pages > self._space.host_allocator.num_free_pages:
+                if not full:
+                    guard = node
+                elif parent.parent is not None:
+                    guard = parent
+            if guard is not None:
+                tree.host_lock(guard)
             try:
                 host_pages = self._space.alloc_host(num_pages)
             finally:
-                if guard:
-                    tree.host_unlock(parent)
+                if guard is not None:
+                    tree.host_unlock(guard)
             if host_pages is None:
                 self._counters.backups_skipped += len(nodes) - i
                 break

@@ -271,3 +271,98 @@ def test_a_load_below_device_nodes_another_load_fills_waits_for_that_load():
     cache.release(hb)
     assert_quiescent(cache)
     cache.close()
+
+
+# ------------------------------------------------------------- issue 45, cases 2-4
+def insert_with(cache: HiCache, tokens: list[int], checkpoints: set[int]) -> None:
+    """Compute ``tokens`` past the hit (no KV check) with ``checkpoints``; insert, release."""
+    h = cache.match(tokens + [0])
+    h.wait()
+    n = len(tokens) - h.prefix_len
+    marks = {p for p in checkpoints if h.prefix_len < p}
+    assert cache.alloc(h, n, checkpoints=marks) is not None
+    cache.insert(h, tokens)
+    cache.release(h)
+    finish_transfers(cache)
+
+
+def push_off_device(cache: HiCache) -> None:
+    """Allocate every device page once: all that is unlocked leaves the device."""
+    h = cache.match([])
+    # a page and its window page each, and the running state (2 pages)
+    num_pages = (cache.device_allocator.num_pages - 2) // 2
+    assert cache.alloc(h, num_pages * P) is not None
+    cache.release(h)
+    finish_transfers(cache)
+
+
+@pytest.mark.parametrize("allocate_kv", [True, False])
+def test_a_component_backup_never_evicts_its_own_nodes_host_copy_write_through(allocate_kv):
+    """Issue 45 case 2. Host tier of 2 pages: A (1 page) is backed up with its window page.
+    A later insert gives A a checkpoint on the device: the backup copies the checkpoint
+    alone (2 pages) into A's host copy. Making room for it must not evict A's host copy
+    (before the fix: ValueError from attach_component, a host page leaked)."""
+    cache = make(device_tokens=40, host_tokens=4, host_reserve_nbytes=0,
+                 allocate_kv=allocate_kv, **({} if allocate_kv else {"executor": "immediate"}))
+    tree = cache.tree
+    insert_with(cache, [1, 1], set())
+    assert tree.host_tokens == 2 and tree.num_component_pages(W, "host") == 1
+    insert_with(cache, [1, 1], {2})  # no hit at 2 yet (no checkpoint): computed again
+    assert tree.num_component_pages(S, "device") == 2
+    # the host tier is full of A's own copy: the checkpoint's backup is skipped
+    assert tree.host_tokens == 2 and tree.num_component_pages(W, "host") == 1
+    assert tree.num_component_pages(S, "host") == 0
+    assert cache.host_allocator.num_used_pages == 2
+    assert cache.stats()["backups_skipped"] == 1
+    assert_quiescent(cache)
+    cache.close()
+
+
+@pytest.mark.parametrize("allocate_kv", [True, False])
+def test_a_component_backup_never_evicts_its_own_nodes_host_copy_write_back(allocate_kv):
+    """Issue 45 case 2 under write-back, host tier of 3 pages: A (1 page) is backed up
+    alone (its window page, which no hit could use without a checkpoint, was evicted
+    first). A later insert of B through A gives A a window page and a checkpoint on the
+    device. B's eviction backs up B's path, A's part of it only A's new data (3 pages, 2
+    free). Making room for that must not evict A's own host copy (before the fix:
+    ValueError from attach_component, out of alloc)."""
+    cache = make(device_tokens=40, host_tokens=6, host_reserve_nbytes=0,
+                 write_policy="write_back", allocate_kv=allocate_kv,
+                 **({} if allocate_kv else {"executor": "immediate"}))
+    tree = cache.tree
+    insert_with(cache, [1, 1], set())
+    push_off_device(cache)  # A's window page evicted, A backed up (1 page) and freed
+    assert tree.host_tokens == 2 and tree.device_tokens == 0
+    assert cache.host_allocator.num_used_pages == 1
+    insert_with(cache, [1, 1, 2, 2], {2, 4})  # A adopts device pages, gains W and S
+    assert tree.device_tokens == 4 and tree.num_component_pages(S, "device") == 4
+    assert tree.num_component_pages(W, "device") == 2
+    push_off_device(cache)
+    # A's host copy stayed; neither its new data nor B could be backed up (B dropped)
+    assert tree.device_tokens == 0 and tree.host_tokens == 2
+    assert tree.num_component_pages(W, "host") == tree.num_component_pages(S, "host") == 0
+    assert cache.host_allocator.num_used_pages == 1
+    assert cache.device_allocator.num_used_pages == 0
+    assert cache.stats()["backups_skipped"] == 2
+    assert_quiescent(cache)
+    cache.close()
+
+
+def test_write_back_without_kv_backs_up_an_evicted_leaf_alone():
+    """Issue 45 case 4: a bookkeeping-only cache (allocate_kv=False) under write-back.
+    When the eviction's backup copies the evicted leaf alone, no other node's copy is
+    counted (before the fix: torch.cat() of an empty list raised out of alloc)."""
+    cache = make(device_tokens=40, host_tokens=40, host_reserve_nbytes=0,
+                 write_policy="write_back", allocate_kv=False, executor="immediate")
+    tree = cache.tree
+    insert_with(cache, [1, 1], {2})  # A: 1 page, its window page and a checkpoint
+    push_off_device(cache)  # A alone is backed up, then freed
+    assert tree.device_tokens == 0 and tree.host_tokens == 2
+    assert tree.num_component_pages(W, "host") == 1 and tree.num_component_pages(S, "host") == 2
+    assert cache.host_allocator.num_used_pages == 4
+    insert_with(cache, [1, 1, 2, 2], {4})  # A loaded back; B below it
+    push_off_device(cache)  # B backed up alone (A's host copy has every component)
+    assert tree.host_tokens == 4 and cache.host_allocator.num_used_pages == 4 + 4
+    assert cache.stats()["backups"] == 2 and cache.stats()["backups_skipped"] == 0
+    assert_quiescent(cache)
+    cache.close()
