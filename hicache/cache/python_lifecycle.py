@@ -148,7 +148,6 @@ class PythonLifecycle:
             if result.unused_pages.shape[0]:
                 self._space.device_allocator.free(result.unused_pages)
             comps.after_insert(num_prefix_pages, num_pages)
-            self._space.enforce_budget("device")
         cached_pages = result.num_cached_tokens // P
         if cached_pages > num_prefix_pages:  # cached meanwhile by someone else: ours are spare
             self._space.device_allocator.free(table[num_prefix_pages:cached_pages])
@@ -160,6 +159,10 @@ class PythonLifecycle:
         h._prefix_pages = inserted if cached_pages <= num_prefix_pages else None
         h.prefix_len = num_pages * P
         h.key = key
+        if comps is not None:
+            # Once h locks its new path: the budget must not take the window tail or the
+            # checkpoint h reads next (issue 45, case 3).
+            self._space.enforce_budget("device")
         new_tokens = (num_pages - cached_pages) * P
         self._counters.inserted_tokens += new_tokens
         self._writes.after_insert(result.last_node)

@@ -366,3 +366,60 @@ def test_write_back_without_kv_backs_up_an_evicted_leaf_alone():
     assert cache.stats()["backups"] == 2 and cache.stats()["backups_skipped"] == 0
     assert_quiescent(cache)
     cache.close()
+
+
+# a window of 2 pages before a hit, a state of 1 page
+KV2 = KVConfig(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_size=P,
+               components=(ComponentSpec("window", window_tokens=5), ComponentSpec("state")))
+
+
+def serve_held(cache: HiCache, tokens: list[int], checkpoints: set[int]):
+    """Compute and insert ``tokens`` (no KV check); the handle stays live (decoding)."""
+    h = cache.match(tokens + [0])
+    marks = {p for p in checkpoints if h.prefix_len < p}
+    assert cache.alloc(h, len(tokens) - h.prefix_len, checkpoints=marks) is not None
+    cache.insert(h, tokens)
+    return h
+
+
+def test_the_device_budget_never_takes_the_inserting_requests_window_tail():
+    """Issue 45 case 3: a window budget of 1 page (5% of 20), a request inserts 8 tokens
+    and keeps decoding: its window tail (2 pages) is over the budget, but it reads those
+    pages next. The budget is enforced once the request locks its path (before the fix:
+    window_table gave -1 before prefix_len 8 and the pages were freed)."""
+    cache = HiCache(CacheConfig(KV2, device_tokens=40, host_tokens=None, tree=TREE,
+                                component_device_fraction=0.05))
+    h = serve_held(cache, [1] * 8, {8})
+    assert h.prefix_len == 8
+    table = h.window_table(W)
+    assert bool((table[2:4] >= 0).all()), "the request's own window tail was evicted"
+    assert cache.tree.num_component_pages(W, "device") == 2
+    # 4 full pages, the window tail (2), the checkpoint (1), the running state (1)
+    assert cache.device_allocator.num_used_pages == 4 + 2 + 1 + 1
+    cache.check_integrity()
+    cache.release(h)
+    assert_quiescent(cache)
+    cache.close()
+
+
+def test_the_device_budget_takes_older_data_before_the_inserting_requests_tail():
+    """Issue 45 case 3: older unlocked data (B, with a checkpoint at its end) and a new
+    insert without one (A): A's own tail ranks as unusable (no hit can end at A's end),
+    yet A's request reads it next. The budget (2 window pages) evicts B's tail instead
+    (before the fix: A's)."""
+    cache = HiCache(CacheConfig(KV2, device_tokens=40, host_tokens=None, tree=TREE,
+                                component_device_fraction=0.1))
+    cache.release(serve_held(cache, [5] * 8, {8}))
+    h = serve_held(cache, [1] * 8, set())
+    table = h.window_table(W)
+    assert table[:, 0].tolist()[:2] == [-1, -1] and bool((table[2:4] >= 0).all())
+    b = cache.match([5] * 8 + [0])
+    assert b.full_len == 8 and b.prefix_len == 0  # B's tail went: no hit at 8
+    cache.release(b)
+    assert cache.tree.num_component_pages(W, "device") == 2
+    # A: 4 + 2 window + running state; B: 4 full pages and its checkpoint
+    assert cache.device_allocator.num_used_pages == (4 + 2 + 1) + (4 + 1)
+    cache.check_integrity()
+    cache.release(h)
+    assert_quiescent(cache)
+    cache.close()
