@@ -24,6 +24,8 @@ from hicache.tree.python.hybrid_paths import gaps_along
 from hicache.tree.python.hybrid_records import kind_logic
 from hicache.tree.types import EvictResult, InsertResult, MatchResult, Tier, TokenLike, token_key
 
+_MAX_COUNT = 2**62  # larger eviction requests mean "everything" (as in hicache.tree.native)
+
 
 class NativeComponents:
     """Component calls of the native tree (see the module docstring)."""
@@ -81,9 +83,9 @@ class NativeComponents:
     def probe_hit_key(self, key: bytes, namespace: str | None = None) -> int:
         """Tokens of ``key`` a match would serve (``device_len + host_len``), read-only."""
         key = check_key(key, 4 * self.page_size)
+        if namespace is not None and not isinstance(namespace, str):
+            hash(namespace)  # an unhashable namespace raises TypeError, as a dict lookup does
         if not self.components:
-            if namespace is not None and not isinstance(namespace, str):
-                hash(namespace)  # an unhashable namespace raises TypeError, as a dict lookup does
             return self._impl.probe(key, namespace)
         return self._impl.probe_hit(key, namespace)
 
@@ -114,7 +116,8 @@ class NativeComponents:
         """Evict component ``c``'s data only; see :meth:`HybridRadixTree.evict_component`."""
         check_tier(tier, "evict_component")
         check_component(c, len(self.components), "evict_component")
-        num_pages = check_int("num_pages", num_pages)
+        # (clamped as evict_device / evict_host are: a huge count means everything)
+        num_pages = min(check_int("num_pages", num_pages), _MAX_COUNT)
         if not self.components:
             return EvictResult(torch.empty(0, dtype=torch.int64), 0, 0)
         return EvictResult(*self._impl.evict_component(c, tier == "host", num_pages))

@@ -432,3 +432,142 @@ def test_integrity_catches_broken_component_bookkeeping(hybrid):
     node.components[0].host = torch.tensor([3, 4])
     with pytest.raises(AssertionError, match="without the node's host copy"):
         tree.check_integrity()
+
+
+# ------------------------------------------------------------------- bad input (issue 45, 5)
+def test_evict_component_clamps_a_huge_count_as_evict_device_does(hybrid):
+    """``evict_component(c, tier, 2**64)`` evicts everything it can, on both trees (the
+    native one raised pybind's TypeError), as ``evict_device(2**64)`` does."""
+    tree = hybrid(WINDOW, STATE)
+    tree.insert(seq(2), ids(0, 2), components=[ids(100, 2), checkpoints(2, {4: 5})])
+    tree.insert(seq(2, 10), ids(2, 2), components=[ids(102, 2), checkpoints(2, {4: 6})])
+    for n in (2**63, 2**64, 10**30):
+        assert tree.evict_component(1, "host", n).page_ids.tolist() == []
+    result = tree.evict_component(0, "device", 2**64)
+    assert sorted(result.page_ids.tolist()) == [100, 101, 102, 103]
+    assert result.num_evicted_tokens == 0 and tree.num_component_pages(0, "device") == 0
+    assert tree.num_component_pages(1, "device") == 2 and tree.device_tokens == 8
+    for bad, exc in ((-1, ValueError), (-(2**64), ValueError), (1.5, TypeError),
+                     (True, TypeError), ("3", TypeError), (None, TypeError)):
+        with pytest.raises(exc, match="num_pages"):
+            tree.evict_component(1, "device", bad)
+    tree.check_integrity()
+
+
+def test_probe_hit_key_refuses_an_unhashable_namespace(hybrid):
+    """``probe_hit_key(key, [])``: TypeError on both trees (the native hybrid tree skipped
+    the namespace check and returned 0); a namespace that names no root probes 0."""
+    for tree in (hybrid(WINDOW, STATE), hybrid()):
+        key = token_key(seq(2), P)
+        tree.insert_key(key, ids(0, 2), "a")
+        for bad in ([], {}, {"a": 1}, bytearray(b"a")):
+            with pytest.raises(TypeError):
+                tree.probe_hit_key(key, bad)  # type: ignore[arg-type]
+        for other in (5, b"a", "\ud800", "b", None):
+            assert tree.probe_hit_key(key, other) == 0  # type: ignore[arg-type]
+        assert tree.probe_hit_key(key, "a") == (0 if tree.components else 4)
+        tree.check_integrity()
+
+
+def bad_component_calls(tree, node, key: bytes) -> list[tuple[str, object]]:
+    """Every component call of the tree protocol with bad counts, components, tiers,
+    namespaces and page ids: ``(name, call)``, each call taking no argument."""
+    import itertools
+
+    import numpy as np
+
+    counter = itertools.count(1000, 4)
+
+    def fresh(n: int) -> torch.Tensor:  # page ids held nowhere yet (drawn as calls run)
+        return ids(next(counter), n)
+
+    calls: list[tuple[str, object]] = []
+    for c in (-1, 2, 99, True, 1.0, "0", None, 2**64, np.int64(0)):
+        calls += [
+            (f"num_component_pages({c!r})", lambda c=c: tree.num_component_pages(c, "device")),
+            (f"component_table({c!r})", lambda c=c: tree.component_table(node, c, "device")),
+            (f"component_gaps({c!r})", lambda c=c: tree.component_gaps(key, c, "device")),
+            (f"attach_component({c!r})", lambda c=c: tree.attach_component(node, c, "host", ids(7, 1))),
+            (f"detach_component({c!r})", lambda c=c: tree.detach_component(node, c, "device")),
+            (f"evict_component({c!r})", lambda c=c: tree.evict_component(c, "device", 1)),
+        ]
+    for tier in ("gpu", None, 0, "Device", b"device"):
+        calls += [
+            (f"num_component_pages({tier!r})", lambda t=tier: tree.num_component_pages(0, t)),
+            (f"component_table({tier!r})", lambda t=tier: tree.component_table(node, 0, t)),
+            (f"component_gaps({tier!r})", lambda t=tier: tree.component_gaps(key, 0, t)),
+            (f"attach_component({tier!r})", lambda t=tier: tree.attach_component(node, 0, t, ids(7, 2))),
+            (f"detach_component({tier!r})", lambda t=tier: tree.detach_component(node, 0, t)),
+            (f"evict_component({tier!r})", lambda t=tier: tree.evict_component(0, t, 1)),
+        ]
+    for n in (-1, -(2**64), True, 1.5, "3", None):
+        calls += [
+            (f"evict_component(n={n!r})", lambda n=n: tree.evict_component(0, "device", n)),
+            (f"evict_device({n!r})", lambda n=n: tree.evict_device(n)),
+            (f"evict_host({n!r})", lambda n=n: tree.evict_host(n)),
+            (f"path_missing_host({n!r})", lambda n=n: tree.path_missing_host(node, n)),
+        ]
+    for ns in ([], {}, 5, b"x", "\ud800", 1.5, ("a",)):
+        calls += [
+            (f"probe_hit_key({ns!r})", lambda ns=ns: tree.probe_hit_key(key, ns)),
+            (f"probe_key({ns!r})", lambda ns=ns: tree.probe_key(key, ns)),
+            (f"probe_path({ns!r})", lambda ns=ns: tree.probe_path(key, ns)),
+            (f"component_gaps(ns={ns!r})", lambda ns=ns: tree.component_gaps(key, 0, "device", ns)),
+            (f"match_key({ns!r})", lambda ns=ns: tree.match_key(key, ns)),
+            (f"insert_key({ns!r})", lambda ns=ns: tree.insert_key(key, fresh(2), ns)),
+            (f"insert_host({ns!r})", lambda ns=ns: tree.insert_host(seq(2), fresh(2), ns)),
+        ]
+    other = token_key(seq(2, 50), P)
+    for pages in (ids(7, 3), torch.tensor([7], dtype=torch.int32), torch.tensor([-1]),
+                  torch.tensor([[7]]), [7], None, torch.tensor([-2])):
+        calls.append((f"attach_component(pages={pages!r})",
+                      lambda p=pages: tree.attach_component(node, 1, "device", p)))
+    for comps in (ids(1, 2), [ids(5, 2)], [ids(5, 2), None, None], [None, torch.tensor([-1, 900])],
+                  [torch.tensor([-1, 901], dtype=torch.int32), None], [torch.tensor([-1, -3]), None],
+                  "ab", [None, torch.tensor([-1, -1])]):
+        calls += [
+            (f"insert_key(components={comps!r})",
+             lambda cs=comps: tree.insert_key(other, fresh(2), None, components=cs)),
+            (f"insert_host(components={comps!r})",
+             lambda cs=comps: tree.insert_host(seq(2, 50), fresh(2), None, components=cs)),
+        ]
+    return calls
+
+
+def outcome(call) -> tuple[object, ...]:
+    """What a call did, comparable across trees: the exception's type and message, or
+    the result with nodes and tensors as plain values."""
+    def plain(v: object) -> object:
+        if isinstance(v, torch.Tensor):
+            return v.tolist()
+        if hasattr(v, "num_tokens") and hasattr(v, "parent"):  # a node
+            return ("node", v.num_tokens, v.on_device, v.on_host)
+        if isinstance(v, tuple | list):
+            return [plain(x) for x in v]
+        return v
+
+    try:
+        return ("ok", plain(call()))
+    except Exception as exc:  # noqa: BLE001 (compared across trees)
+        return ("raised", type(exc).__name__, str(exc))
+
+
+@pytest.mark.skipif("native" not in TREE_KINDS, reason="needs the native tree")
+@pytest.mark.parametrize("specs", [(WINDOW, STATE), ()], ids=["hybrid", "single"])
+def test_both_trees_raise_the_same_on_bad_component_calls(specs):
+    """Issue 45 case 5: the same bad input gets the same exception type and message
+    from both trees (or the same result), and leaves both consistent."""
+    def build(kind):
+        tree = make_tree(kind, P, components=specs)
+        comps = [ids(100, 2), checkpoints(2, {4: 5})] if specs else ()
+        node = tree.insert(seq(2), ids(0, 2), components=comps).last_node
+        return tree, node, token_key(seq(2), P)
+
+    py, native = build("python"), build("native")
+    calls = zip(bad_component_calls(*py), bad_component_calls(*native), strict=True)
+    for (name, call_py), (_, call_native) in calls:
+        a, b = outcome(call_py), outcome(call_native)
+        assert a == b, f"{name}: Python tree {a}, native tree {b}"
+        py[0].check_integrity()
+        native[0].check_integrity()
+    assert py[0].num_nodes == native[0].num_nodes
