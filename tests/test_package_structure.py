@@ -19,9 +19,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hicache"
 
-# The harness and the command line sit on top of the library; nothing below them
-# imports them.
-ABOVE_THE_LIBRARY = ("hicache.sim", "hicache.cli", "hicache.testing")
+# The harness, the command line and the real models and data sets sit on top of the
+# library; nothing below them imports them.
+ABOVE_THE_LIBRARY = ("hicache.sim", "hicache.cli", "hicache.testing", "hicache.realdata")
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
@@ -167,6 +167,19 @@ def test_the_connectors_halves_import_only_what_they_share():
     assert crossings == set()
     assert {m for m in graph if m.startswith(f"{vllm}.scheduler.")} and \
         {m for m in graph if m.startswith(f"{vllm}.worker.")}
+
+
+def test_only_the_cli_uses_the_real_models_and_data_sets():
+    """hicache/realdata/ (pip, conversions, data sets) is for the command line, the
+    benchmarks and the tests; it imports nothing above the library itself."""
+    graph = import_graph()
+    users = {m for m, deps in graph.items() if not m.startswith("hicache.realdata")
+             and any(d.startswith("hicache.realdata") for d in deps)}
+    assert users and all(m.startswith("hicache.cli") for m in users)
+    above = {d for m, deps in graph.items() if m.startswith("hicache.realdata")
+             for d in deps if d.startswith(ABOVE_THE_LIBRARY) and
+             not d.startswith("hicache.realdata")}
+    assert above == set()
 
 
 def test_the_mooncake_launcher_is_a_testing_module():

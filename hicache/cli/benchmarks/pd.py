@@ -52,6 +52,7 @@ import urllib.request
 
 import numpy as np
 
+from hicache.cli.args import model_dir
 from hicache.cli.benchmarks import standalone_main
 from hicache.cli.benchmarks.serve_server import stop_process_group, terminate_as_interrupt
 from hicache.cli.benchmarks.vllm_plan import PRESETS, UsageError, make_random_model
@@ -67,7 +68,8 @@ WARM_UP = list(range(1, 65))  # a first request of no run's prompts (compiles, a
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small",
                         help="shape of the random model (default small)")
-    parser.add_argument("--model", metavar="DIR", help="a Llama-style model directory")
+    parser.add_argument("--model", metavar="DIR|NAME", help="a Llama-style model directory, "
+                        "or a real model's name (smollm2: hicache model list)")
     parser.add_argument("--num-requests", type=int, default=12, metavar="N",
                         help="P/D requests, and as many cross-instance ones (default 12)")
     parser.add_argument("--min-prompt-tokens", type=int, default=300, metavar="N")
@@ -97,6 +99,8 @@ def _check(args: argparse.Namespace) -> None:
     if args.max_prompt_tokens < args.min_prompt_tokens:
         raise UsageError(f"--max-prompt-tokens: expected >= --min-prompt-tokens "
                          f"({args.min_prompt_tokens}), got {args.max_prompt_tokens}")
+    if args.model is not None:  # a real model's name (hicache model list) is fetched here
+        args.model = model_dir(args.model)
     if args.model is not None and not os.path.isfile(os.path.join(args.model, "config.json")):
         raise UsageError(f"--model: expected a model directory with config.json, "
                          f"got {args.model!r}")

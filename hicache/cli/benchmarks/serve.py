@@ -59,6 +59,7 @@ from contextlib import ExitStack
 
 from hicache.cli.args import (
     UsageError,
+    model_dir,
     nonneg_int,
     positive_float,
     positive_int,
@@ -85,8 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="use the server running at URL for CONFIG instead of starting "
                              "one (it needs --enable-prompt-tokens-details and "
                              "VLLM_SERVER_DEV_MODE=1); repeatable")
-    parser.add_argument("--model", metavar="DIR", help="a Llama-style model directory "
-                        "(default: a random one of --preset, made for the run)")
+    parser.add_argument("--model", metavar="DIR|NAME", help="a Llama-style model directory, "
+                        "or a real model's name (smollm2: hicache model list; default: a "
+                        "random one of --preset, made for the run)")
     parser.add_argument("--preset", choices=sorted(PRESETS),
                         help=f"shape of the random model (default {DEFAULT_PRESET})")
     parser.add_argument("--clients", type=positive_int, default=12, help="conversations")
@@ -174,6 +176,8 @@ def _check_args(args: argparse.Namespace) -> tuple[list[str], dict[str, str], li
     if args.model is not None and args.preset is not None:
         raise UsageError(f"expected one of --model or --preset, got both "
                          f"({args.model!r}, {args.preset!r})")
+    if args.model is not None:  # a real model's name (hicache model list) is fetched here
+        args.model = model_dir(args.model)
     if args.model is not None and not os.path.isfile(os.path.join(args.model, "config.json")):
         raise UsageError(f"--model: expected a model directory with config.json, "
                          f"got {args.model!r}")

