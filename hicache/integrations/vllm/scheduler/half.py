@@ -169,12 +169,14 @@ class SchedulerHalf(HalfInspection):
             return 0
         c.lookup_tokens += limit * P - num_computed
         key = self._key(st, limit)
+        cached = self.tree.probe_key(key, st.namespace) // P  # full-attention pages
+        clean = self._first_bad(st, key, cached)  # promise nothing from a bad page on
         comps = self.components  # hybrid: a hit ends where every component serves it
-        cached = comps.hit_pages(key, st.namespace) if comps else self.tree.probe_key(
-            key, st.namespace) // P
-        host = self._first_bad(st, key, cached)  # promise nothing from a bad page on
-        if comps is not None and host < cached:
-            host = cached = comps.hit_pages(key, st.namespace, host)
+        host = comps.hit_pages(key, st.namespace, clean) if comps else clean
+        # Storage continues a hit only over a clean host path: after_alloc reads the
+        # host tier's full-attention pages up to ``cached`` (a hybrid hit may end before
+        # them, where a component lacks a page) and the rest from storage.
+        clean_path = clean == cached
         # Storage pages continue whichever hit is longer: the host tier's or vLLM's own
         # (pages vLLM holds are copied from its blocks into the host tier, not read).
         start = max(host, num_computed // P)
@@ -182,14 +184,14 @@ class SchedulerHalf(HalfInspection):
             return None  # its pages, handed off by a prefill instance, are not all there yet
         stored = 0
         if self.prefetch is not None:
-            if host == cached and start < limit and not st.prefetched:
+            if clean_path and start < limit and not st.prefetched:
                 n = self.prefetch.try_start(req_id, st.namespace, key, host, start,
                                             self._keys(st, limit)[host:limit], self._probe,
                                             self._salts, force=st.handoff is not None)
                 if n:
                     st.prefetched = (host, host + n)
                     return None  # vLLM asks again next step
-        elif self.storage is not None and host == cached and start < limit:
+        elif self.storage is not None and clean_path and start < limit:
             stored = num_promisable_pages(
                 self._probe, self._keys(st, limit)[start:limit], self.tree,
                 self.host_allocator, key, host, P, extra_pages=start - host,
@@ -245,11 +247,16 @@ class SchedulerHalf(HalfInspection):
                 f"update_state_after_alloc: expected at least {b} blocks for request {req_id!r}, "
                 f"got {len(st.block_ids)}"
             )
-        result = self.tree.match_key(self._key(st, b), st.namespace)
-        nodes = self.tree.host_only_path(result)
+        key = self._key(st, b)
+        result = self.tree.match_key(key, st.namespace)
+        # Every full-attention page the host tier holds of the hit is read from it, also
+        # past where a hybrid hit ends (a component lacks a page there: the components'
+        # pages come from storage, in components.load). The tree holds host pages only.
+        nodes = (self.tree.probe_path(key, st.namespace)
+                 if result.full_len > result.host_len else self.tree.host_only_path(result))
         for node in nodes:
             self.pins.pin(node)
-        have = result.host_len // P
+        have = self._first_bad(st, key, result.full_len // P)
         host_pages = torch.cat([n.host_indices for n in nodes]).tolist() if nodes else []
         op = LoadOp(req_id, st.block_ids[a:b], host_pages[a:have] if have > a else [])
         c = self.counters
@@ -277,7 +284,8 @@ class SchedulerHalf(HalfInspection):
                 first = max(a, have)
                 op.storage_keys = self._keys(st, b)[first:b]
                 c.storage_hit_tokens += (b - first) * P
-        if self.components is not None and not self.components.load(st, a, b, op, have < b):
+        from_storage = self.storage is not None and (have < b or st.lookup[2] > 0)
+        if self.components is not None and not self.components.load(st, a, b, op, from_storage):
             op.failed_block_ids = st.block_ids[a:b]  # hybrid: a load fails as a whole
         prefetched = num_fetched(st.prefetched, a, min(have, b))  # read by its prefetch
         c.storage_hit_tokens += prefetched * P
