@@ -557,6 +557,34 @@ def test_repeat_runs_every_config_n_times_with_a_fresh_third_tier(
     assert len(summary["comparisons_per_run"]) == 2
 
 
+def test_the_restart_config_runs_a_new_process_on_the_tier_a_first_one_filled(
+        monkeypatch, capfd, everything_installed, tmp_path, model):
+    """vllm+host+storage+restart: a first, unmeasured process of the same configuration on
+    a fresh tier, then the measured one on what it left (a restarted instance)."""
+    keep = tmp_path / "keep"
+    ran = []
+
+    def fake_run_config(name, spec, workdir, progress_fd, tag=None):
+        storage = os.path.join(workdir, "storage")
+        ran.append((name, tag, os.path.exists(storage),
+                    spec["kv_transfer_config"]["kv_connector_extra_config"]["storage"]))
+        os.makedirs(storage, exist_ok=True)
+        res = _result([0.1], [[1]], ALL_COMPUTED)
+        res["requests"][0]["prompt_tokens"] = 100
+        return res
+
+    monkeypatch.setattr(bv, "run_config", fake_run_config)
+    argv = ["bench", "vllm", "--model", str(model), "--num-requests", "1", "--configs",
+            "vllm+host+storage,vllm+host+storage+restart", "--keep", str(keep), "--json"]
+    assert cli_main.main(argv) == 0
+    tier = f"file:{keep / 'storage'}"
+    assert ran == [("vllm+host+storage", "vllm+host+storage", False, tier),
+                   ("vllm+host+storage+restart", "vllm+host+storage+restart.first", False, tier),
+                   ("vllm+host+storage+restart", "vllm+host+storage+restart", True, tier)]
+    summary = json.loads(capfd.readouterr().out)
+    assert summary["configs"]["vllm+host+storage+restart"]["failed"] == 0
+
+
 def test_vllm_fits_runs_vllm_alone_with_the_working_set_in_its_cache(
         monkeypatch, capfd, everything_installed, tmp_path, model):
     specs = {}

@@ -18,6 +18,9 @@ Configurations, each in its own process with its own engine (vLLM's async engine
 * ``vllm+host+storage+t256``: the same, a hit read only when it holds at least 256
   tokens past the host tier's and vLLM's (SGLang's fixed ``prefetch_threshold``); not
   run by default. ``+async`` decides from measured costs (the connector's default);
+* ``vllm+host+storage+restart``: ``vllm+host+storage`` in a new process on the tier a
+  first process of the same configuration filled (not measured): a restarted instance,
+  or a new replica, its host tier empty; not run by default;
 * ``vllm+host+storage+secret``: the same with a storage secret (every third-tier page
   tagged and verified), to measure what the authenticator costs; not run by default;
 * ``vllm+host+wb``, ``vllm+host+sel``: ``vllm+host`` under the ``write_back`` and the
@@ -89,7 +92,7 @@ from hicache.sim.traces import Request
 
 CONFIG_NAMES = ("vllm", "vllm+host", "vllm+host+storage", "vllm+host+storage+secret",
                 "vllm+host+wb", "vllm+host+sel", "vllm-fits", "vllm+host+storage+async",
-                "vllm+host+storage+t256")
+                "vllm+host+storage+t256", "vllm+host+storage+restart")
 # The write policy of the configurations that name one (the others: write_through).
 WRITE_POLICIES = {"vllm+host+wb": "write_back", "vllm+host+sel": "write_through_selective"}
 DEFAULT_CONFIGS = CONFIG_NAMES[:3]
@@ -353,6 +356,8 @@ def run(args: argparse.Namespace) -> int:
                 env["HICACHE_STORAGE_SECRET"] = secrets.token_hex(16)  # never in vLLM's config
             if env:
                 spec["env"] = env
+            if name.endswith("+restart"):  # a first process fills the tier, unmeasured
+                run_config(name, spec, workdir, out.fileno(), tag=f"{label}.first")
             results[name].append(run_config(name, spec, workdir, out.fileno(), tag=label))
         model_info = {"source": args.model or f"random {'Gemma-3-style' if shape.hybrid else 'Llama'}"
                       f", preset {args.preset or DEFAULT_PRESET}", **shape._asdict(),
