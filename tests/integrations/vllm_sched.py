@@ -36,7 +36,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hicache.integrations.vllm.common.params import parse_request_control, tree_namespace
+from hicache.integrations.vllm.common.params import (
+    check_cache_salt,
+    parse_request_control,
+    tree_namespace,
+)
 from hicache.integrations.vllm.scheduler.inputs import AdapterDigests, identity_ids, read_inputs
 from hicache.tree import token_key
 
@@ -123,6 +127,10 @@ class Faults:
         self.read_gate.set()
         self.write_gate = threading.Event()  # the same for third-tier writes
         self.write_gate.set()
+        # The next short_writes writes store only their first short_keep pages (a full
+        # store); their set answers short_keep, as a backend's partial batch does.
+        self.short_writes = 0
+        self.short_keep = 0
         self.fail_read_calls: set[int] = set()  # get_into calls (0-based) that fail
         self.num_read_calls = 0
         self.fail_next_loads = 0
@@ -171,6 +179,10 @@ class Faults:
 
             def set(self, keys, values):
                 faults.write_gate.wait(60)
+                if faults.short_writes and len(keys) > faults.short_keep:
+                    faults.short_writes -= 1
+                    keep = faults.short_keep
+                    return backend.set(keys[:keep], values[:keep]) if keep else 0
                 return backend.set(keys, values)
 
         return FaultyBackend()
@@ -323,6 +335,8 @@ class Engine:
         # Per request: what its KV depends on besides its tokens (position labels, adapter)
         self.inputs: dict[str, tuple[list[bytes] | None, bytes]] = {}
         self.adapters = AdapterDigests()
+        self.lora_weights: dict[int, bytes] = {}  # adapter id -> the weights vLLM loaded
+        self.sessions: dict = {}  # streaming-input sessions: req id -> vLLM's Request
         self.outputs: dict[str, list[int]] = {}  # finished requests' output tokens
         self.failed: set[str] = set()  # finished with FINISHED_ERROR
         self.finished_ids: set[str] = set()  # finished, as the engine reported them
@@ -352,10 +366,12 @@ class Engine:
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 4,
             cache_salt: str | None = None, kv_transfer_params: dict | None = None, *,
             lora=None, mm: Sequence[tuple[str, int, int]] = (),
-            embeds: torch.Tensor | None = None) -> None:
+            embeds: torch.Tensor | None = None, resumable: bool = False) -> None:
         """A request: ``prompt`` (ignored with ``embeds``: a prompt of embeddings, one
         row a position), under a LoRA adapter (vLLM's ``LoRARequest``; its files are
-        its weights), with multimodal items ``(identifier, offset, length)``."""
+        its weights), with multimodal items ``(identifier, offset, length)``;
+        ``resumable``: a streaming-input session (vLLM 0.32's), whose later chunks
+        :meth:`add_chunk` sends."""
         from vllm import SamplingParams
         from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
         from vllm.utils.hashing import sha256
@@ -372,7 +388,10 @@ class Engine:
         req = Request(request_id=req_id, prompt_token_ids=None if embeds is not None
                       else list(prompt), prompt_embeds=embeds, sampling_params=params,
                       pooling_params=None, block_hasher=get_request_block_hasher(B, sha256),
-                      cache_salt=cache_salt, mm_features=features, lora_request=lora)
+                      cache_salt=cache_salt, mm_features=features, lora_request=lora,
+                      resumable=resumable)
+        if resumable:  # its tokens and items grow: the model reads them off the session
+            self.sessions[req_id] = req
         prompt = self.prompts[req_id] = list(req.all_token_ids)
         labels: list[bytes] | None = None
         if embeds is not None:
@@ -382,7 +401,10 @@ class Engine:
             for ident, o, n in mm:
                 for j in range(o, o + n):
                     labels[j] = f"{ident}:{j - o}".encode()
-        seed = adapter_weights(lora.lora_path) if lora is not None else b""
+        seed = b""
+        if lora is not None:  # vLLM's worker computes with the files as it first loaded them
+            seed = self.lora_weights.setdefault(lora.lora_int_id,
+                                                adapter_weights(lora.lora_path))
         self.inputs[req_id] = (labels, seed)
         sequence = extend(prompt, max_tokens)
         self.sequences.append(sequence)
@@ -390,10 +412,30 @@ class Engine:
         # Where the connector keeps this sequence's pages (its own reading of the request)
         inputs = read_inputs(req, B, self.adapters)
         control = parse_request_control(kv_transfer_params)
-        self.namespaces.append(tree_namespace(cache_salt, control, inputs.adapter))
-        self.tree_keys.append(None if inputs.refused else token_key(
+        refused = (inputs.refused is not None or control.error is not None
+                   or check_cache_salt(cache_salt) is not None)
+        self.namespaces.append(None if refused else
+                               tree_namespace(cache_salt, control, inputs.adapter))
+        self.tree_keys.append(None if refused else token_key(
             identity_ids(sequence, inputs.pages, 0, len(sequence) // B, B), B))
         self.scheduler.add_request(req)
+
+    def add_chunk(self, req_id: str, tokens: list[int] | None, max_tokens: int = 2,
+                  mm: Sequence[tuple[str, int, int]] = ()) -> None:
+        """The next input chunk of the streaming session ``req_id`` (items' offsets
+        within the chunk), as vLLM's streaming input API sends it: a request with the
+        session's id; ``tokens`` None ends the session."""
+        from vllm import SamplingParams
+        from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+        from vllm.v1.request import Request
+
+        features = [MultiModalFeatureSpec(data=None, modality="audio", identifier=ident,
+                                          mm_position=PlaceholderRange(offset=o, length=n))
+                    for ident, o, n in mm]
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        self.scheduler.add_request(Request(
+            request_id=req_id, prompt_token_ids=list(tokens or [1]), sampling_params=params,
+            pooling_params=None, mm_features=features, resumable=tokens is not None))
 
     def abort(self, req_id: str) -> None:
         from vllm.v1.request import RequestStatus
@@ -548,7 +590,8 @@ class Engine:
         )
 
     def _tokens(self, req_id: str, n: int) -> list[int]:
-        prompt = self.prompts[req_id]
+        session = self.sessions.get(req_id)
+        prompt = self.prompts[req_id] if session is None else list(session.all_token_ids)
         return extend(prompt, max(0, n - len(prompt)))[:n]
 
     def _forward(self, scheduled) -> list[tuple[str, set[int], int]]:
@@ -565,6 +608,13 @@ class Engine:
 
     def _expected(self, rid: str, start: int, end: int) -> np.ndarray:
         labels, seed = self.inputs.get(rid, (None, b""))
+        session = self.sessions.get(rid)
+        if session is not None:  # the items of every chunk so far, where vLLM put them
+            labels = [b""] * session.num_tokens
+            for f in session.mm_features:
+                o, n = f.mm_position.offset, f.mm_position.length
+                for j in range(o, o + n):
+                    labels[j] = f"{f.identifier}:{j - o}".encode()
         return prefix_values(self._tokens(rid, end), labels, seed)[start:end]
 
     def _slots(self, rid: str, start: int, end: int) -> tuple[list[int], list[int]]:
