@@ -64,6 +64,67 @@ def test_params_mistakes_fail_closed_naming_the_key(params, message):
     assert control.skip_load and control.skip_save
 
 
+class _Raising(dict):
+    """A mapping whose lookups raise (what an in-process caller may hand vLLM)."""
+
+    def get(self, *a):
+        raise RuntimeError("boom")
+
+
+NESTED: list = []
+for _ in range(100_000):  # deeper than repr can go
+    NESTED = [NESTED]
+
+# Bad values of every key: never raise, always fail closed (no load, no save)
+BAD_PARAMS = [
+    {"hicache": {"namespace": "x" * 257}}, {"hicache": {"namespace": "\u00e9" * 129}},
+    {"hicache": {"namespace": "\ud800"}}, {"hicache": {"namespace": "a\udfffb"}},
+    {"hicache": {"namespace": b"bytes"}}, {"hicache": {"namespace": ["t"]}},
+    {"hicache": {"save_max_tokens": -(10 ** 5000)}}, {"hicache": {"save_max_tokens": float("nan")}},
+    {"hicache": {"save_max_tokens": float("inf")}}, {"hicache": {"skip_load": float("nan")}},
+    {"hicache": {"skip_load": NESTED}}, {"hicache": NESTED}, {"hicache": {1: 2}},
+    {"hicache": {"\ud800": True}}, {"hicache": {(1, 2): True, None: 3}},
+    {"hicache": {"handoff": {"pages": 10 ** 5000, "epoch": 0, "key": "0" * 32}}},
+    {"hicache": {"handoff": {"pages": -(10 ** 5000), "epoch": 0, "key": "0" * 32}}},
+    {"hicache": {"handoff": {"pages": 1, "epoch": float("nan"), "key": "0" * 32}}},
+    {"hicache": {"handoff": {"pages": 1, "epoch": 0, "key": "\ud800" * 40}}},
+    {"hicache": {"handoff": {"pages": 1, "epoch": 0, "key": NESTED}}},
+    {"hicache": {"handoff": {1: 1, 2: 2, 3: 3}}}, {"hicache": {"handoff": NESTED}},
+    {"hicache": _Raising(a=1)}, _Raising(hicache={}),
+]
+
+
+@pytest.mark.parametrize("params", BAD_PARAMS, ids=range(len(BAD_PARAMS)))
+def test_any_bad_value_fails_closed_and_never_raises(params):
+    control = parse_request_control(params)
+    assert control.error is not None and control.skip_load and control.skip_save
+    control.error.encode("ascii")  # printable anywhere: no surrogate, no raw bytes
+    assert len(control.error) < 400
+
+
+def test_a_namespace_is_at_most_256_bytes_of_utf8():
+    from hicache.integrations.vllm.common.params import MAX_NAMESPACE_BYTES
+
+    assert MAX_NAMESPACE_BYTES == 256
+    for ok in ("x" * 256, "\u00e9" * 128, "\U0001f600" * 64, "\x00", "a\x00b"):
+        control = parse_request_control({"hicache": {"namespace": ok}})
+        assert control.error is None and control.namespace == ok
+    for bad in ("x" * 257, "\u00e9" * 128 + "x", "\U0001f600" * 64 + "x"):
+        assert "longer than 256 bytes" in parse_request_control(
+            {"hicache": {"namespace": bad}}).error
+
+
+def test_cache_salts_hicache_cannot_keep_are_named():
+    from hicache.integrations.vllm.common.params import check_cache_salt
+
+    for ok in (None, "", "s", "x" * 256, "\U0001f600" * 64, "a\x00"):
+        assert check_cache_salt(ok) is None
+    for bad, what in (("\x00s", "leading NUL"), ("\ud800", "lone surrogate"),
+                      ("x" * 257, "longer than 256"), ("x" * 10 ** 6, "longer than 256"),
+                      (b"s", "expected a non-empty str"), (7, "expected a non-empty str")):
+        assert what in check_cache_salt(bad)
+
+
 def test_namespaces_never_collide_with_salts():
     ns = RequestControl(namespace="t")
     assert tree_namespace(None, DEFAULT) is None
@@ -190,3 +251,45 @@ def test_a_mistake_serves_the_request_by_vllm_alone_and_reports_it(sched, async_
         "['skip_load', 'skip_save', 'save_max_tokens', 'namespace', 'handoff']")}
     assert "leading NUL" in e.transfer_params["bad-salt"][ERROR_KEY]
     assert "good" not in e.transfer_params
+
+
+@needs_vllm
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_odd_salts_and_bad_params_never_raise_in_vllms_scheduler(sched, async_scheduling):
+    """Each bad value (a lone surrogate in a salt or a namespace, a salt or a namespace
+    over 256 bytes, huge and NaN numbers, nested garbage) is served by vLLM alone with
+    its error; odd salts hicache keeps (empty, non-BMP, NUL inside, 256 bytes) are
+    served as any salt: saved, then hit by the same salt only. The prompt was computed
+    before without a salt: vLLM's own cache (its hashes fold in the salt) serves none
+    of it, and hicache's host tier serves it only to the same namespace."""
+    B = sched.B
+    e = sched.Engine(async_scheduling=async_scheduling, num_blocks=48, max_num_seqs=8,
+                     extra={"host_tokens": 64 * B})
+    half = e.connector.scheduler_half
+    prompt = _prompt(random.Random(5), 2 * B + 1)
+    _warm(sched, e, prompt)
+    bad = {"surrogate-salt": ("\ud800", None), "long-salt": ("s" * 257, None),
+           "surrogate-ns": (None, {"namespace": "t\udfff"}),
+           "long-ns": (None, {"namespace": "\U0001f600" * 65}),
+           "huge": (None, {"save_max_tokens": -(2 ** 63)}),
+           "nan": (None, {"save_max_tokens": float("nan")}),
+           "nested": (None, {"handoff": {"pages": [[[]]], "epoch": {}, "key": None}})}
+    for rid, (salt, control) in bad.items():
+        e.add(rid, prompt, max_tokens=2, cache_salt=salt,
+              kv_transfer_params=None if control is None else {"hicache": control})
+    e.run()
+    assert half.counters.host_hit_tokens == 0 and not e.failed
+    for rid in bad:
+        assert len(e.outputs[rid]) == 2 and ERROR_KEY in e.transfer_params[rid], rid
+    saved = half.counters.saved_tokens
+    odd = ("", "\U0001f600" * 64, "a\x00b", "x" * 256)
+    for i, salt in enumerate(odd):  # each saves its own pages, then hits them
+        for turn in ("first", "again"):
+            e.add(f"odd{i}-{turn}", prompt, max_tokens=1, cache_salt=salt)
+            e.run()
+            assert e.scheduler.reset_prefix_cache()
+    e.check()
+    # "" is vLLM's no salt: hicache keeps it apart (it hits none of _warm's pages)
+    assert half.counters.saved_tokens == saved + len(odd) * 2 * B
+    assert half.counters.host_hit_tokens == len(odd) * 2 * B
+    assert not any(rid.startswith("odd") for rid in e.transfer_params)

@@ -43,27 +43,32 @@ class Handoff(NamedTuple):
 def parse_handoff(value: object, where: str) -> Handoff | str:
     """The hand-off in ``value`` (what :meth:`Handoff.to_params` gave), or an error message
     naming ``where``, the field and the value."""
+    from hicache.integrations.vllm.common.params import show  # (params imports this module)
+
     if not isinstance(value, Mapping):
-        return f"{where}: expected a dict, got {type(value).__name__} {value!r:.80}"
-    if sorted(map(str, value)) != sorted(_FIELDS):
-        return f"{where}: expected the keys {list(_FIELDS)}, got {sorted(map(str, value))}"
+        return f"{where}: expected a dict, got {type(value).__name__} {show(value)}"
+    if not all(isinstance(k, str) for k in value) or sorted(value) != sorted(_FIELDS):
+        return f"{where}: expected the keys {list(_FIELDS)}, got {show(sorted(map(show, value)))}"
     pages, epoch, key = value["pages"], value["epoch"], value["key"]
     for name, number in (("pages", pages), ("epoch", epoch)):
-        if not isinstance(number, int) or isinstance(number, bool) or number < 0:
-            return f"{where}.{name}: expected an int >= 0, got {number!r:.80}"
+        if not isinstance(number, int) or isinstance(number, bool) or not 0 <= number < 1 << 63:
+            return f"{where}.{name}: expected an int >= 0 (64 bits), got {show(number)}"
     if pages == 0:
         if key != "":
-            return f"{where}.key: expected '' with no pages, got {key!r:.80}"
+            return f"{where}.key: expected '' with no pages, got {show(key)}"
     else:
         try:
             check_key(key)
         except (TypeError, ValueError) as e:
-            return f"{where}.key: {e}"
+            return f"{where}.key: {show(str(e))}"
     return Handoff(pages, epoch, key)
 
 
 def asks_remote_decode(kv_transfer_params: Mapping[str, Any] | None) -> bool:
     """The request asks its prefill to hand off to a decode instance (vLLM's proxies send
     ``{"do_remote_decode": true, ...}`` to the prefill instance)."""
-    return isinstance(kv_transfer_params, Mapping) and kv_transfer_params.get(
-        REMOTE_DECODE_KEY) is True
+    try:
+        return isinstance(kv_transfer_params, Mapping) and kv_transfer_params.get(
+            REMOTE_DECODE_KEY) is True
+    except Exception:  # a mapping that raises: no hand-off (never in vLLM's loop)
+        return False

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from hicache.integrations.vllm.common.params import (
+    REFUSED_NAMESPACE,
     RequestControl,
     check_cache_salt,
     parse_request_control,
@@ -46,7 +47,9 @@ def resolve_request(request: Request, role_control: Callable[[RequestControl], R
         control = control._replace(skip_load=True, skip_save=True)
         if half is not None:
             half.counters.unkeyed_requests += 1
-    namespace = tree_namespace(salt, control, inputs.adapter)
+    # A salt or a namespace hicache cannot keep: none kept, the refused requests' own
+    namespace = (REFUSED_NAMESPACE if control.error is not None
+                 else tree_namespace(salt, control, inputs.adapter))
     if control.error is not None:
         _log.warning("hicache: request %s served without hicache: %s",
                      request.request_id, control.error)
