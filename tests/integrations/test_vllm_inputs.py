@@ -101,15 +101,106 @@ def test_a_lora_adapter_is_its_name_and_its_files(tmp_path):
     assert len({ids[0], ids[2], ids[3]}) == 3
     from hicache.integrations.vllm.scheduler.inputs import AdapterDigests, read_inputs
 
-    digests = AdapterDigests()
+    digests = AdapterDigests(recheck_s=0.0)
     before = read_inputs(_request(lora=a), B, digests).adapter
+    assert read_inputs(_request(lora=a), B, digests).adapter == before
     path = os.path.join(a.lora_path, "adapter_model.safetensors")
     with open(path, "wb") as f:
-        f.write(b"weights-3!")  # replaced in place
-    assert read_inputs(_request(lora=a), B, digests).adapter not in (before, None)
+        f.write(b"weights-3!")  # replaced in place: refused from now on (vLLM's worker
+    for _ in range(2):  # computes with the weights it loaded first, or the new ones)
+        got = read_inputs(_request(lora=a), B, digests)
+        assert got.refused == "lora adapter whose files changed after it was first used"
+    # the same files under another adapter id (vLLM loads it anew): keyed by them
+    fresh = a.__class__("A", 7, a.lora_path)
+    assert read_inputs(_request(lora=fresh), B, digests).adapter not in (before, None)
     gone = _adapter(tmp_path, "gone", "G", b"x", 5)
     gone.lora_path = str(tmp_path / "missing")
     assert _read(_request(lora=gone)).refused == "lora adapter without a readable local directory"
+
+
+def test_an_adapters_files_are_hashed_once_and_their_stats_read_at_most_every_second(
+        tmp_path, monkeypatch):
+    """No filesystem walk per request: the digest is taken at first sight, the files'
+    stats looked at again at most every ``recheck_s``; a change seen then refuses."""
+    import hicache.integrations.vllm.scheduler.inputs as inputs
+
+    a = _adapter(tmp_path, "a", "A", b"weights-1")
+    walks = []
+    real = os.walk
+    monkeypatch.setattr(inputs.os, "walk", lambda *x, **k: walks.append(x) or real(*x, **k))
+    now = [0.0]
+    digests = inputs.AdapterDigests()
+    digests._clock = lambda: now[0]
+    ids = {inputs.read_inputs(_request(lora=a), B, digests).adapter for _ in range(100)}
+    assert len(ids) == 1 and len(walks) == 1
+    with open(os.path.join(a.lora_path, "adapter_model.safetensors"), "wb") as f:
+        f.write(b"weights-22")
+    assert inputs.read_inputs(_request(lora=a), B, digests).adapter == ids.pop()  # not yet
+    now[0] = 1.0
+    assert inputs.read_inputs(_request(lora=a), B, digests).refused is not None
+    assert len(walks) == 2
+
+
+def test_an_adapter_directory_that_cannot_be_hashed_safely_is_refused_at_once(
+        tmp_path, monkeypatch):
+    """A FIFO (reading it would block the engine loop), a device, too many bytes or
+    files: refused without reading them."""
+    import threading
+
+    import hicache.integrations.vllm.scheduler.inputs as inputs
+
+    fifo = _adapter(tmp_path, "fifo", "F", b"w")
+    os.mkfifo(os.path.join(fifo.lora_path, "adapter_model.bin"))
+    dev = _adapter(tmp_path, "dev", "D", b"w", 2)
+    os.symlink("/dev/zero", os.path.join(dev.lora_path, "zeros.safetensors"))
+    big = _adapter(tmp_path, "big", "G", b"w" * 2000, 3)
+    got = {}
+
+    def read():
+        for name, lora in (("fifo", fifo), ("dev", dev), ("big", big)):
+            got[name] = _read(_request(lora=lora)).refused
+
+    monkeypatch.setattr(inputs, "MAX_ADAPTER_BYTES", 1000, raising=False)
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():  # a FIFO with no writer blocks its reader forever: let it go
+        fd = os.open(os.path.join(fifo.lora_path, "adapter_model.bin"),
+                     os.O_WRONLY | os.O_NONBLOCK)
+        os.close(fd)
+        t.join(10)
+        pytest.fail("reading an adapter's files blocked on a FIFO")
+    assert got["fifo"] == got["dev"] == "lora adapter holding a file that is not a regular file"
+    assert got["big"].startswith("lora adapter over")
+
+
+def test_an_adapter_replaced_in_place_never_serves_old_weights_under_its_new_files(
+        sched, tmp_path, monkeypatch):
+    """vLLM's worker keeps computing with the weights it loaded first for an adapter id:
+    after the files change in place, what this instance computes must not be keyed by
+    the new files (another instance, or this one restarted, loads those and would be
+    served the old weights' KV). Here the requests after the change are served without
+    hicache, and a fresh instance on the same third tier computes its own."""
+    import hicache.integrations.vllm.scheduler.inputs as inputs
+
+    monkeypatch.setattr(inputs, "ADAPTER_RECHECK_S", 0.0, raising=False)
+    extra = {"host_tokens": 32 * B, "storage": f"file:{tmp_path / 'tier'}"}
+    a = _adapter(tmp_path, "a", "A", b"weights-1")
+    e = sched.Engine(num_blocks=24, extra=extra)
+    assert _run(e, "old", lora=a) == 0
+    assert _run(e, "old-again", lora=a) == 4 * B
+    with open(os.path.join(a.lora_path, "adapter_model.safetensors"), "wb") as f:
+        f.write(b"weights-22")  # replaced in place; vLLM here still computes weights-1
+    assert _run(e, "after", lora=a) == 0
+    e.check()
+    restarted = sched.Engine(num_blocks=24, extra=extra)  # loads weights-2
+    assert _run(restarted, "restarted", lora=a) == 0  # nothing of weights-1's KV
+    restarted.check()
+    assert _run(restarted, "restarted-again", lora=a) == 4 * B  # its own
+    restarted.check()
+    restarted.close()
+    assert e.connector.scheduler_half.counters.unkeyed_requests == 1  # "after"
+    e.close()
 
 
 def test_an_input_kind_not_known_is_refused(monkeypatch):
@@ -268,4 +359,47 @@ def test_a_request_with_an_input_not_known_is_served_without_hicache(sched, monk
     logged = [r for r in caplog.records if "cannot key (new_kind)" in r.getMessage()]
     assert len(logged) == 1
     e.check()
+    e.close()
+
+
+def _session(e, sid: str, first: list[int], chunk: list[int], item: tuple[str, int, int]):
+    """A streaming-input session (vLLM 0.32's realtime API): a text chunk, then one
+    holding an audio item; preempted (its blocks dropped) once the second chunk is in,
+    as under memory pressure, then ended."""
+    from vllm.v1.request import RequestStatus
+
+    def until_waiting_for_input():
+        for _ in range(200):
+            req = e.scheduler.requests[sid]
+            if req.status == RequestStatus.WAITING_FOR_STREAMING_REQ:
+                return
+            e.step()
+        raise AssertionError(f"{sid} never waited for its next chunk")
+
+    e.add(sid, first, max_tokens=2, resumable=True)
+    until_waiting_for_input()
+    e.add_chunk(sid, chunk, max_tokens=2, mm=[item])
+    e.step()
+    e.update_held()
+    assert e.scheduler.reset_prefix_cache(reset_running_requests=True)  # preempted
+    until_waiting_for_input()
+    e.add_chunk(sid, None)  # the session ends
+    e.run()
+
+
+def test_streaming_input_sessions_are_served_without_hicache(sched):
+    """A session's later chunks bring tokens and items that were not there when it
+    arrived: two sessions with the same first chunk and different audio in the second
+    must never share the audio's pages (the second, preempted, would be loaded the
+    first's audio KV). Such sessions are refused: nothing loaded, nothing saved."""
+    e = sched.Engine(num_blocks=32, extra={"host_tokens": 32 * B})
+    first = sched.random_prompt(21, 2 * B + 3)
+    chunk = [7] * (2 * B) + [3, 4, 5]  # audio placeholders, then text
+    _session(e, "s1", first, chunk, ("audio-1", 0, 2 * B))
+    e.scheduler.reset_prefix_cache()
+    _session(e, "s2", first, chunk, ("audio-2", 0, 2 * B))
+    e.check()  # no read of wrong KV
+    c = e.connector.scheduler_half.counters
+    assert c.host_hit_tokens + c.storage_hit_tokens == 0
+    assert c.saved_tokens == 0 and c.unkeyed_requests == 2
     e.close()

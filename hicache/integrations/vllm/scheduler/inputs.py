@@ -9,9 +9,9 @@ hicache keys its pages by token ids (the radix tree, the third tier's chained ke
 so it carries the same distinctions:
 
 * **LoRA**: the adapter is part of the request's namespace, as its name and a digest
-  of its files (:class:`AdapterDigests`): two adapters registered under one name (on
-  two instances, or replaced in place) never share, and the base model is a
-  namespace of its own.
+  of its files taken when it is first used (:class:`AdapterDigests`): two adapters
+  registered under one name (on two instances) never share, one whose files change
+  after its first use is refused, and the base model is a namespace of its own.
 * **Multimodal items, prompt embeddings**: position-level. A page that overlaps one
   is keyed by *identity ids*: its token ids replaced by values derived from them and
   from vLLM's extra keys of the page (as SGLang's radix cache pads multimodal
@@ -26,7 +26,9 @@ so it carries the same distinctions:
   keys chain: every later page differs too).
 * **Anything else** vLLM puts in a block's extra keys (a kind this module does not
   know) refuses the request: served by vLLM alone, nothing loaded or saved; never a
-  guess.
+  guess. So does a streaming-input session (vLLM 0.32's ``resumable`` requests): its
+  later chunks bring tokens and multimodal items this reading, done when the session
+  arrives, never saw.
 
 Identity ids lie in ``[2**30, 2**31)``, above every vocabulary, so a derived page never
 equals a text page; each of its positions carries 30 bits of a SHA-256 digest of the
@@ -38,7 +40,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Mapping, Sequence
+import stat
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -80,6 +85,10 @@ def read_inputs(request: Request, page_size: int, adapters: AdapterDigests) -> R
 
     adapter = None
     try:
+        if getattr(request, "resumable", False):
+            # vLLM 0.32's streaming input: later chunks add tokens and items (and drop
+            # the last sampled token) after this reading; never keyed by the first alone
+            raise UnkeyedInput("streaming input session")
         if request.lora_request is not None:
             adapter = adapters.identity(request.lora_request)
         # Pages past the prompt carry no multimodal item or prompt embedding: only the
@@ -96,6 +105,8 @@ def read_inputs(request: Request, page_size: int, adapters: AdapterDigests) -> R
                 pages[i] = digest
     except UnkeyedInput as exc:
         return RequestInputs(refused=exc.kind)
+    except Exception as exc:  # never in vLLM's scheduler loop: not keyed, served by vLLM
+        return RequestInputs(refused=f"{type(exc).__name__} reading the request's inputs")
     return RequestInputs(adapter, pages)
 
 
@@ -164,48 +175,133 @@ class InputReader:
 
 
 class AdapterDigests:
-    """LoRA adapters' identities: ``name@sha256`` of every file under the adapter's
-    directory (names and contents), hashed again when a file's size or modification
-    time changes. Only local directories can be keyed (vLLM's worker may fetch other
-    paths from a hub: those requests are refused)."""
+    """LoRA adapters' identities: ``name@sha256`` of the files under the adapter's
+    directory (names and contents), taken once per ``(lora_name, lora_int_id,
+    lora_path)``, the first time a request names it.
 
-    def __init__(self) -> None:
-        self._known: dict[str, tuple[tuple, str]] = {}  # path -> (file stats, digest)
+    vLLM's worker loads an adapter id's files once and computes with those weights until
+    it drops the adapter (``LRUCacheWorkerLoRAManager.add_adapter`` reloads a loaded id
+    only with ``load_inplace``): the digest taken at first sight is what its KV depends
+    on. Files changed after that (their names, sizes, modification or change times,
+    inodes; looked at again at most every ``recheck_s`` seconds, never hashed again)
+    refuse the adapter from then on: the weights the worker computes with are no longer
+    known (it may have loaded the old files or, after dropping them, the new ones). A
+    request with ``load_inplace`` (vLLM reloads the files whenever it sees it) is refused
+    too. So is a directory that is not local and readable (vLLM's worker may fetch other
+    paths from a hub), holds anything but regular files (a FIFO would block the read),
+    more than ``MAX_ADAPTER_FILES`` files or more than ``MAX_ADAPTER_BYTES`` bytes."""
+
+    def __init__(self, recheck_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.recheck_s = ADAPTER_RECHECK_S if recheck_s is None else recheck_s
+        self._clock = clock
+        # (name, id, path) -> the adapter as first seen
+        self._known: OrderedDict[tuple[str, int, str], _Adapter] = OrderedDict()
 
     def identity(self, lora: LoRARequest) -> str:
-        """``name@sha256``; raises :class:`UnkeyedInput` when the files cannot be read."""
+        """``name@sha256``; raises :class:`UnkeyedInput` when the adapter is refused."""
+        if getattr(lora, "load_inplace", False):
+            raise UnkeyedInput("lora adapter loaded in place (load_inplace)")
         path = os.path.expanduser(str(lora.lora_path))
-        try:
-            stats = _file_stats(path)
-            known = self._known.get(path)
-            if known is None or known[0] != stats:
-                known = self._known[path] = (stats, _files_digest(path, stats))
-        except OSError:
-            raise UnkeyedInput("lora adapter without a readable local directory") from None
-        return f"{lora.lora_name}@{known[1]}"
+        key = (str(lora.lora_name), int(lora.lora_int_id), path)
+        now = self._clock()
+        known = self._known.get(key)
+        if known is None or (known.digest is None and not known.changed
+                             and now - known.checked >= self.recheck_s):
+            known = self._known[key] = _first_sight(path, now)
+            while len(self._known) > MAX_KNOWN_ADAPTERS:
+                self._known.popitem(last=False)
+        elif known.digest is not None and now - known.checked >= self.recheck_s:
+            known.checked = now
+            try:
+                stats = _file_stats(path)
+            except (OSError, UnkeyedInput):
+                stats = None
+            if stats != known.stats:
+                known.digest, known.changed = None, True
+                known.refused = "lora adapter whose files changed after it was first used"
+        self._known.move_to_end(key)
+        if known.digest is None:
+            raise UnkeyedInput(known.refused)
+        return f"{lora.lora_name}@{known.digest}"
+
+
+# An adapter's directory is hashed once (AdapterDigests); more is refused.
+MAX_ADAPTER_BYTES = 1 << 30
+MAX_ADAPTER_FILES = 1024
+ADAPTER_RECHECK_S = 1.0  # a known adapter's file stats are looked at again this often
+MAX_KNOWN_ADAPTERS = 4096  # adapters remembered (the oldest seen are hashed again)
+
+
+class _Adapter:
+    """An adapter as first seen: its files' stats and digest (None: refused, why)."""
+
+    __slots__ = ("digest", "stats", "checked", "refused", "changed")
+
+    def __init__(self, digest: str | None, stats: tuple, checked: float,
+                 refused: str = "", changed: bool = False) -> None:
+        self.digest, self.stats, self.checked = digest, stats, checked
+        self.refused, self.changed = refused, changed
+
+
+def _first_sight(path: str, now: float) -> _Adapter:
+    try:
+        stats = _file_stats(path)
+        return _Adapter(_files_digest(path, stats), stats, now)
+    except OSError:
+        return _Adapter(None, (), now, "lora adapter without a readable local directory")
+    except UnkeyedInput as exc:
+        return _Adapter(None, (), now, exc.kind)
 
 
 def _file_stats(path: str) -> tuple:
-    """(relative name, size, mtime) of every regular file under ``path``, sorted."""
+    """(relative name, size, mtime, ctime, device, inode) of every file under ``path``,
+    sorted; raises :class:`UnkeyedInput` for what cannot be hashed (not a regular file,
+    too many files or bytes), ``OSError`` when it cannot be read."""
     if not os.path.isdir(path):
         raise OSError(f"not a directory: {path}")
-    out = []
-    for root, dirs, files in os.walk(path):
+
+    def fail(exc: OSError) -> None:
+        raise exc
+
+    out: list[tuple[str, int, int, int, int, int]] = []
+    total = 0
+    for root, dirs, files in os.walk(path, onerror=fail):
         dirs.sort()
         for name in sorted(files):
             full = os.path.join(root, name)
-            st = os.stat(full)
-            out.append((os.path.relpath(full, path), st.st_size, st.st_mtime_ns))
+            st = os.stat(full)  # a symlink's target (the hub cache links its files)
+            if not stat.S_ISREG(st.st_mode):
+                raise UnkeyedInput("lora adapter holding a file that is not a regular file")
+            total += st.st_size
+            if len(out) >= MAX_ADAPTER_FILES or total > MAX_ADAPTER_BYTES:
+                raise UnkeyedInput(f"lora adapter over {MAX_ADAPTER_FILES} files or "
+                                   f"{MAX_ADAPTER_BYTES} bytes")
+            out.append((os.path.relpath(full, path), st.st_size, st.st_mtime_ns,
+                        st.st_ctime_ns, st.st_dev, st.st_ino))
     if not out:
         raise OSError(f"no files in {path}")
     return tuple(out)
 
 
 def _files_digest(path: str, stats: tuple) -> str:
+    """SHA-256 of the names and contents of the files of ``stats`` (each read as a
+    regular file of its size, never waiting on one that is not)."""
     h = hashlib.sha256()
-    for name, size, _ in stats:
+    for name, size, *_ in stats:
         h.update(f"{name}\0{size}\n".encode())
-        with open(os.path.join(path, name), "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
+        fd = os.open(os.path.join(path, name), os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+                raise UnkeyedInput("lora adapter whose files changed while hashed")
+            left = size
+            while left > 0:
+                chunk = os.read(fd, min(left, 1 << 20))
+                if not chunk:
+                    raise UnkeyedInput("lora adapter whose files changed while hashed")
                 h.update(chunk)
+                left -= len(chunk)
+        finally:
+            os.close(fd)
     return h.hexdigest()
