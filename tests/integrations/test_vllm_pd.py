@@ -375,3 +375,100 @@ def test_a_prompt_without_a_whole_page_is_handed_off_empty_and_not_held(sched, t
     assert c.handoff_tokens == 0 and c.handoff_wait_seconds == 0
     p.check()
     d.check()
+
+
+@pytest.mark.parametrize("asked", ["after", "before"])
+def test_a_hand_off_whose_writes_failed_tells_the_decode_at_once(sched, tmp_path, make, asked):
+    """A full store keeps 2 pages of the prefill's first write and refuses the rest: the
+    prefill's worker stores a marker for the first page not written, and the decode
+    request (asked after the writes ended, or waiting while they run) stops waiting at
+    once, loads the 2 pages and computes the rest, counted as ``failed``; it does not
+    wait ``handoff_timeout_s`` for pages that will never come."""
+    import time
+
+    B = sched.B
+    p = make("kv_producer")
+    d = make("kv_consumer", extra={"handoff_timeout_s": 20.0})
+    prompt = sched.random_prompt(12, 11 * B + 3)
+    p.faults.short_writes, p.faults.short_keep = 1, 2
+    start = time.monotonic()
+    if asked == "before":
+        p.faults.write_gate.clear()
+    params = _prefill(p, "r", prompt)
+    assert params["hicache"]["handoff"]["pages"] == 11
+    if asked == "after":
+        p.run()  # the writes ended, one short
+    d.add("r", prompt, max_tokens=DECODE_TOKENS, kv_transfer_params=params)
+    if asked == "before":
+        for _ in range(3):
+            d.step()
+        assert d.scheduler.requests["r"].num_computed_tokens == 0  # waiting
+        p.faults.write_gate.set()
+        p.run()
+    d.run()
+    assert time.monotonic() - start < 10.0
+    assert d.outputs["r"] == sched.extend(prompt, DECODE_TOKENS)[len(prompt):]
+    c = d.connector.scheduler_half.counters
+    assert (c.handoff_failed, c.handoff_timeout, c.handoff_served) == (1, 0, 0)
+    assert c.storage_hit_tokens == c.handoff_served_tokens == 2 * B
+    p.check()
+    d.check()
+
+
+def test_a_decode_request_preempted_after_its_hand_off_does_not_wait_again(sched, tmp_path,
+                                                                          make):
+    """The hand-off's pages never came (the request waited ``handoff_timeout_s`` once and
+    computed them); preempted later, the request is looked up again: it takes what the
+    tiers hold and does not wait a second time (counted once)."""
+    import time
+
+    B = sched.B
+    p = make("kv_producer")
+    d = make("kv_consumer", extra={"handoff_timeout_s": 0.5})
+    prompt = sched.random_prompt(13, 4 * B + 1)
+    p.faults.write_gate.clear()
+    params = _prefill(p, "r", prompt)
+    d.add("r", prompt, max_tokens=12, kv_transfer_params=params)
+    deadline = time.monotonic() + 30
+    while d.scheduler.requests["r"].num_computed_tokens <= len(prompt):
+        assert time.monotonic() < deadline
+        d.step()
+        time.sleep(0.005)
+    d.update_held()
+    assert d.scheduler.reset_prefix_cache(reset_running_requests=True)  # preempts "r"
+    assert d.scheduler.requests["r"].num_preemptions == 1
+    before = time.monotonic()
+    d.step()
+    assert d.scheduler.requests["r"].num_computed_tokens > 0  # scheduled at once
+    d.run()
+    assert time.monotonic() - before < 0.5
+    assert d.outputs["r"] == sched.extend(prompt, 12)[len(prompt):]
+    c = d.connector.scheduler_half.counters
+    assert (c.handoff_timeout, c.handoff_tokens) == (1, 4 * B)
+    p.faults.write_gate.set()
+    p.run()
+    p.check()
+    d.check()
+
+
+def test_a_producer_never_waits_for_a_hand_off(sched, tmp_path, make):
+    """A request carrying a hand-off sent to a prefill instance (``kv_producer``, which
+    never reads the third tier): it is scheduled at once, not held for pages it can
+    never read."""
+    B = sched.B
+    p = make("kv_producer")
+    other = make("kv_producer", extra={"handoff_timeout_s": 30.0})
+    prompt = sched.random_prompt(14, 3 * B + 5)
+    p.faults.write_gate.clear()
+    params = _prefill(p, "r", prompt)
+    other.add("r", prompt, max_tokens=DECODE_TOKENS, kv_transfer_params=params)
+    other.step()
+    assert other.scheduler.requests["r"].num_computed_tokens > 0  # scheduled at once
+    other.run()
+    assert other.outputs["r"] == sched.extend(prompt, DECODE_TOKENS)[len(prompt):]
+    c = other.connector.scheduler_half.counters
+    assert c.handoff_tokens == 0 and c.handoff_wait_seconds == 0
+    p.faults.write_gate.set()
+    p.run()
+    p.check()
+    other.check()

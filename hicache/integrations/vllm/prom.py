@@ -102,9 +102,10 @@ METRICS: dict[str, Metric] = {
     "vllm:hicache_handoff_requests_total": Metric(
         Counter, "Decode requests with a hand-off: served every page, or computed some "
         "because of another epoch, another key (identity), a timeout, an unreachable "
-        "store, or a short read.", "outcome",
+        "store, a failed write at the prefill, or a short read.", "outcome",
         {"served": "handoff_served", "epoch": "handoff_epoch", "identity": "handoff_identity",
-         "timeout": "handoff_timeout", "store": "handoff_store", "short": "handoff_short"}),
+         "timeout": "handoff_timeout", "store": "handoff_store", "failed": "handoff_failed",
+         "short": "handoff_short"}),
     "vllm:hicache_handoff_wait_seconds_total": Metric(
         Counter, "Seconds decode requests waited for handed-off pages to land.",
         None, {"": "handoff_wait_seconds"}),

@@ -7,7 +7,8 @@
 ``kv_producer`` a prefill instance: saves; never loads from the third tier unless
                ``producer_reads_storage`` (its own host tier still serves it); hands a
                request off to a decode instance when the request asks
-               (``{"do_remote_decode": true}``, what vLLM's P/D proxies send)
+               (``{"do_remote_decode": true}``, what vLLM's P/D proxies send); never
+               waits for a hand-off a request carries
 ``kv_consumer`` a decode instance: loads (waits for a hand-off's pages); saves nothing
                unless ``save_decode`` (then the next turn's prefill can reuse its KV)
 ============== ========================================================================
@@ -71,9 +72,13 @@ class ConnectorRoles:
         return self.kv_role != PRODUCER or self.hc_config.producer_reads_storage
 
     def _role_control(self, control: RequestControl) -> RequestControl:
-        """The request's control under this instance's role."""
+        """The request's control under this instance's role. A producer ignores a
+        hand-off a request carries (a decode's params sent to a prefill instance): it
+        never waits for pages it is not meant to read."""
         if self._saves_off and control.error is None:
-            return control._replace(skip_save=True)
+            control = control._replace(skip_save=True)
+        if self.kv_role == PRODUCER and control.handoff is not None:
+            control = control._replace(handoff=None)
         return control
 
     # ---------------------------------------------------------- scheduler side

@@ -19,6 +19,7 @@ reads them back. This module knows neither vLLM nor the tiers.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -62,6 +63,17 @@ def parse_handoff(value: object, where: str) -> Handoff | str:
         except (TypeError, ValueError) as e:
             return f"{where}.key: {show(str(e))}"
     return Handoff(pages, epoch, key)
+
+
+def write_failed_key(stored_key: str) -> str:
+    """The third-tier key that says "the write of ``stored_key`` (a rank's salted page
+    key) failed": a worker whose write stopped short of a page stores a value under it
+    (any bytes), and a decode request waiting for that page stops at once instead of
+    waiting ``handoff_timeout_s`` for a page that will never come. A page that is
+    there is never looked up this way: a marker left behind by an old failure costs at
+    most one recompute of a page being written again."""
+    return hashlib.blake2b(b"hicache-write-failed|" + stored_key.encode(),
+                           digest_size=16).hexdigest()
 
 
 def asks_remote_decode(kv_transfer_params: Mapping[str, Any] | None) -> bool:

@@ -26,8 +26,12 @@ What was not served is computed, never a load error; the reason is counted
 (:class:`~hicache.integrations.vllm.scheduler.stats.SchedulerStats`, ``handoff_*``):
 ``epoch`` (keyed under another epoch), ``identity`` (the last page's key differs from
 ours: another model, layout, tenant or tokens), ``timeout`` (not all there in time),
-``store`` (the tier could not be asked), ``short`` (found, fewer loaded: a read
-failed, host memory was full). Not thread-safe: vLLM's scheduler loop drives it.
+``store`` (the tier could not be asked), ``failed`` (the prefill's write of the first
+page missing failed: its worker stored a marker, ``write_failed_key``, and the decode
+stops waiting at once), ``short`` (found, fewer loaded: a read failed, host memory was
+full). A request waits for its hand-off once: preempted and looked up again, it takes
+what the tiers hold then, without waiting. Not thread-safe: vLLM's scheduler loop
+drives it.
 """
 
 from __future__ import annotations
@@ -38,14 +42,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hicache.integrations.vllm.common.handoff import Handoff
+from hicache.integrations.vllm.common.handoff import Handoff, write_failed_key
 from hicache.integrations.vllm.common.keys import salt_keys
 from hicache.integrations.vllm.scheduler.requests import RequestState
 
 _log = logging.getLogger("hicache.integrations.vllm.scheduler")
 
 PROBE_INTERVAL_S = 0.005  # a waiting request asks the tier at most this often
-REASONS = ("epoch", "identity", "timeout", "store", "short")
+REASONS = ("epoch", "identity", "timeout", "store", "failed", "short")
 
 
 @dataclass
@@ -71,6 +75,7 @@ class Handoffs:
         self.timeout_s = timeout_s
         self._clock = clock
         self._waits: dict[str, _Wait] = {}  # decode requests, until their outcome is counted
+        self._consumed: set[str] = set()  # live requests whose outcome was counted
         self._held: dict[str, float] = {}  # prefill requests whose blocks vLLM holds for us
         self._new_held: list[str] = []  # for the next plan
 
@@ -120,6 +125,8 @@ class Handoffs:
         """Whether the request goes on waiting for its handed-off pages (its lookup then
         answers None). ``start``: pages it has already (vLLM's hit or the host tier's);
         ``limit``: pages it may load at most."""
+        if req_id in self._consumed:  # preempted after its hand-off: never waits again
+            return False
         w = self._waits.get(req_id)
         now = self._clock()
         if w is None:
@@ -139,6 +146,8 @@ class Handoffs:
             return self._stop(w, now, "store")
         if start + ready >= w.wanted:
             return self._stop(w, now, None)
+        if self._write_failed(st, start + ready):
+            return self._stop(w, now, "failed")
         if now >= w.deadline:
             return self._stop(w, now, "timeout")
         w.next_probe = now + PROBE_INTERVAL_S
@@ -150,6 +159,7 @@ class Handoffs:
         w = self._waits.pop(req_id, None)
         if w is None:
             return
+        self._consumed.add(req_id)
         c = self._half.counters
         served = min(w.wanted, (num_computed + num_tokens) // self._half.page_size)
         c.handoff_served_tokens += served * self._half.page_size
@@ -163,6 +173,7 @@ class Handoffs:
 
     def request_finished(self, req_id: str) -> None:
         self._waits.pop(req_id, None)
+        self._consumed.discard(req_id)
 
     def _stop(self, w: _Wait, now: float, reason: str | None) -> bool:
         """Stop waiting (``reason``: why not every page came; counted if short)."""
@@ -194,3 +205,16 @@ class Handoffs:
             return min(probe.exists(salt_keys(keys, salt)) for salt in self._half._salts)
         except StorageError:
             return None
+
+    def _write_failed(self, st: RequestState, page: int) -> bool:
+        """Whether a rank's write of page ``page`` (missing) failed: its worker stored
+        the page's marker (:func:`~hicache.integrations.vllm.common.handoff.write_failed_key`)."""
+        from hicache.storage import StorageError
+
+        probe = self._half._probe
+        key = self._half._keys(st, page + 1)[page]
+        try:
+            return any(probe.exists([write_failed_key(salt_keys([key], salt)[0])])
+                       for salt in self._half._salts)
+        except StorageError:
+            return False

@@ -48,6 +48,7 @@ class SchedulerStats:
     handoff_identity: int = 0
     handoff_timeout: int = 0
     handoff_store: int = 0
+    handoff_failed: int = 0  # the prefill's write of a page failed (its marker stored)
     handoff_short: int = 0
 
 

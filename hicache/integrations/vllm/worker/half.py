@@ -119,6 +119,7 @@ class WorkerHalf(WorkerThirdTier):
         self._quarantine: set[int] = set()  # host pages a timed-out storage read may write
         self._store_stalled = False  # a storage wait hit its deadline; no job ended since
         self._reads_in_flight: list = []  # those reads (StorageJob)
+        self._markers: set = set()  # markers of failed writes in flight (StorageJob)
         self._tables: dict[str, list[int]] = {}  # vLLM's block table of each live request
         self._poisoned = PoisonedBlocks()  # blocks whose content is not their tokens' KV
         self.per_request_loads = per_request_loads

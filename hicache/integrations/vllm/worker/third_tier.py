@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hicache.integrations.vllm.common.handoff import write_failed_key
 from hicache.integrations.vllm.common.keys import salt_keys
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ class WorkerThirdTier:
     _quarantine: set[int]
     _store_stalled: bool
     _reads_in_flight: list[StorageJob]
+    _markers: set[StorageJob]
 
     if TYPE_CHECKING:  # WorkerHalf's
         def _poll(self) -> None: ...
@@ -201,14 +203,35 @@ class WorkerThirdTier:
                     self._reads_in_flight.remove(job)
                     self._quarantine.difference_update(job.host_pages.tolist())
                 continue  # the others are waited for where they are submitted
+            if job in self._markers:  # a failed write's marker (stored or not: no matter)
+                self._markers.discard(job)
+                continue
             rec = next(r for r in self._saves if r.job is job)
             self._saves.remove(rec)
             c.storage_write_seconds += job.seconds
-            self._report_write(rec.keys, job.num_done if job.error is None else 0)
+            num_written = job.num_done if job.error is None else 0
+            self._report_write(rec.keys, num_written)
+            if num_written < len(job.keys) and not job.cancelled:
+                self._mark_failed_write(job, num_written)
             if job.error is not None:
                 c.storage_errors += 1
             else:
                 c.storage_write_bytes += job.num_done * self.host_pool.page_nbytes
+
+    def _mark_failed_write(self, job: StorageJob, num_written: int) -> None:
+        """A write stopped short of page ``num_written`` of ``job`` (a full store, an
+        error; not a cancelled one, whose store may be stalled): store its marker
+        (``write_failed_key``), so that a decode request waiting for that page (a
+        prefill-to-decode hand-off) stops waiting at once. The marker's bytes are the
+        page's host page as it is now (never read); a store that refuses the marker
+        too leaves the decode to its timeout."""
+        from hicache.storage.worker import StorageJob
+
+        assert self.storage is not None
+        marker = StorageJob("write", [write_failed_key(job.keys[num_written])],
+                            job.host_pages[num_written:num_written + 1].clone())
+        self._markers.add(marker)
+        self.storage.submit(marker)
 
 
 def id_tensor(ids: list[int]) -> torch.Tensor:
