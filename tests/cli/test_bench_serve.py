@@ -8,7 +8,9 @@ full soak there.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import io
 import json
 import math
 
@@ -17,18 +19,29 @@ from optional import skip_unless
 
 import hicache.cli.benchmarks.serve as bs
 from hicache.cli import app as cli_main
-from hicache.cli.benchmarks.serve_client import Record, replay, run_load, stream_completion
+from hicache.cli.benchmarks.serve_chat import REPLY_MARGIN, chat_workload
+from hicache.cli.benchmarks.serve_client import (
+    Record,
+    replay,
+    run_load,
+    stream_chat,
+    stream_completion,
+)
 from hicache.cli.benchmarks.serve_report import (
+    common_prefix,
     compare_at,
+    goodput,
+    history_figures,
     loaded_rates,
     median_run,
     plot_sweep,
     same_outputs,
     summarize,
+    tier_tokens,
 )
 from hicache.cli.benchmarks.serve_server import ServerSpec, parse_metrics, terminate_as_interrupt
 from hicache.cli.benchmarks.serve_soak import Sample, fault_counts, longest_gap, verdict
-from hicache.cli.benchmarks.serve_workload import Workload, unique_prompts
+from hicache.cli.benchmarks.serve_workload import ChatWorkload, Workload, unique_prompts
 
 # ----------------------------------------------------------------------------- arguments
 
@@ -65,6 +78,11 @@ def everything_installed(monkeypatch):
     (["--no-hit-requests", "-1"], "--no-hit-requests"),
     (["--storage", "s3://bucket"], "--storage: expected 'file:DIR' or 'mooncake://"),
     (["--clients", "0"], "--clients"),
+    (["--workload", "sharegpt"], "--workload sharegpt: expected --model, a real model"),
+    (["--recorded-replies"], "--recorded-replies: expected --workload sharegpt"),
+    (["--workload", "chat"], "--workload"),
+    (["--ttft-slo-ms", "0"], "--ttft-slo-ms"),
+    (["--configs", "vllm,vllm-fitz"], "--configs: expected distinct names among"),
 ])
 def test_serve_bad_arguments_exit_2_with_one_line(capsys, everything_installed, argv, expected):
     assert expected in _usage_error(capsys, "serve", argv)
@@ -92,6 +110,59 @@ def bs_args(argv: list[str]):
     parser = Parser()
     bs.add_arguments(parser)
     return parser.parse_args(argv)
+
+
+def test_sharegpt_without_enough_conversations_exits_2_with_one_line(capsys, monkeypatch,
+                                                                    everything_installed,
+                                                                    tmp_path):
+    import hicache.cli.benchmarks.serve_chat as chat
+
+    def too_few(*a, **kw):
+        raise LookupError("only 3 ShareGPT conversations have 4 human turns")
+
+    monkeypatch.setattr(chat, "chat_workload", too_few)
+    monkeypatch.setattr(bs, "make_random_model", lambda *a: pytest.fail("work started"))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_attention_heads": 2, "num_hidden_layers": 1, "hidden_size": 8,
+        "intermediate_size": 16, "vocab_size": 50}))
+    line = _usage_error(capsys, "serve", ["--workload", "sharegpt", "--model", str(tmp_path)])
+    assert line.endswith("--workload sharegpt: only 3 ShareGPT conversations have 4 human turns")
+
+
+def test_report_adds_goodput_history_tiers_and_idle_cpu(capsys):
+    from hicache.cli.benchmarks.serve_runs import report
+
+    def run(ttft: float, cached: int) -> list[Record]:
+        return [Record(0, 0, 0, [1, 2, 3], sent_s=0.0, done_s=1.0, output=[4, 2], ttft_s=ttft),
+                Record(0, 0, 1, [1, 2, 3, 4, 2, 9], sent_s=1.0, done_s=2.0, output=[5],
+                       ttft_s=ttft, cached_tokens=cached)]
+
+    results = {
+        "rates": ["1", "inf"],
+        "unloaded": {"vllm": run(0.1, 0), "vllm+host": run(0.1, 5), "vllm-fits": run(0.1, 5)},
+        "sweep": {"vllm": {"1": run(0.2, 0), "inf": run(0.9, 0)},
+                  "vllm+host": {"1": run(0.1, 5), "inf": run(0.2, 5)},
+                  "vllm-fits": {"1": run(0.1, 5), "inf": run(0.1, 5)}},
+        "tiers": {"vllm+host": {"1": {"vllm_prefix": 0, "external": 5, "computed": 4,
+                                      "host": 5, "third_tier": 0}}},
+        "idle_cpu": {"vllm": [0.5, 100.0]},
+        "no_hit": None,
+    }
+    args = argparse.Namespace(ttft_slo_ms=None, recorded_replies=False, plot=None)
+    out = io.StringIO()
+    summary = report(args, results, {"model": "m", "workload": "w"}, out)
+    assert summary["ttft_slo_ms"] == 300.0  # 3x vLLM alone's unloaded p90
+    assert summary["goodput"]["vllm"]["goodput_rps"] == 1.0  # inf: 900 ms
+    assert summary["goodput"]["vllm+host"] == {"goodput_rps": 1.0, "vs_vllm": 1.0,
+                                               "vs_fits": 1.0}
+    assert summary["history"]["vllm+host"]["1"]["reused_share"] == 1.0
+    assert summary["history"]["vllm"]["1"]["retokenization_loss_tokens"] == 0
+    assert summary["idle_cpu"]["vllm"] == {"cpu_s": 0.5, "runs_wall_s": 100.0,
+                                           "cpu_share": 0.005}
+    assert summary["outputs_vs_fits"]["vllm+host"]["inf"]["num_differing"] == 0
+    text = out.getvalue()
+    assert "goodput: the highest request rate with TTFT p90 <= 300 ms" in text
+    assert "their CPU across the other configurations' runs: vllm 0.5 s" in text
 
 
 def test_rates_are_sorted_with_inf_last():
@@ -153,7 +224,10 @@ def test_server_specs_size_vllm_for_half_the_requests_in_flight(everything_insta
     assert w.max_prompt_tokens == 32 + 64 + 8 + 16 and w.max_seq_tokens == 128
     specs = bs.server_specs(args, list(bs.CONFIG_NAMES), bs.PRESETS["tiny"], "/m", w, "/s")
     assert {s.max_model_len for s in specs.values()} == {128}
+    fits = specs.pop("vllm-fits")
     assert {s.num_blocks for s in specs.values()} == {2 * 4 + 1}  # 2 of 5 sequences
+    assert fits.connector is None and fits.num_blocks == (4 + 1) * 4 + 1  # every conversation
+    assert not any(s.tokenizer for s in specs.values())  # token ids: --skip-tokenizer-init
     assert specs["vllm"].connector is None
     assert specs["vllm+host"].connector == {"host_tokens": (4 + 5) * 128}
     assert specs["vllm+host+file"].connector == {"host_tokens": 288, "storage": "file:/s"}
@@ -339,6 +413,200 @@ def test_run_load_refuses_a_rate_of_zero():
                              request_rate=0.0, max_in_flight=1))
 
 
+# ----------------------------------------------------------------------------- chats
+
+
+def _render(messages: list[dict]) -> list[int]:
+    """The fake chat template: per message a role id, a token per character, EOS (2);
+    then the generation prompt (the assistant's role id). A reply's text re-renders as
+    the tokens the fake model generated for it, but for the character '~', which the
+    model wrote as two tokens (the fake's retokenization loss)."""
+    roles = {"system": 3, "user": 4, "assistant": 5}
+    ids: list[int] = []
+    for m in messages:
+        ids += [roles[m["role"]], *(ord(c) for c in m["content"]), 2]
+    return ids + [5]
+
+
+class FakeChatServer:
+    """``POST /v1/chat/completions`` streamed as vLLM 0.32 streams it with
+    ``return_token_ids``: a first chunk with the role and ``prompt_token_ids``, a chunk
+    per token with its text and ``token_ids``, the last with ``finish_reason`` (``stop``
+    once the reply's text ends: EOS, 2, as its last token; ``length`` at max_tokens), then
+    usage. The reply's text is the last user message reversed; cached tokens: 4."""
+
+    def __init__(self, status: int = 200, no_ids: bool = False) -> None:
+        self.bodies: list[dict] = []
+        self.in_flight = self.max_in_flight = 0
+        self.status, self.no_ids = status, no_ids
+
+    async def handle(self, reader, writer) -> None:
+        request_line = await reader.readline()
+        length = 0
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":")[1])
+        body = json.loads(await reader.readexactly(length))
+        assert request_line.split()[1] == b"/v1/chat/completions"
+        self.bodies.append(body)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            if self.status != 200:
+                text = b'{"error": {"message": "prompt too long"}}'
+                writer.write(b"HTTP/1.1 %d Bad Request\r\nContent-Length: %d\r\n\r\n%s"
+                             % (self.status, len(text), text))
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n")
+            prompt = _render(body["messages"])
+            first = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+            if not self.no_ids:
+                first["prompt_token_ids"] = prompt
+            FakeServer._event(writer, first)
+            text = body["messages"][-1]["content"][::-1]
+            pieces = [(c, [ord(c)] if c != "~" else [126, 0]) for c in text] + [("", [2])]
+            pieces = pieces[:body["max_tokens"]]
+            for i, (c, ids) in enumerate(pieces):
+                await asyncio.sleep(0.001)
+                last = i == len(pieces) - 1
+                reason = ("stop" if ids == [2] else "length") if last else None
+                FakeServer._event(writer, {"choices": [{"index": 0, "delta": {"content": c},
+                                                        "finish_reason": reason,
+                                                        "token_ids": ids}]})
+            FakeServer._event(writer, {"choices": [], "usage": {
+                "prompt_tokens": len(prompt), "prompt_tokens_details": {"cached_tokens": 4}}})
+            data = b"data: [DONE]\n\n"
+            writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data))
+        finally:
+            self.in_flight -= 1
+            await writer.drain()
+            writer.close()
+
+
+def _chat_rec(messages: list[dict]) -> Record:
+    return Record(0, 0, 0, [], messages=messages)
+
+
+def test_stream_chat_reads_the_prompt_and_reply_ids_and_a_reply_ended_on_eos():
+    rec = _chat_rec([{"role": "user", "content": "abc"}])
+    fake = FakeChatServer()
+    asyncio.run(_with_server(fake, lambda url: stream_chat(
+        url, {"model": "m", "messages": rec.messages, "max_tokens": 10}, rec, 30)))
+    assert rec.error is None
+    assert fake.bodies[0]["return_token_ids"] is True and fake.bodies[0]["stream"] is True
+    assert fake.bodies[0]["stream_options"] == {"include_usage": True}
+    assert rec.prompt == [4, 97, 98, 99, 2, 5]
+    assert rec.output == [99, 98, 97, 2] and rec.reply_text == "cba"  # 4 < 10: EOS ended it
+    assert rec.finish_reason == "stop" and rec.cached_tokens == 4
+    assert rec.ttft_s is not None and rec.ttft_s > 0 and len(rec.itl_s) == 3
+
+
+def test_stream_chat_a_reply_cut_at_max_tokens_is_whole_too():
+    rec = _chat_rec([{"role": "user", "content": "abcdef"}])
+    asyncio.run(_with_server(FakeChatServer(), lambda url: stream_chat(
+        url, {"model": "m", "messages": rec.messages, "max_tokens": 3}, rec, 30)))
+    assert rec.error is None and rec.finish_reason == "length" and rec.output == [102, 101, 100]
+
+
+@pytest.mark.parametrize("fake, expected", [
+    (FakeChatServer(status=400), "ServerError: HTTP 400"),
+    (FakeChatServer(no_ids=True), "ServerError: no prompt_token_ids"),
+])
+def test_stream_chat_errors_are_recorded_not_raised(fake, expected):
+    rec = _chat_rec([{"role": "user", "content": "ab"}])
+    asyncio.run(_with_server(fake, lambda url: stream_chat(
+        url, {"model": "m", "messages": rec.messages, "max_tokens": 5}, rec, 30)))
+    assert rec.error is not None and rec.error.startswith(expected)
+    gone = _chat_rec([{"role": "user", "content": "ab"}])
+    asyncio.run(stream_chat("http://127.0.0.1:9", {"model": "m", "messages": gone.messages,
+                                                   "max_tokens": 1}, gone, 30))
+    assert gone.error is not None and gone.output == []
+
+
+class _Chat:
+    def __init__(self, human, gpt):
+        self.human, self.gpt = tuple(human), tuple(gpt)
+
+
+CHATS = [_Chat(["hi", "more", "bye"], ["hello", "sure", "ok"]),
+         _Chat(["x~y", "why", "z"], ["r1", "r2"])]
+
+
+@pytest.mark.parametrize("recorded", [False, True])
+def test_run_load_replays_chats_with_the_servers_or_the_recorded_replies(recorded):
+    w = ChatWorkload(CHATS, num_rounds=3, max_tokens=8, max_seq_tokens=64, vocab_size=200,
+                     recorded_replies=recorded)
+    fake = FakeChatServer()
+    records = asyncio.run(_with_server(fake, lambda url: run_load(
+        url, w, model="m", request_rate=math.inf, max_in_flight=1)))
+    assert [r.error for r in records] == [None] * 6 and fake.max_in_flight == 1
+    assert all(b["max_tokens"] == 8 and b["temperature"] == 0.0 and "ignore_eos" not in b
+               for b in fake.bodies)
+    last = {r.client: r for r in records if r.round_no == 2}
+    first_replies = {r.client: r.reply_text for r in records if r.round_no == 0}
+    assert first_replies == {0: "ih", 1: "y~x"}
+    expected_reply = "hello" if recorded else "ih"
+    assert last[0].messages == [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": expected_reply},
+        {"role": "user", "content": "more"},
+        {"role": "assistant", "content": "sure" if recorded else "erom"},
+        {"role": "user", "content": "bye"}]
+    assert last[0].prompt == _render(last[0].messages)  # the ids the server rendered
+    history = history_figures(records, replies_in_history=not recorded)
+    assert history["num_turns"] == 4
+    if not recorded:
+        # Client 1's first reply "y~x": generated [121, 126, 0, 120, 2], re-rendered
+        # [121, 126, 120, 2]: 3 tokens of its history lost to retokenization.
+        assert history["retokenization_loss_tokens"] == 3
+        assert history["reusable_tokens"] == history["history_tokens"] - 3
+    else:
+        assert history["retokenization_loss_tokens"] is None
+
+
+def test_chat_workload_needs_enough_turns_and_replies():
+    with pytest.raises(ValueError, match=r"chats\[1\]: expected 3 human turns"):
+        ChatWorkload([CHATS[0], _Chat(["a", "b"], ["c"])], 3, 8, 64, 200)
+    with pytest.raises(ValueError, match="and 2 replies"):
+        ChatWorkload([_Chat(["a", "b", "c"], ["d"])], 3, 8, 64, 200, recorded_replies=True)
+    assert ChatWorkload([_Chat(["a", "b", "c"], [])], 3, 8, 64, 200).num_requests == 3
+
+
+class _Tokenizer:
+    """One token per character; the template: 3 tokens per message, 1 to generate."""
+
+    def encode(self, text, add_special_tokens=False):
+        return list(text)
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return "".join("<>" + m["content"] + "|" for m in messages) + ">"
+
+
+def test_chat_workload_filters_by_the_models_tokens_and_sizes_the_longest_sequence():
+    seen = {}
+
+    def load(**kw):
+        seen.update(kw)
+        assert kw["count_tokens"]("abcd") == 4
+        return [_Chat(["aaaa", "bb"], ["cccccc"]), _Chat(["a", "b"], ["c"])][:kw["limit"]]
+
+    w = chat_workload("/m", clients=2, rounds=2, max_tokens=5, max_turn_tokens=10,
+                      recorded_replies=False, vocab_size=100, load=load, tokenizer=_Tokenizer())
+    assert {k: seen[k] for k in ("min_human_turns", "max_human_turns", "max_turn_tokens",
+                                 "limit")} == {"min_human_turns": 2, "max_human_turns": 2,
+                                               "max_turn_tokens": 10, "limit": 2}
+    # "aaaa", an empty reply and "bb": 3 messages of 3 + 6 characters, 1 to generate; the
+    # reply's 5 tokens and the margin, then the last reply.
+    assert w.max_seq_tokens == 9 + 6 + 1 + (5 + REPLY_MARGIN) + 5
+    recorded = chat_workload("/m", clients=2, rounds=2, max_tokens=5, max_turn_tokens=10,
+                             recorded_replies=True, vocab_size=100, load=load,
+                             tokenizer=_Tokenizer())
+    assert recorded.max_seq_tokens == 9 + 12 + 1 + 5
+    with pytest.raises(LookupError, match="only 2 ShareGPT conversations have 2 human turns"):
+        chat_workload("/m", clients=3, rounds=2, max_tokens=5, max_turn_tokens=10,
+                      recorded_replies=False, vocab_size=100, load=load, tokenizer=_Tokenizer())
+
+
 # ----------------------------------------------------------------------------- figures
 
 
@@ -376,6 +644,73 @@ def test_later_turns_ttft_leaves_each_conversations_first_turn_out():
 def _point(p90: float, tput: float, itl: float = 10.0, later: float | None = None) -> dict:
     return {"ttft_ms": {"p90": p90}, "later_ttft_ms": {"p90": later}, "itl_ms": {"p50": itl},
             "input_throughput": tput, "output_throughput": tput / 10}
+
+
+def _run_at(p90: float, rps: float = 0.0, failed: int = 0) -> dict:
+    return {"ttft_ms": {"p90": p90}, "request_throughput": rps, "num_failed": failed}
+
+
+def test_goodput_is_the_highest_rate_under_the_slo_below_the_first_miss():
+    sweep = {"1": _run_at(100), "0.5": _run_at(80), "2": _run_at(290), "4": _run_at(400),
+             "8": _run_at(250), "inf": _run_at(260, rps=9.5)}
+    assert goodput(sweep, 300.0) == 2.0  # 4 misses; 8 passing above it does not count
+    assert goodput(sweep, 500.0) == 9.5  # every rate passes: inf's measured throughput
+    assert goodput(sweep, 50.0) == 0.0  # the lowest rate misses
+    assert goodput({"1": _run_at(10), "2": _run_at(10, failed=1)}, 300.0) == 1.0
+    assert goodput({"1": {"ttft_ms": {"p90": None}, "num_failed": 0}}, 300.0) == 0.0
+
+
+def _hist_rec(round_no: int, prompt: list[int], output: list[int], cached: int = 0,
+              client: int = 0, error: str | None = None) -> Record:
+    r = Record(client, 0, round_no, prompt, output=output, cached_tokens=cached)
+    r.error = error
+    return r
+
+
+def test_common_prefix():
+    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert common_prefix([], [1]) == 0 and common_prefix([1, 2], [1, 2, 3]) == 2
+
+
+def test_history_reused_against_reusable_and_retokenization_loss_on_hand_made_ids():
+    records = [
+        # client 0: the template re-renders the whole history; 6 reusable, 5 cached
+        _hist_rec(0, [1, 2, 3], [4, 5, 2]),
+        _hist_rec(1, [1, 2, 3, 4, 5, 2, 9, 9], [6, 2], cached=5),
+        # client 1: the reply [7, 8] re-renders as [78]: 2 of 5 history tokens lost;
+        # the server reported more cached than reusable (a shared prefix): capped
+        _hist_rec(0, [1, 2], [7, 8, 2], client=1),
+        _hist_rec(1, [1, 2, 78, 2, 9], [3], cached=4, client=1),
+        # client 2: its first turn failed, the later one has no history to count
+        _hist_rec(0, [1], [], client=2, error="boom"),
+        _hist_rec(1, [1, 5], [3], cached=1, client=2),
+    ]
+    h = history_figures(records)
+    assert h["num_turns"] == 2
+    assert h["history_tokens"] == 6 + 5 and h["reusable_tokens"] == 6 + 2
+    assert h["reused_tokens"] == 5 + 2 and h["reused_share"] == round(7 / 8, 4)
+    assert h["retokenization_loss_tokens"] == 3
+    assert h["retokenization_loss_share"] == round(3 / 11, 4)
+    recorded = history_figures(records, replies_in_history=False)
+    assert recorded["retokenization_loss_tokens"] is None
+    assert recorded["reusable_tokens"] == 8
+    assert history_figures([])["reused_share"] is None
+
+
+def test_tier_tokens_are_the_counters_differences():
+    before = parse_metrics('vllm:prompt_tokens_by_source_total{engine="0",model_name="m",'
+                           'source="local_compute"} 100.0\n'
+                           'vllm:hicache_hit_tokens_total{model_name="m",tier="host"} 64.0\n')
+    after = parse_metrics('vllm:prompt_tokens_by_source_total{engine="0",model_name="m",'
+                          'source="local_compute"} 150.0\n'
+                          'vllm:prompt_tokens_by_source_total{engine="0",model_name="m",'
+                          'source="local_cache_hit"} 32.0\n'
+                          'vllm:prompt_tokens_by_source_total{engine="0",model_name="m",'
+                          'source="external_kv_transfer"} 96.0\n'
+                          'vllm:hicache_hit_tokens_total{model_name="m",tier="host"} 128.0\n'
+                          'vllm:hicache_hit_tokens_total{model_name="m",tier="storage"} 32.0\n')
+    assert tier_tokens(before, after) == {"vllm_prefix": 32, "external": 96, "computed": 50,
+                                          "host": 64, "third_tier": 32}
 
 
 def test_loaded_rates_are_those_at_3x_unloaded_lowest_first():

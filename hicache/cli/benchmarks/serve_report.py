@@ -12,6 +12,19 @@ at least ``factor`` times its unloaded TTFT p90 (one request at a time);
 :func:`compare_at` puts each configuration against vLLM alone at a rate;
 :func:`same_outputs` compares greedy replies turn by turn.
 
+What a user of a chat server reads beside those (issue 47):
+
+* :func:`goodput`: the highest request rate at which TTFT p90 stays under an SLO;
+* :func:`history_figures`: for every later turn of a conversation, the history its
+  prompt could reuse (the previous prompt and reply, as far as this prompt starts with
+  them: *reusable*), how much of it the server reported cached (*reused*), and the
+  *retokenization loss*: tokens of the previous prompt and generated reply that the
+  chat template re-rendered differently in this prompt (no cache can serve them; a
+  cache miss is another matter);
+* :func:`tier_tokens`: the prompt tokens each tier served in a run (vLLM's own prefix
+  cache, hicache's host tier, its third tier) and those computed, from the counters on
+  the server's ``/metrics`` before and after the run.
+
 This module knows nothing of HTTP or vLLM.
 """
 
@@ -76,6 +89,85 @@ def same_outputs(a: Sequence[Record], b: Sequence[Record]) -> dict:
     common = oa.keys() & ob.keys()
     differing = sum(oa[k] != ob[k] for k in common)
     return {"num_compared": len(common), "num_differing": differing}
+
+
+def goodput(sweep: dict[str, dict], slo_ms: float) -> float:
+    """The highest request rate of ``sweep`` (one configuration's runs by rate) at which
+    TTFT p90 is at most ``slo_ms`` with no failed request, and at every lower rate too
+    (the first rate that misses bounds it: a noisy pass above a miss does not count);
+    ``inf`` counts as the request throughput it reached. 0.0 when the lowest rate
+    misses."""
+    best = 0.0
+    for rate in sorted(sweep, key=rate_value):
+        s = sweep[rate]
+        p90 = s["ttft_ms"]["p90"]
+        if p90 is None or p90 > slo_ms or s["num_failed"]:
+            break
+        best = s["request_throughput"] if rate == "inf" else rate_value(rate)
+    return best
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token id sequences."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def history_figures(records: Sequence[Record], replies_in_history: bool = True) -> dict:
+    """Over every later turn answered after its conversation's previous turn was:
+    ``history_tokens``, the previous prompt and reply (``len(prev_prompt +
+    prev_output)``); ``reusable_tokens``, their common prefix with this prompt;
+    ``reused_tokens``, as much of that as the server reported cached;
+    ``retokenization_loss_tokens``, history less reusable: what the chat template
+    re-rendered differently (None unless the prompts carry the server's own replies,
+    ``replies_in_history``: recorded replies differ from the generated ones anyway)."""
+    turns = {(r.client, r.conversation, r.round_no): r for r in records if r.error is None}
+    history = reusable = reused = 0
+    num = 0
+    for (client, conv, round_no), rec in turns.items():
+        prev = turns.get((client, conv, round_no - 1)) if round_no else None
+        if prev is None:
+            continue
+        seq = prev.prompt + prev.output
+        n = common_prefix(seq, rec.prompt)
+        num += 1
+        history += len(seq)
+        reusable += n
+        reused += min(rec.cached_tokens, n)
+    loss = history - reusable if replies_in_history else None
+    return {
+        "num_turns": num, "history_tokens": history, "reusable_tokens": reusable,
+        "reused_tokens": reused,
+        "reused_share": round(reused / reusable, 4) if reusable else None,
+        "retokenization_loss_tokens": loss,
+        "retokenization_loss_share": round(loss / history, 4)
+        if loss is not None and history else None,
+    }
+
+
+# vLLM's prompt tokens by source, and hicache's hits by tier, on /metrics.
+_BY_SOURCE = 'vllm:prompt_tokens_by_source_total{{source="{}"}}'
+_HIT = 'vllm:hicache_hit_tokens_total{{tier="{}"}}'
+TIER_SERIES = {
+    "vllm_prefix": _BY_SOURCE.format("local_cache_hit"),
+    "external": _BY_SOURCE.format("external_kv_transfer"),
+    "computed": _BY_SOURCE.format("local_compute"),
+    "host": _HIT.format("host"),
+    "third_tier": _HIT.format("storage"),
+}
+
+
+def tier_tokens(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    """Prompt tokens of a run by where they came from (``/metrics`` around it, as
+    :func:`~hicache.cli.benchmarks.serve_server.parse_metrics` keys them): ``vllm_prefix``
+    (vLLM's own prefix cache), ``host`` and ``third_tier`` (hicache's hits, as the
+    connector planned them), ``external`` (what vLLM counted loaded from outside: the
+    two before), ``computed``."""
+    return {name: int(round(after.get(key, 0.0) - before.get(key, 0.0)))
+            for name, key in TIER_SERIES.items()}
 
 
 def loaded_rates(sweep: dict[str, dict], unloaded_ttft_p90_ms: float,

@@ -7,18 +7,29 @@ overlaps; none is measured while another starts) or takes the ``--url`` given;
 configurations reversed at every rate so a drift of the machine weighs on all alike),
 then the no-hit comparison in ABBA rounds; :func:`report` prints the table and
 returns the JSON summary. The command line is :mod:`hicache.cli.benchmarks.serve`.
+
+Around every measured run :func:`measure` also reads the server's ``/metrics`` (the
+prompt tokens each tier served, :func:`~hicache.cli.benchmarks.serve_report.tier_tokens`)
+and the CPU seconds of every *other* server started here (they stay up, idle, while one
+is driven: on a machine of few cores their CPU time across the run says whether they
+took any from it).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import signal
 from contextlib import ExitStack
 from typing import TextIO
 
+from hicache.cli.benchmarks.proc_cpu import cpu_seconds_by_name
 from hicache.cli.benchmarks.serve_client import Record, run_load
 from hicache.cli.benchmarks.serve_report import (
     compare_at,
+    goodput,
+    history_figures,
     loaded_rates,
     median_run,
     plot_sweep,
@@ -26,6 +37,7 @@ from hicache.cli.benchmarks.serve_report import (
     same_outputs,
     summarize,
     sweep_table,
+    tier_tokens,
 )
 from hicache.cli.benchmarks.serve_server import (
     Server,
@@ -34,12 +46,16 @@ from hicache.cli.benchmarks.serve_server import (
     reset_caches,
     served_model,
 )
-from hicache.cli.benchmarks.serve_workload import Workload, unique_prompts
+from hicache.cli.benchmarks.serve_workload import AnyWorkload, unique_prompts
 
 BASELINE = "vllm"
+WITHOUT_CONNECTOR = ("vllm", "vllm-fits")  # vLLM alone; with a KV cache for everything
+FITS = "vllm-fits"
+CONNECTED = ("vllm+host", "vllm+host+file")
 NO_HIT = ("vllm", "vllm+host")  # the no-hit comparison: vLLM alone, and with the connector
 RATE_MULTIPLES = (0.5, 1.0, 1.5, 2.0)  # of vLLM alone's throughput at inf (an auto sweep)
 LOADED_FACTOR = 3.0  # the comparison rate: vLLM alone's TTFT p90 >= 3x unloaded
+SLO_FACTOR = 3.0  # goodput's default TTFT SLO: 3x vLLM alone's unloaded TTFT p90
 # The connector's own clocks on vLLM's /metrics (its worker and scheduler hooks).
 STEP_SERIES = {side: (f'vllm:hicache_connector_seconds_total{{side="{side}"}}',
                       f'vllm:hicache_connector_steps_total{{side="{side}"}}')
@@ -49,19 +65,36 @@ STEP_SERIES = {side: (f'vllm:hicache_connector_seconds_total{{side="{side}"}}',
 class Target:
     """A configuration's server: started here, or at a ``--url``."""
 
-    def __init__(self, name: str, url: str, model: str) -> None:
+    def __init__(self, name: str, url: str, model: str, pid: int | None = None) -> None:
         self.name, self.url, self.model = name, url, model
+        self.pid = pid  # the server's process, when started here
 
     @property
     def with_connector(self) -> bool:
-        return self.name != BASELINE
+        return self.name not in WITHOUT_CONNECTOR
 
-    def run(self, workload: Workload, rate: str, max_in_flight: int, seed: int) -> list[Record]:
+    def run(self, workload: AnyWorkload, rate: str, max_in_flight: int,
+            seed: int) -> list[Record]:
         """One run after a reset of the server's caches."""
         reset_caches(self.url, self.with_connector)
         return asyncio.run(run_load(self.url, workload, model=self.model,
                                     request_rate=rate_value(rate),
                                     max_in_flight=max_in_flight, seed=seed))
+
+    def pause(self, paused: bool) -> None:
+        """Stop (SIGSTOP) or continue (SIGCONT) the server's process group, when started
+        here: an idle vLLM server polls, and takes a few percent of a core meanwhile."""
+        if self.pid is not None:
+            try:
+                os.killpg(self.pid, signal.SIGSTOP if paused else signal.SIGCONT)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def cpu_seconds(self) -> float | None:
+        """CPU seconds so far of the server's process tree (None: not started here)."""
+        if self.pid is None:
+            return None
+        return sum(cpu_seconds_by_name(self.pid).values())
 
 
 def start_targets(configs: list[str], urls: dict[str, str], specs: dict[str, ServerSpec],
@@ -79,7 +112,8 @@ def start_targets(configs: list[str], urls: dict[str, str], specs: dict[str, Ser
     targets = {}
     for name in configs:
         url = urls.get(name) or servers[name].url
-        targets[name] = Target(name, url, served_model(url))
+        pid = servers[name].proc.pid if name in servers else None
+        targets[name] = Target(name, url, served_model(url), pid)
     return targets
 
 
@@ -97,9 +131,54 @@ def _auto_rates(throughput: float) -> list[str]:
     return [*rates, "inf"]
 
 
-def measure(args: argparse.Namespace, targets: dict[str, Target], workload: Workload,
+class Watched:
+    """The runs' side figures: each run's tokens by tier, and the CPU seconds of the
+    servers left idle across other configurations' runs."""
+
+    def __init__(self, targets: dict[str, Target], pause_idle: bool = False) -> None:
+        self.targets = targets
+        self.pause_idle = pause_idle
+        self.tiers: dict[str, dict[str, dict[str, int]]] = {name: {} for name in targets}
+        # idle server -> [its CPU seconds, wall seconds of the runs it sat out]
+        self.idle: dict[str, list[float]] = {name: [0.0, 0.0] for name, t in targets.items()
+                                             if t.pid is not None}
+
+    def run(self, name: str, label: str, workload: AnyWorkload, rate: str,
+            max_in_flight: int, seed: int) -> list[Record]:
+        t = self.targets[name]
+        t.pause(False)
+        others = {n: o.cpu_seconds() for n, o in self.targets.items()
+                  if n != name and o.pid is not None}
+        if self.pause_idle:
+            for n in others:
+                self.targets[n].pause(True)
+        before = get_metrics(t.url)
+        records = t.run(workload, rate, max_in_flight, seed)
+        self.tiers[name][label] = tier_tokens(before, get_metrics(t.url))
+        wall = (max(r.done_s for r in records) - min(r.sent_s for r in records)
+                if records else 0.0)
+        for n, cpu in others.items():
+            now = self.targets[n].cpu_seconds()
+            if cpu is not None and now is not None:
+                self.idle[n][0] += now - cpu
+                self.idle[n][1] += wall
+        return records
+
+
+def measure(args: argparse.Namespace, targets: dict[str, Target], workload: AnyWorkload,
             rates: list[str] | None, out: TextIO) -> dict:
-    """Every run's records (``unloaded``, ``sweep`` by rate, ``no_hit``), by configuration."""
+    """Every run's records (``unloaded``, ``sweep`` by rate, ``no_hit``), by configuration;
+    ``tiers`` (tokens by tier, by configuration and run) and ``idle_cpu`` beside them."""
+    watched = Watched(targets, pause_idle=getattr(args, "pause_idle", False))
+    try:
+        return _measure(args, watched, targets, workload, rates, out)
+    finally:
+        for t in targets.values():  # every server continued, to be stopped as usual
+            t.pause(False)
+
+
+def _measure(args: argparse.Namespace, watched: Watched, targets: dict[str, Target],
+             workload: AnyWorkload, rates: list[str] | None, out: TextIO) -> dict:
     cap, seed = args.max_in_flight, args.seed
     # A first request per server, not measured (vLLM's first step sets up its kernels).
     warm = unique_prompts(1, 2 * args.block_size + 1, 2, workload.vocab_size, seed + 7)
@@ -107,28 +186,30 @@ def measure(args: argparse.Namespace, targets: dict[str, Target], workload: Work
         t.run(warm, "inf", 1, seed)
     print("unloaded: one request at a time", file=out, flush=True)
     unloaded = {}
-    for name, t in targets.items():
-        unloaded[name] = t.run(workload, "inf", 1, seed)
+    for name in targets:
+        unloaded[name] = watched.run(name, "unloaded", workload, "inf", 1, seed)
         _say(out, name, "1 inflt", unloaded[name])
     sweep: dict[str, dict[str, list[Record]]] = {name: {} for name in targets}
     if rates is None:
         print(f"{BASELINE} at inf: its throughput places the sweep", file=out, flush=True)
-        recs = sweep[BASELINE]["inf"] = targets[BASELINE].run(workload, "inf", cap, seed)
+        recs = sweep[BASELINE]["inf"] = watched.run(BASELINE, "inf", workload, "inf", cap, seed)
         rates = _auto_rates(_say(out, BASELINE, "inf", recs)["request_throughput"])
     print(f"sweep: {', '.join(rates)} requests/s, at most {cap} in flight", file=out, flush=True)
     order = list(targets)
     for i, rate in enumerate(rates):
         for name in (order if i % 2 == 0 else order[::-1]):
             if rate not in sweep[name]:
-                sweep[name][rate] = targets[name].run(workload, rate, cap, seed)
+                sweep[name][rate] = watched.run(name, rate, workload, rate, cap, seed)
                 _say(out, name, rate, sweep[name][rate])
     return {"rates": rates, "unloaded": unloaded, "sweep": sweep,
-            "no_hit": _no_hit(args, targets, workload.vocab_size, out)}
+            "tiers": watched.tiers, "idle_cpu": watched.idle,
+            "no_hit": _no_hit(args, watched, workload.vocab_size, out)}
 
 
-def _no_hit(args: argparse.Namespace, targets: dict[str, Target], vocab_size: int,
+def _no_hit(args: argparse.Namespace, watched: Watched, vocab_size: int,
             out: TextIO) -> dict | None:
     """ABBA rounds of prompts sharing nothing; the connector's clocks around its runs."""
+    targets = watched.targets
     if not args.no_hit_requests or any(n not in targets for n in NO_HIT):
         return None
     w = unique_prompts(args.no_hit_requests, args.no_hit_tokens, args.no_hit_max_tokens,
@@ -141,8 +222,10 @@ def _no_hit(args: argparse.Namespace, targets: dict[str, Target], vocab_size: in
     for r in range(args.no_hit_repeat):
         for name in (NO_HIT if r % 2 == 0 else NO_HIT[::-1]):
             t = targets[name]
+            t.pause(False)  # paused while the other ran: /metrics would not answer
             before = get_metrics(t.url) if t.with_connector else {}
-            runs[name].append(t.run(w, "inf", args.max_in_flight, args.seed))
+            runs[name].append(watched.run(name, f"no-hit.{r + 1}", w, "inf",
+                                          args.max_in_flight, args.seed))
             _say(out, name, f"no-hit.{r + 1}", runs[name][-1])
             if t.with_connector:
                 after = get_metrics(t.url)
@@ -185,6 +268,26 @@ def report(args: argparse.Namespace, results: dict, header: dict, out: TextIO) -
     print(f"greedy replies differing from {BASELINE}'s unloaded run: {num_differing} "
           f"(of {sum(c['num_compared'] for d in outputs.values() for c in d.values())} "
           "turns compared)", file=out)
+    if FITS in results["unloaded"]:
+        fits_ref = results["unloaded"][FITS]
+        outputs_vs_fits = {n: {"unloaded": same_outputs(fits_ref, results["unloaded"][n]),
+                               **{rate: same_outputs(fits_ref, r) for rate, r in by_rate.items()}}
+                           for n, by_rate in results["sweep"].items()}
+        num_vs_fits = {n: sum(c["num_differing"] for c in d.values())
+                       for n, d in outputs_vs_fits.items()}
+        print(f"greedy replies differing from {FITS}'s unloaded run, by configuration: "
+              + ", ".join(f"{n} {k}" for n, k in num_vs_fits.items()), file=out)
+    else:
+        outputs_vs_fits = None
+    slo_ms = args.ttft_slo_ms or SLO_FACTOR * base_p90
+    goodputs = _goodputs(sweep, slo_ms, args.ttft_slo_ms is None, base_p90, out)
+    replies_in_history = not getattr(args, "recorded_replies", False)
+    history = {n: {label: history_figures(recs, replies_in_history)
+                   for label, recs in [("unloaded", results["unloaded"][n]),
+                                       *results["sweep"][n].items()]}
+               for n in results["unloaded"]}
+    _history_table(history, results.get("tiers") or {}, out)
+    idle = _idle_summary(results.get("idle_cpu") or {}, getattr(args, "pause_idle", False), out)
     no_hit = _no_hit_summary(results["no_hit"], out)
     if args.plot:
         plot_sweep(sweep, args.plot, f"{header['model']}: {header['workload']}")
@@ -193,7 +296,64 @@ def report(args: argparse.Namespace, results: dict, header: dict, out: TextIO) -
             "configs": {n: {"unloaded": unloaded[n], "sweep": sweep[n]} for n in sweep},
             "unloaded_ttft_p90_ms": base_p90, "loaded_rates": loaded,
             "loaded_rate": loaded[0] if loaded else None, "vs_vllm": vs, "outputs": outputs,
-            "outputs_identical": num_differing == 0, "no_hit": no_hit}
+            "outputs_identical": num_differing == 0, "outputs_vs_fits": outputs_vs_fits,
+            "ttft_slo_ms": round(slo_ms, 3), "goodput": goodputs, "history": history,
+            "tiers": results.get("tiers"), "idle_cpu": idle, "no_hit": no_hit}
+
+
+def _goodputs(sweep: dict[str, dict[str, dict]], slo_ms: float, default_slo: bool,
+              base_p90: float, out: TextIO) -> dict:
+    """Each configuration's goodput, against vLLM alone's and ``vllm-fits``'s."""
+    rates = {n: goodput(s, slo_ms) for n, s in sweep.items()}
+    how = (f"{SLO_FACTOR:g}x {BASELINE}'s unloaded TTFT p90 of {base_p90:,.0f} ms"
+           if default_slo else "--ttft-slo-ms")
+    print(f"\ngoodput: the highest request rate with TTFT p90 <= {slo_ms:,.0f} ms ({how}) "
+          "and no failure, at every lower rate too", file=out)
+    result = {}
+    for name, g in rates.items():
+        vs_base = round(g / rates[BASELINE], 4) if rates[BASELINE] else None
+        vs_fits = round(g / rates[FITS], 4) if rates.get(FITS) else None
+        result[name] = {"goodput_rps": round(g, 4), "vs_vllm": vs_base, "vs_fits": vs_fits}
+        print(f"  {name:<16} {g:7.3g} req/s  x{vs_base} of {BASELINE}"
+              + (f", {vs_fits:.0%} of {FITS}'s" if vs_fits is not None else ""), file=out)
+    return result
+
+
+def _history_table(history: dict[str, dict[str, dict]], tiers: dict[str, dict[str, dict]],
+                   out: TextIO) -> None:
+    print("\nlater turns' history (previous prompt + reply): reusable = the part this prompt "
+          "starts with, reused = of that, reported cached; retok = history the chat template "
+          "re-rendered differently\nprompt tokens by tier (from /metrics): vLLM's prefix "
+          "cache, hicache's host tier and third tier, computed", file=out)
+    head = (f"{'config':<18} {'run':>8} {'history':>8} {'reusable':>8} {'reused':>7} "
+            f"{'retok':>6} {'vllm':>8} {'host':>8} {'3rd':>7} {'computed':>8}")
+    print(head, file=out)
+    print("-" * len(head), file=out)
+    for name, by_run in history.items():
+        for label in sorted(by_run, key=lambda k: -1.0 if k == "unloaded" else rate_value(k)):
+            h, t = by_run[label], tiers.get(name, {}).get(label, {})
+            share = "-" if h["reused_share"] is None else f"{h['reused_share']:.0%}"
+            retok = ("-" if h["retokenization_loss_share"] is None
+                     else f"{h['retokenization_loss_share']:.1%}")
+            print(f"{name:<18} {label:>8} {h['history_tokens']:>8,} {h['reusable_tokens']:>8,} "
+                  f"{share:>7} {retok:>6} {t.get('vllm_prefix', 0):>8,} {t.get('host', 0):>8,} "
+                  f"{t.get('third_tier', 0):>7,} {t.get('computed', 0):>8,}", file=out)
+
+
+def _idle_summary(idle: dict[str, list[float]], paused: bool, out: TextIO) -> dict:
+    """The idle servers' CPU seconds across the runs they sat out."""
+    if not idle:
+        return {}
+    summary = {n: {"cpu_s": round(cpu, 2), "runs_wall_s": round(wall, 2),
+                   "cpu_share": round(cpu / wall, 4) if wall else None}
+               for n, (cpu, wall) in idle.items()}
+    how = "stopped (SIGSTOP)" if paused else "left running (--no-pause-idle)"
+    print(f"\nidle servers ({how}), their CPU across the other configurations' runs: "
+          + ", ".join(
+        f"{n} {s['cpu_s']:.1f} s in {s['runs_wall_s']:.0f} s"
+        + (f" ({s['cpu_share']:.1%} of one core)" if s["cpu_share"] is not None else "")
+        for n, s in summary.items()), file=out)
+    return summary
 
 
 def _no_hit_summary(no_hit: dict | None, out: TextIO) -> dict | None:

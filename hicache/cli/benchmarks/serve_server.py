@@ -6,7 +6,8 @@ works for both of vLLM's builds; the CPU build's ``vllm`` script does not start)
 free 127.0.0.1 port, its output in a log file, in a process group of its own so that
 :meth:`Server.stop` ends the whole tree (API server, engine core, workers). The
 server takes token-id prompts only (``--skip-tokenizer-init``: a random model has no
-tokenizer, and the bench measures the engine, not detokenization) and reports cached
+tokenizer, and the bench measures the engine, not detokenization), unless its spec
+says ``tokenizer`` (a real model's chats, rendered by its template), and reports cached
 tokens per request (``--enable-prompt-tokens-details``); ``VLLM_SERVER_DEV_MODE=1``
 opens ``POST /reset_prefix_cache`` (with ``?reset_external=true`` the connector's host
 tier too, and the third tier's epoch).
@@ -50,6 +51,8 @@ class ServerSpec:
     seed: int = 0
     served_model_name: str = "bench"
     extra_args: tuple[str, ...] = ()
+    # Load the model's tokenizer and chat template (chat completions); else token ids only.
+    tokenizer: bool = False
 
     def command(self, port: int) -> list[str]:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -59,7 +62,8 @@ class ServerSpec:
                "--num-gpu-blocks-override", str(self.num_blocks),
                "--max-model-len", str(self.max_model_len),
                "--max-num-seqs", str(self.max_num_seqs), "--seed", str(self.seed),
-               "--enable-prefix-caching", "--skip-tokenizer-init",
+               "--enable-prefix-caching",
+               *(() if self.tokenizer else ("--skip-tokenizer-init",)),
                "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
                *self.extra_args]
         if self.connector is not None:

@@ -16,14 +16,37 @@ prompts wherever the server gave the same replies. :func:`unique_prompts` is the
 opposite shape: one round per client, no system prompt, nothing shared (a cache can
 only cost there).
 
+:class:`ChatWorkload` is the same replay in text (``--workload sharegpt``): each client
+one recorded conversation (ShareGPT's, read by :mod:`hicache.cli.benchmarks.serve_chat`),
+its human turns sent in order as chat messages; a later turn's messages are the earlier
+human turns with the server's own replies as assistant messages (or, with
+``recorded_replies``, the conversation's recorded replies: every configuration then gets
+the same prompts). The server renders them with the model's chat template; the prompt's
+token ids come back with the reply.
+
+Both shapes give the load driver a :class:`Turn` per request: :meth:`first_turn`,
+then :meth:`next_turn` with the reply, until the conversation's last round.
+
 This module knows nothing of HTTP or vLLM.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One request of a conversation: token ids (``/v1/completions``, ``max_tokens``
+    generated whatever the model says: ``ignore_eos``), or chat ``messages``
+    (``/v1/chat/completions``, up to ``max_tokens``, ending on the model's EOS)."""
+
+    prompt: list[int]
+    messages: list[dict[str, str]] | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +110,98 @@ class Workload:
         """Round ``round_no`` (>= 1): the previous prompt, its reply, the next user text."""
         return (previous_prompt + reply
                 + self._tokens(self.turn_tokens, 1, client, conversation, round_no))
+
+    def first_turn(self, client: int, conversation: int = 0) -> Turn:
+        return Turn(self.first_prompt(client, conversation))
+
+    def next_turn(self, client: int, conversation: int, round_no: int, previous: Turn,
+                  reply: list[int], reply_text: str) -> Turn:
+        return Turn(self.next_prompt(previous.prompt, reply, client, conversation, round_no))
+
+
+class Conversation(Protocol):
+    """A recorded chat (:class:`hicache.realdata.Chat`): human turns, recorded replies."""
+
+    @property
+    def human(self) -> tuple[str, ...]: ...
+    @property
+    def gpt(self) -> tuple[str, ...]: ...
+
+
+@dataclass(frozen=True)
+class ChatWorkload:
+    """Recorded conversations replayed as chats, one per client, ``num_rounds`` human
+    turns each (every conversation has at least that many; with ``recorded_replies``,
+    a recorded reply to each of them but the last). ``max_seq_tokens`` bounds the
+    longest prompt and its reply in the model's tokens (its caller counts them);
+    ``vocab_size`` is the model's, for the token-id warm-up and no-hit prompts."""
+
+    chats: Sequence[Conversation]
+    num_rounds: int
+    max_tokens: int
+    max_seq_tokens: int
+    vocab_size: int
+    recorded_replies: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_rounds", "max_tokens", "max_seq_tokens", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)}")
+        if not self.chats:
+            raise ValueError("chats: expected at least one conversation")
+        need_replies = self.num_rounds - 1 if self.recorded_replies else 0
+        for i, chat in enumerate(self.chats):
+            if len(chat.human) < self.num_rounds or len(chat.gpt) < need_replies:
+                raise ValueError(f"chats[{i}]: expected {self.num_rounds} human turns"
+                                 f"{f' and {need_replies} replies' if need_replies else ''}, "
+                                 f"got {len(chat.human)} and {len(chat.gpt)}")
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.chats)
+
+    @property
+    def num_requests(self) -> int:
+        return self.num_clients * self.num_rounds
+
+    def _chat(self, client: int, conversation: int) -> Conversation:
+        # A soak's next conversation of a client: the next chat along, round the list.
+        return self.chats[(client + conversation * self.num_clients) % len(self.chats)]
+
+    def first_turn(self, client: int, conversation: int = 0) -> Turn:
+        text = self._chat(client, conversation).human[0]
+        return Turn([], [{"role": "user", "content": text}])
+
+    def next_turn(self, client: int, conversation: int, round_no: int, previous: Turn,
+                  reply: list[int], reply_text: str) -> Turn:
+        """Round ``round_no`` (>= 1): the previous messages, the reply (the server's,
+        or the recorded one), the next human turn."""
+        chat = self._chat(client, conversation)
+        answer = chat.gpt[round_no - 1] if self.recorded_replies else reply_text
+        return Turn([], [*(previous.messages or []), {"role": "assistant", "content": answer},
+                         {"role": "user", "content": chat.human[round_no]}])
+
+
+class AnyWorkload(Protocol):
+    """What the load driver needs of a workload."""
+
+    @property
+    def num_clients(self) -> int: ...
+    @property
+    def num_rounds(self) -> int: ...
+    @property
+    def max_tokens(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def max_seq_tokens(self) -> int: ...
+    @property
+    def num_requests(self) -> int: ...
+
+    def first_turn(self, client: int, conversation: int = 0) -> Turn: ...
+
+    def next_turn(self, client: int, conversation: int, round_no: int, previous: Turn,
+                  reply: list[int], reply_text: str) -> Turn: ...
 
 
 def unique_prompts(num_requests: int, prompt_tokens: int, max_tokens: int, vocab_size: int,
