@@ -25,7 +25,7 @@ def test_the_number_fields_are_all_tested():
                                 "backup_hit_threshold", "load_threshold_tokens",
                                 "storage_timeout_s", "prefetch_threshold_tokens",
                                 "prefetch_timeout_base_s", "prefetch_timeout_per_ki_token_s",
-                                "prefetch_timeout_max_s", "handoff_timeout_s"]
+                                "prefetch_timeout_max_s", "handoff_timeout_s", "audit_rate"]
 
 
 def _refused(extra_json: str, name: str) -> None:

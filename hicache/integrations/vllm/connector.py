@@ -32,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from hicache.integrations.vllm.audit import ConnectorAudit
 from hicache.integrations.vllm.clocks import HookClock
 from hicache.integrations.vllm.clocks import timed_scheduler_hook as _timed_scheduler
 from hicache.integrations.vllm.clocks import timed_worker_hook as _timed
@@ -43,7 +44,6 @@ from hicache.integrations.vllm.common.params import ERROR_KEY, RequestControl
 from hicache.integrations.vllm.common.plan import StepPlan
 from hicache.integrations.vllm.common.tp import check_parallelism, vllm_rank_group
 from hicache.integrations.vllm.metadata import HiCacheConnectorMetadata, HiCacheWorkerMetadata
-from hicache.integrations.vllm.roles import ConnectorRoles
 from hicache.integrations.vllm.scheduled import scheduled_requests
 from hicache.integrations.vllm.scheduler.control import resolve_request
 from hicache.integrations.vllm.scheduler.half import SchedulerHalf
@@ -79,7 +79,7 @@ if TYPE_CHECKING:
 _log = logging.getLogger(__name__)
 
 
-class HiCacheConnector(ConnectorRoles, KVConnectorBase_V1, SupportsHMA):
+class HiCacheConnector(ConnectorAudit, KVConnectorBase_V1, SupportsHMA):
     """hicache's host tier and third tier behind vLLM's prefix cache (``kv_role`` and
     the prefill-to-decode hand-off: :mod:`~hicache.integrations.vllm.roles`).
 
@@ -334,10 +334,10 @@ class HiCacheConnector(ConnectorRoles, KVConnectorBase_V1, SupportsHMA):
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler_half is not None, "scheduler-side call on a worker connector"
         self._requests[request.request_id] = request
-        num = self.scheduler_half.num_matched_tokens(
+        num = self._audit_lookup(request.request_id, self.scheduler_half.num_matched_tokens(
             request.request_id, request.all_token_ids, num_computed_tokens,
             self._namespace(request),
-        )
+        ))  # an audited hit (audit.py) is computed, then compared: 0
         if num is not None:  # a hand-off's outcome is counted at its first answer
             self.scheduler_half.handoffs.looked_up(request.request_id, num_computed_tokens, num)
         return num, bool(num) and self.groups.hybrid  # hybrid: loaded off the forward
@@ -377,7 +377,7 @@ class HiCacheConnector(ConnectorRoles, KVConnectorBase_V1, SupportsHMA):
             comps = self.scheduler_half.components
             if comps is not None:
                 comps.boundary_states(block_state.boundary_state_offloads)
-        plan = self.scheduler_half.build_plan(scheduled)
+        plan = self._audited_plan(scheduled)  # the half's, and the audit's comparisons
         plan.held = self.scheduler_half.handoffs.take_held()  # vLLM holds their blocks
         if self._tier_events is not None:
             self._tier_events.planned(plan.early_saves + plan.saves)

@@ -45,6 +45,8 @@ class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
     # (pages, seconds) of third-tier reads
     forwards: list[tuple[int, float]] = field(default_factory=list)
     reads: list[tuple[int, float]] = field(default_factory=list)
+    # The run-time KV audit: op id -> outcome (common/audit.py), the worst over ranks
+    audits: dict[int, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, HiCacheWorkerMetadata):
@@ -58,4 +60,6 @@ class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
             self.pending_writes.update(other.pending_writes)
             self.forwards += other.forwards
             self.reads += other.reads
+            for op_id, outcome in other.audits.items():
+                self.audits[op_id] = max(self.audits.get(op_id, outcome), outcome)
         return self

@@ -109,6 +109,25 @@ METRICS: dict[str, Metric] = {
     "vllm:hicache_handoff_wait_seconds_total": Metric(
         Counter, "Seconds decode requests waited for handed-off pages to land.",
         None, {"": "handoff_wait_seconds"}),
+    "vllm:hicache_audited_requests_total": Metric(
+        Counter, "Run-time KV audit: requests with a hit that was not served but compared "
+        "with the KV vLLM computed instead.", None, {"": "audited_requests"}),
+    "vllm:hicache_audit_computed_tokens_total": Metric(
+        Counter, "Run-time KV audit: hit tokens audited requests computed instead of "
+        "loading (the audit's cost).", None, {"": "audit_computed_tokens"}),
+    "vllm:hicache_audited_pages_total": Metric(
+        Counter, "Run-time KV audit: pages compared with the KV vLLM computed.",
+        None, {"": "audited_pages"}),
+    "vllm:hicache_audit_mismatches_total": Metric(
+        Counter, "Run-time KV audit: pages whose KV differed from what vLLM computed "
+        "(taken out of service with every page below them).",
+        None, {"": "audit_mismatched_pages"}),
+    "vllm:hicache_audit_skipped_pages_total": Metric(
+        Counter, "Run-time KV audit: pages of an audited hit not compared (they left the "
+        "tiers first, or could not be read).", None, {"": "audit_skipped_pages"}),
+    "vllm:hicache_audit_dropped_pages_total": Metric(
+        Counter, "Run-time KV audit: host pages taken out of service for a mismatch (the "
+        "page and every page below it).", None, {"": "audit_dropped_pages"}),
     "vllm:hicache_storage_errors_total": Metric(
         Counter, "Third-tier operations that failed.", None, {"": "storage_errors"}),
     "vllm:hicache_storage_timeouts_total": Metric(

@@ -40,6 +40,7 @@ from hicache.checks import (
     parse_text,
 )
 from hicache.errors import config_errors
+from hicache.integrations.vllm.common.audit import AUDIT_ACTIONS
 from hicache.storage.auth import check_secret
 
 _WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -158,6 +159,12 @@ class ConnectorConfig:
     # reset_prefix_cache(reset_connector=True) bumps the third tier's epoch (its pages of
     # the old weights miss from then on, for every process sharing the tier)
     storage_epoch_on_reset: bool = True
+    # The run-time KV audit (scheduler/audit.py): this share of the requests with a hit is
+    # not served it; vLLM computes those blocks and the workers compare them with the
+    # pages the hit would have served. "count": a page found wrong is counted, logged and
+    # taken out of service; "stop_loads": and no hit is served from then on.
+    audit_rate: float = 0.0
+    audit_action: str = "count"
     # Storage secret: pages are tagged and verified (None: $HICACHE_STORAGE_SECRET). Never
     # shown; from the file or the environment only (kv_connector_extra_config refuses it).
     storage_secret: str | None = field(default=None, repr=False, compare=False)
@@ -256,6 +263,9 @@ class ConnectorConfig:
                 minimum=0, strict=False, maximum=3600, max_included=True)
         _number("prefetch_timeout_max_s", self.prefetch_timeout_max_s, minimum=0,
                 strict=True, maximum=3600, max_included=True)
+        _number("audit_rate", self.audit_rate, minimum=0, strict=False, maximum=1,
+                max_included=True)
+        _choice("audit_action", self.audit_action, AUDIT_ACTIONS)
         _choice("write_policy", self.write_policy, _WRITE_POLICIES)
         _int("backup_hit_threshold", self.backup_hit_threshold, minimum=1)
         _choice("eviction", self.eviction, _EVICTIONS)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hicache.integrations.vllm.common.audit import AuditOp
+
 
 @dataclass
 class LoadOp:
@@ -67,6 +69,10 @@ class StepPlan:
     # Requests handed off to a decode instance (scheduler/handoff.py), finished now: vLLM
     # holds their blocks until every worker's third-tier writes of them ended.
     held: list[str] = field(default_factory=list)
+    # The run-time KV audit (common/audit.py): blocks this step's forward completes, each
+    # compared with the page a hit not served would have loaded, after the forward.
+    audits: list[AuditOp] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.saves or self.early_saves or self.prefetches)
+        return not (self.loads or self.saves or self.early_saves or self.prefetches
+                    or self.audits)

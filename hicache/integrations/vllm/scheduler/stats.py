@@ -50,6 +50,16 @@ class SchedulerStats:
     handoff_store: int = 0
     handoff_failed: int = 0  # the prefill's write of a page failed (its marker stored)
     handoff_short: int = 0
+    # The run-time KV audit (audit.py): requests whose hit was not served but checked,
+    # the hit tokens they computed instead (the audit's cost), pages compared, found
+    # wrong, not compared (the page left the tiers first, or could not be read), and
+    # host pages taken out of service for a mismatch (the page and what hangs below it)
+    audited_requests: int = 0
+    audit_computed_tokens: int = 0
+    audited_pages: int = 0
+    audit_mismatched_pages: int = 0
+    audit_skipped_pages: int = 0
+    audit_dropped_pages: int = 0
 
 
 # Stats the connector reports with the counters' deltas that are snapshots (the host
