@@ -371,21 +371,25 @@ def _conversations(e, system: list[int], num_convs: int, num_turns: int) -> dict
     return computed
 
 
+@pytest.mark.parametrize("host_pages", [256, 12])
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 @pytest.mark.parametrize("kind", ["window", "state"])
 @TREES
 def test_a_restarted_engine_serves_a_multi_turn_workload_from_the_file_tier(
-        kind, policy, tree, tmp_path):
+        kind, policy, tree, host_pages, tmp_path):
     """A second engine on the first one's ``file:`` tier, its host tier empty, replays
     the same conversations: the host tier then holds full-attention pages (a shared
     system prompt read for one conversation) past where its components serve a hit,
     and a hit over them reads the rest from storage. Issue 45: every such load failed
-    ("the host tree changed under a plan"), failing 28 of 40 requests in real vLLM."""
+    ("the host tree changed under a plan"), failing 28 of 40 requests in real vLLM.
+    With a host tier of 12 pages a hit is promised only where host memory has room for
+    what it reads past the host tier's pages (pinned), so none fails either."""
     storage = {"storage": f"file:{tmp_path}", "prefetch_policy": "sync"}
     system = _prompt(20, 70)
     runs = []
     for _ in range(2):
-        e = _engine(kind, tree, policy=policy, extra=storage, host_pages=256, num_blocks=24)
+        e = _engine(kind, tree, policy=policy, extra=storage, host_pages=host_pages,
+                    num_blocks=24)
         computed = _conversations(e, system, 4, 3)
         e.check()
         assert not e.failed, sorted(e.failed)
@@ -394,4 +398,5 @@ def test_a_restarted_engine_serves_a_multi_turn_workload_from_the_file_tier(
         e.close()
     (first, _), (second, c) = runs
     assert c.load_failed_tokens == 0 and c.storage_hit_tokens > 0
-    assert sum(second.values()) <= sum(first.values()), (first, second)
+    if host_pages > 12:
+        assert sum(second.values()) <= sum(first.values()), (first, second)

@@ -192,15 +192,16 @@ class SchedulerHalf(HalfInspection):
                     st.prefetched = (host, host + n)
                     return None  # vLLM asks again next step
         elif self.storage is not None and clean_path and start < limit:
+            # Room as after_alloc takes it: the cached path pinned, pages past it new.
             stored = num_promisable_pages(
                 self._probe, self._keys(st, limit)[start:limit], self.tree,
-                self.host_allocator, key, host, P, extra_pages=start - host,
+                self.host_allocator, key, cached, P, extra_pages=start - cached,
                 namespace=st.namespace, salts=self._salts,
             )
             if comps is not None and stored and not comps.promise_storage(
                     st, num_computed // P, start + stored, host_room_for_fetch(
-                        self.tree, self.host_allocator, key, host, P, st.namespace)
-                    - (start + stored - host)):
+                        self.tree, self.host_allocator, key, cached, P, st.namespace)
+                    - max(0, start + stored - cached)):
                 stored = 0  # a component page the hit reads is not stored
         num_tokens = ((start + stored) if stored else host) * P - num_computed
         if num_tokens <= 0 or num_tokens < self.config.load_threshold_tokens:
