@@ -11,9 +11,13 @@ own evictions, ``reset_prefix_cache`` with and without running requests or the
 connector, failing loads, saves and third-tier reads (or reads that outlast
 storage_timeout_s) at any rate, and a store held for some steps (prefetches still
 reading while requests finish, abort, give up or a reset comes). Requests carry a
-``cache_salt``, per-request control (``kv_transfer_params``: skip load, skip save,
-save at most N prompt tokens, a namespace, or a mistake), a LoRA adapter (two under
-one name, one whose files cannot be read), and an image or a prompt of embeddings, all
+``cache_salt`` (of any length and code points: lone surrogates, NUL, non-BMP, around
+the 256-byte cap), per-request control (``kv_transfer_params``: skip load, skip save,
+save at most N prompt tokens, a namespace of any length and code points, or a mistake:
+wrong types, NaN, nested garbage, huge numbers), a LoRA adapter (two under one name,
+one whose files cannot be read, any of them replaced in place between requests: vLLM
+goes on computing with the weights it loaded first, the connector refuses it from
+then on), and an image or a prompt of embeddings, all
 drawn independently of the history they follow (a follow-up may swap the image or the
 embeddings under the same tokens). After every step: no forward read wrong KV that
 vLLM will not recompute, the scheduler half's integrity; at every lookup, no hit for a
@@ -52,14 +56,36 @@ from hypothesis.stateful import (  # noqa: E402
     rule,
 )
 
+# Strings of every length and code point (lone surrogates, NUL, non-BMP included), and
+# around the 256-byte cap on a namespace or a salt, for salts and namespaces.
+ANY_TEXT = st.one_of(
+    st.text(st.characters(exclude_categories=()), max_size=8),
+    st.text(st.characters(exclude_categories=()), min_size=60, max_size=300),
+    st.builds(lambda c, n: c * n, st.sampled_from(["x", "\u00e9", "\U0001f600", "\ud800"]),
+              st.sampled_from([63, 64, 65, 85, 86, 128, 129, 255, 256, 257])),
+)
 # kv_transfer_params["hicache"] of a request: none, valid ones, or a mistake.
-MISTAKES = [{"skip_lod": True}, {"save_max_tokens": -1}, {"namespace": ""}, "all"]
+MISTAKES = [{"skip_lod": True}, {"save_max_tokens": -1}, {"namespace": ""}, "all",
+            {"save_max_tokens": float("nan")}, {"skip_load": [[{}]]},
+            {"handoff": {"pages": -(2 ** 63), "epoch": 0, "key": ""}}]
 VALID = st.fixed_dictionaries({"namespace": st.sampled_from([None, "a", "b"])}, optional={
     "skip_load": st.booleans(), "skip_save": st.booleans(),
     "save_max_tokens": st.sampled_from([None, 0, 16, 35, 80]),
 })
-CONTROLS = st.one_of(st.none(), VALID, VALID, st.sampled_from(MISTAKES))
-SALTS = st.sampled_from([None, None, "s"])
+# a namespace of any length and code points (over the cap or not UTF-8: a mistake)
+ODD_NAMESPACES = st.fixed_dictionaries({"namespace": ANY_TEXT})
+CONTROLS = st.one_of(st.none(), VALID, VALID, st.sampled_from(MISTAKES), ODD_NAMESPACES)
+SALTS = st.one_of(st.sampled_from([None, None, "s"]), ANY_TEXT)
+
+
+def _keepable(name: str, *, salt: bool) -> bool:
+    """Whether hicache keeps this salt or namespace: valid UTF-8 of at most 256 bytes
+    (a namespace not empty, a salt not starting with NUL)."""
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError:
+        return False
+    return size <= 256 and (not name.startswith("\x00") if salt else bool(name))
 # LoRA adapters: "A" and "A2" are two adapters registered under one name (other weights),
 # "B" another one, "gone" one whose files cannot be read (refused: served without hicache).
 LORAS = st.sampled_from([None, None, "A", "A2", "B", "gone"])
@@ -148,6 +174,10 @@ class ConnectorMachine(RuleBasedStateMachine):
         self.lookup_errors: list[str] = []
         self.keyed: list[list[tuple[int, str]]] = []  # of each sequence the engine saw
         self.adapters: dict[str, Any] = {}  # name -> (vLLM's LoRARequest, its weights)
+        # Adapters vLLM loaded (first used): key -> the weights it computes with; and
+        # those whose files changed since (refused by the connector from then on)
+        self.loaded: dict[str, bytes] = {}
+        self.changed: set[str] = set()
 
     @initialize(async_scheduling=st.booleans(), **ENGINES)
     def build(self, async_scheduling, policy, tree, executor, storage, host_pages, num_blocks,
@@ -176,6 +206,8 @@ class ConnectorMachine(RuleBasedStateMachine):
             return num, load_async
 
         connector.get_num_new_matched_tokens = watched
+        # A change to an adapter's files is seen at the next request (not a second later)
+        self.e.adapters.recheck_s = self.e.connector._inputs.adapters.recheck_s = 0.0
 
     def _write_adapters(self) -> None:
         import tempfile
@@ -192,6 +224,18 @@ class ConnectorMachine(RuleBasedStateMachine):
             self.adapters[key] = (LoRARequest(name, i + 1, path), (name, weights))
         gone = LoRARequest("gone", 9, os.path.join(root, "missing"))
         self.adapters["gone"] = (gone, ("gone", None))
+
+    @rule(key=st.sampled_from(["A", "A2", "B"]), weights=st.sampled_from([b"n-1", b"n-22"]))
+    def replace_adapter(self, key, weights):
+        """An adapter's files are replaced in place: vLLM's worker goes on computing with
+        the weights it loaded; after its first use, the connector refuses the adapter."""
+        request, (name, old) = self.adapters[key]
+        path = os.path.join(request.lora_path, "adapter_model.safetensors")
+        with open(path, "wb") as f:
+            f.write(old + weights)  # longer: a change whatever the clock's granularity
+        self.adapters[key] = (request, (name, old + weights))
+        if key in self.loaded:
+            self.changed.add(key)
 
     def _engine(self, **kwargs):
         return self.sched.Engine(**kwargs)
@@ -238,7 +282,14 @@ class ConnectorMachine(RuleBasedStateMachine):
         keyed = _keyed(sequence, items, rows)
         request, adapter = self.adapters[lora] if lora is not None else (None, None)
         refused = adapter is not None and adapter[1] is None  # its files cannot be read
-        mistake = control == "all" or control in MISTAKES
+        if adapter is not None and not refused:
+            # vLLM computes with the files as first loaded; changed since: refused
+            adapter = (adapter[0], self.loaded.setdefault(lora, adapter[1]))
+            refused = lora in self.changed
+        mistake = (control == "all" or control in MISTAKES
+                   or (salt is not None and not _keepable(salt, salt=True))
+                   or (isinstance(control, dict) and isinstance(control.get("namespace"), str)
+                       and not _keepable(control["namespace"], salt=False)))
         c = control if isinstance(control, dict) and not mistake else {}
         saveable = [] if mistake or refused or c.get("skip_save") else keyed
         if c.get("save_max_tokens") is not None:
@@ -419,8 +470,10 @@ class ConnectorMachine(RuleBasedStateMachine):
         reqs = list(self.model.values())
         # (a request whose adapter cannot be read holds nothing: its tree namespace is
         # the base model's, with nothing saved)
-        spaces = {r.namespace: t for r, t in zip(reqs, self.e.namespaces, strict=True)
-                  if r.namespace[2] is None or r.namespace[2][1] is not None}
+        # (nor does a request refused for its salt, its params or a changed adapter)
+        spaces = {r.namespace: t for r, t, k in zip(reqs, self.e.namespaces,
+                                                    self.e.tree_keys, strict=True)
+                  if k is not None and (r.namespace[2] is None or r.namespace[2][1] is not None)}
         for space, tree_space in spaces.items():
             mine = [r.saveable for r in reqs if r.namespace == space]
             for seq, key in zip(self.keyed, self.e.tree_keys, strict=True):
