@@ -139,6 +139,12 @@ def test_an_adapters_files_are_hashed_once_and_their_stats_read_at_most_every_se
     now[0] = 1.0
     assert inputs.read_inputs(_request(lora=a), B, digests).refused is not None
     assert len(walks) == 2
+    # refused for good: not hashed again, even once other adapters pushed it out
+    monkeypatch.setattr(inputs, "MAX_KNOWN_ADAPTERS", 1, raising=False)
+    b = _adapter(tmp_path, "b", "B", b"weights-b", 2)
+    assert inputs.read_inputs(_request(lora=b), B, digests).refused is None
+    now[0] = 5.0
+    assert inputs.read_inputs(_request(lora=a), B, digests).refused is not None
 
 
 def test_an_adapter_directory_that_cannot_be_hashed_safely_is_refused_at_once(

@@ -197,6 +197,7 @@ class AdapterDigests:
         self._clock = clock
         # (name, id, path) -> the adapter as first seen
         self._known: OrderedDict[tuple[str, int, str], _Adapter] = OrderedDict()
+        self._changed: set[tuple[str, int, str]] = set()  # never forgotten, never keyed
 
     def identity(self, lora: LoRARequest) -> str:
         """``name@sha256``; raises :class:`UnkeyedInput` when the adapter is refused."""
@@ -204,11 +205,14 @@ class AdapterDigests:
             raise UnkeyedInput("lora adapter loaded in place (load_inplace)")
         path = os.path.expanduser(str(lora.lora_path))
         key = (str(lora.lora_name), int(lora.lora_int_id), path)
+        if key in self._changed:
+            raise UnkeyedInput(_CHANGED)
         now = self._clock()
         known = self._known.get(key)
-        if known is None or (known.digest is None and not known.changed
-                             and now - known.checked >= self.recheck_s):
+        if known is None or (known.digest is None and now - known.checked >= self.recheck_s):
             known = self._known[key] = _first_sight(path, now)
+            if known.refused == _CHANGED:  # while hashed: vLLM may have loaded either
+                self._changed.add(key)
             while len(self._known) > MAX_KNOWN_ADAPTERS:
                 self._known.popitem(last=False)
         elif known.digest is not None and now - known.checked >= self.recheck_s:
@@ -218,8 +222,9 @@ class AdapterDigests:
             except (OSError, UnkeyedInput):
                 stats = None
             if stats != known.stats:
-                known.digest, known.changed = None, True
-                known.refused = "lora adapter whose files changed after it was first used"
+                self._changed.add(key)
+                del self._known[key]
+                raise UnkeyedInput(_CHANGED)
         self._known.move_to_end(key)
         if known.digest is None:
             raise UnkeyedInput(known.refused)
@@ -231,17 +236,18 @@ MAX_ADAPTER_BYTES = 1 << 30
 MAX_ADAPTER_FILES = 1024
 ADAPTER_RECHECK_S = 1.0  # a known adapter's file stats are looked at again this often
 MAX_KNOWN_ADAPTERS = 4096  # adapters remembered (the oldest seen are hashed again)
+_CHANGED = "lora adapter whose files changed after it was first used"
 
 
 class _Adapter:
     """An adapter as first seen: its files' stats and digest (None: refused, why)."""
 
-    __slots__ = ("digest", "stats", "checked", "refused", "changed")
+    __slots__ = ("digest", "stats", "checked", "refused")
 
     def __init__(self, digest: str | None, stats: tuple, checked: float,
-                 refused: str = "", changed: bool = False) -> None:
+                 refused: str = "") -> None:
         self.digest, self.stats, self.checked = digest, stats, checked
-        self.refused, self.changed = refused, changed
+        self.refused = refused
 
 
 def _first_sight(path: str, now: float) -> _Adapter:
@@ -294,12 +300,12 @@ def _files_digest(path: str, stats: tuple) -> str:
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-                raise UnkeyedInput("lora adapter whose files changed while hashed")
+                raise UnkeyedInput(_CHANGED)
             left = size
             while left > 0:
                 chunk = os.read(fd, min(left, 1 << 20))
                 if not chunk:
-                    raise UnkeyedInput("lora adapter whose files changed while hashed")
+                    raise UnkeyedInput(_CHANGED)
                 h.update(chunk)
                 left -= len(chunk)
         finally:
