@@ -172,6 +172,29 @@ def test_window_tail_is_saved_and_loaded_not_every_window_page(async_scheduling,
 
 
 @TREES
+def test_the_same_page_aligned_prompt_sent_again_is_a_hit_of_all_but_its_last_page(tree):
+    """vLLM computes at least a prompt's last token, so the same 64-token prompt (4 whole
+    pages, prefilled in one step) sent again hits at page 3, one short of its end: the
+    host tier keeps the window's tail there too, one page more per sliding-window group
+    (page 0; the tail at page 4 is pages {1, 2, 3}). Without it such a prompt was no hit
+    at all: a restarted instance recomputed every prompt it had seen before."""
+    e = _engine("window", tree)
+    half = e.connector.scheduler_half
+    prompt = _prompt(21, 64)
+    e.add("a", prompt, max_tokens=1)
+    e.run()
+    e.quiesce()
+    assert half.components.occupancy() == {"host_window_pages": 4, "host_state_pages": 0}
+    assert e.scheduler.reset_prefix_cache()
+    e.add("b", list(prompt), max_tokens=3)
+    e.run()
+    e.check()
+    assert half.counters.host_hit_tokens == 48 and half.counters.window_pages_loaded == 3
+    assert e.outputs["b"] == _outputs(prompt, 3)
+    e.close()
+
+
+@TREES
 def test_state_checkpoint_at_each_saved_end_serves_a_hit(tree):
     e = _engine("state", tree)
     half = e.connector.scheduler_half

@@ -150,10 +150,12 @@ class ComponentPages:
         return ok
 
     # ------------------------------------------------------------------ saves
-    def save(self, req_id: str, st: RequestState, end: int, op: SaveOp | None) -> SaveOp | None:
-        """Save the component pages the tree lacks at page ``end`` (0: none) and at every
-        boundary vLLM handed a state over for this step, into ``op`` (or a new op,
-        returned). Nothing when the host tier has no room.
+    def save(self, req_id: str, st: RequestState, end: int, op: SaveOp | None, *,
+             also: int = 0) -> SaveOp | None:
+        """Save the component pages the tree lacks at page ``end`` (0: none), at page
+        ``also`` (0: none; the page before a page-aligned prompt's end, where the same
+        prompt sent again hits) and at every boundary vLLM handed a state over for this
+        step, into ``op`` (or a new op, returned). Nothing when the host tier has no room.
 
         The caller names the ends a later request is likely to hit: where a prompt
         chunk ends and where the request ends. A window's tail at every page a decode
@@ -164,7 +166,8 @@ class ComponentPages:
             return op
         P = self._half.page_size
         ends = {k // P for k in st.states if k % P == 0 and 0 < k // P <= st.num_checked_pages}
-        for e in sorted(ends | ({end} if end > 0 else set())):
+        ends |= {e for e in (end, also) if e > 0}
+        for e in sorted(ends):
             op = self._save_end(req_id, st, e, op)
         return op
 

@@ -325,8 +325,13 @@ class SchedulerHalf(HalfInspection):
                 save = self.saves.computed(s.req_id, st, end)
                 if self.components is not None:  # window tails where a prompt chunk ends
                     prompt = s.num_prompt_tokens is None or end <= s.num_prompt_tokens
+                    # The same prompt sent again hits one page short of a page-aligned
+                    # prompt's end (vLLM computes at least its last token): a tail there too.
+                    resend = (end // self.page_size - 1 if end == s.num_prompt_tokens
+                              and end % self.page_size == 0 else 0)
                     save = self.components.save(s.req_id, st, st.num_checked_pages if prompt
-                                                and st.num_checked_pages > saved else 0, save)
+                                                and st.num_checked_pages > saved else 0, save,
+                                                also=resend)
                 if save is not None:
                     plan.saves.append(save)
         finally:
