@@ -340,3 +340,30 @@ def test_torch_rank_group_exchanges_over_a_gloo_group(tmp_path):
     mp.start_processes(gloo_rank, args=(str(tmp_path / "rendezvous"), out), nprocs=2,
                        start_method="spawn", join=True)
     assert [json.load(open(f"{out}.{r}")) for r in range(2)] == [[11], [11]]
+
+
+def test_a_hand_off_whose_write_failed_on_one_rank_tells_the_decode_at_once(tp, tmp_path):
+    """Rank 1's store keeps 2 pages of its first write (rank 0 stores them all): the
+    decode, two ranks too, finds rank 1's marker for the first page it lacks and stops
+    waiting at once, served the 2 pages every rank holds."""
+    import time
+
+    B = tp.B
+    extra = {"host_tokens": 16 * B, "storage": f"file:{tmp_path}"}
+    p = tp.TPEngine(role="kv_producer", extra=extra)
+    d = tp.TPEngine(role="kv_consumer", extra={**extra, "handoff_timeout_s": 20.0})
+    p.rank_faults[1].short_writes, p.rank_faults[1].short_keep = 1, 2
+    prompt = _prompt(random.Random(7), 6 * B + 3)
+    start = time.monotonic()
+    p.add("r", prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    p.run()
+    params = p.transfer_params["r"]
+    assert params["hicache"]["handoff"]["pages"] == 6
+    d.add("r", prompt, max_tokens=3, kv_transfer_params=params)
+    d.run()
+    assert time.monotonic() - start < 10.0
+    c = d.connector.scheduler_half.counters
+    assert (c.handoff_failed, c.handoff_timeout, c.storage_hit_tokens) == (1, 0, 2 * B)
+    for e in (p, d):
+        e.check()
+        e.close()
