@@ -24,7 +24,8 @@ vLLM will not recompute, the scheduler half's integrity; at every lookup, no hit
 request that may not load and none longer than what requests of its namespace (salt,
 namespace and adapter) with the same inputs at the same positions may have saved; at
 the end, the host tier's content in every namespace, a mistake's error in its
-request's output, and no leak.
+request's output, and no leak. Streaming-input sessions (a text chunk, then one with
+an audio item) come between the requests: refused, they never load and save nothing.
 
 The default run is bounded (``HICACHE_STATEFUL_EXAMPLES``, default 12 examples);
 ``-m slow`` runs many more, and :func:`failing_loads` under each scheduler.
@@ -322,6 +323,39 @@ class ConnectorMachine(RuleBasedStateMachine):
             tokens[at:at] = [PLACEHOLDER] * IMAGE_SIZE
             items = ((image, at, IMAGE_SIZE),)
         self._add(Conv(tokens, items), max_tokens, salt, control, lora)
+
+    @rule(user=st.integers(1, 40), audio=st.sampled_from(["audio1", "audio2"]), salt=SALTS,
+          at=st.integers(0, 4))
+    def streaming_session(self, user, audio, salt, at):
+        """A streaming-input session (vLLM 0.32's realtime API): a text chunk after the
+        system prompt, then one holding an audio item (the same placeholder tokens
+        whatever the audio), then its end. Refused (its later chunks' items were not
+        there when it arrived): it never loads, and nothing of it is saved."""
+        from vllm.v1.request import RequestStatus
+
+        self.num_requests += 1
+        rid = f"r{self.num_requests}"
+        first = self.system + self._tokens(user)
+        chunk = [PLACEHOLDER] * at + [PLACEHOLDER] * IMAGE_SIZE + self._tokens(4)
+        mistake = salt is not None and not _keepable(salt, salt=True)
+        self.model[rid] = Req((salt, None, None), False, [], mistake, _keyed(first, (), None))
+        self.keyed.append(_keyed(first, (), None))
+        self.aborted.add(rid)  # ended by the client: no output params to check
+
+        def until_waiting_for_input():
+            for _ in range(400):
+                self.e.update_held()
+                req = self.e.scheduler.requests.get(rid)
+                if req is not None and req.status == RequestStatus.WAITING_FOR_STREAMING_REQ:
+                    return
+                self.e.step()
+            raise AssertionError(f"session {rid} never waited for its next chunk")
+
+        self.e.add(rid, first, max_tokens=2, cache_salt=salt, resumable=True)
+        until_waiting_for_input()
+        self.e.add_chunk(rid, chunk, max_tokens=2, mm=[(audio, at, IMAGE_SIZE)])
+        until_waiting_for_input()
+        self.e.add_chunk(rid, None)
 
     @rule(size=st.integers(1, 60), max_tokens=st.integers(1, 20), salt=SALTS,
           control=CONTROLS, lora=LORAS, seed=st.sampled_from(["e1", "e2"]),
