@@ -44,7 +44,8 @@ class ResetResult(NamedTuple):
 def drop_unheld(
     tree: RadixTreeLike, device_allocator: PageAllocator, host_allocator: PageAllocator
 ) -> tuple[int, int]:
-    """Evict every unlocked device and host copy; (device tokens, host tokens) dropped."""
+    """Evict every unlocked device and host copy, and free the namespaces left empty;
+    (device tokens, host tokens) dropped."""
     num_device = num_host = 0
     P = tree.page_size
     while True:  # host-only children leave first, then their device-only parents can
@@ -61,6 +62,9 @@ def drop_unheld(
         num_device += dev.num_evicted_tokens
         num_host += host.num_evicted_tokens
         if not dev.page_ids.shape[0] and not host.page_ids.shape[0]:
+            # Namespaces left empty were freed with their last node; this frees any
+            # other root that holds nothing (none a live request locks).
+            tree.prune_namespaces()
             return num_device, num_host
 
 

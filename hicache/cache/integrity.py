@@ -60,9 +60,24 @@ def check_cache_integrity(
     )
     want_locks: dict[TreeNode, int] = {}
     want_host_locks: dict[TreeNode, int] = {}
+    root_locks: dict[TreeNode, int] = {}  # requests that matched nothing lock the root
     for h in live:
+        if h._lock_node.parent is None:
+            root_locks[h._lock_node] = root_locks.get(h._lock_node, 0) + 1
         for node in tree.path_to(h._lock_node):
             want_locks[node] = want_locks.get(node, 0) + 1
+    for ns in tree.namespaces():
+        root = tree.root(ns)
+        assert root.lock_ref == 1 + root_locks.pop(root, 0), (
+            f"namespace {ns!r}: its root's lock_ref is {root.lock_ref}, expected 1 + the live "
+            f"requests that lock the root itself: a root lock leaked"
+        )
+        # (a namespace that holds nothing is freed: docs/design.md, "Namespaces")
+        assert ns is None or root.children or root.lock_ref > 1, (
+            f"namespace {ns!r} holds no node and no request locks its root, but its root "
+            f"was not freed"
+        )
+    assert not root_locks, "a live request locks the root of a namespace that was freed"
     pins.check(want_locks)
     for rec in inflight.records.values():
         if rec.kind == "load":

@@ -59,10 +59,11 @@ class Pins:
         tree = self._tree
         now = self.now()
         self.expire(now)
-        result = tree.match_key(key, namespace)
         ident = (namespace, key)
+        # (a namespace with nothing cached gets no root: match_key would make one)
+        result = tree.match_key(key, namespace) if tree.probe_key(key, namespace) else None
         old = self._pins.pop(ident, None)
-        if result.device_len == 0:
+        if result is None or result.device_len == 0:
             if old is not None:
                 tree.unlock(old.node)
             return 0

@@ -184,6 +184,15 @@ class NativeRadixTree(NativeComponents):
         """The root of a namespace (created on first use). Roots hold no tokens."""
         return self._node(self._impl.root(namespace))
 
+    def namespaces(self) -> list[str | None]:
+        """The namespaces that have a root now, oldest root first (nodes() order)."""
+        return self._impl.namespaces()
+
+    def prune_namespaces(self) -> int:
+        """Free the root of every namespace holding no node and no lock; see
+        :meth:`RadixTree.prune_namespaces`."""
+        return self._impl.prune_namespaces()
+
     @property
     def num_nodes(self) -> int:
         return self._impl.num_nodes

@@ -374,3 +374,37 @@ def test_integrity_catches_a_lost_pin_lock(tree):
     cache.tree.unlock(node)  # behind the cache's back: the pin's lock is gone
     with pytest.raises(AssertionError, match="lock"):
         cache.check_integrity()
+
+
+# ------------------------------------------------------------ namespaces (issue 46)
+@pytest.mark.parametrize(("tree", "lifecycle"), CONFIGS)
+def test_the_state_of_a_namespace_is_freed_once_it_holds_nothing(tree, lifecycle):
+    """Each distinct namespace gets a root; once a namespace holds no page and no live
+    request locks its root, the root (and its name) is freed: by a reset, by eviction,
+    and when a request that matched nothing is released. check_integrity asserts it."""
+    cache = bookkeeping(tree, lifecycle, device_tokens=256, host_tokens=512)
+    for i in range(40):
+        serve(cache, A, f"tenant-{i}")
+    cache.check_integrity()
+    assert cache.tree.namespaces() == [f"tenant-{i}" for i in range(40)]
+    held = cache.match(B, "held")  # matched nothing: locks its namespace's root
+    assert cache.pin(A, "never-cached") == 0  # a pin of nothing makes no namespace
+    assert cache.tree.namespaces()[-1] == "held"
+    r = cache.reset()
+    assert r.complete and cache.tree.num_nodes == 0
+    assert cache.tree.namespaces() == ["held"]
+    cache.check_integrity()
+    cache.release(held)
+    assert cache.tree.namespaces() == []
+    assert_no_leaks(cache)
+    cache.close()
+    # eviction alone frees them too: 8 namespaces of 2 pages fill both tiers (16 pages
+    # each); a 16-page request evicts them from the device, its backup from the host
+    cache = bookkeeping(tree, lifecycle, device_tokens=32, host_tokens=32)
+    for i in range(8):
+        serve(cache, [i + 1] * 4, f"t{i}")
+    assert len(cache.tree.namespaces()) == 8
+    serve(cache, list(range(32)))
+    assert cache.tree.namespaces() == [None]
+    assert cache.tree.host_tokens == 32 and cache.tree.num_nodes == 1
+    assert_no_leaks(cache)

@@ -280,7 +280,8 @@ class PythonVsNative(RuleBasedStateMachine):
                 assert ra[1].page_ids.tolist() == rb[1].page_ids.tolist()
 
     def live(self) -> list:
-        return list(self.nat.nodes()) + [self.nat.root(ns) for ns in NAMESPACES]
+        # (the roots there are: root(ns) would make one, on this tree only)
+        return list(self.nat.nodes()) + [self.nat.root(ns) for ns in self.nat.namespaces()]
 
     # ------------------------------------------------------------- invariant
     @invariant()
@@ -291,6 +292,7 @@ class PythonVsNative(RuleBasedStateMachine):
         assert sizes(self.py) == sizes(self.nat)
         assert self.py.host_takeable_tokens == host_takeable_by_definition(self.py)
         assert snapshot(self.py) == snapshot(self.nat)
+        assert self.py.namespaces() == self.nat.namespaces()
         assert self.py.take_events() == self.nat.take_events()
 
 
@@ -388,6 +390,47 @@ class HybridPythonVsNative(PythonVsNative):
             ra, rb = self.both("component_table", i, c, tier)
             if ra[0] == "ok":
                 assert ra[1].tolist() == rb[1].tolist()
+
+    @precondition(lambda self: self.pairs)
+    @rule(i=st.integers(0, 100), call=st.integers(0, 10**6),
+          bad=st.sampled_from(["component", "tier", "count", "namespace"]))
+    def bad_component_call(self, i, call, bad):
+        """A component call with a bad component, tier, count or namespace (issue 45,
+        case 5): both trees raise the same exception type (or give the same result:
+        a huge count evicts everything, a probe of a namespace with no root gives 0)."""
+        a, b = self.pick(i)
+        key = token_key([0, 0, 1, 1], P)
+        values = {"component": [-1, len(self.specs), True, 1.0, None, 2**64],
+                  "tier": ["disk", None, 0, "Device"],
+                  "count": [-1, -(2**64), True, 1.5, "3", None, 2**64, 2**63],
+                  "namespace": [[], 5, "\ud800", b"a", ("a",)]}[bad]
+        value = values[call % len(values)]
+        ok_c, ok_tier, ok_num, ok_ns = 0, "device", 1, None
+        if bad == "component":
+            ok_c = value
+        elif bad == "tier":
+            ok_tier = value
+        elif bad == "count":
+            ok_num = value
+        else:
+            ok_ns = value
+        calls = [
+            lambda t, n: t.num_component_pages(ok_c, ok_tier),
+            lambda t, n: t.component_table(n, ok_c, ok_tier),
+            lambda t, n: t.component_gaps(key, ok_c, ok_tier, ok_ns),
+            lambda t, n: t.detach_component(n, ok_c, ok_tier),
+            lambda t, n: t.attach_component(n, ok_c, ok_tier, torch.tensor([-5])),
+            lambda t, n: t.evict_component(ok_c, ok_tier, ok_num),
+            lambda t, n: t.probe_hit_key(key, ok_ns),
+            lambda t, n: t.path_missing_host(n, ok_num),
+        ]
+        fn = calls[(call // len(values)) % len(calls)]
+        ra, rb = outcome(fn, self.py, a), outcome(fn, self.nat, b)
+        assert ra[0] == rb[0] and (ra[0] == "ok" or ra[1] is rb[1]), f"{bad}={value!r}: {ra} vs {rb}"
+        if ra[0] == "ok" and hasattr(ra[1], "page_ids"):
+            assert ra[1].page_ids.tolist() == rb[1].page_ids.tolist()
+        elif ra[0] == "ok" and isinstance(ra[1], int):
+            assert ra[1] == rb[1]
 
     @rule(c=st.integers(0, 2), host=st.booleans(), num=st.integers(0, 8))
     def evict_component(self, c, host, num):

@@ -309,18 +309,20 @@ std::optional<std::uint32_t> existing_ns(const RadixTree& tree, py::handle ns) {
 // checks them before it changes anything, but not before creating a namespace's
 // root or refusing a call from inside a hook: then they are checked here first,
 // so that every error comes in the order of an eager check.
-std::uint32_t ns_of_lazy(RadixTree& tree, py::handle ns, Key& key) {
+std::uint32_t ns_of_lazy(RadixTree& tree, py::handle ns, Key& key, const char* op) {
   if (!key.unchecked.empty() && !tree.in_hook()) {
     if (const std::optional<std::uint32_t> index = existing_ns(tree, ns)) return *index;
   }
   key.check();
+  tree.check_reentry(op);  // (before a root is made, as the Python tree refuses it)
   return ns_of(tree, ns);
 }
 
 TreeNode* node_of(const RadixTree& tree, NodeHandle handle, const char* op) {
   TreeNode* node = tree.find(handle);
   if (node == nullptr) {
-    throw hicache::ValueError(std::string(op) + ": node " + std::to_string(handle) +
+    // (a freed namespace root: id 0, as the Python tree words it)
+    throw hicache::ValueError(std::string(op) + ": node " + std::to_string(handle < 0 ? 0 : handle) +
                               " is no longer in the tree (stale)");
   }
   return node;
@@ -449,6 +451,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            [](RadixTree& t, py::handle tokens, py::handle ns) { TreeLock guard(t);
              Key key;
              read_key(tokens, t.page_size(), key);
+             t.check_reentry("match");  // (before a root is made)
              const auto m = t.match(key.span, ns_of(t, ns));
              return py::make_tuple(m.device_len, m.host_len, out(m.last_device), out(m.last),
                                    m.full_len);
@@ -459,6 +462,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              Key key;
              read_key(tokens, t.page_size(), key);
              const IndexRun pages = read_pages(device_indices, "device_indices", key, t);
+             t.check_reentry("insert");  // (before a root is made)
              const auto [r, unused] =
                  t.insert_components(key.span, pages, ns_of(t, ns), component_runs(t, given));
              return py::make_tuple(r.num_cached_tokens, out(r.last), unused);
@@ -469,6 +473,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              Key key;
              read_key(tokens, t.page_size(), key);
              const IndexRun pages = read_pages(host_indices, "host_indices", key, t);
+             t.check_reentry("insert_host");  // (before a root is made)
              const auto [r, unused] =
                  t.insert_host_components(key.span, pages, ns_of(t, ns), component_runs(t, given));
              return py::make_tuple(r.num_cached_tokens, out(r.last), unused);
@@ -520,13 +525,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              }
            })
       .def("root", [](RadixTree& t, py::handle ns) { TreeLock guard(t); return out(t.root(ns_of(t, ns))); })
+      .def("namespaces", [](RadixTree& t) { TreeLock guard(t); return t.namespaces(); })
+      .def("prune_namespaces", [](RadixTree& t) { TreeLock guard(t); return t.prune_namespaces(); })
       // A live node's handle the Lifecycle returned without exporting (see `out`).
       .def("export", [](RadixTree& t, NodeHandle h) { TreeLock guard(t); return out(node_of(t, h, "export")); })
       .def("match",
            [](RadixTree& t, py::handle tokens, py::handle ns) { TreeLock guard(t);
              Key key;
              read_key(tokens, t.page_size(), key, /*lazy=*/true);
-             const std::uint32_t index = ns_of_lazy(t, ns, key);
+             const std::uint32_t index = ns_of_lazy(t, ns, key, "match");
              const auto m = t.match(key.span, index, key.unchecked);
              return py::make_tuple(m.device_len, m.host_len, out(m.last_device), out(m.last));
            })
@@ -541,7 +548,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                key.check();  // bad tokens are reported first
                throw;
              }
-             const std::uint32_t index = ns_of_lazy(t, ns, key);
+             const std::uint32_t index = ns_of_lazy(t, ns, key, "insert");
              const auto r = t.insert(key.span, pages, index, key.unchecked, /*borrowed=*/true);
              return py::make_tuple(r.num_cached_tokens, out(r.last));
            })
@@ -550,6 +557,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              Key key;
              read_key(tokens, t.page_size(), key);
              const IndexRun pages = read_pages(host_indices, "host_indices", key, t);
+             t.check_reentry("insert_host");  // (before a root is made)
              const auto r = t.insert_host(key.span, pages, ns_of(t, ns));
              return py::make_tuple(r.num_cached_tokens, out(r.last));
            })
@@ -656,8 +664,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            [](RadixTree& t) { TreeLock guard(t);
              py::list out;
              for (const auto& e : t.take_events()) {
-               const auto& name = t.namespace_name(e.ns);
-               py::object ns = name ? py::object(py::str(*name)) : py::none();
+               py::object ns = e.ns ? py::object(py::str(*e.ns)) : py::none();
                py::object parent = e.parent ? py::object(py::int_(*e.parent)) : py::none();
                out.append(py::make_tuple(e.stored, e.device ? "device" : "host", ns, parent,
                                          py::cast(e.hashes), e.num_tokens));
@@ -696,7 +703,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            })
       .def("namespace",
            [](RadixTree& t, NodeHandle h) -> py::object { TreeLock guard(t);
-             const auto& name = t.namespace_name(readable_node(t, h, "namespace")->ns);
+             const auto name = t.node_namespace(readable_node(t, h, "namespace"));
              if (!name) return py::none();
              return py::str(*name);
            })

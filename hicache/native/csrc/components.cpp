@@ -593,6 +593,7 @@ std::string RadixTree::check_components() const {
     }
   }
   for (const auto& root : roots_) {
+    if (!root) continue;  // a free namespace index
     if (!root->comps) return "a root without its component records";
     for (std::size_t c = 0; c < comps_.size(); ++c) {
       if (root->comps[c].device.defined() || root->comps[c].host.defined()) {

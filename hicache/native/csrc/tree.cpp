@@ -59,7 +59,7 @@ void internal_check(bool ok, const char* what) {
   if (!ok) throw std::logic_error(std::string("hicache native tree invariant violated: ") + what);
 }
 
-std::string ns_repr(const std::optional<std::string>& ns) {
+std::string ns_repr(const std::shared_ptr<const std::string>& ns) {
   return ns ? "'" + *ns + "'" : "None";
 }
 
@@ -95,37 +95,101 @@ void RadixTree::check_reentry(const char* op, bool backup_may) const {
 std::uint32_t RadixTree::namespace_index(const std::optional<std::string>& ns) {
   if (!ns) {
     if (default_ns_) return *default_ns_;
-  } else if (auto it = ns_index_.find(*ns); it != ns_index_.end()) {
+  } else if (auto it = ns_index_.find(std::string_view(*ns)); it != ns_index_.end()) {
     return it->second;
   }
-  const auto k = static_cast<std::uint32_t>(roots_.size());
-  auto root = std::make_unique<TreeNode>(0, -static_cast<NodeHandle>(k) - 1, nullptr, k);
+  std::uint32_t k = 0;
+  if (!free_ns_.empty()) {
+    k = free_ns_.back();
+    free_ns_.pop_back();
+  } else {
+    k = static_cast<std::uint32_t>(roots_.size());
+    roots_.emplace_back();
+    ns_names_.emplace_back();
+  }
+  const std::int64_t serial = next_root_serial_++;
+  auto root = std::make_unique<TreeNode>(0, -static_cast<NodeHandle>(serial), nullptr, k);
   auto empty = at::empty({0}, at::kLong);
   root->device = IndexRun{empty, 0, 0};
   root->host = IndexRun{empty, 0, 0};
-  root->lock_ref = 1;  // roots are never evicted
+  // Roots are never evicted; a lock taken on the root itself (a request that
+  // matched nothing) counts on top, and holds the namespace's root.
+  root->lock_ref = 1;
   if (has_components()) make_records(root.get());
-  roots_.push_back(std::move(root));
-  ns_names_.push_back(ns);
+  roots_[k] = std::move(root);
   if (ns) {
-    ns_index_.emplace(*ns, k);
+    auto name = std::make_shared<const std::string>(*ns);
+    ns_index_.emplace(std::string_view(*name), k);
+    ns_names_[k] = std::move(name);
   } else {
     default_ns_ = k;
   }
+  root_order_.emplace(serial, k);
   return k;
+}
+
+bool RadixTree::free_if_empty(TreeNode* root) {
+  const std::uint32_t k = root->ns;
+  if (root->parent != nullptr || (default_ns_ && *default_ns_ == k) || !root->children.empty() ||
+      root->lock_ref != 1 || k >= roots_.size() || roots_[k].get() != root) {
+    return false;
+  }
+  ns_index_.erase(std::string_view(*ns_names_[k]));
+  root_order_.erase(-root->handle);
+  root->lock_ref = 0;  // a freed root: stale from now on
+  retire(std::move(roots_[k]));  // (before its name goes: a detached root keeps it)
+  ns_names_[k].reset();
+  free_ns_.push_back(k);
+  return true;
+}
+
+std::int64_t RadixTree::prune_namespaces() {
+  check_reentry("prune_namespaces");
+  OpScope scope(*this);
+  std::vector<TreeNode*> empty;
+  for (const auto& [serial, k] : root_order_) {
+    TreeNode* root = roots_[k].get();
+    if (!(default_ns_ && *default_ns_ == k) && root->children.empty() && root->lock_ref == 1) {
+      empty.push_back(root);
+    }
+  }
+  for (TreeNode* root : empty) free_if_empty(root);
+  return static_cast<std::int64_t>(empty.size());
+}
+
+std::vector<std::optional<std::string>> RadixTree::namespaces() const {
+  std::vector<std::optional<std::string>> out;
+  out.reserve(root_order_.size());
+  for (const auto& [serial, k] : root_order_) {
+    if (ns_names_[k]) {
+      out.emplace_back(*ns_names_[k]);
+    } else {
+      out.emplace_back(std::nullopt);
+    }
+  }
+  return out;
+}
+
+std::shared_ptr<const std::string> RadixTree::node_namespace(const TreeNode* node) const {
+  const std::uint32_t k = node->ns;
+  const bool live = node->parent != nullptr ? find(node->handle) == node
+                                            : k < roots_.size() && roots_[k].get() == node;
+  if (live) return ns_names_[k];
+  const auto it = detached_ns_.find(node->handle);
+  return it == detached_ns_.end() ? nullptr : it->second;
 }
 
 std::optional<std::uint32_t> RadixTree::find_namespace(const std::optional<std::string>& ns) const {
   if (!ns) return default_ns_;
-  const auto it = ns_index_.find(*ns);
+  const auto it = ns_index_.find(std::string_view(*ns));
   if (it == ns_index_.end()) return std::nullopt;
   return it->second;
 }
 
 TreeNode* RadixTree::find(NodeHandle handle) const {
   if (handle < 0) {
-    const auto k = static_cast<std::size_t>(-(handle + 1));
-    return k < roots_.size() ? roots_[k].get() : nullptr;
+    const auto it = root_order_.find(-handle);
+    return it == root_order_.end() ? nullptr : roots_[it->second].get();
   }
   const auto it = by_handle_.find(handle);
   return it == by_handle_.end() ? nullptr : it->second;
@@ -141,8 +205,10 @@ std::vector<TreeNode*> RadixTree::nodes() const {
   std::vector<TreeNode*> out;
   out.reserve(static_cast<std::size_t>(std::max<std::int64_t>(num_nodes, 0)));
   std::vector<TreeNode*> stack;
-  for (const auto& root : roots_) {
-    for (TreeNode* c = root->first_child; c != nullptr; c = c->next_sibling) stack.push_back(c);
+  for (const auto& [serial, k] : root_order_) {
+    for (TreeNode* c = roots_[k]->first_child; c != nullptr; c = c->next_sibling) {
+      stack.push_back(c);
+    }
   }
   while (!stack.empty()) {
     TreeNode* node = stack.back();
@@ -460,6 +526,10 @@ std::int64_t RadixTree::probe(token_span key, std::optional<std::uint32_t> ns,
 void RadixTree::lock(TreeNode* node) {
   check_reentry("lock");
   if (!node->on_device()) throw ValueError("lock: expected a device-resident node, got " + node->repr());
+  if (node->parent == nullptr) {  // a root: the lock holds its namespace
+    node->lock_ref += 1;
+    return;
+  }
   const bool comps = has_components();
   for (; node->parent != nullptr; node = node->parent) {
     if (node->lock_ref == 0) {
@@ -474,6 +544,13 @@ void RadixTree::lock(TreeNode* node) {
 void RadixTree::unlock(TreeNode* node) {
   check_reentry("unlock");
   OpScope scope(*this);
+  if (node->parent == nullptr) {  // a root: its last lock may free its namespace
+    if (node->lock_ref > 1) {
+      node->lock_ref -= 1;
+      free_if_empty(node);
+    }
+    return;
+  }
   for (TreeNode* walk = node; walk->parent != nullptr; walk = walk->parent) {
     if (walk->lock_ref <= 0) {
       throw ValueError("unlock: node " + std::to_string(walk->id) + " on the path is not locked");
@@ -718,11 +795,14 @@ void RadixTree::remove(TreeNode* node) {
   by_handle_.erase(node->handle);
   retire(std::move(owned));
   refresh(parent);
+  if (parent->parent == nullptr) free_if_empty(parent);  // a namespace left empty goes
 }
 
 void RadixTree::retire(std::unique_ptr<TreeNode> node) {
   if (node->exported) {
     const NodeHandle handle = node->handle;
+    // Its namespace's index may be reused once the namespace is freed: keep the name.
+    detached_ns_.insert_or_assign(handle, ns_names_[node->ns]);
     detached_.insert_or_assign(handle, std::move(node));
   } else {
     graveyard_.push_back(std::move(node));  // freed when the outermost operation returns
@@ -740,6 +820,7 @@ void RadixTree::release_detached(const std::vector<NodeHandle>& keep) {
     if (node) graveyard_.push_back(std::move(node));
   }
   detached_ = std::move(kept);
+  std::erase_if(detached_ns_, [this](const auto& entry) { return !detached_.contains(entry.first); });
   if (depth_ == 0) graveyard_.clear();
 }
 
@@ -1063,7 +1144,8 @@ std::pair<std::optional<std::uint64_t>, std::vector<std::uint64_t>> RadixTree::n
 void RadixTree::log_event(bool stored, bool device, TreeNode* node) {
   if (node->parent == nullptr) return;  // a root holds no pages
   auto [parent, hashes] = node_hashes(node);
-  events_.push_back(RawEvent{stored, device, node->ns, parent, std::move(hashes), node->num_tokens()});
+  events_.push_back(
+      RawEvent{stored, device, ns_names_[node->ns], parent, std::move(hashes), node->num_tokens()});
 }
 
 // ----------------------------------------------------------------- queries
@@ -1122,11 +1204,36 @@ std::vector<TreeNode*> RadixTree::host_only_path(TreeNode* last,
 // --------------------------------------------------------------- integrity
 std::string RadixTree::check_integrity() const {
   const auto ps = static_cast<std::size_t>(page_size_);
+  std::size_t num_roots = 0;
   for (std::size_t k = 0; k < roots_.size(); ++k) {
     const TreeNode* root = roots_[k].get();
-    if (root->ns != k || root->parent != nullptr || root->lock_ref != 1) {
+    if (root == nullptr) {
+      if (ns_names_[k]) return "a free namespace index keeps its name";
+      continue;
+    }
+    ++num_roots;
+    const auto it = root_order_.find(-root->handle);
+    if (root->ns != k || root->parent != nullptr || root->lock_ref < 1 ||
+        it == root_order_.end() || it->second != k) {
       return "root of namespace " + ns_repr(ns_names_[k]) + " corrupted";
     }
+    const bool is_default = default_ns_ && *default_ns_ == k;
+    if (is_default == static_cast<bool>(ns_names_[k])) {
+      return "root of namespace " + ns_repr(ns_names_[k]) + " corrupted";
+    }
+    if (!is_default) {
+      const auto named = ns_index_.find(std::string_view(*ns_names_[k]));
+      if (named == ns_index_.end() || named->second != k) {
+        return "namespace " + ns_repr(ns_names_[k]) + " is not indexed by its name";
+      }
+    }
+  }
+  if (num_roots != root_order_.size() || ns_index_.size() + (default_ns_ ? 1 : 0) != num_roots ||
+      num_roots + free_ns_.size() != roots_.size()) {
+    return "namespace accounting: " + std::to_string(num_roots) + " roots, " +
+           std::to_string(root_order_.size()) + " in order, " + std::to_string(ns_index_.size()) +
+           " names, " + std::to_string(free_ns_.size()) + " free of " +
+           std::to_string(roots_.size());
   }
   std::unordered_map<std::uint64_t, const HeapEntry*> dev_live;
   std::unordered_map<std::uint64_t, const HeapEntry*> host_live;
@@ -1285,8 +1392,19 @@ std::size_t RadixTree::memory_bytes() const {
       }
     }
   };
-  for (const auto& root : roots_) count_node(root.get());
+  for (const auto& [serial, k] : root_order_) count_node(roots_[k].get());
   for (const auto& [h, node] : detached_) count_node(node.get());
+  // Namespaces: the per-index slots, each name once, the name index and the order.
+  total += roots_.capacity() * sizeof(roots_[0]) + ns_names_.capacity() * sizeof(ns_names_[0]) +
+           free_ns_.capacity() * sizeof(std::uint32_t) + ns_index_.bucket_count() * sizeof(void*) +
+           root_order_.size() * malloc_bytes(4 * sizeof(void*) + sizeof(decltype(root_order_)::value_type));
+  for (const auto& name : ns_names_) {
+    if (name) {
+      total += malloc_bytes(2 * sizeof(void*) + sizeof(std::string)) +
+               (name->size() > 15 ? malloc_bytes(name->size() + 1) : 0) +
+               malloc_bytes(sizeof(void*) + sizeof(decltype(ns_index_)::value_type) + sizeof(std::size_t));
+    }
+  }
   for (const TreeNode* node : nodes()) count_node(node);
   return total;
 }

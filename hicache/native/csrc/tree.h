@@ -25,10 +25,12 @@
 
 #include <array>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -63,7 +65,8 @@ struct EvictOut {
 struct RawEvent {
   bool stored;                        // true: entered the tier; false: left it
   bool device;                        // the tier: device (true) or host (false)
-  std::uint32_t ns;                   // namespace index
+  // the namespace's name (null: the default one), kept past the namespace's root
+  std::shared_ptr<const std::string> ns;
   std::optional<std::uint64_t> parent;  // hash of the page before the first (none at a root)
   std::vector<std::uint64_t> hashes;  // chained hash of each page
   std::int64_t num_tokens;
@@ -98,11 +101,24 @@ class RadixTree {
   std::recursive_mutex& op_mutex() const { return op_mutex_; }
 
   // Namespaces: index of a namespace (nullopt = the default one), its root
-  // created on first use; roots keep creation order, like the Python dict.
+  // created on first use; roots keep creation order, like the Python dict. A
+  // namespace's root (and its name) is freed once it holds no node and no lock
+  // taken on the root itself (hicache/tree/python/state.py): when its last child
+  // is removed, when that last lock goes, or by prune_namespaces. Its index is
+  // then reused; its root's handle never is. The default namespace's root stays.
   std::uint32_t namespace_index(const std::optional<std::string>& ns);
   std::optional<std::uint32_t> find_namespace(const std::optional<std::string>& ns) const;
   TreeNode* root(std::uint32_t ns) { return roots_[ns].get(); }
-  const std::optional<std::string>& namespace_name(std::uint32_t ns) const { return ns_names_[ns]; }
+  // The name of a live node's namespace (null: the default one).
+  const std::shared_ptr<const std::string>& namespace_name(std::uint32_t ns) const {
+    return ns_names_[ns];
+  }
+  // The namespace name of a live or detached node (null: the default one).
+  std::shared_ptr<const std::string> node_namespace(const TreeNode* node) const;
+  // The namespaces that have a root (nullopt: the default one), oldest root first.
+  std::vector<std::optional<std::string>> namespaces() const;
+  // Free every namespace root that holds no node and no lock; how many.
+  std::int64_t prune_namespaces();
 
   // The live node of a handle, or nullptr if it was removed (or never existed).
   TreeNode* find(NodeHandle handle) const;
@@ -217,6 +233,8 @@ class RadixTree {
   TreeNode* split(TreeNode* node, std::int64_t num_pages);
   void remove(TreeNode* node);
   void retire(std::unique_ptr<TreeNode> node);
+  // Free `root` (its namespace's state) if it holds no node and no lock; true if freed.
+  bool free_if_empty(TreeNode* root);
   void rehome_tokens(TreeNode* node);  // copy a node's tokens into storage of their own size
   // Absorb node's only child when both are idle and host-only
   // (hicache/tree/python/eviction.py _merge_host_chain): a reload of an evicted
@@ -315,10 +333,19 @@ class RadixTree {
 
   std::int64_t page_size_;
   EvictionPolicy policy_;
+  // Per namespace index: its root (null: a free index) and its name (null: the
+  // default namespace, or a free index). The name is held once: ns_index_'s keys
+  // view it, and events and detached nodes share it.
   std::vector<std::unique_ptr<TreeNode>> roots_;
-  std::vector<std::optional<std::string>> ns_names_;
+  std::vector<std::shared_ptr<const std::string>> ns_names_;
+  std::vector<std::uint32_t> free_ns_;  // free indices
+  // Live roots in creation order: serial (its root's handle is -serial) -> index.
+  std::map<std::int64_t, std::uint32_t> root_order_;
+  std::int64_t next_root_serial_ = 1;
   std::optional<std::uint32_t> default_ns_;
-  std::unordered_map<std::string, std::uint32_t> ns_index_;
+  std::unordered_map<std::string_view, std::uint32_t> ns_index_;
+  // The namespace names of detached nodes (their index may have been reused).
+  std::unordered_map<NodeHandle, std::shared_ptr<const std::string>> detached_ns_;
   std::unordered_map<NodeHandle, TreeNode*> by_handle_;  // live non-root nodes
   std::int64_t next_id_ = 1;
   std::int64_t clock_ = 0;

@@ -255,3 +255,5 @@ class Eviction(PrefixIndex):
         node.parent = None
         self.num_nodes -= 1
         self._refresh(parent)
+        if parent.parent is None:  # a namespace left empty: its root goes
+            self._free_if_empty(parent)

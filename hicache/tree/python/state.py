@@ -4,7 +4,11 @@
 namespace, the size counters, the clock that orders accesses, the two eviction
 heaps, the KV-event log and the name of the hook running now. It offers:
 
-* :meth:`TreeState.root`: the root of a namespace, made on first use;
+* :meth:`TreeState.root`: the root of a namespace, made on first use, and freed
+  (:meth:`TreeState._free_if_empty`) once it holds no node and no lock: when its
+  last child is removed, when the last lock taken on the root itself goes, and
+  by :meth:`TreeState.prune_namespaces` (a reset). The default namespace's root
+  (``None``) stays;
 * :meth:`TreeState.nodes`: every non-root node, parents before children;
 * the two guards: :meth:`TreeState._check_live` (a call names a node of this
   tree that is still in it) and :meth:`TreeState._refuse_reentry` (a hook may
@@ -88,9 +92,37 @@ class TreeState:
             root = TreeNode(0, b"", None, namespace)
             root.device_indices = EMPTY_PAGES
             root.host_indices = EMPTY_PAGES
-            root.lock_ref = 1  # roots are never evicted
+            # Roots are never evicted; a lock taken on the root itself (a request that
+            # matched nothing) counts on top, and holds the namespace's root.
+            root.lock_ref = 1
             self._roots[namespace] = root
         return root
+
+    def namespaces(self) -> list[str | None]:
+        """The namespaces that have a root now, oldest root first (nodes() order)."""
+        return list(self._roots)
+
+    def prune_namespaces(self) -> int:
+        """Free the root of every namespace that holds no node and no lock; how many.
+
+        (The default namespace's root stays.) A namespace's root is also freed as soon
+        as it loses its last child or its last lock; this frees the roots that lookups
+        made and nothing filled (a reset calls it).
+        """
+        self._refuse_reentry("prune_namespaces")
+        empty = [r for ns, r in self._roots.items()
+                 if ns is not None and not r.children and r.lock_ref == 1]
+        for root in empty:
+            self._free_if_empty(root)
+        return len(empty)
+
+    def _free_if_empty(self, root: TreeNode) -> None:
+        """Free ``root`` (its namespace's state) if it holds no node and no lock."""
+        ns = root.namespace
+        if ns is not None and not root.children and root.lock_ref == 1 and (
+                self._roots.get(ns) is root):
+            del self._roots[ns]
+            root.lock_ref = 0  # a freed root: stale from now on (_check_live)
 
     def num_component_pages(self, c: int, tier: Tier) -> int:
         """Page ids component ``c`` holds in ``tier``."""
@@ -132,7 +164,7 @@ class TreeState:
         if not isinstance(node, TreeNode):
             raise TypeError(f"{op}: expected a TreeNode, got {type(node).__name__}")
         if node.parent is None:
-            if node.id != 0:  # removed (the native tree's words)
+            if node.id != 0 or node.lock_ref == 0:  # removed, or a freed root (native words)
                 raise ValueError(f"{op}: node {node.id} is no longer in the tree (stale)")
             if self._roots.get(node.namespace) is not node:
                 raise ValueError(f"{op}: node {node.id} is not a root of this tree")

@@ -43,6 +43,9 @@ class TierMembership(EvictionCandidates, EventLog):
             self._refuse_reentry("lock")
         if node.device_indices is None:
             raise ValueError(f"lock: expected a device-resident node, got {node}")
+        if node.parent is None:  # a root: the lock holds its namespace (state.py)
+            node.lock_ref += 1
+            return
         while node.parent is not None:
             if node.lock_ref == 0:
                 self.device_evictable_tokens -= node.num_tokens
@@ -55,6 +58,11 @@ class TierMembership(EvictionCandidates, EventLog):
         self._check_live(node, "unlock")
         if self._hook is not None:
             self._refuse_reentry("unlock")
+        if node.parent is None:  # a root: its last lock may free it (state.py)
+            if node.lock_ref > 1:
+                node.lock_ref -= 1
+                self._free_if_empty(node)
+            return
         walk = node
         while walk.parent is not None:
             if walk.lock_ref <= 0:
