@@ -116,6 +116,7 @@ def test_wrong_kv_planted_in_a_file_page_is_caught(sched, tmp_path):
     c = e.connector.scheduler_half.counters
     assert c.audited_requests == 1 and c.storage_hit_tokens == 0
     assert c.audited_pages == 4 and c.audit_mismatched_pages == 1
+    assert e.connector.hc_audit.wait_deletes()
     store = e.connector.scheduler_half.storage
     assert store.get([ka[2]]) in ([], [right])  # deleted (or written again, right)
     assert e.connector.scheduler_half._probe.exists(ka) == 2  # never read here again
@@ -311,3 +312,93 @@ def test_hybrid_model_audits_its_full_attention_pages(sched, kind):
     e.check()
     assert c.audit_mismatched_pages == 1 and c.audited_pages == 2 * audited
     assert not e.failed
+
+
+def test_a_hung_store_skips_the_audit_of_its_pages(sched, tmp_path):
+    """The third tier hangs while an audited request's pages are to be read for the
+    comparison: the step waits at most storage_timeout_s, the pages are skipped (never a
+    mismatch), no second read piles up behind the hung one, and nothing leaks."""
+    import time
+
+    B = sched.B
+    extra = {"host_tokens": 16 * B, "storage": f"file:{tmp_path}", "storage_timeout_s": 0.2}
+    first = sched.Engine(num_blocks=24, extra=extra)
+    a, b = _two_prompts(sched, first, seed=21)
+    first.check()
+    first.close()
+    e = sched.Engine(num_blocks=24, extra={**extra, "audit_rate": 1.0})
+    e.faults.read_gate.clear()  # the store stops answering reads
+    e.add("a2", a, max_tokens=2)
+    e.add("b2", b, max_tokens=2)
+    start = time.monotonic()
+    e.run()
+    assert time.monotonic() - start < 30
+    e.faults.read_gate.set()
+    e.check()
+    c = e.connector.scheduler_half.counters
+    assert c.audited_requests == 2 and c.audit_mismatched_pages == 0
+    assert c.audit_skipped_pages == 8 and c.audited_pages == 0
+
+
+def test_preempted_audited_requests_find_only_the_planted_page(sched):
+    """Audited requests preempted in the middle of their chunked prefill (an earlier
+    request's decode needs their blocks) and resumed, over a host tier holding one
+    planted page: that page is the only mismatch."""
+    B = sched.B
+    e = sched.Engine(num_blocks=13, max_num_seqs=4, max_num_batched_tokens=2 * B,
+                     extra={"host_tokens": 32 * B, "audit_rate": 1.0})
+    rng = random.Random(23)
+    prompts = [_prompt(rng, 8 * B + 1) for _ in range(2)]
+    for i, p in enumerate(prompts):
+        e.add(f"w{i}", p, max_tokens=1)
+        e.run()
+    e.quiesce()
+    assert e.scheduler.reset_prefix_cache()
+    pages = [_host_pages(e, p, 8) for p in prompts]
+    pool = e.worker.worker_half.host_pool
+    pool.buffer[pages[0][6]] = pool.buffer[pages[1][6]]
+    mid_audit: list[str] = []  # preempted with pages of its audited hit not compared yet
+    preempt = e.scheduler._preempt_request
+
+    def counted(request, *args, **kwargs):
+        if request.request_id in e.connector.hc_audit._active:
+            mid_audit.append(request.request_id)
+        return preempt(request, *args, **kwargs)
+
+    e.scheduler._preempt_request = counted
+    e.add("long", _prompt(rng, 3 * B - 2), max_tokens=8 * B)  # decodes, takes blocks
+    e.step()
+    for i, p in enumerate(prompts):
+        e.add(f"r{i}", p, max_tokens=2)
+    e.run(max_steps=2000)
+    e.check()
+    c = e.connector.scheduler_half.counters
+    assert mid_audit
+    assert c.audited_requests == 2 and c.audit_mismatched_pages == 1
+    assert not e.failed
+
+
+def test_connector_state_machine_with_the_audit_on():
+    """The connector's state machine (test_vllm_connector_stateful.py: salts, adapters,
+    images, embeddings, aborts, evictions, resets, failing loads, saves and reads, a
+    hung store ...) with the audit on at rate 0.5 or 1.0, either action: no page it
+    compares is found wrong (every page is right), and it adds no wrong read or leak."""
+    import os
+
+    from test_vllm_connector_stateful import ConnectorMachine, _run
+
+    class AuditMachine(ConnectorMachine):
+        def _engine(self, **kwargs):
+            rng = random.Random(kwargs["seed"])
+            kwargs["extra"].update(audit_rate=rng.choice([0.5, 1.0]),
+                                   audit_action=rng.choice(["count", "stop_loads"]))
+            return ConnectorMachine._engine(self, **kwargs)
+
+        def teardown(self):
+            e = self.e
+            ConnectorMachine.teardown(self)
+            if e is not None:
+                c = e.connector.scheduler_half.counters
+                assert c.audit_mismatched_pages == 0, c
+
+    _run(int(os.environ.get("HICACHE_STATEFUL_EXAMPLES", "6")), 40, AuditMachine)

@@ -24,6 +24,7 @@ are not compared.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 _log = logging.getLogger("hicache.integrations.vllm.scheduler")
 
 MAX_IN_FLIGHT = 1 << 16  # comparisons awaiting their outcome (a lost report is forgotten)
+MAX_LOGGED = 1024  # pages whose mismatch is logged (one line each); then counted only
 
 
 @dataclass
@@ -107,6 +109,9 @@ class SchedulerAudit:
         self._next_id = 0
         self._denied: set[str] = set()  # salted third-tier keys never read again
         self._logged: set[tuple[str, object]] = set()  # pages whose mismatch was logged
+        self._deletes: queue.SimpleQueue | None = None  # third-tier keys to delete
+        self._deletes_done = threading.Event()
+        self._deletes_done.set()
         if half._probe is not None:
             half._probe = DenyingProbe(half._probe, self._denied)  # type: ignore[assignment]
 
@@ -241,13 +246,20 @@ class SchedulerAudit:
     def _mismatch(self, sent: _Sent) -> None:
         tier = "host" if sent.host_page >= 0 else "storage"
         where: object = sent.host_page if sent.host_page >= 0 else sent.storage_key
-        if (tier, where) not in self._logged:
+        if (tier, where) not in self._logged and len(self._logged) <= MAX_LOGGED:
             self._logged.add((tier, where))
+            if len(self._logged) > MAX_LOGGED:
+                _log.warning("hicache audit: %d pages found wrong; further ones are counted "
+                             "(vllm:hicache_audit_mismatches_total), not logged", MAX_LOGGED)
+                return self._take_out(sent)
             _log.warning("hicache audit: request %s page %d: the KV vLLM computed differs from "
                          "the %s tier's page; the page and every page below it are taken out "
                          "of service%s", sent.req_id, sent.page, tier,
                          "; loads from hicache stop (audit_action stop_loads)"
                          if self.action == "stop_loads" else "")
+        self._take_out(sent)
+
+    def _take_out(self, sent: _Sent) -> None:
         dropped = self._drop_host(sent)
         self.half.counters.audit_dropped_pages += dropped
         if sent.storage_key:
@@ -279,25 +291,34 @@ class SchedulerAudit:
         return len(pages)
 
     def _drop_stored(self, key: str) -> None:
-        """Never read ``key`` again (every rank's), and delete it from the tier, waiting
-        at most ``storage_timeout_s`` (a hung store keeps it, unread)."""
+        """Never read ``key`` again (every rank's), and delete it from the tier in the
+        background (a hung store keeps it, unread; never the scheduler's loop)."""
         half = self.half
         salted = [salt_keys([key], salt)[0] for salt in half._salts]
         self._denied.update(salted)
-        backend = half.storage
-        if backend is None:
+        if half.storage is None:
             return
+        if self._deletes is None:
+            self._deletes = queue.SimpleQueue()
+            threading.Thread(target=self._delete_loop, args=(half.storage, self._deletes),
+                             name="hicache-audit-delete", daemon=True).start()
+        self._deletes_done.clear()
+        self._deletes.put(salted)
 
-        def delete() -> None:
+    def _delete_loop(self, backend, jobs: queue.SimpleQueue) -> None:
+        while True:
+            keys = jobs.get()
             try:
-                backend.delete(salted)
+                backend.delete(keys)
             except Exception as exc:  # noqa: BLE001 - the key stays, never read here
                 _log.warning("hicache audit: a third-tier page found wrong could not be "
                              "deleted (%s); this process never reads it", type(exc).__name__)
+            if jobs.empty():
+                self._deletes_done.set()
 
-        t = threading.Thread(target=delete, name="hicache-audit-delete", daemon=True)
-        t.start()
-        t.join(self.timeout_s)
+    def wait_deletes(self, timeout_s: float = 10.0) -> bool:
+        """Wait until the deletes asked for so far ended (tests); False on timeout."""
+        return self._deletes_done.wait(timeout_s)
 
     @property
     def num_in_flight(self) -> int:
