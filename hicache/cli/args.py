@@ -225,7 +225,7 @@ def model_dir(text: str, option: str | None = "--model", *, download: bool = Tru
 
     def converting(spec) -> None:
         sys.stderr.write(f"hicache: converting {spec.name} ({spec.package}=={spec.version}) "
-                         "for vLLM, once (a minute or two)\n")
+                         "for vLLM, once (a few minutes)\n")
         sys.stderr.flush()
 
     try:

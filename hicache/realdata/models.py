@@ -40,7 +40,9 @@ from hicache.realdata.packages import (
 )
 
 MARKER = "hicache-model.json"
-MARKER_FORMAT = 1
+# 2: the tokenizer keeps the GGUF's add_bos_token (Gemma needs its <bos>); a directory of
+# an older format is converted again.
+MARKER_FORMAT = 2
 EXTRA_HINT = ("pip install 'hicache[real-model]' (or pip install gguf accelerate "
               "transformers)")
 
@@ -232,10 +234,14 @@ def transformers_convert(gguf_file: Path, out: Path, spec: ModelSpec) -> None:
         str(gguf_file.parent), gguf_file=gguf_file.name, dtype=dtype, **extra)
     _as_plain_model(model)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
-    if not getattr(tokenizer, "chat_template", None):
-        template = _gguf_chat_template(gguf_file)
-        if template:
-            tokenizer.chat_template = template
+    meta = _gguf_tokenizer_fields(gguf_file)
+    if not getattr(tokenizer, "chat_template", None) and meta.get("chat_template"):
+        tokenizer.chat_template = meta["chat_template"]
+    # transformers' GGUF tokenizer drops these: without <bos> Gemma answers nonsense.
+    for name in ("add_bos_token", "add_eos_token"):
+        value = meta.get(name)
+        if value is not None and bool(getattr(tokenizer, name, False)) != value:
+            setattr(tokenizer, name, value)
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
 
@@ -256,13 +262,22 @@ def _as_plain_model(model: Any) -> None:
         model.is_quantized = False
 
 
-def _gguf_chat_template(gguf_file: Path) -> str | None:
+def _gguf_tokenizer_fields(gguf_file: Path) -> dict[str, Any]:
+    """The GGUF's chat template (a str) and whether its tokenizer adds BOS / EOS."""
     from gguf import GGUFReader
 
-    field = GGUFReader(str(gguf_file)).fields.get("tokenizer.chat_template")
-    if field is None:
-        return None
-    return bytes(field.parts[field.data[0]]).decode("utf-8")
+    fields = GGUFReader(str(gguf_file)).fields
+    out: dict[str, Any] = {}
+    for key, name in (("tokenizer.chat_template", "chat_template"),
+                      ("tokenizer.ggml.add_bos_token", "add_bos_token"),
+                      ("tokenizer.ggml.add_eos_token", "add_eos_token")):
+        field = fields.get(key)
+        if field is None or not field.data:
+            continue
+        part = field.parts[field.data[0]]
+        out[name] = bytes(part).decode("utf-8") if name == "chat_template" else \
+            bool(part.tolist()[0])
+    return out
 
 
 @contextmanager

@@ -120,6 +120,13 @@ def _garbage_marker(d: Path) -> None:
     (d / MARKER).write_text("{not json")
 
 
+def _older_format(d: Path) -> None:
+    """A conversion by an older hicache (format 1 kept no add_bos_token)."""
+    marker = json.loads((d / MARKER).read_text())
+    marker["format"] = 1
+    (d / MARKER).write_text(json.dumps(marker))
+
+
 def _other_gguf(d: Path) -> None:
     marker = json.loads((d / MARKER).read_text())
     marker["sha256"] = "0" * 64
@@ -128,7 +135,7 @@ def _other_gguf(d: Path) -> None:
 
 @pytest.mark.parametrize("damage", [_damage_marker, _truncate_weights,
                                     _weights_same_size_torn_header, _remove_tokenizer,
-                                    _garbage_marker, _other_gguf])
+                                    _garbage_marker, _older_format, _other_gguf])
 def test_a_partial_or_corrupt_directory_is_converted_again(root, damage):
     convert = FakeConverter()
     directory = fetch_model(SPEC, convert=convert, download=False)

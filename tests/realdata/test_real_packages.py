@@ -69,3 +69,17 @@ def test_smollm2s_tokenizer_renders_chatml():
     assert "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n" in text
     assert text.endswith("<|im_start|>assistant\n")
     assert tokenizer.eos_token == "<|im_end|>"
+
+
+def test_gemma3_if_converted_keeps_its_bos_and_hybrid_layout():
+    """gemma3-270m is not fetched by .ci/run (1.1 GB); checked where it was converted."""
+    directory = cached_model("gemma3-270m")
+    if directory is None:
+        pytest.skip("gemma3-270m is not converted here (hicache model fetch gemma3-270m)")
+    from transformers import AutoTokenizer
+
+    config = json.loads((directory / "config.json").read_text())
+    assert config["architectures"] == ["Gemma3ForCausalLM"] and config["sliding_window"] == 512
+    assert config["layer_types"][:6] == ["sliding_attention"] * 5 + ["full_attention"]
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    assert tokenizer("The capital of France is")["input_ids"][0] == tokenizer.bos_token_id == 2
