@@ -22,7 +22,8 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1, 500) for _ in range(n)]
 
 
-def _host_pages(e, tokens: list[int], num_pages: int) -> list[int]:
+def _host_pages(e, tokens: list[int], num_pages: int, namespace: str | None = None
+                ) -> list[int]:
     """The host pages the tree holds for the first ``num_pages`` pages of ``tokens``."""
     import torch
 
@@ -31,8 +32,8 @@ def _host_pages(e, tokens: list[int], num_pages: int) -> list[int]:
     half = e.connector.scheduler_half
     B = half.page_size
     key = token_key(tokens[: num_pages * B], B)
-    assert half.tree.probe_key(key, None) // B >= num_pages
-    return torch.cat([n.host_indices for n in half.tree.probe_path(key, None)]).tolist()[
+    assert half.tree.probe_key(key, namespace) // B >= num_pages
+    return torch.cat([n.host_indices for n in half.tree.probe_path(key, namespace)]).tolist()[
         :num_pages]
 
 
@@ -402,3 +403,80 @@ def test_connector_state_machine_with_the_audit_on():
                 assert c.audit_mismatched_pages == 0, c
 
     _run(int(os.environ.get("HICACHE_STATEFUL_EXAMPLES", "6")), 40, AuditMachine)
+
+
+def test_an_adapter_replaced_in_place_is_caught_without_the_adapter_fix(sched, tmp_path,
+                                                                        monkeypatch):
+    """Issue 46's first hole, as it was before the connector refused adapters whose files
+    changed: an adapter keyed by its files as they are now (hashed again at each lookup)
+    while vLLM's worker computes with the weights it loaded first. The old weights' KV
+    lands under the new files' key; a fresh instance (which loads the new files) would
+    be served it: the audit finds every page of it wrong."""
+    import hashlib
+    import os
+
+    from vllm.lora.request import LoRARequest
+
+    from hicache.integrations.vllm.scheduler.inputs import AdapterDigests
+
+    def files_as_they_are_now(self, lora):
+        path = lora.lora_path
+        digest = hashlib.sha256(b"".join(open(os.path.join(path, n), "rb").read()
+                                         for n in sorted(os.listdir(path)))).hexdigest()
+        return f"{lora.lora_name}@{digest}"
+
+    monkeypatch.setattr(AdapterDigests, "identity", files_as_they_are_now)
+    B = sched.B
+    path = tmp_path / "adapter"
+    path.mkdir()
+    weights = path / "adapter_model.safetensors"
+    weights.write_bytes(b"weights-1")
+    lora = LoRARequest("A", 1, str(path))
+    extra = {"host_tokens": 16 * B, "storage": f"file:{tmp_path / 'tier'}"}
+    prompt = _prompt(random.Random(29), 4 * B + 1)
+    first = sched.Engine(num_blocks=24, extra=extra)
+    first.add("old", prompt, max_tokens=1, lora=lora)
+    first.run()
+    weights.write_bytes(b"weights-22")  # replaced in place; vLLM here keeps weights-1
+    assert first.scheduler.reset_prefix_cache()
+    first.add("after", prompt, max_tokens=1, lora=lora)  # keyed by weights-22's files
+    first.run()
+    first.check()
+    first.close()
+
+    fresh = sched.Engine(num_blocks=24, extra={**extra, "audit_rate": 1.0})  # weights-22
+    fresh.add("new", prompt, max_tokens=2, lora=lora)
+    fresh.run()
+    fresh.check()
+    c = fresh.connector.scheduler_half.counters
+    assert c.audited_requests == 1 and c.storage_hit_tokens == 0
+    assert (c.audited_pages, c.audit_mismatched_pages) == (4, 4)
+
+
+def test_a_mismatch_is_logged_once_with_the_pages_identity_never_its_salt(sched, caplog):
+    """A tenant's page planted wrong: one WARNING naming the request and the page (and
+    the tier), not the tenant's cache_salt nor the namespace it makes."""
+    import logging
+
+    B = sched.B
+    salt = "tenant-7-secret-salt"
+    e = sched.Engine(num_blocks=24, extra={"host_tokens": 16 * B, "audit_rate": 1.0})
+    rng = random.Random(31)
+    a, b = _prompt(rng, 4 * B + 1), _prompt(rng, 4 * B + 1)
+    e.add("a", a, max_tokens=1, cache_salt=salt)
+    namespace = e.namespaces[-1]
+    e.add("b", b, max_tokens=1, cache_salt=salt)
+    e.run()
+    e.quiesce()
+    assert e.scheduler.reset_prefix_cache()
+    pa, pb = _host_pages(e, a, 4, namespace), _host_pages(e, b, 4, namespace)
+    pool = e.worker.worker_half.host_pool
+    pool.buffer[pa[2]] = pool.buffer[pb[2]]
+    with caplog.at_level(logging.WARNING, logger="hicache.integrations.vllm.scheduler"):
+        e.add("a2", a, max_tokens=2, cache_salt=salt)
+        e.run()
+    e.check()
+    lines = [r.getMessage() for r in caplog.records if "hicache audit" in r.getMessage()]
+    assert len(lines) == 1 and "request a2 page 2" in lines[0] and "host tier" in lines[0]
+    assert salt not in caplog.text and str(namespace) not in caplog.text
+    assert e.connector.scheduler_half.counters.audit_mismatched_pages == 1
