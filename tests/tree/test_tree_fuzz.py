@@ -30,7 +30,12 @@ from hicache.tree import IOStatus, make_tree, token_key
 pytestmark = skip_unless("native")
 
 P = 2
-NAMESPACES = [None, "b"]
+# Namespaces come and go (a namespace's root is freed once it holds nothing: issue 46);
+# bad ones (and bad counts, components and tiers) are drawn now and then, for every
+# component call (issue 45, case 5): both trees must raise the same.
+NAMESPACES = [None, "b", "c", "d"]
+BAD_NAMESPACES = [[], 5, "\ud800", b"b", ("b",)]
+BAD_COUNTS = [-1, 2**64, 2**63, -(2**64), True, 1.5, "3", None]
 POLICIES = ["lru", "lfu", "fifo", "mru", "filo", "priority", "slru"]
 
 
@@ -111,7 +116,7 @@ def _component_ids(node, specs, c: int, step: int) -> torch.Tensor | None:
     """Ids for component ``c`` of ``node`` (its pages' worth for a window, one checkpoint)."""
     if node is None or not specs:
         return None
-    spec = specs[c]
+    spec = specs[c if type(c) is int and 0 <= c < len(specs) else 0]  # (a bad c: any ids)
     n = node.num_tokens // P * spec.width if spec.is_window else spec.width
     return torch.arange(n) + 700_000 + 100 * step
 
@@ -166,8 +171,9 @@ def run_seed(seed: int, steps: int, hybrid: bool = False) -> None:
         op = rng.choice(
             ["match", "insert", "insert", "insert_host", "probe", "lock", "unlock", "host_lock",
              "host_unlock", "io", "attach_host", "attach_device", "detach_host", "detach_device",
-             "evict_device", "evict_device", "evict_host", "priority", "path", "indices"]
-            + (["attach_c", "detach_c", "table", "probe_hit", "gaps", "evict_c"] if specs else [])
+             "evict_device", "evict_device", "evict_host", "priority", "path", "indices",
+             "prune", "probe_hit", "counts"]
+            + (["attach_c", "detach_c", "table", "gaps", "evict_c"] if specs else [])
         )
         if op == "unlock" and not op_unlock and pick is not None and pick[0].lock_ref:
             op = "lock"  # unlocking a node this run did not lock breaks the lock counts
@@ -177,16 +183,18 @@ def run_seed(seed: int, steps: int, hybrid: bool = False) -> None:
                   "attach_device", "detach_host", "detach_device", "priority", "path",
                   "indices", "attach_c", "detach_c", "table") and pick is None:
             op = "insert"
-        ns = rng.choice(NAMESPACES)
+        ns = rng.choice(NAMESPACES) if rng.random() < 0.95 else rng.choice(BAD_NAMESPACES)
         toks = tokens()
         pages = torch.arange(next_page, next_page + len(toks) // P, dtype=torch.int64)
         next_page += len(toks) // P
         status = rng.choice(list(IOStatus))
-        num = rng.randrange(0, 12)
+        num = rng.randrange(0, 12) if rng.random() < 0.9 else rng.choice(BAD_COUNTS)
         drop = rng.random() < 0.5
         backup_kind = rng.choice(["none", "decline", "back_up", "mixed", "raise"])
         c = rng.randrange(len(specs)) if specs else 0
-        tier = rng.choice(["device", "host"])
+        if rng.random() < 0.05:
+            c = rng.choice([-1, len(specs), True, 1.0, None])
+        tier = rng.choice(["device", "host"]) if rng.random() < 0.95 else rng.choice(["disk", None])
         given = [component_ids(rng, spec, len(toks) // P, 400_000 + 1000 * step + 100 * i)
                  for i, spec in enumerate(specs)]
         kw = {"components": given} if specs else {}
@@ -205,6 +213,8 @@ def run_seed(seed: int, steps: int, hybrid: bool = False) -> None:
                 "probe_hit": (t.probe_hit_key, token_key(toks, P), ns),
                 "gaps": (t.component_gaps, token_key(toks, P), c, tier, ns),
                 "evict_c": (t.evict_component, c, tier, num),
+                "prune": (t.prune_namespaces,),
+                "counts": (t.num_component_pages, c, tier),
                 "probe": (t.probe_path, token_key(toks, P), ns),
                 "lock": (t.lock, n),
                 "unlock": (t.unlock, n),
@@ -234,10 +244,11 @@ def run_seed(seed: int, steps: int, hybrid: bool = False) -> None:
             except AssertionError as exc:
                 raise AssertionError(f"{where}: {type(side.tree).__name__}: {exc}") from None
         assert snapshot(py.tree) == snapshot(nat.tree), where
+        assert py.tree.namespaces() == nat.tree.namespaces(), where
         for a, b in zip(py.tree.nodes(), nat.tree.nodes(), strict=True):
             if rng.random() < 0.2:
                 seen.append((a, b))
-        if rng.random() < 0.05:
+        if rng.random() < 0.05 and ns in NAMESPACES:
             seen.append((py.tree.root(ns), nat.tree.root(ns)))
         del seen[:-60]  # older ones are often stale (removed, merged): kept on purpose
 
