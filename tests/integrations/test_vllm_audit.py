@@ -311,7 +311,10 @@ def test_hybrid_model_audits_its_full_attention_pages(sched, kind):
     e.add("a3", a, max_tokens=2)
     e.run()
     e.check()
-    assert c.audit_mismatched_pages == 1 and c.audited_pages == 2 * audited
+    # (pages after the planted one may be repaired from a3's own blocks in the step that
+    # compares them: those are skipped, not compared with themselves)
+    assert c.audit_mismatched_pages == 1
+    assert c.audited_pages + c.audit_skipped_pages == 2 * audited
     assert not e.failed
 
 

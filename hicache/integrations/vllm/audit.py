@@ -52,7 +52,8 @@ class ConnectorAudit(ConnectorRoles):
             audit.pin(scheduled)
         plan = self.scheduler_half.build_plan(scheduled)
         if audit is not None:
-            plan.audits = audit.plan(scheduled)
+            plan.audits = audit.plan(scheduled, {p for op in plan.saves + plan.early_saves
+                                                 for p in op.host_pages})
         return plan
 
     def _update_push_work(self, meta: HiCacheWorkerMetadata | None,

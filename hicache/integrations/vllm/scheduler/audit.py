@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -175,8 +175,11 @@ class SchedulerAudit:
         if path:
             self.half.pins.pin(path[-1])
 
-    def plan(self, scheduled: Sequence[ScheduledRequest]) -> list[AuditOp]:
-        """This step's comparisons: every audited page the step's forward completes."""
+    def plan(self, scheduled: Sequence[ScheduledRequest],
+             saving: Collection[int] = ()) -> list[AuditOp]:
+        """This step's comparisons: every audited page the step's forward completes.
+        ``saving``: host pages this step's plan saves into (a page evicted since the
+        lookup and saved again from the audited block itself compares nothing)."""
         if self._pending or self._active or self._audited:
             self._forget_finished()
             for s in scheduled:
@@ -203,7 +206,7 @@ class SchedulerAudit:
             keys = half._keys(st, upto) if half.storage is not None else []
             for i in range(hit.next, upto):
                 host_page = ids[i] if i < hit.host_end and i < len(ids) else -1
-                if host_page in half._bad:
+                if host_page in half._bad or host_page in saving:
                     host_page = -1
                 skey = keys[i] if keys else ""
                 if host_page < 0 and not (i >= hit.storage_first and skey
