@@ -314,7 +314,8 @@ def _goodputs(sweep: dict[str, dict[str, dict]], slo_ms: float, default_slo: boo
         vs_base = round(g / rates[BASELINE], 4) if rates[BASELINE] else None
         vs_fits = round(g / rates[FITS], 4) if rates.get(FITS) else None
         result[name] = {"goodput_rps": round(g, 4), "vs_vllm": vs_base, "vs_fits": vs_fits}
-        print(f"  {name:<16} {g:7.3g} req/s  x{vs_base} of {BASELINE}"
+        print(f"  {name:<16} {g:7.3g} req/s"
+              + (f"  x{vs_base} of {BASELINE}'s" if vs_base is not None else "")
               + (f", {vs_fits:.0%} of {FITS}'s" if vs_fits is not None else ""), file=out)
     return result
 
