@@ -172,6 +172,44 @@ class HybridVsModel(RuleBasedStateMachine):
         for p in [p for p, page in store.items() if page in freed]:
             del store[p]
 
+    @rule(i=st.integers(0, 100), call=st.integers(0, 7),
+          bad=st.sampled_from([("c", -1), ("c", 2), ("c", True), ("c", None),
+                               ("tier", "disk"), ("tier", None), ("n", -1), ("n", 1.5),
+                               ("n", "2"), ("ns", []), ("ns", 5), ("ns", b"a")]))
+    def bad_component_call(self, i, call, bad):
+        """A component call with a bad component, tier, count or namespace raises
+        TypeError / ValueError and changes nothing (the invariant checks the model)."""
+        nodes = list(self.tree.nodes()) or [self.tree.root()]
+        node = nodes[i % len(nodes)]
+        kind, value = bad
+        c = value if kind == "c" else 0
+        tier = value if kind == "tier" else "device"
+        n = value if kind == "n" else 1
+        ns = value if kind == "ns" else None
+        key = b"\x00" * 4 * P
+        calls = [
+            lambda: self.tree.num_component_pages(c, tier),
+            lambda: self.tree.component_table(node, c, tier),
+            lambda: self.tree.component_gaps(key, c, tier, ns),
+            lambda: self.tree.evict_component(c, tier, n),
+            lambda: self.tree.detach_component(node, c, tier),
+            lambda: self.tree.attach_component(node, c, tier, torch.tensor([-3])),
+            lambda: self.tree.insert([0] * P, torch.tensor([10**6]), ns, components=[None, None]),
+            lambda: self.tree.path_missing_host(node, n),
+        ]
+        takes = [{"c", "tier"}, {"c", "tier"}, {"c", "tier", "ns"}, {"c", "tier", "n"},
+                 {"c", "tier"}, {"c", "tier"}, {"ns"}, {"n"}][call]
+        if kind not in takes:
+            return  # (the call does not take that argument)
+        if kind == "ns" and call == 2:  # a read: a hashable non-str names no root (no
+            try:                         # error), an unhashable one raises TypeError
+                calls[call]()
+            except TypeError:
+                pass
+            return
+        with pytest.raises((TypeError, ValueError)):
+            calls[call]()
+
     @invariant()
     def integrity(self):
         self.tree.check_integrity()
