@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import reprlib
 from collections.abc import Sequence
 from enum import Enum
 from typing import Any, TypeVar
@@ -276,3 +277,16 @@ def check_secret(name: str, secret: object) -> str | bytes | None:
     if not secret:
         raise ValueError(f"{name}: expected a non-empty str or bytes, got an empty one")
     return secret
+
+
+_SHOW = reprlib.Repr()
+_SHOW.maxstring = _SHOW.maxother = 80
+
+
+def show(value: object) -> str:
+    """``value`` for an error message: short (nested or huge values cut), ASCII (a lone
+    surrogate is escaped), and never raising (an int of 5,000 digits' ``repr`` does)."""
+    try:
+        return ascii(_SHOW.repr(value))[1:-1]
+    except Exception:
+        return f"<{type(value).__name__}>"

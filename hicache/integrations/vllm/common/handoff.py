@@ -23,6 +23,7 @@ import hashlib
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from hicache.checks import show
 from hicache.storage.keys import check_key
 
 HANDOFF_KEY = "handoff"  # kv_transfer_params["hicache"][HANDOFF_KEY]
@@ -44,8 +45,6 @@ class Handoff(NamedTuple):
 def parse_handoff(value: object, where: str) -> Handoff | str:
     """The hand-off in ``value`` (what :meth:`Handoff.to_params` gave), or an error message
     naming ``where``, the field and the value."""
-    from hicache.integrations.vllm.common.params import show  # (params imports this module)
-
     if not isinstance(value, Mapping):
         return f"{where}: expected a dict, got {type(value).__name__} {show(value)}"
     if not all(isinstance(k, str) for k in value) or sorted(value) != sorted(_FIELDS):

@@ -31,10 +31,10 @@ This module knows neither vLLM nor the tree.
 from __future__ import annotations
 
 import json
-import reprlib
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from hicache.checks import show
 from hicache.integrations.vllm.common.handoff import HANDOFF_KEY, Handoff, parse_handoff
 
 PARAMS_KEY = "hicache"  # kv_transfer_params[PARAMS_KEY]
@@ -122,19 +122,6 @@ def _parse(kv_transfer_params: Mapping[str, Any] | None) -> RequestControl:
 
 def _refused(message: str) -> RequestControl:
     return RequestControl(skip_load=True, skip_save=True, error=message)
-
-
-_SHOW = reprlib.Repr()
-_SHOW.maxstring = _SHOW.maxother = 80
-
-
-def show(value: object) -> str:
-    """``value`` for an error message: short (nested or huge values cut), ASCII (a lone
-    surrogate is escaped), and never raising (an int of 5,000 digits' ``repr`` does)."""
-    try:
-        return ascii(_SHOW.repr(value))[1:-1]
-    except Exception:
-        return f"<{type(value).__name__}>"
 
 
 def check_name(value: object, where: str, *, empty: bool) -> str | None:
