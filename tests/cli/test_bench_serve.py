@@ -598,6 +598,15 @@ def test_chat_workload_filters_by_the_models_tokens_and_sizes_the_longest_sequen
     # "aaaa", an empty reply and "bb": 3 messages of 3 + 6 characters, 1 to generate; the
     # reply's 5 tokens and the margin, then the last reply.
     assert w.max_seq_tokens == 9 + 6 + 1 + (5 + REPLY_MARGIN) + 5
+    assert w.working_set_tokens == w.max_seq_tokens + (9 + 2 + 1 + (5 + REPLY_MARGIN) + 5)
+    # vLLM's cache: half the working set (not the longest sequences of half in flight).
+    args = bs_args(["--workload", "sharegpt", "--model", "/m", "--block-size", "4",
+                    "--no-hit-requests", "0", "--max-in-flight", "8"])
+    specs = bs.server_specs(args, ["vllm", "vllm-fits"], bs.PRESETS["tiny"], "/m", w, "/s")
+    seq_blocks = -(-w.max_seq_tokens // 4)  # at least one sequence and a block
+    assert specs["vllm"].num_blocks == max(seq_blocks + 1, -(-w.working_set_tokens // 8) + 1)
+    assert specs["vllm"].num_blocks < 4 * seq_blocks + 1  # not 4 longest sequences
+    assert specs["vllm"].tokenizer and specs["vllm-fits"].tokenizer  # chats: no skip-init
     recorded = chat_workload("/m", clients=2, rounds=2, max_tokens=5, max_turn_tokens=10,
                              recorded_replies=True, vocab_size=100, load=load,
                              tokenizer=_Tokenizer())

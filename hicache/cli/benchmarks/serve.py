@@ -163,7 +163,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="vLLM block = hicache page, tokens (a multiple of 32 on CPU)")
     parser.add_argument("--vllm-blocks", type=positive_int, metavar="N",
                         help="vLLM's KV cache in blocks (default: the longest sequences "
-                             "of half --max-in-flight)")
+                             "of half --max-in-flight; sharegpt: half the conversations' "
+                             "working set)")
     parser.add_argument("--storage", metavar="SPEC",
                         help="third tier of vllm+host+file (default: file: a temporary dir)")
     parser.add_argument("--seed", type=int, default=0, help="workload, model and arrivals")
@@ -283,6 +284,9 @@ def server_specs(args: argparse.Namespace, configs: list[str], shape: ModelShape
     max_model_len = -(-max(workload.max_seq_tokens, no_hit_len) // B) * B
     seq_blocks = max_model_len // B
     num_blocks = args.vllm_blocks or max(1, args.max_in_flight // 2) * seq_blocks + 1
+    if isinstance(workload, ChatWorkload) and workload.working_set_tokens and not args.vllm_blocks:
+        # Real conversations are far shorter than the longest: half their working set.
+        num_blocks = max(seq_blocks + 1, -(-workload.working_set_tokens // 2 // B) + 1)
     if num_blocks < seq_blocks + 1:
         raise UsageError(f"--vllm-blocks: expected >= {seq_blocks + 1} (one {max_model_len}-"
                          f"token sequence in {B}-token blocks), got {num_blocks}")
@@ -353,6 +357,12 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _working_set(w: AnyWorkload) -> int:
+    if isinstance(w, ChatWorkload) and w.working_set_tokens:
+        return w.working_set_tokens
+    return w.num_clients * w.max_seq_tokens
+
+
 def _write_records(results: dict, path: str) -> None:
     """Every request of the unloaded and sweep runs, one JSON line each (``--keep``)."""
     with open(path, "w") as f:
@@ -396,7 +406,7 @@ def _header(args: argparse.Namespace, shape: ModelShape, workload: AnyWorkload,
         turns,
         f"vLLM's KV cache: {spec.num_blocks} blocks of {spec.block_size} tokens (at most "
         f"{args.max_in_flight} in flight, max model length {spec.max_model_len}); every "
-        f"conversation: at most {w.num_clients * w.max_seq_tokens:,} tokens",
+        f"conversation: at most {_working_set(w):,} tokens",
         "servers: " + ", ".join(f"{n} at {u}" for n, u in urls.items()) if urls
         else "servers: vLLM's OpenAI server, one per configuration, started here",
     ])

@@ -13,7 +13,9 @@ The longest sequence, which sizes vLLM's ``--max-model-len`` and KV cache, is co
 with the model's chat template: every conversation's last prompt rendered, its replies
 the recorded ones (``--recorded-replies``) or, where the server writes them, empty plus
 ``max_tokens`` and a margin for the template re-tokenizing a reply, then ``max_tokens``
-for the last reply.
+for the last reply. Their sum bounds the working set: real conversations are far
+shorter than the longest, so vLLM's cache is sized from it (half of it, by default)
+rather than from the longest sequence.
 """
 
 from __future__ import annotations
@@ -40,10 +42,10 @@ def prompt_tokens(tokenizer: Any, messages: list[dict[str, str]]) -> int:
     return len(tokenizer.encode(text, add_special_tokens=False))
 
 
-def longest_sequence(tokenizer: Any, chats: Sequence[Conversation], num_rounds: int,
-                     max_tokens: int, recorded_replies: bool) -> int:
-    """The longest prompt of the replay and its reply, in the model's tokens."""
-    longest = 0
+def sequence_bounds(tokenizer: Any, chats: Sequence[Conversation], num_rounds: int,
+                    max_tokens: int, recorded_replies: bool) -> list[int]:
+    """Each conversation's last prompt and its reply, at most, in the model's tokens."""
+    bounds = []
     for chat in chats:
         messages: list[dict[str, str]] = []
         for i in range(num_rounds):
@@ -54,8 +56,8 @@ def longest_sequence(tokenizer: Any, chats: Sequence[Conversation], num_rounds: 
         n = prompt_tokens(tokenizer, messages)
         if not recorded_replies:
             n += (num_rounds - 1) * (max_tokens + REPLY_MARGIN)
-        longest = max(longest, n + max_tokens)
-    return longest
+        bounds.append(n + max_tokens)
+    return bounds
 
 
 def chat_workload(model_dir: str, *, clients: int, rounds: int, max_tokens: int,
@@ -80,7 +82,7 @@ def chat_workload(model_dir: str, *, clients: int, rounds: int, max_tokens: int,
         raise LookupError(f"only {len(chats)} ShareGPT conversations have {rounds} human "
                           f"turns of at most {max_turn_tokens} tokens each; expected "
                           f"--clients {clients} (raise --max-turn-tokens, or lower --rounds)")
+    bounds = sequence_bounds(tok, chats, rounds, max_tokens, recorded_replies)
     return ChatWorkload(chats=tuple(chats), num_rounds=rounds, max_tokens=max_tokens,
-                        max_seq_tokens=longest_sequence(tok, chats, rounds, max_tokens,
-                                                        recorded_replies),
-                        vocab_size=vocab_size, recorded_replies=recorded_replies)
+                        max_seq_tokens=max(bounds), vocab_size=vocab_size,
+                        recorded_replies=recorded_replies, working_set_tokens=sum(bounds))

@@ -142,6 +142,7 @@ class ChatWorkload:
     max_seq_tokens: int
     vocab_size: int
     recorded_replies: bool = False
+    working_set_tokens: int = 0  # every conversation's longest sequence, summed (0: unknown)
 
     def __post_init__(self) -> None:
         for name in ("num_rounds", "max_tokens", "max_seq_tokens", "vocab_size"):
