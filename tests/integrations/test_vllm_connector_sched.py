@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 from optional_vllm import VLLM_REQUIRED, vllm_available
 
@@ -357,3 +358,49 @@ def test_reset_connector_with_a_finished_requests_saves_pending(sched):
     e.run()
     e.check()
     assert half.tree.host_tokens == 0
+
+
+def test_namespaces_that_hold_no_page_leave_no_state(sched, tmp_path):
+    """Issue 46 (hole 3): one client choosing a new salt for every request must not grow
+    the scheduler. A namespace whose pages are all gone leaves no tree root (a reset
+    frees what lookups left), a request that saves nothing makes none (vLLM's own hit
+    is touched in the host tier only where it holds pages), and the third tier's key
+    seeds are a bounded cache."""
+    from hicache.integrations.vllm.scheduler import third_tier
+
+    B = sched.B
+    e = sched.Engine(num_blocks=24, extra={"host_tokens": 16 * B,
+                                           "storage": f"file:{tmp_path}"})
+    half = e.connector.scheduler_half
+    prompt = _prompt(random.Random(9), 2 * B + 1)
+    no_save = {"hicache": {"skip_save": True}}
+    for i in range(6):  # the second of each pair is vLLM's own hit, under its own salt
+        e.add(f"s{i}", prompt, max_tokens=1, cache_salt=f"quiet-{i}",
+              kv_transfer_params=no_save)
+        e.add(f"t{i}", prompt, max_tokens=1, cache_salt=f"quiet-{i}",
+              kv_transfer_params=no_save)
+        e.run()
+    assert half.tree.namespaces() == [None] or half.tree.namespaces() == []
+    for i in range(6):  # saved pages, then a reset: nothing of them is left
+        e.add(f"u{i}", prompt, max_tokens=1, cache_salt=f"tenant-{i}")
+        e.run()
+    e.quiesce()
+    assert len(half.tree.namespaces()) >= 6
+    assert e.scheduler.reset_prefix_cache(reset_connector=True)
+    e.step()
+    assert half.tree.namespaces() in ([None], [])
+    e.check()
+    e.close()
+    seeds = third_tier.StorageKeys(("layout", "model"), 0, B)
+
+    def first_key(keys, namespace):
+        st = type("St", (), {})()
+        st.namespace, st.keys = namespace, []
+        st.identity_ids = lambda a, b, P: np.arange(a * P, b * P, dtype=np.int32)
+        return keys.of(st, 1)[0]
+
+    n0 = first_key(seeds, "n0")
+    for i in range(1, third_tier.MAX_ROOTS + 10):
+        first_key(seeds, f"n{i}")
+    assert len(seeds._roots) == third_tier.MAX_ROOTS and "n0" not in seeds._roots
+    assert first_key(seeds, "n0") == n0  # made again, the same

@@ -222,8 +222,11 @@ class SchedulerHalf(HalfInspection):
             st.follow_tables(group_block_ids, True)
         if st.vllm_hit_pages:
             # vLLM's own hit is a hit of the host tier's copy too: a prefix vLLM keeps hot
-            # must not be the host tier's first victim (its LRU/LFU order sees it).
-            self.tree.match_key(self._key(st, st.vllm_hit_pages), st.namespace)
+            # must not be the host tier's first victim (its LRU/LFU order sees it). Only
+            # where the host tier holds some of it: a match would make an empty namespace.
+            key = self._key(st, st.vllm_hit_pages)
+            if self.tree.probe_key(key, st.namespace):
+                self.tree.match_key(key, st.namespace)
             save = self.saves.vllm_hit(req_id, st, st.vllm_hit_pages)  # selective
             if save is not None:
                 self._gap_saves.append(save)  # after the forward, as the gap's below

@@ -77,6 +77,7 @@ class HalfInspection:
         for st in self._reqs.values():
             st.num_checked_pages = 0
         ok = self.tree.host_tokens == 0
+        self.tree.prune_namespaces()  # roots a lookup made and nothing filled
         if self.storage is not None and self.config.storage_epoch_on_reset:
             if not self._storage_keys.bump_epoch(self.storage):
                 return False

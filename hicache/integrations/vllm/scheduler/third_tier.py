@@ -16,12 +16,14 @@ Nothing here changes the tree or the page allocator.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future
 
 from hicache.integrations.vllm.common.keys import salt_keys
 
 _log = logging.getLogger("hicache.integrations.vllm.scheduler")
+MAX_ROOTS = 4096  # namespaces whose storage-key seed StorageKeys keeps
 
 
 class StorageKeys:
@@ -33,7 +35,9 @@ class StorageKeys:
         self.identity = identity
         self.epoch = epoch
         self.page_size = page_size
-        self._roots: dict[str | None, str] = {}  # chain seed per namespace
+        # Chain seed per namespace, the most recently used MAX_ROOTS (one hash to make
+        # again): clients choosing namespaces must not grow the scheduler without bound.
+        self._roots: OrderedDict[str | None, str] = OrderedDict()
 
     def of(self, st, num_pages: int) -> list[str]:
         """Keys of the first ``num_pages`` pages of ``st`` (a request's
@@ -49,6 +53,10 @@ class StorageKeys:
                 fingerprint, model_id = self.identity or ("vllm", "unknown")
                 root = self._roots[st.namespace] = root_key(
                     st.namespace, fingerprint, model_id, epoch=self.epoch)
+                if len(self._roots) > MAX_ROOTS:
+                    self._roots.popitem(last=False)
+            else:
+                self._roots.move_to_end(st.namespace)
             prev = keys[-1] if have else root
             # Chained over the pages' identity ids (their tokens, or what their other
             # inputs derive), as the tree keys are.
