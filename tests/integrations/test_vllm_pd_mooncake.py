@@ -130,7 +130,7 @@ def _why(decode: Server, prefill: Server) -> str:
 def _outcomes(decode: Server) -> dict[str, float]:
     text = decode.metrics()
     return {o: sample(text, "vllm:hicache_handoff_requests_total", outcome=o)
-            for o in ("served", "epoch", "identity", "timeout", "store", "short")}
+            for o in ("served", "epoch", "identity", "timeout", "store", "short", "failed")}
 
 
 def test_decode_asked_at_once_through_the_toy_proxy_and_after_a_gap(cluster):

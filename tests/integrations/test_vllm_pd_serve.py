@@ -114,7 +114,7 @@ def test_decode_asked_at_once_is_served_every_page_with_vllms_outputs(pd):
     from prom_check import sample
 
     assert sample(text, "vllm:hicache_handoff_requests_total", outcome="served") == 6
-    for outcome in ("timeout", "store", "short", "epoch", "identity"):
+    for outcome in ("timeout", "store", "short", "epoch", "identity", "failed"):
         assert sample(text, "vllm:hicache_handoff_requests_total", outcome=outcome) == 0
     assert sample(text, "vllm:hicache_handoff_wait_seconds_total") > 0  # it did wait
     # The prefill's writes landed by themselves (nothing asked it anything since).

@@ -300,7 +300,7 @@ def run_pd(model: str, prompts: list[list[int]], cross: list[list[int]], args,
             rows.append({"ttft_s": r["first"] - answered, "e2e_ttft_s": r["first"] - start,
                          "tokens": r["tokens"], "computed": len(p) - r["cached"]})
         outcomes = {o: decode.metric("vllm:hicache_handoff_requests_total", outcome=o)
-                    for o in ("served", "epoch", "identity", "timeout", "store", "short")}
+                    for o in ("served", "epoch", "identity", "timeout", "store", "short", "failed")}
         outcomes["wait_s"] = decode.metric("vllm:hicache_handoff_wait_seconds_total") - waited
         cross_rows = []
         tier = storage[len("file:"):] if storage.startswith("file:") else None
