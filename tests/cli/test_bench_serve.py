@@ -28,6 +28,7 @@ from hicache.cli.benchmarks.serve_client import (
     stream_completion,
 )
 from hicache.cli.benchmarks.serve_report import (
+    audit_counts,
     common_prefix,
     compare_at,
     goodput,
@@ -83,6 +84,8 @@ def everything_installed(monkeypatch):
     (["--workload", "chat"], "--workload"),
     (["--ttft-slo-ms", "0"], "--ttft-slo-ms"),
     (["--configs", "vllm,vllm-fitz"], "--configs: expected distinct names among"),
+    (["--audit-rate", "1.5"], "--audit-rate: expected a probability in [0, 1], got 1.5"),
+    (["--audit-rate", "often"], "--audit-rate"),
 ])
 def test_serve_bad_arguments_exit_2_with_one_line(capsys, everything_installed, argv, expected):
     assert expected in _usage_error(capsys, "serve", argv)
@@ -231,6 +234,10 @@ def test_server_specs_size_vllm_for_half_the_requests_in_flight(everything_insta
     assert specs["vllm"].connector is None
     assert specs["vllm+host"].connector == {"host_tokens": (4 + 5) * 128}
     assert specs["vllm+host+file"].connector == {"host_tokens": 288, "storage": "file:/s"}
+    audited = bs.server_specs(bs_args(["--audit-rate", "0.25"]), list(bs.CONFIG_NAMES),
+                              bs.PRESETS["tiny"], "/m", w, "/s")
+    assert audited["vllm"].connector is None and audited["vllm-fits"].connector is None
+    assert {audited[n].connector["audit_rate"] for n in ("vllm+host", "vllm+host+file")} == {0.25}
 
 
 # ----------------------------------------------------------------------------- workload
@@ -720,6 +727,29 @@ def test_tier_tokens_are_the_counters_differences():
                           'vllm:hicache_hit_tokens_total{model_name="m",tier="storage"} 32.0\n')
     assert tier_tokens(before, after) == {"vllm_prefix": 32, "external": 96, "computed": 50,
                                           "host": 64, "third_tier": 32}
+
+
+def test_audit_counts_are_the_counters_differences_and_the_report_sums_them(capsys):
+    from hicache.cli.benchmarks.serve_runs import _audit_summary
+
+    before = parse_metrics('vllm:hicache_audited_pages_total{model_name="m"} 10.0\n'
+                           'vllm:hicache_audit_mismatches_total{model_name="m"} 1.0\n')
+    after = parse_metrics('vllm:hicache_audited_pages_total{model_name="m"} 25.0\n'
+                          'vllm:hicache_audit_mismatches_total{model_name="m"} 1.0\n'
+                          'vllm:hicache_audited_requests_total{model_name="m"} 3.0\n'
+                          'vllm:hicache_audit_computed_tokens_total{model_name="m"} 480.0\n'
+                          'vllm:hicache_audit_skipped_pages_total{model_name="m"} 2.0\n')
+    run = audit_counts(before, after)
+    assert run == {"audited_requests": 3, "computed_tokens": 480, "audited_pages": 15,
+                   "mismatched_pages": 0, "skipped_pages": 2}
+    out = io.StringIO()
+    bad = dict(run, mismatched_pages=4)
+    summary = _audit_summary({"vllm+host": {"unloaded": run, "inf": bad}, "vllm": {}}, out)
+    assert summary["by_config"] == {"vllm+host": {
+        "audited_requests": 6, "audited_pages": 30, "mismatched_pages": 4, "skipped_pages": 4,
+        "computed_tokens": 960}}
+    assert summary["mismatched_pages"] == 4
+    assert "vllm+host" in out.getvalue() and "4 mismatched" in out.getvalue()
 
 
 def test_loaded_rates_are_those_at_3x_unloaded_lowest_first():

@@ -53,11 +53,13 @@ vLLM alone's unloaded TTFT p90), against vLLM alone's and ``vllm-fits``'s; the p
 tokens each tier served (vLLM's prefix cache, the host tier, the third tier, computed:
 the servers' ``/metrics``); the later turns' history reused against reusable, and the
 retokenization loss; the CPU seconds of the servers left idle across the others' runs.
+With ``--audit-rate``, the connector's run-time KV audit: pages compared, mismatches and
+the hit tokens audited requests computed instead (its cost), by configuration and run.
 A table, ``--plot`` (TTFT p90 and input throughput against the rate), and one JSON line.
 
     hicache bench serve [--preset small | --model DIR|NAME] [--configs vllm,vllm+host,...]
         [--workload agentic|sharegpt [--recorded-replies]] [--clients N --rounds N ...]
-        [--ttft-slo-ms MS] [--max-in-flight N] [--request-rates auto|R,R,inf]
+        [--ttft-slo-ms MS] [--max-in-flight N] [--request-rates auto|R,R,inf] [--audit-rate R]
         [--url CONFIG=URL ...] [--plot FILE.png] [--keep DIR] [--json]
     (bench/serve.py runs the same)
 """
@@ -80,6 +82,7 @@ from hicache.cli.args import (
     nonneg_int,
     positive_float,
     positive_int,
+    probability,
     require_matplotlib,
 )
 from hicache.cli.benchmarks import standalone_main
@@ -167,6 +170,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "working set)")
     parser.add_argument("--storage", metavar="SPEC",
                         help="third tier of vllm+host+file (default: file: a temporary dir)")
+    parser.add_argument("--audit-rate", type=probability, default=0.0, metavar="R",
+                        help="the connector's run-time KV audit (audit_rate, docs/vllm.md): "
+                        "the share of requests with a hit computed and compared instead of "
+                        "served; the report counts audited pages and mismatches (default 0)")
     parser.add_argument("--seed", type=int, default=0, help="workload, model and arrivals")
     parser.add_argument("--start-timeout", type=positive_float, default=900.0,
                         help="seconds to wait for the servers to start")
@@ -302,6 +309,9 @@ def server_specs(args: argparse.Namespace, configs: list[str], shape: ModelShape
         "vllm+host+file": {"host_tokens": small_host_tokens,
                            "storage": args.storage or f"file:{storage_dir}"},
     }
+    for extra in extras.values():
+        if extra is not None and args.audit_rate:
+            extra["audit_rate"] = args.audit_rate
     chat = isinstance(workload, ChatWorkload)
     return {name: ServerSpec(name=name, model_dir=model_dir, block_size=B,
                              num_blocks=fits_blocks if name == FITS else num_blocks,
@@ -412,7 +422,8 @@ def _header(args: argparse.Namespace, shape: ModelShape, workload: AnyWorkload,
     ])
     return {"text": text, "model": model, "shape": shape._asdict(), "workload": described,
             "workload_name": args.workload, "max_in_flight": args.max_in_flight,
-            "vllm_blocks": spec.num_blocks, "block_size": spec.block_size}
+            "vllm_blocks": spec.num_blocks, "block_size": spec.block_size,
+            "audit_rate": args.audit_rate}
 
 
 main = standalone_main(__doc__, add_arguments, run)

@@ -170,6 +170,23 @@ def tier_tokens(before: dict[str, float], after: dict[str, float]) -> dict[str, 
             for name, key in TIER_SERIES.items()}
 
 
+# The connector's run-time KV audit on /metrics (docs/vllm.md, "Run-time KV audit").
+AUDIT_SERIES = {
+    "audited_requests": "vllm:hicache_audited_requests_total",
+    "computed_tokens": "vllm:hicache_audit_computed_tokens_total",
+    "audited_pages": "vllm:hicache_audited_pages_total",
+    "mismatched_pages": "vllm:hicache_audit_mismatches_total",
+    "skipped_pages": "vllm:hicache_audit_skipped_pages_total",
+}
+
+
+def audit_counts(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    """A run's audit counters (``/metrics`` around it): requests audited, the hit tokens
+    they computed instead (the audit's cost), pages compared, found wrong, skipped."""
+    return {name: int(round(after.get(key, 0.0) - before.get(key, 0.0)))
+            for name, key in AUDIT_SERIES.items()}
+
+
 def loaded_rates(sweep: dict[str, dict], unloaded_ttft_p90_ms: float,
                  factor: float = 3.0) -> list[str]:
     """The rates (keys of ``sweep``, the baseline's runs by rate), lowest first, whose TTFT

@@ -27,6 +27,7 @@ from typing import TextIO
 from hicache.cli.benchmarks.proc_cpu import cpu_seconds_by_name
 from hicache.cli.benchmarks.serve_client import Record, run_load
 from hicache.cli.benchmarks.serve_report import (
+    audit_counts,
     compare_at,
     goodput,
     history_figures,
@@ -139,6 +140,7 @@ class Watched:
         self.targets = targets
         self.pause_idle = pause_idle
         self.tiers: dict[str, dict[str, dict[str, int]]] = {name: {} for name in targets}
+        self.audit: dict[str, dict[str, dict[str, int]]] = {name: {} for name in targets}
         # idle server -> [its CPU seconds, wall seconds of the runs it sat out]
         self.idle: dict[str, list[float]] = {name: [0.0, 0.0] for name, t in targets.items()
                                              if t.pid is not None}
@@ -154,7 +156,10 @@ class Watched:
                 self.targets[n].pause(True)
         before = get_metrics(t.url)
         records = t.run(workload, rate, max_in_flight, seed)
-        self.tiers[name][label] = tier_tokens(before, get_metrics(t.url))
+        after = get_metrics(t.url)
+        self.tiers[name][label] = tier_tokens(before, after)
+        if t.with_connector:
+            self.audit[name][label] = audit_counts(before, after)
         wall = (max(r.done_s for r in records) - min(r.sent_s for r in records)
                 if records else 0.0)
         for n, cpu in others.items():
@@ -202,7 +207,7 @@ def _measure(args: argparse.Namespace, watched: Watched, targets: dict[str, Targ
                 sweep[name][rate] = watched.run(name, rate, workload, rate, cap, seed)
                 _say(out, name, rate, sweep[name][rate])
     return {"rates": rates, "unloaded": unloaded, "sweep": sweep,
-            "tiers": watched.tiers, "idle_cpu": watched.idle,
+            "tiers": watched.tiers, "audit": watched.audit, "idle_cpu": watched.idle,
             "no_hit": _no_hit(args, watched, workload.vocab_size, out)}
 
 
@@ -287,6 +292,8 @@ def report(args: argparse.Namespace, results: dict, header: dict, out: TextIO) -
                                        *results["sweep"][n].items()]}
                for n in results["unloaded"]}
     _history_table(history, results.get("tiers") or {}, out)
+    audit = (_audit_summary(results.get("audit") or {}, out)
+             if getattr(args, "audit_rate", 0.0) else None)
     idle = _idle_summary(results.get("idle_cpu") or {}, getattr(args, "pause_idle", False), out)
     no_hit = _no_hit_summary(results["no_hit"], out)
     if args.plot:
@@ -298,7 +305,7 @@ def report(args: argparse.Namespace, results: dict, header: dict, out: TextIO) -
             "loaded_rate": loaded[0] if loaded else None, "vs_vllm": vs, "outputs": outputs,
             "outputs_identical": num_differing == 0, "outputs_vs_fits": outputs_vs_fits,
             "ttft_slo_ms": round(slo_ms, 3), "goodput": goodputs, "history": history,
-            "tiers": results.get("tiers"), "idle_cpu": idle, "no_hit": no_hit}
+            "tiers": results.get("tiers"), "audit": audit, "idle_cpu": idle, "no_hit": no_hit}
 
 
 def _goodputs(sweep: dict[str, dict[str, dict]], slo_ms: float, default_slo: bool,
@@ -339,6 +346,22 @@ def _history_table(history: dict[str, dict[str, dict]], tiers: dict[str, dict[st
             print(f"{name:<18} {label:>8} {h['history_tokens']:>8,} {h['reusable_tokens']:>8,} "
                   f"{share:>7} {retok:>6} {t.get('vllm_prefix', 0):>8,} {t.get('host', 0):>8,} "
                   f"{t.get('third_tier', 0):>7,} {t.get('computed', 0):>8,}", file=out)
+
+
+def _audit_summary(audit: dict[str, dict[str, dict[str, int]]], out: TextIO) -> dict:
+    """The run-time KV audit's counters by configuration (every run's, summed)."""
+    keys = ("audited_requests", "audited_pages", "mismatched_pages", "skipped_pages",
+            "computed_tokens")
+    totals = {n: {k: sum(run.get(k, 0) for run in by_run.values()) for k in keys}
+              for n, by_run in audit.items() if by_run}
+    print("\nrun-time KV audit (--audit-rate): requests audited, pages compared, mismatches, "
+          "pages skipped, hit tokens computed instead (its cost)", file=out)
+    for n, t in totals.items():
+        print(f"  {n:<16} {t['audited_requests']:>6,} requests {t['audited_pages']:>8,} pages "
+              f"{t['mismatched_pages']:>4,} mismatched {t['skipped_pages']:>6,} skipped "
+              f"{t['computed_tokens']:>9,} tokens", file=out)
+    return {"by_config": totals, "by_run": audit,
+            "mismatched_pages": sum(t["mismatched_pages"] for t in totals.values())}
 
 
 def _idle_summary(idle: dict[str, list[float]], paused: bool, out: TextIO) -> dict:
