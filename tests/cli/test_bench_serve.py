@@ -86,6 +86,7 @@ def everything_installed(monkeypatch):
     (["--configs", "vllm,vllm-fitz"], "--configs: expected distinct names among"),
     (["--audit-rate", "1.5"], "--audit-rate: expected a probability in [0, 1], got 1.5"),
     (["--audit-rate", "often"], "--audit-rate"),
+    (["--dtype", "int8"], "--dtype"),
 ])
 def test_serve_bad_arguments_exit_2_with_one_line(capsys, everything_installed, argv, expected):
     assert expected in _usage_error(capsys, "serve", argv)
@@ -238,6 +239,11 @@ def test_server_specs_size_vllm_for_half_the_requests_in_flight(everything_insta
                               bs.PRESETS["tiny"], "/m", w, "/s")
     assert audited["vllm"].connector is None and audited["vllm-fits"].connector is None
     assert {audited[n].connector["audit_rate"] for n in ("vllm+host", "vllm+host+file")} == {0.25}
+    assert {s.dtype for s in audited.values()} == {"float32"}
+    bf16 = bs.server_specs(bs_args(["--dtype", "bfloat16"]), ["vllm", "vllm+host"],
+                           bs.PRESETS["tiny"], "/m", w, "/s")
+    assert all("--dtype" in (cmd := s.command(8000)) and cmd[cmd.index("--dtype") + 1]
+               == "bfloat16" for s in bf16.values())
 
 
 # ----------------------------------------------------------------------------- workload

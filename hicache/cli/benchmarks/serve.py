@@ -60,6 +60,7 @@ A table, ``--plot`` (TTFT p90 and input throughput against the rate), and one JS
     hicache bench serve [--preset small | --model DIR|NAME] [--configs vllm,vllm+host,...]
         [--workload agentic|sharegpt [--recorded-replies]] [--clients N --rounds N ...]
         [--ttft-slo-ms MS] [--max-in-flight N] [--request-rates auto|R,R,inf] [--audit-rate R]
+        [--dtype float32|bfloat16|float16]
         [--url CONFIG=URL ...] [--plot FILE.png] [--keep DIR] [--json]
     (bench/serve.py runs the same)
 """
@@ -105,6 +106,7 @@ from hicache.cli.benchmarks.vllm_plan import UsageError as PlanError
 CONFIG_NAMES = ("vllm", "vllm+host", "vllm+host+file", "vllm-fits")
 DEFAULT_CONFIGS = ("vllm", "vllm+host", "vllm+host+file")
 WORKLOADS = ("agentic", "sharegpt")
+DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_PRESET = "small"
 
 
@@ -170,6 +172,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "working set)")
     parser.add_argument("--storage", metavar="SPEC",
                         help="third tier of vllm+host+file (default: file: a temporary dir)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+                        help="the model's and vLLM's KV dtype in every server (default "
+                        "float32; bfloat16 as served in production)")
     parser.add_argument("--audit-rate", type=probability, default=0.0, metavar="R",
                         help="the connector's run-time KV audit (audit_rate, docs/vllm.md): "
                         "the share of requests with a hit computed and compared instead of "
@@ -317,7 +322,8 @@ def server_specs(args: argparse.Namespace, configs: list[str], shape: ModelShape
                              num_blocks=fits_blocks if name == FITS else num_blocks,
                              max_model_len=max_model_len, max_num_seqs=args.max_in_flight,
                              kv_nbytes_per_token=shape.kv_nbytes_per_token,
-                             connector=extras[name], seed=args.seed, tokenizer=chat)
+                             connector=extras[name], seed=args.seed, tokenizer=chat,
+                             dtype=args.dtype)
             for name in configs}
 
 
@@ -423,7 +429,7 @@ def _header(args: argparse.Namespace, shape: ModelShape, workload: AnyWorkload,
     return {"text": text, "model": model, "shape": shape._asdict(), "workload": described,
             "workload_name": args.workload, "max_in_flight": args.max_in_flight,
             "vllm_blocks": spec.num_blocks, "block_size": spec.block_size,
-            "audit_rate": args.audit_rate}
+            "dtype": spec.dtype, "audit_rate": args.audit_rate}
 
 
 main = standalone_main(__doc__, add_arguments, run)
