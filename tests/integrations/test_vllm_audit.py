@@ -130,26 +130,6 @@ def test_wrong_kv_planted_in_a_file_page_is_caught(sched, tmp_path):
     assert later.connector.scheduler_half.counters.storage_hit_tokens in (2 * B, 4 * B)
 
 
-def _multiturn(e, sched, seed: int, convs: int = 6, turns: int = 4) -> None:
-    """Conversations sharing a system prompt, each turn extending the last one's output,
-    turns of several conversations interleaved; vLLM's own cache is emptied between
-    rounds, so that later turns hit hicache's tiers."""
-    rng = random.Random(seed)
-    system = _prompt(rng, 40)
-    history = {c: system + _prompt(rng, 10) for c in range(convs)}
-    for t in range(turns):
-        for c in range(convs):
-            n = rng.randrange(1, 12)
-            e.add(f"c{c}t{t}", history[c], max_tokens=n)
-            history[c] = sched.extend(history[c], n) + _prompt(rng, rng.randrange(1, 24))
-            for _ in range(rng.randrange(0, 4)):
-                if e.scheduler.has_requests():
-                    e.step()
-        e.run()
-        e.quiesce()
-        assert e.scheduler.reset_prefix_cache()
-
-
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("storage", [False, True])
 def test_clean_multiturn_reports_no_mismatch(sched, tmp_path, monkeypatch, async_scheduling,
@@ -172,7 +152,7 @@ def test_clean_multiturn_reports_no_mismatch(sched, tmp_path, monkeypatch, async
     if storage:  # a host tier too small for the working set: hits from storage too
         extra.update(host_tokens=16 * B, storage=f"file:{tmp_path}")
     e = sched.Engine(async_scheduling=async_scheduling, num_blocks=14, extra=extra)
-    _multiturn(e, sched, seed=11)
+    sched.multiturn(e, 11, convs=6, turns=4, reset_each_round=True)
     e.check()
     c = e.connector.scheduler_half.counters
     assert not e.failed
@@ -185,7 +165,7 @@ def test_clean_multiturn_reports_no_mismatch(sched, tmp_path, monkeypatch, async
 def test_audit_rate_zero_audits_nothing(sched):
     B = sched.B
     e = sched.Engine(num_blocks=14, extra={"host_tokens": 12 * B, "audit_rate": 0})
-    _multiturn(e, sched, seed=11)
+    sched.multiturn(e, 11, convs=6, turns=4, reset_each_round=True)
     e.check()
     c = e.connector.scheduler_half.counters
     assert e.connector.hc_audit is None

@@ -169,26 +169,6 @@ def test_cache_salt_keeps_tenants_apart(sched, tmp_path, storage):
     assert hit == 4 * B
 
 
-def _multiturn(e, sched, seed: int, *, convs: int = 8, turns: int = 3,
-               abort_rate: float = 0.1) -> None:
-    """Conversations sharing a system prompt, turns interleaved, random steps between
-    arrivals, random aborts: a working set several times vLLM's cache."""
-    rng = random.Random(seed)
-    system = _prompt(rng, 40)
-    history = {c: system + _prompt(rng, 10) for c in range(convs)}
-    for t in range(turns):
-        for c in range(convs):
-            n = rng.randrange(1, 12)
-            e.add(f"c{c}t{t}", history[c], max_tokens=n)
-            history[c] = sched.extend(history[c], n) + _prompt(rng, rng.randrange(1, 24))
-            for _ in range(rng.randrange(0, 4)):
-                if e.scheduler.has_requests():
-                    e.step()
-            if rng.random() < abort_rate and e.scheduler.requests:
-                e.abort(rng.choice(sorted(e.scheduler.requests)))
-    e.run()
-
-
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 @pytest.mark.parametrize("storage", [False, True])
@@ -203,7 +183,7 @@ def test_random_multiturn_with_faults(sched, tmp_path, async_scheduling, policy,
         e = sched.Engine(async_scheduling=async_scheduling, policy=policy, num_blocks=14,
                          extra=extra, seed=seed)
         e.faults.load_rate = 0.3
-        _multiturn(e, sched, seed)
+        sched.multiturn(e, seed, convs=8, turns=3, abort_rate=0.1)
         e.check()
         if policy == "recompute":
             assert not e.failed

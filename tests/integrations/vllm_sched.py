@@ -109,6 +109,36 @@ def extend(tokens: list[int], n: int) -> list[int]:
     return out
 
 
+def multiturn(e: Engine, seed: int, *, convs: int, turns: int, abort_rate: float = 0.0,
+              reset_each_round: bool = False) -> None:
+    """Conversations sharing a system prompt, each turn extending the last one's output,
+    turns of several conversations interleaved with random steps between arrivals; with
+    ``abort_rate``, random aborts; with ``reset_each_round``, every round run to the end
+    and vLLM's own cache emptied after it (later turns then hit hicache's tiers)."""
+    rng = random.Random(seed)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(1, 500) for _ in range(n)]
+
+    system = prompt(40)
+    history = {c: system + prompt(10) for c in range(convs)}
+    for t in range(turns):
+        for c in range(convs):
+            n = rng.randrange(1, 12)
+            e.add(f"c{c}t{t}", history[c], max_tokens=n)
+            history[c] = extend(history[c], n) + prompt(rng.randrange(1, 24))
+            for _ in range(rng.randrange(0, 4)):
+                if e.scheduler.has_requests():
+                    e.step()
+            if abort_rate and rng.random() < abort_rate and e.scheduler.requests:
+                e.abort(rng.choice(sorted(e.scheduler.requests)))
+        if reset_each_round:
+            e.run()
+            e.quiesce()
+            assert e.scheduler.reset_prefix_cache()
+    e.run()
+
+
 class Faults:
     """Wraps the worker's block copier (fails loads or saves at a given rate) and its
     third-tier backend (fails reads at ``read_rate``)."""
