@@ -24,7 +24,8 @@ DESCRIPTION = (
 # (command, module, help)
 _COMMANDS = [
     ("demo", "hicache.cli.demo", "the main job: an agentic workload through no cache, a device "
-     "cache and the hierarchy, with a comparison table"),
+     "cache and the hierarchy, with a comparison table; 'demo chat': a real model's chat "
+     "through vLLM with and without hicache"),
     ("replay", "hicache.cli.replay", "replay a trace through the cache (bookkeeping only, no KV) "
      "and report hit ratios"),
     ("trace", "hicache.cli.trace", "make synthetic traces, or summarize one"),
@@ -102,7 +103,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 
 def _prog(args: argparse.Namespace) -> str:
-    parts = ["hicache", getattr(args, "command", None), getattr(args, "bench", None),
+    parts = ["hicache", getattr(args, "command", None), getattr(args, "demo_command", None),
+             getattr(args, "bench", None),
              getattr(args, "trace_command", None), getattr(args, "storage_command", None),
              getattr(args, "model_command", None), getattr(args, "dataset_command", None)]
     return " ".join(p for p in parts if p)

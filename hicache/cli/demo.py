@@ -8,6 +8,10 @@ that holds the whole working set). Shows a progress bar per configuration,
 then a comparison table and a one-line conclusion computed from the numbers;
 ``--plot FILE.png`` draws TTFT per request (needs matplotlib).
 
+``hicache demo chat`` is the real-text demo instead: a short chat on a real model
+through two vLLM servers, with and without hicache (:mod:`hicache.cli.demo_chat`;
+needs vLLM). ``hicache demo`` alone runs the simulated workload above, offline.
+
 This module only presents: the workload, the engines and the metrics come from
 :mod:`hicache.cli.benchmarks.multiturn` (the workload and its options),
 :mod:`~hicache.cli.benchmarks.multiturn_runs` and :mod:`~hicache.cli.benchmarks.multiturn_report`.
@@ -56,6 +60,15 @@ DEMO_TURNS = 8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from hicache.cli import demo_chat
+
+    sub = parser.add_subparsers(dest="demo_command", required=False, metavar="{chat}")
+    chat_help = ("a short multi-turn chat on a real model (smollm2) through vLLM's server, "
+                 "with and without hicache: each turn's question, reply, TTFT and cached "
+                 "share (needs vLLM)")
+    chat = sub.add_parser("chat", help=chat_help, description=chat_help)
+    demo_chat.add_arguments(chat)
+    chat.set_defaults(_run=demo_chat.run)
     parser.add_argument("--preset", default="small", choices=PRESET_NAMES,
                         help="model shapes (default: small)")
     add_workload_arguments(parser, num_sessions=DEMO_SESSIONS, num_turns=DEMO_TURNS)
