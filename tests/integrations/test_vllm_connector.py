@@ -179,6 +179,31 @@ def test_auto_executor_on_cpu_copies_beside_or_between_forwards(make_vllm, monke
     m.quiesce()
 
 
+@pytest.mark.parametrize("reserved", [None, "1"])
+def test_a_cpu_worker_warns_once_that_its_thread_count_is_vllms_choice(make_vllm, monkeypatch,
+                                                                       caplog, reserved):
+    """vLLM's CPU backend keeps one more core off its worker when a KV connector is
+    configured, unless VLLM_CPU_NUM_OF_RESERVED_CPU pins it: the worker says how many
+    threads it computes on and why vLLM alone may differ; nothing when it is pinned."""
+    from hicache.integrations.vllm.worker.executor_choice import thread_count_warning
+
+    if reserved is None:
+        monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", reserved)
+    with caplog.at_level("WARNING", logger="hicache.integrations.vllm.worker"):
+        m = make_vllm(executor="sync")
+    said = [r.getMessage() for r in caplog.records if "thread(s) here" in r.getMessage()]
+    if reserved is None:
+        assert said == [thread_count_warning("cpu", torch.get_num_threads(), {})]
+        assert f"vLLM computes on {torch.get_num_threads()} thread(s)" in said[0]
+        assert "set VLLM_CPU_NUM_OF_RESERVED_CPU" in said[0]
+    else:
+        assert said == []
+    assert thread_count_warning("cuda", 8, {}) is None
+    m.check()
+
+
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs Linux affinity")
 def test_copy_cpus_pin_the_copy_threads_and_a_refused_set_is_an_error(make_vllm, monkeypatch):
     import hicache.integrations.vllm.worker.executor_choice as choice_module

@@ -14,11 +14,14 @@ joining the history as a client's does:
   comes from hicache's host tier (``cached_tokens`` in the usage, and the connector's
   own counters on ``/metrics``).
 
-Replies: identical in all three (float32; the contract in docs/vllm.md). The model also
-answers a plain question sensibly (a check on the conversion itself).
+Replies, under the contract in docs/vllm.md ("Which replies are identical, and to
+what"): in float32 identical in all three; in bfloat16 (the same servers again, in that
+dtype) hicache's identical to ``fits``' (both read the KV vLLM wrote), recomputing free
+to differ. The model also answers a plain question sensibly (a check on the conversion
+itself).
 
 Needs vLLM and the real model (skipped without, unless ``HICACHE_REQUIRE_VLLM=1`` /
-``HICACHE_REQUIRE_REAL_MODEL=1``); about two minutes on 2 cores, most of it the two
+``HICACHE_REQUIRE_REAL_MODEL=1``); about two minutes a dtype on 2 cores, most of it the two
 servers starting.
 """
 
@@ -41,7 +44,7 @@ BLOCK = 32
 TURNS = 3
 MAX_TOKENS = 48
 MAX_TURN_TOKENS = 160  # each ShareGPT message kept: short turns keep the test quick
-ARGS = ["--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK),
+ARGS = ["--enforce-eager", "--block-size", str(BLOCK),
         "--max-model-len", "2048", "--num-gpu-blocks-override", "96", "--max-num-seqs", "2"]
 # The same for both servers: one core kept off the worker (vLLM would otherwise reserve
 # it only for the server with a connector, where cores are to spare).
@@ -68,13 +71,19 @@ def chat() -> list[str]:
     return list(chats[0].human)
 
 
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def dtype(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def servers(model, tmp_path_factory):
-    root: Path = tmp_path_factory.mktemp("real-model")
+def servers(model, dtype, tmp_path_factory):
+    root: Path = tmp_path_factory.mktemp(f"real-model-{dtype}")
+    args = [*ARGS, "--dtype", dtype]
     started = {
-        "alone": Server(root, model, "alone", None, args=ARGS, env=ENV),
+        "alone": Server(root, model, "alone", None, args=args, env=ENV),
         "hicache": Server(root, model, "hicache",
-                          connector_config({"host_tokens": 256 * BLOCK}), args=ARGS, env=ENV),
+                          connector_config({"host_tokens": 256 * BLOCK}), args=args, env=ENV),
     }
     start_all(list(started.values()))
     try:
@@ -116,9 +125,13 @@ def runs(servers, chat):
     return out
 
 
-def test_replies_identical_to_vllm_with_everything_cached_and_to_recomputing(runs):
+def test_replies_identical_to_vllm_with_everything_cached_and_to_recomputing(runs, dtype):
     replies = {name: [t["reply"] for t in turns] for name, turns in runs.items()}
-    assert replies["hicache"] == replies["fits"] == replies["recompute"]
+    # hicache serves the KV vLLM wrote, bit for bit: the replies of vLLM reading it from
+    # its own cache. Recomputed history matches it exactly in float32 only.
+    assert replies["hicache"] == replies["fits"]
+    if dtype == "float32":
+        assert replies["fits"] == replies["recompute"]
     assert all(r.strip() for r in replies["fits"])
     assert [t["prompt"] for t in runs["hicache"]] == [t["prompt"] for t in runs["fits"]]
 

@@ -11,10 +11,18 @@ thread. With tensor parallelism those cores are shared out, one per rank
 (:func:`~hicache.integrations.vllm.common.tp.rank_copy_cpus`).
 
 This module only decides; the worker half builds the executor.
+
+A KV connector also changes how many threads vLLM's CPU worker computes on: unless
+``VLLM_CPU_NUM_OF_RESERVED_CPU`` is set, vLLM reserves one more core when one is
+configured (for the connector's threads), so vLLM alone and vLLM with hicache compute
+on different numbers of threads, and in reduced precision that alone changes greedy
+replies. :func:`thread_count_warning` says so at start-up (docs/vllm.md, "Which replies
+are identical, and to what").
 """
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 from hicache.integrations.vllm.common.config import ConnectorConfig
@@ -45,3 +53,21 @@ def choose_executor(config: ConnectorConfig, device_type: str,
     if not spare:
         return ExecutorChoice("sync", None, False)
     return ExecutorChoice("thread", frozenset(spare), True)
+
+
+RESERVED_CPU_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+
+
+def thread_count_warning(device_type: str, num_threads: int,
+                         environ: dict[str, str] | os._Environ[str] = os.environ) -> str | None:
+    """The start-up warning of a CPU worker computing on ``num_threads`` threads whose
+    count vLLM chose with a KV connector configured (``VLLM_CPU_NUM_OF_RESERVED_CPU``
+    unset); None on GPU or when the variable pins the count for both."""
+    if device_type != "cpu" or RESERVED_CPU_ENV in environ:
+        return None
+    return (f"hicache worker: vLLM computes on {num_threads} thread(s) here; with a KV "
+            f"connector configured its CPU backend keeps one more core off the worker than "
+            f"without ({RESERVED_CPU_ENV} unset), so vLLM alone may compute on another "
+            "number of threads, and in bfloat16 or float16 that alone changes some greedy "
+            f"replies; set {RESERVED_CPU_ENV} to the same value with and without hicache to "
+            "compare replies (docs/vllm.md, 'Which replies are identical, and to what')")

@@ -12,9 +12,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+
 from hicache.integrations.vllm.common.config import ConnectorConfig
 from hicache.integrations.vllm.common.tp import RankGroup
-from hicache.integrations.vllm.worker.executor_choice import choose_executor
+from hicache.integrations.vllm.worker.executor_choice import (
+    choose_executor,
+    thread_count_warning,
+)
 from hicache.integrations.vllm.worker.faults import ENV as FAULTS_ENV
 from hicache.integrations.vllm.worker.faults import FaultRates, FaultyBackend, FaultyCopier
 from hicache.integrations.vllm.worker.layout import BlockCopier, BlockLayout, BlockPool
@@ -41,6 +46,9 @@ def build_transfers(
     Raises ValueError when the CUDA executor is chosen for a layout it cannot copy.
     """
     pool = BlockPool(layout, host_pool.kv)
+    threads = thread_count_warning(layout.device.type, torch.get_num_threads())
+    if threads is not None and (rank_group is None or rank_group.rank == 0):
+        _log.warning(threads)
     executor, copy_cpus, detected = choose_executor(config, layout.device.type, rank_group)
     copier: LayerCopier | None = None
     if executor == "cuda":
