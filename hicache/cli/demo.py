@@ -27,6 +27,7 @@ import time
 import torch
 
 from hicache.cli.args import (
+    UsageError,
     add_json,
     add_metrics_port,
     nonneg_int,
@@ -68,7 +69,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                  "share (needs vLLM)")
     chat = sub.add_parser("chat", help=chat_help, description=chat_help)
     demo_chat.add_arguments(chat)
-    chat.set_defaults(_run=demo_chat.run)
     parser.add_argument("--preset", default="small", choices=PRESET_NAMES,
                         help="model shapes (default: small)")
     add_workload_arguments(parser, num_sessions=DEMO_SESSIONS, num_turns=DEMO_TURNS)
@@ -84,6 +84,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="draw TTFT per request for each configuration (needs matplotlib)")
     add_json(parser)
     add_metrics_port(parser)
+    # The plain demo's options, given before "chat", would be ignored by it: refused.
+    shared = {a.dest for a in chat._actions}  # the chat's own values win there
+    plain = {a.dest: a.default for a in parser._actions
+             if a.option_strings and a.dest not in shared}
+    chat.set_defaults(_run=lambda args: _run_chat(args, plain))
+
+
+def _run_chat(args: argparse.Namespace, plain: dict[str, object]) -> int:
+    from hicache.cli import demo_chat
+
+    given = sorted(dest for dest, default in plain.items() if getattr(args, dest) != default)
+    if given:
+        raise UsageError("expected the chat's options after 'chat' (--model, --turns, "
+                         "--max-tokens, --start-timeout, --json), got the plain demo's "
+                         + ", ".join("--" + d.replace("_", "-") for d in given))
+    return demo_chat.run(args)
 
 
 def plot_ttft(path: str, runs: dict[str, ConfigResult], title: str) -> None:

@@ -39,9 +39,25 @@ def test_plain_demo_still_runs_the_simulated_workload_and_chat_is_a_subcommand()
     args = cli.build_parser(["demo"]).parse_args(["demo", "--preset", "tiny", "--turns", "3"])
     assert args._run is demo.run and args.demo_command is None and args.num_turns == 3
     args = cli.build_parser(["demo"]).parse_args(["demo", "chat", "--turns", "3"])
-    assert args._run is demo_chat.run and args.demo_command == "chat"
+    assert args.demo_command == "chat"
     assert (args.model, args.turns, args.max_tokens, args.json) == ("smollm2", 3, 48, False)
     assert cli._prog(args) == "hicache demo chat"
+
+
+@pytest.mark.parametrize("before, named", [(["--preset", "tiny"], "--preset"),
+                                           (["--requests", "3", "--seed", "2"],
+                                            "--requests, --seed")])
+def test_the_plain_demos_options_before_chat_are_refused_not_ignored(capsys, monkeypatch,
+                                                                    before, named):
+    monkeypatch.setattr(demo_chat, "run", lambda args: pytest.fail("ran"))
+    err = error_of(capsys, ["demo", *before, "chat", "--turns", "3"])
+    assert err.strip().endswith(f"got the plain demo's {named}"), err
+
+
+def test_chat_options_alone_reach_the_chat(monkeypatch):
+    seen = []
+    monkeypatch.setattr(demo_chat, "run", lambda args: seen.append(args.turns) or 0)
+    assert cli.main(["demo", "chat", "--turns", "3", "--json"]) == 0 and seen == [3]
 
 
 @pytest.mark.parametrize("turns", ["1", "6"])
