@@ -7,8 +7,9 @@ once the copies writing into it landed; a third-tier page is read into scratch m
 (this rank's salted key), at most ``storage_timeout_s``. A comparison that cannot be
 made (the block holds wrong KV the worker knows of, the page is bad, quarantined or
 being prefetched into, the read failed) is :data:`~..common.audit.SKIPPED`, never a
-mismatch. Pages compare within the KV dtype's tolerance (:func:`~..common.audit.tolerance`),
-one element out of it is a mismatch.
+mismatch. Pages compare plane by plane (one layer's K/V of the block) within the KV
+dtype's tolerance (:func:`~..common.audit.tolerance`, :func:`planes_match`); one plane
+out of it is a mismatch.
 """
 
 from __future__ import annotations
@@ -32,6 +33,25 @@ if TYPE_CHECKING:
     from hicache.integrations.vllm.worker.half import WorkerHalf
 
 _log = logging.getLogger("hicache.integrations.vllm.worker")
+
+
+def planes_match(computed: torch.Tensor, stored: torch.Tensor, num_planes: int,
+                 rtol: float) -> bool:
+    """Whether every one of the ``num_planes`` equal planes of ``computed`` is within
+    ``rtol`` of ``stored``'s: ``||c - s|| <= rtol * max(||c||, ||s||)`` over the finite
+    elements, and the non-finite ones equal, in the same places."""
+    c = computed.reshape(num_planes, -1).double()
+    s = stored.reshape(num_planes, -1).double()
+    finite = torch.isfinite(c)
+    if not torch.equal(finite, torch.isfinite(s)):
+        return False
+    if not bool(finite.all()):
+        odd = ~finite
+        if not bool(torch.isclose(c[odd], s[odd], equal_nan=True).all()):
+            return False
+        c, s = c.where(finite, 0.0), s.where(finite, 0.0)
+    scale = torch.maximum(c.norm(dim=1), s.norm(dim=1))
+    return bool(((c - s).norm(dim=1) <= rtol * scale).all())
 
 
 class WorkerAudit:
@@ -85,10 +105,8 @@ class WorkerAudit:
     def _same(self, computed: torch.Tensor, page: torch.Tensor) -> bool:
         if self.tolerance is None:
             return torch.equal(computed, page)
-        a = computed.view(self.dtype).float()
-        b = page.view(self.dtype).float()
-        atol, rtol = self.tolerance
-        return bool(torch.isclose(a, b, rtol=rtol, atol=atol, equal_nan=True).all())
+        return planes_match(computed.view(self.dtype), page.view(self.dtype),
+                            len(self._planes), self.tolerance)
 
     def _read_stored(self, ops: list[AuditOp]) -> dict[int, torch.Tensor]:
         """The third-tier pages of ``ops`` (this rank's shard), read into scratch memory:
