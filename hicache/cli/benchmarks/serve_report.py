@@ -31,6 +31,7 @@ This module knows nothing of HTTP or vLLM.
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Sequence
 from typing import TextIO
 
@@ -295,7 +296,7 @@ def plot_sweep(sweeps: dict[str, dict[str, dict]], path: str, title: str) -> Non
         ax.grid(alpha=0.3)
     ax1.set_yscale("log")
     ax1.legend()
-    fig.suptitle(title)
+    fig.suptitle(textwrap.fill(title, 110), fontsize="medium")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

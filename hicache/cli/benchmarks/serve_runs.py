@@ -297,7 +297,8 @@ def report(args: argparse.Namespace, results: dict, header: dict, out: TextIO) -
     idle = _idle_summary(results.get("idle_cpu") or {}, getattr(args, "pause_idle", False), out)
     no_hit = _no_hit_summary(results["no_hit"], out)
     if args.plot:
-        plot_sweep(sweep, args.plot, f"{header['model']}: {header['workload']}")
+        model = os.path.basename(header["model"].rstrip("/")) or header["model"]
+        plot_sweep(sweep, args.plot, f"{model}: {header['workload']}")
         print(f"plot: {args.plot}", file=out)
     return {"bench": "serve", **header, "rates": results["rates"],
             "configs": {n: {"unloaded": unloaded[n], "sweep": sweep[n]} for n in sweep},
