@@ -730,9 +730,10 @@ def test_tier_tokens_are_the_counters_differences():
                           'vllm:prompt_tokens_by_source_total{engine="0",model_name="m",'
                           'source="external_kv_transfer"} 96.0\n'
                           'vllm:hicache_hit_tokens_total{model_name="m",tier="host"} 128.0\n'
-                          'vllm:hicache_hit_tokens_total{model_name="m",tier="storage"} 32.0\n')
+                          'vllm:hicache_hit_tokens_total{model_name="m",tier="storage"} 32.0\n'
+                          'vllm:num_preemptions_total{engine="0",model_name="m"} 3.0\n')
     assert tier_tokens(before, after) == {"vllm_prefix": 32, "external": 96, "computed": 50,
-                                          "host": 64, "third_tier": 32}
+                                          "host": 64, "third_tier": 32, "preemptions": 3}
 
 
 def test_audit_counts_are_the_counters_differences_and_the_report_sums_them(capsys):

@@ -158,6 +158,9 @@ TIER_SERIES = {
     "computed": _BY_SOURCE.format("local_compute"),
     "host": _HIT.format("host"),
     "third_tier": _HIT.format("storage"),
+    # Not tokens: requests vLLM preempted for KV blocks in the run (a cache too small for
+    # what is in flight; vLLM recomputes or reloads them).
+    "preemptions": "vllm:num_preemptions_total",
 }
 
 
@@ -166,7 +169,8 @@ def tier_tokens(before: dict[str, float], after: dict[str, float]) -> dict[str, 
     :func:`~hicache.cli.benchmarks.serve_server.parse_metrics` keys them): ``vllm_prefix``
     (vLLM's own prefix cache), ``host`` and ``third_tier`` (hicache's hits, as the
     connector planned them), ``external`` (what vLLM counted loaded from outside: the
-    two before), ``computed``."""
+    two before), ``computed``; and ``preemptions``, requests vLLM preempted for KV
+    blocks."""
     return {name: int(round(after.get(key, 0.0) - before.get(key, 0.0)))
             for name, key in TIER_SERIES.items()}
 

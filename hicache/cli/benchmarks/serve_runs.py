@@ -333,9 +333,10 @@ def _history_table(history: dict[str, dict[str, dict]], tiers: dict[str, dict[st
     print("\nlater turns' history (previous prompt + reply): reusable = the part this prompt "
           "starts with, reused = of that, reported cached; retok = history the chat template "
           "re-rendered differently\nprompt tokens by tier (from /metrics): vLLM's prefix "
-          "cache, hicache's host tier and third tier, computed", file=out)
+          "cache, hicache's host tier and third tier, computed; requests vLLM preempted for KV "
+          "blocks", file=out)
     head = (f"{'config':<18} {'run':>8} {'history':>8} {'reusable':>8} {'reused':>7} "
-            f"{'retok':>6} {'vllm':>8} {'host':>8} {'3rd':>7} {'computed':>8}")
+            f"{'retok':>6} {'vllm':>8} {'host':>8} {'3rd':>7} {'computed':>8} {'preempt':>7}")
     print(head, file=out)
     print("-" * len(head), file=out)
     for name, by_run in history.items():
@@ -346,7 +347,8 @@ def _history_table(history: dict[str, dict[str, dict]], tiers: dict[str, dict[st
                      else f"{h['retokenization_loss_share']:.1%}")
             print(f"{name:<18} {label:>8} {h['history_tokens']:>8,} {h['reusable_tokens']:>8,} "
                   f"{share:>7} {retok:>6} {t.get('vllm_prefix', 0):>8,} {t.get('host', 0):>8,} "
-                  f"{t.get('third_tier', 0):>7,} {t.get('computed', 0):>8,}", file=out)
+                  f"{t.get('third_tier', 0):>7,} {t.get('computed', 0):>8,} "
+                  f"{t.get('preemptions', 0):>7,}", file=out)
 
 
 def _audit_summary(audit: dict[str, dict[str, dict[str, int]]], out: TextIO) -> dict:
