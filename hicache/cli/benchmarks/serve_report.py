@@ -171,8 +171,15 @@ def tier_tokens(before: dict[str, float], after: dict[str, float]) -> dict[str, 
     connector planned them), ``external`` (what vLLM counted loaded from outside: the
     two before), ``computed``; and ``preemptions``, requests vLLM preempted for KV
     blocks."""
+    return counter_deltas(before, after, TIER_SERIES)
+
+
+def counter_deltas(before: dict[str, float], after: dict[str, float],
+                   series: dict[str, str]) -> dict[str, int]:
+    """Each of ``series`` (name -> ``/metrics`` key) as its counter's rise from ``before``
+    to ``after`` (a series absent counts 0)."""
     return {name: int(round(after.get(key, 0.0) - before.get(key, 0.0)))
-            for name, key in TIER_SERIES.items()}
+            for name, key in series.items()}
 
 
 # The connector's run-time KV audit on /metrics (docs/vllm.md, "Run-time KV audit").
@@ -188,8 +195,7 @@ AUDIT_SERIES = {
 def audit_counts(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
     """A run's audit counters (``/metrics`` around it): requests audited, the hit tokens
     they computed instead (the audit's cost), pages compared, found wrong, skipped."""
-    return {name: int(round(after.get(key, 0.0) - before.get(key, 0.0)))
-            for name, key in AUDIT_SERIES.items()}
+    return counter_deltas(before, after, AUDIT_SERIES)
 
 
 def loaded_rates(sweep: dict[str, dict], unloaded_ttft_p90_ms: float,

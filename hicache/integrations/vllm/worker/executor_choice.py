@@ -23,6 +23,7 @@ are identical, and to what").
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import NamedTuple
 
 from hicache.integrations.vllm.common.config import ConnectorConfig
@@ -59,7 +60,7 @@ RESERVED_CPU_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 
 
 def thread_count_warning(device_type: str, num_threads: int,
-                         environ: dict[str, str] | os._Environ[str] = os.environ) -> str | None:
+                         environ: Mapping[str, str] = os.environ) -> str | None:
     """The start-up warning of a CPU worker computing on ``num_threads`` threads whose
     count vLLM chose with a KV connector configured (``VLLM_CPU_NUM_OF_RESERVED_CPU``
     unset); None on GPU or when the variable pins the count for both."""
